@@ -1,0 +1,41 @@
+# switchyard: see README.md.
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+GO      ?= go
+CONFIG  ?= config.example.toml
+PREFIX  ?= /usr/local
+STATICCHECK_VERSION ?= 2025.1.1
+
+SHELL   := /bin/bash
+export CGO_ENABLED = 0
+
+.PHONY: build run test lint bench clean ensure-rabbitmq
+
+build:
+	$(GO) build -trimpath -ldflags "-s -w -X main.version=$(VERSION)" -o switchyard .
+
+# The daemon with the example config, a local database file and the local RabbitMQ.
+run: build ensure-rabbitmq
+	./switchyard serve -config $(CONFIG)
+
+# -race needs cgo; the tests build their own binary where they need one.
+test: ensure-rabbitmq
+	CGO_ENABLED=1 $(GO) test -race -count=1 -timeout 15m ./...
+
+lint:
+	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+	$(GO) run honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION) ./...
+
+bench: ensure-rabbitmq
+	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./...
+
+clean:
+	rm -f switchyard
+
+# RabbitMQ runs before the session and before CI on this kind of machine; start
+# it if it has stopped.
+ensure-rabbitmq:
+	@if ! (echo > /dev/tcp/127.0.0.1/5672) 2>/dev/null; then \
+		echo "starting RabbitMQ"; rabbitmq-server -detached; \
+		for i in $$(seq 1 60); do (echo > /dev/tcp/127.0.0.1/5672) 2>/dev/null && break; sleep 1; done; \
+	fi

@@ -1,0 +1,157 @@
+package main
+
+import (
+	"context"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/julienschmidt/httprouter"
+)
+
+// API is switchyard's HTTP surface: the webhook, the broker admin API and the
+// health endpoints.
+type API struct {
+	cfg     *Config
+	store   *Store
+	brokers *Brokers
+	queues  *Queues
+	webhook *Webhook
+	log     *slog.Logger
+}
+
+// Handler returns the router with every route.
+func (a *API) Handler() http.Handler {
+	r := httprouter.New()
+	r.Handler(http.MethodPost, "/webhooks/github", a.webhook)
+
+	r.GET("/api/v1/broker", a.operator(a.getBroker))
+	r.POST("/api/v1/broker/switch/:index", a.operator(a.switchBroker))
+	r.POST("/api/v1/broker/pending-switch", a.producer(a.notifySwitch))
+	r.DELETE("/api/v1/broker/pending-switch", a.operator(a.cancelSwitch))
+
+	r.GET("/healthz", func(w http.ResponseWriter, _ *http.Request, _ httprouter.Params) {
+		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+	})
+	r.GET("/readyz", a.ready)
+
+	r.NotFound = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusNotFound, map[string]string{"error": "not found"})
+	})
+	r.MethodNotAllowed = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusMethodNotAllowed, map[string]string{"error": "method not allowed"})
+	})
+	r.PanicHandler = func(w http.ResponseWriter, r *http.Request, v any) {
+		a.log.Error("panic in handler", "path", r.URL.Path, "panic", v)
+		writeJSON(w, http.StatusInternalServerError, map[string]string{"error": "internal error"})
+	}
+	return r
+}
+
+// Errors of the admin API that map to statuses.
+var (
+	ErrUnauthorized = errors.New("missing or invalid bearer token")
+	ErrForbidden    = errors.New("this token may not use this endpoint")
+)
+
+// statusOf maps an error to its HTTP status, in one place.
+func statusOf(err error) int {
+	switch {
+	case errors.Is(err, ErrBadSignature), errors.Is(err, ErrUnauthorized):
+		return http.StatusUnauthorized
+	case errors.Is(err, ErrForbidden):
+		return http.StatusForbidden
+	case errors.Is(err, ErrBadRequest):
+		return http.StatusBadRequest
+	case errors.Is(err, ErrTooLarge):
+		return http.StatusRequestEntityTooLarge
+	case errors.Is(err, ErrUnknownBroker):
+		return http.StatusNotFound
+	default:
+		return http.StatusInternalServerError
+	}
+}
+
+// writeError answers {"error": "..."} with the error's status; only server
+// errors are logged, and their text stays in the log.
+func writeError(w http.ResponseWriter, r *http.Request, log *slog.Logger, err error) {
+	status := statusOf(err)
+	msg := err.Error()
+	if status >= 500 {
+		log.Error("request failed", "method", r.Method, "path", r.URL.Path, "error", err)
+		msg = "internal error"
+	}
+	writeJSON(w, status, map[string]string{"error": msg})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// bearer reads the Authorization header's token.
+func bearer(r *http.Request) string {
+	v, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	if !ok {
+		return ""
+	}
+	return strings.TrimSpace(v)
+}
+
+func tokenIs(got, want string) bool {
+	return want != "" && subtle.ConstantTimeCompare([]byte(got), []byte(want)) == 1
+}
+
+// operator lets only the operator token in; the producer token gets 403.
+func (a *API) operator(h httprouter.Handle) httprouter.Handle {
+	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+		tok := bearer(r)
+		switch {
+		case tokenIs(tok, a.cfg.API.OperatorToken):
+			h(w, r, ps)
+		case tokenIs(tok, a.cfg.API.ProducerToken):
+			writeError(w, r, a.log, ErrForbidden)
+		default:
+			writeError(w, r, a.log, ErrUnauthorized)
+		}
+	}
+}
+
+// producer lets the producer token and the operator token in.
+func (a *API) producer(h httprouter.Handle) httprouter.Handle {
+	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+		tok := bearer(r)
+		if tokenIs(tok, a.cfg.API.ProducerToken) || tokenIs(tok, a.cfg.API.OperatorToken) {
+			h(w, r, ps)
+			return
+		}
+		writeError(w, r, a.log, ErrUnauthorized)
+	}
+}
+
+// ready answers 200 when the database takes writes and the active broker is
+// reachable, else 503 naming what is not.
+func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
+	defer cancel()
+	problems := map[string]string{}
+	if err := a.store.Writable(ctx); err != nil {
+		problems["database"] = err.Error()
+	}
+	st := a.brokers.Cached()
+	if b, err := a.brokers.Get(st.Active); err != nil {
+		problems["broker"] = err.Error()
+	} else if err := a.queues.Reachable(ctx, b); err != nil {
+		problems["broker"] = err.Error()
+	}
+	if len(problems) > 0 {
+		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "not ready", "problems": problems})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
+}

@@ -1,0 +1,160 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/julienschmidt/httprouter"
+)
+
+// maxAdminBody caps the admin API's request bodies.
+const maxAdminBody = 1 << 20
+
+// brokerRef names a broker in API answers.
+type brokerRef struct {
+	Index int    `json:"index"`
+	Host  string `json:"host"`
+	Vhost string `json:"vhost"`
+}
+
+type brokerEntry struct {
+	Index   int    `json:"index"`
+	Host    string `json:"host"`
+	Port    int    `json:"port"`
+	Vhost   string `json:"vhost"`
+	Active  bool   `json:"active"`
+	Pending bool   `json:"pending"`
+}
+
+type pendingJSON struct {
+	brokerRef
+	SwitchedAt time.Time `json:"switched_at"`
+	RecordedAt time.Time `json:"recorded_at"`
+}
+
+// BrokerStatus is the answer of GET /api/v1/broker (SPEC §7).
+type BrokerStatus struct {
+	Active        brokerRef     `json:"active"`
+	Brokers       []brokerEntry `json:"brokers"`
+	PendingSwitch *pendingJSON  `json:"pending_switch"`
+	LastSwitch    *LastSwitch   `json:"last_switch"`
+}
+
+func (a *API) status(st SwitchState) BrokerStatus {
+	var out BrokerStatus
+	for _, b := range a.brokers.List() {
+		pending := st.Pending != nil && st.Pending.Index == b.Index
+		out.Brokers = append(out.Brokers, brokerEntry{Index: b.Index, Host: b.Host, Port: b.Port, Vhost: b.Vhost,
+			Active: b.Index == st.Active, Pending: pending})
+		if b.Index == st.Active {
+			out.Active = brokerRef{Index: b.Index, Host: b.Host, Vhost: b.Vhost}
+		}
+	}
+	if p := st.Pending; p != nil {
+		out.PendingSwitch = &pendingJSON{brokerRef{p.Index, p.Host, p.Vhost}, p.SwitchedAt.UTC(), p.RecordedAt.UTC()}
+	}
+	out.LastSwitch = st.Last
+	return out
+}
+
+func (a *API) getBroker(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	st, err := a.brokers.State(r.Context())
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, a.status(st))
+}
+
+func (a *API) switchBroker(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+	index, err := strconv.Atoi(ps.ByName("index"))
+	if err != nil {
+		writeError(w, r, a.log, fmt.Errorf("%w: broker index %q is not an integer", ErrBadRequest, ps.ByName("index")))
+		return
+	}
+	st, err := a.brokers.SwitchTo(r.Context(), index)
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	a.log.Info("operator switched broker", "to", index)
+	writeJSON(w, http.StatusOK, a.status(st))
+}
+
+// switchNotification is the producer's POST body.
+type switchNotification struct {
+	Host       *string `json:"host"`
+	Vhost      *string `json:"vhost"`
+	SwitchedAt *string `json:"switchedAt"`
+}
+
+func decodeNotification(r io.Reader) (host, vhost string, at time.Time, err error) {
+	var n switchNotification
+	dec := json.NewDecoder(r)
+	if err := dec.Decode(&n); err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return "", "", at, fmt.Errorf("%w: over %d bytes", ErrTooLarge, maxAdminBody)
+		}
+		return "", "", at, fmt.Errorf("%w: malformed JSON: %v", ErrBadRequest, err)
+	}
+	if dec.More() {
+		return "", "", at, fmt.Errorf("%w: trailing data after the JSON object", ErrBadRequest)
+	}
+	if n.Host == nil || *n.Host == "" || n.Vhost == nil || n.SwitchedAt == nil {
+		return "", "", at, fmt.Errorf("%w: host, vhost and switchedAt are required", ErrBadRequest)
+	}
+	at, err = time.Parse(time.RFC3339, *n.SwitchedAt)
+	if err != nil {
+		return "", "", at, fmt.Errorf("%w: switchedAt is not an RFC 3339 time: %q", ErrBadRequest, *n.SwitchedAt)
+	}
+	return *n.Host, *n.Vhost, at, nil
+}
+
+// notifySwitch takes the producer's "I now publish to host/vhost".
+func (a *API) notifySwitch(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	host, vhost, at, err := decodeNotification(http.MaxBytesReader(w, r.Body, maxAdminBody))
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	result, st, err := a.brokers.Notify(r.Context(), host, vhost, at)
+	if errors.Is(err, ErrStale) {
+		a.log.Info("stale switch notification ignored", "host", host, "vhost", vhost, "switched_at", at)
+		writeJSON(w, http.StatusOK, map[string]string{"status": "ignored", "reason": "stale"})
+		return
+	}
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	a.log.Info("switch notification accepted", "host", host, "vhost", vhost, "switched_at", at, "result", result)
+	code := http.StatusOK
+	if result == "pending" {
+		code = http.StatusAccepted
+	}
+	writeJSON(w, code, struct {
+		Status string `json:"status"`
+		BrokerStatus
+	}{result, a.status(st)})
+}
+
+func (a *API) cancelSwitch(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	had, st, err := a.brokers.CancelPending(r.Context())
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	if had {
+		a.log.Info("operator cancelled the pending switch")
+	}
+	writeJSON(w, http.StatusOK, struct {
+		Cancelled bool `json:"cancelled"`
+		BrokerStatus
+	}{had, a.status(st)})
+}

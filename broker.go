@@ -1,0 +1,394 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Sentinel errors of the broker state machine; the API maps them to statuses.
+var (
+	ErrUnknownBroker = errors.New("no configured broker matches")
+	ErrStale         = errors.New("notification is not newer than the last accepted one")
+)
+
+// Broker is one [[brokers]] entry. Its index is its position in the file.
+type Broker struct {
+	Index  int
+	URL    string // with credentials: never log it, use String
+	Scheme string
+	Host   string
+	Port   int
+	Vhost  string // URL-decoded; "/" for the default vhost
+}
+
+// ParseBroker reads a broker URL the way amqp091-go dials it: the vhost is the
+// URL-decoded path, and an empty path means "/".
+func ParseBroker(index int, raw string) (*Broker, error) {
+	if raw == "" {
+		return nil, errors.New("missing")
+	}
+	u, err := amqp.ParseURI(raw)
+	if err != nil {
+		// ParseURI's message can quote the URL; keep the password out of it.
+		return nil, errors.New("not an amqp:// or amqps:// URL")
+	}
+	if u.Host == "" {
+		return nil, errors.New("missing host")
+	}
+	return &Broker{Index: index, URL: raw, Scheme: u.Scheme, Host: u.Host, Port: u.Port, Vhost: normalizeVhost(u.Vhost)}, nil
+}
+
+// normalizeVhost makes "" and "/" the same default vhost.
+func normalizeVhost(v string) string {
+	if v == "" {
+		return "/"
+	}
+	return v
+}
+
+// String names the broker without its credentials.
+func (b *Broker) String() string {
+	return fmt.Sprintf("#%d %s:%d vhost %s", b.Index, b.Host, b.Port, b.Vhost)
+}
+
+// PendingSwitch is a producer's notification that has not completed yet. It is
+// stored by endpoint, not index, so a reordered [[brokers]] list cannot point
+// it at the wrong broker.
+type PendingSwitch struct {
+	Index      int       `json:"index"`
+	Host       string    `json:"host"`
+	Vhost      string    `json:"vhost"`
+	SwitchedAt time.Time `json:"switched_at"`
+	RecordedAt time.Time `json:"recorded_at"`
+}
+
+// LastSwitch records the last completed move, for GET /api/v1/broker only.
+type LastSwitch struct {
+	From        int       `json:"from"`
+	To          int       `json:"to"`
+	Reason      string    `json:"reason"` // "drained" or "operator"
+	SwitchedAt  time.Time `json:"switched_at"`
+	CompletedAt time.Time `json:"completed_at"`
+}
+
+// SwitchState is the broker state machine as stored in settings.
+type SwitchState struct {
+	Active    int
+	Pending   *PendingSwitch
+	Last      *LastSwitch
+	Watermark time.Time
+}
+
+// Settings keys of the state machine (SPEC §8).
+const (
+	keyActiveIndex   = "broker.active_index"
+	keyPendingSwitch = "broker.pending_switch"
+	keyLastSwitch    = "broker.last_switch"
+	keyWatermark     = "broker.switch_watermark"
+)
+
+// Brokers is the configured list plus the active / pending / last switch state
+// machine kept in settings. Every change is one transaction, and wakes the
+// workers so that they re-read the state at once.
+type Brokers struct {
+	list  []*Broker
+	store *Store
+	log   *slog.Logger
+
+	mu      sync.Mutex
+	changed chan struct{} // closed, and replaced, on every change
+	cached  SwitchState   // the state after the last read or change
+}
+
+// NewBrokers parses the configured brokers and reads the stored state.
+func NewBrokers(ctx context.Context, cfgs []BrokerConfig, store *Store, log *slog.Logger) (*Brokers, error) {
+	bs := &Brokers{store: store, log: log, changed: make(chan struct{})}
+	for i, c := range cfgs {
+		b, err := ParseBroker(i, c.URL)
+		if err != nil {
+			return nil, fmt.Errorf("brokers[%d].url: %w", i, err)
+		}
+		bs.list = append(bs.list, b)
+	}
+	if _, err := bs.State(ctx); err != nil {
+		return nil, err
+	}
+	return bs, nil
+}
+
+// List returns the configured brokers in order.
+func (bs *Brokers) List() []*Broker { return bs.list }
+
+// Get returns the broker at index i, or ErrUnknownBroker.
+func (bs *Brokers) Get(i int) (*Broker, error) {
+	if i < 0 || i >= len(bs.list) {
+		return nil, fmt.Errorf("%w: index %d of %d", ErrUnknownBroker, i, len(bs.list))
+	}
+	return bs.list[i], nil
+}
+
+// Match finds the broker with this endpoint: host case-insensitive, vhost after
+// URL decoding, "" and "/" alike. Never by index: the producer's list and ours
+// need not be in the same order.
+func (bs *Brokers) Match(host, vhost string) (*Broker, error) {
+	vhost = normalizeVhost(vhost)
+	for _, b := range bs.list {
+		if strings.EqualFold(b.Host, host) && b.Vhost == vhost {
+			return b, nil
+		}
+	}
+	return nil, fmt.Errorf("%w: host %q vhost %q", ErrUnknownBroker, host, vhost)
+}
+
+// Watch returns a channel closed at the next change of state. Take it before
+// reading the state, so that no change falls between the two.
+func (bs *Brokers) Watch() <-chan struct{} {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	return bs.changed
+}
+
+// Cached returns the state as of the last read or change, without a query.
+// The webhook endpoint routes by it: every change goes through this process.
+func (bs *Brokers) Cached() SwitchState {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	return bs.cached
+}
+
+// publish records a committed state and wakes everyone watching.
+func (bs *Brokers) publish(st SwitchState) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	bs.cached = st
+	close(bs.changed)
+	bs.changed = make(chan struct{})
+}
+
+// State reads the state machine from the database.
+func (bs *Brokers) State(ctx context.Context) (SwitchState, error) {
+	st, err := bs.read(ctx, bs.store.r)
+	if err != nil {
+		return st, err
+	}
+	bs.mu.Lock()
+	bs.cached = st
+	bs.mu.Unlock()
+	return st, nil
+}
+
+type rowQuerier interface {
+	QueryRowContext(context.Context, string, ...any) *sql.Row
+}
+
+// read decodes the four settings. A stored pending target that is no longer
+// configured reads as none; an active index past the end reads as 0.
+func (bs *Brokers) read(ctx context.Context, q rowQuerier) (SwitchState, error) {
+	var st SwitchState
+	vals := map[string]string{}
+	for _, k := range []string{keyActiveIndex, keyPendingSwitch, keyLastSwitch, keyWatermark} {
+		v, err := getSetting(ctx, q, k)
+		if err != nil {
+			return st, err
+		}
+		vals[k] = v
+	}
+	if v := vals[keyActiveIndex]; v != "" {
+		i, err := strconv.Atoi(v)
+		if err != nil || i < 0 || i >= len(bs.list) {
+			bs.log.Warn("stored active broker is not configured, using broker 0", "broker.active_index", v)
+			i = 0
+		}
+		st.Active = i
+	}
+	if v := vals[keyPendingSwitch]; v != "" {
+		var p PendingSwitch
+		if err := json.Unmarshal([]byte(v), &p); err != nil {
+			bs.log.Warn("stored pending switch is unreadable, ignoring it", "error", err)
+		} else if b, err := bs.Match(p.Host, p.Vhost); err != nil {
+			bs.log.Warn("stored pending switch target is not configured, ignoring it", "host", p.Host, "vhost", p.Vhost)
+		} else {
+			p.Index = b.Index
+			st.Pending = &p
+		}
+	}
+	if v := vals[keyLastSwitch]; v != "" {
+		var l LastSwitch
+		if err := json.Unmarshal([]byte(v), &l); err == nil {
+			st.Last = &l
+		}
+	}
+	if v := vals[keyWatermark]; v != "" {
+		if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
+			st.Watermark = t
+		}
+	}
+	return st, nil
+}
+
+// change runs fn over the current state inside one write transaction, then
+// publishes the result. fn returns the new state and whether it changed.
+func (bs *Brokers) change(ctx context.Context, fn func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error)) (SwitchState, error) {
+	var out SwitchState
+	var changed bool
+	err := bs.store.write(ctx, func(tx *sql.Tx) error {
+		st, err := bs.read(ctx, tx)
+		if err != nil {
+			return err
+		}
+		out, changed, err = fn(tx, st, time.Now().UTC())
+		return err
+	})
+	if err != nil {
+		return out, err
+	}
+	if changed {
+		bs.publish(out)
+	}
+	return out, nil
+}
+
+func writeJSONSetting(ctx context.Context, tx *sql.Tx, key string, v any, now time.Time) error {
+	s := ""
+	if v != nil {
+		b, err := json.Marshal(v)
+		if err != nil {
+			return err
+		}
+		s = string(b)
+	}
+	return setSetting(ctx, tx, key, s, now)
+}
+
+// SwitchTo is the operator's switch: it moves now and drops any Pending Switch.
+// The watermark stays, so a late copy of an old notification cannot undo it.
+func (bs *Brokers) SwitchTo(ctx context.Context, index int) (SwitchState, error) {
+	if _, err := bs.Get(index); err != nil {
+		return SwitchState{}, err
+	}
+	return bs.change(ctx, func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
+		last := &LastSwitch{From: st.Active, To: index, Reason: "operator", SwitchedAt: now, CompletedAt: now}
+		if err := setSetting(ctx, tx, keyActiveIndex, strconv.Itoa(index), now); err != nil {
+			return st, false, err
+		}
+		if err := setSetting(ctx, tx, keyPendingSwitch, "", now); err != nil {
+			return st, false, err
+		}
+		if err := writeJSONSetting(ctx, tx, keyLastSwitch, last, now); err != nil {
+			return st, false, err
+		}
+		st.Active, st.Pending, st.Last = index, nil, last
+		return st, true, nil
+	})
+}
+
+// Notify takes the producer's word that it now publishes to host/vhost as of
+// switchedAt. It returns "pending" when a Pending Switch was recorded, "active"
+// when the target is already the active broker (any Pending Switch cleared), or
+// ErrStale when switchedAt is not newer than the watermark, changing nothing.
+func (bs *Brokers) Notify(ctx context.Context, host, vhost string, switchedAt time.Time) (string, SwitchState, error) {
+	target, err := bs.Match(host, vhost)
+	if err != nil {
+		return "", SwitchState{}, err
+	}
+	var result string
+	st, err := bs.change(ctx, func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
+		if !switchedAt.After(st.Watermark) {
+			return st, false, ErrStale
+		}
+		if err := setSetting(ctx, tx, keyWatermark, formatTime(switchedAt), now); err != nil {
+			return st, false, err
+		}
+		st.Watermark = switchedAt
+		if target.Index == st.Active {
+			result = "active"
+			st.Pending = nil
+			return st, true, setSetting(ctx, tx, keyPendingSwitch, "", now)
+		}
+		result = "pending"
+		st.Pending = &PendingSwitch{Index: target.Index, Host: target.Host, Vhost: target.Vhost,
+			SwitchedAt: switchedAt.UTC(), RecordedAt: now}
+		return st, true, writeJSONSetting(ctx, tx, keyPendingSwitch, st.Pending, now)
+	})
+	return result, st, err
+}
+
+// CancelPending drops the Pending Switch without moving. It reports whether
+// there was one.
+func (bs *Brokers) CancelPending(ctx context.Context) (bool, SwitchState, error) {
+	var had bool
+	st, err := bs.change(ctx, func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
+		if st.Pending == nil {
+			return st, false, nil
+		}
+		had = true
+		st.Pending = nil
+		return st, true, setSetting(ctx, tx, keyPendingSwitch, "", now)
+	})
+	return had, st, err
+}
+
+// CompleteIfDrained flips to the Pending Switch's target when drained reports
+// the active broker empty. The check runs outside the transaction (it talks to
+// the broker); the flip re-reads the state inside it and happens only if the
+// same Pending Switch is still there on the same active broker, so workers
+// checking at once produce one flip and one last_switch.
+func (bs *Brokers) CompleteIfDrained(ctx context.Context, drained func(ctx context.Context, b *Broker) (bool, error)) (bool, error) {
+	st, err := bs.State(ctx)
+	if err != nil || st.Pending == nil {
+		return false, err
+	}
+	active, err := bs.Get(st.Active)
+	if err != nil {
+		return false, err
+	}
+	ok, err := drained(ctx, active)
+	if err != nil || !ok {
+		return false, err
+	}
+	flipped := false
+	_, err = bs.change(ctx, func(tx *sql.Tx, cur SwitchState, now time.Time) (SwitchState, bool, error) {
+		if cur.Pending == nil || cur.Active != st.Active || cur.Pending.Index != st.Pending.Index ||
+			!cur.Pending.SwitchedAt.Equal(st.Pending.SwitchedAt) {
+			return cur, false, nil
+		}
+		last := &LastSwitch{From: cur.Active, To: cur.Pending.Index, Reason: "drained",
+			SwitchedAt: cur.Pending.SwitchedAt, CompletedAt: now}
+		if err := setSetting(ctx, tx, keyActiveIndex, strconv.Itoa(last.To), now); err != nil {
+			return cur, false, err
+		}
+		if err := setSetting(ctx, tx, keyPendingSwitch, "", now); err != nil {
+			return cur, false, err
+		}
+		if err := writeJSONSetting(ctx, tx, keyLastSwitch, last, now); err != nil {
+			return cur, false, err
+		}
+		cur.Active, cur.Pending, cur.Last = last.To, nil, last
+		flipped = true
+		return cur, true, nil
+	})
+	if flipped {
+		bs.log.Info("pending switch completed", "from", st.Active, "to", st.Pending.Index)
+	}
+	return flipped, err
+}
+
+// PublishTarget is where the webhook endpoint publishes: the Pending Switch's
+// target while one exists (where the producer publishes and the workers read
+// next), else the active broker.
+func (st SwitchState) PublishTarget() int {
+	if st.Pending != nil {
+		return st.Pending.Index
+	}
+	return st.Active
+}

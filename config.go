@@ -1,0 +1,431 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"net/url"
+	"os"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/BurntSushi/toml"
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Config is the whole of switchyard's configuration: one TOML file, decoded over
+// DefaultConfig. Its keys are the contract of SPEC §3.
+type Config struct {
+	Server       ServerConfig       `toml:"server"`
+	Database     DatabaseConfig     `toml:"database"`
+	API          APIConfig          `toml:"api"`
+	GitHub       GitHubConfig       `toml:"github"`
+	Queue        QueueConfig        `toml:"queue"`
+	Workers      WorkersConfig      `toml:"workers"`
+	Brokers      []BrokerConfig     `toml:"brokers"`
+	Alerts       AlertsConfig       `toml:"alerts"`
+	HealthChecks HealthChecksConfig `toml:"healthchecks"`
+	Log          LogConfig          `toml:"log"`
+}
+
+// ServerConfig is the HTTP listener.
+type ServerConfig struct {
+	Listen         string   `toml:"listen"`
+	TrustedProxies []string `toml:"trusted_proxies"`
+	// ShutdownTimeout bounds the whole shutdown after SIGTERM; systemd's
+	// TimeoutStopSec must be longer.
+	ShutdownTimeout time.Duration `toml:"shutdown_timeout"`
+}
+
+// DatabaseConfig is the SQLite file.
+type DatabaseConfig struct {
+	Path        string        `toml:"path"`
+	Synchronous string        `toml:"synchronous"`
+	BusyTimeout time.Duration `toml:"busy_timeout"`
+}
+
+// APIConfig holds the bearer tokens of the broker admin API.
+type APIConfig struct {
+	OperatorToken string `toml:"operator_token"`
+	ProducerToken string `toml:"producer_token"`
+}
+
+// GitHubConfig is everything switchyard knows of GitHub.
+type GitHubConfig struct {
+	WebhookSecret          string   `toml:"webhook_secret"`
+	PreviousWebhookSecrets []string `toml:"previous_webhook_secrets"`
+	AllowedCIDRs           []string `toml:"allowed_cidrs"`
+	MetaFile               string   `toml:"meta_file"`
+	BotAppID               int64    `toml:"bot_app_id"`
+	AppID                  int64    `toml:"app_id"`
+	PrivateKeyFile         string   `toml:"private_key_file"`
+	APIURL                 string   `toml:"api_url"`
+}
+
+// QueueConfig is the AMQP side: topology, retries and publishing.
+type QueueConfig struct {
+	DeclareTopology bool          `toml:"declare_topology"`
+	RetryTTL        time.Duration `toml:"retry_ttl"`
+	MaxAttempts     int           `toml:"max_attempts"`
+	Prefetch        int           `toml:"prefetch"`
+	PublishTimeout  time.Duration `toml:"publish_timeout"`
+	// CallTimeout bounds every other AMQP call (dial, declare, get, ack).
+	CallTimeout time.Duration `toml:"call_timeout"`
+}
+
+// WorkersConfig sets the cadence of the four workers.
+type WorkersConfig struct {
+	Window               time.Duration `toml:"window"`
+	PendingCheckInterval time.Duration `toml:"pending_check_interval"`
+	LeftoverDrainLimit   int           `toml:"leftover_drain_limit"`
+	CleanupEvery         time.Duration `toml:"cleanup_every"`
+	CleanupWindow        time.Duration `toml:"cleanup_window"`
+	HooksPollEvery       time.Duration `toml:"hooks_poll_every"`
+}
+
+// BrokerConfig is one [[brokers]] entry; its position in the file is its index.
+type BrokerConfig struct {
+	URL string `toml:"url"`
+}
+
+// AlertsConfig selects Events and where to announce them (SPEC §9).
+type AlertsConfig struct {
+	Rules []AlertRule `toml:"rules"`
+	Email EmailConfig `toml:"email"`
+	Push  PushConfig  `toml:"push"`
+}
+
+// AlertRule matches Events by "event.action" patterns and names its channels.
+type AlertRule struct {
+	Events   []string `toml:"events"`
+	Channels []string `toml:"channels"`
+}
+
+// EmailConfig is the SMTP channel.
+type EmailConfig struct {
+	Host     string   `toml:"host"`
+	Port     int      `toml:"port"`
+	Username string   `toml:"username"`
+	Password string   `toml:"password"`
+	From     string   `toml:"from"`
+	To       []string `toml:"to"`
+	TLS      string   `toml:"tls"`
+}
+
+// PushConfig is the HTTP push channel (an ntfy-style POST).
+type PushConfig struct {
+	URL   string `toml:"url"`
+	Token string `toml:"token"`
+}
+
+// HealthChecksConfig holds one ping URL per worker.
+type HealthChecksConfig struct {
+	Service         string `toml:"service"`
+	DatabaseService string `toml:"database_service"`
+	Hooks           string `toml:"hooks"`
+	Cleanup         string `toml:"cleanup"`
+}
+
+// LogConfig sets up log/slog.
+type LogConfig struct {
+	Level  string `toml:"level"`
+	Format string `toml:"format"`
+}
+
+// DefaultConfig returns the configuration an empty file would give.
+func DefaultConfig() *Config {
+	return &Config{
+		Server:   ServerConfig{Listen: "127.0.0.1:8080", ShutdownTimeout: 25 * time.Second},
+		Database: DatabaseConfig{Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second},
+		GitHub:   GitHubConfig{APIURL: "https://api.github.com"},
+		Queue: QueueConfig{
+			RetryTTL:       10 * time.Minute,
+			MaxAttempts:    10,
+			Prefetch:       1,
+			PublishTimeout: 5 * time.Second,
+			CallTimeout:    10 * time.Second,
+		},
+		Workers: WorkersConfig{
+			Window:               5 * time.Minute,
+			PendingCheckInterval: 15 * time.Second,
+			LeftoverDrainLimit:   500,
+			CleanupEvery:         time.Hour,
+			CleanupWindow:        60 * time.Second,
+			HooksPollEvery:       5 * time.Minute,
+		},
+		Log: LogConfig{Level: "info", Format: "text"},
+	}
+}
+
+// LoadConfig reads path over the defaults and validates the result. A key the
+// Config does not know is an error: a typo must not silently fall back to a default.
+func LoadConfig(path string) (*Config, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	defer f.Close()
+	cfg, err := DecodeConfig(f)
+	if err != nil {
+		return nil, fmt.Errorf("config %s: %w", path, err)
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("config %s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// DecodeConfig decodes TOML over DefaultConfig without validating.
+func DecodeConfig(r io.Reader) (*Config, error) {
+	cfg := DefaultConfig()
+	md, err := toml.NewDecoder(r).Decode(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if undecoded := md.Undecoded(); len(undecoded) > 0 {
+		var errs []error
+		for _, k := range undecoded {
+			errs = append(errs, fmt.Errorf("%s: unknown key", k))
+		}
+		return nil, errors.Join(errs...)
+	}
+	return cfg, nil
+}
+
+// Validate returns every problem at once, each naming its field.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
+	}
+
+	if _, _, err := net.SplitHostPort(c.Server.Listen); err != nil {
+		bad("server.listen", "want host:port, got %q", c.Server.Listen)
+	}
+	for i, p := range c.Server.TrustedProxies {
+		if _, err := parsePrefix(p); err != nil {
+			bad(fmt.Sprintf("server.trusted_proxies[%d]", i), "%v", err)
+		}
+	}
+	if c.Server.ShutdownTimeout <= 0 {
+		bad("server.shutdown_timeout", "must be positive")
+	}
+
+	if c.Database.Path == "" {
+		bad("database.path", "required")
+	}
+	if !slices.Contains([]string{"FULL", "NORMAL", "EXTRA"}, strings.ToUpper(c.Database.Synchronous)) {
+		bad("database.synchronous", "want FULL, NORMAL or EXTRA, got %q", c.Database.Synchronous)
+	}
+	if c.Database.BusyTimeout <= 0 {
+		bad("database.busy_timeout", "must be positive")
+	}
+
+	if c.API.OperatorToken == "" {
+		bad("api.operator_token", "required")
+	}
+	if c.API.ProducerToken == "" {
+		bad("api.producer_token", "required")
+	}
+	if c.API.OperatorToken != "" && c.API.OperatorToken == c.API.ProducerToken {
+		bad("api.producer_token", "must differ from api.operator_token")
+	}
+
+	if c.GitHub.WebhookSecret == "" {
+		bad("github.webhook_secret", "required")
+	}
+	for i, s := range c.GitHub.PreviousWebhookSecrets {
+		if s == "" {
+			bad(fmt.Sprintf("github.previous_webhook_secrets[%d]", i), "empty")
+		}
+	}
+	for i, p := range c.GitHub.AllowedCIDRs {
+		if _, err := parsePrefix(p); err != nil {
+			bad(fmt.Sprintf("github.allowed_cidrs[%d]", i), "%v", err)
+		}
+	}
+	if c.GitHub.MetaFile != "" {
+		if _, err := loadMetaHooks(c.GitHub.MetaFile); err != nil {
+			bad("github.meta_file", "%v", err)
+		}
+	}
+	if c.GitHub.BotAppID < 0 {
+		bad("github.bot_app_id", "must not be negative")
+	}
+	if c.GitHub.AppID < 0 {
+		bad("github.app_id", "must not be negative")
+	}
+	if c.GitHub.AppID > 0 && c.GitHub.PrivateKeyFile == "" {
+		bad("github.private_key_file", "required when github.app_id is set")
+	}
+	if u, err := url.Parse(c.GitHub.APIURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		bad("github.api_url", "want an http(s) URL, got %q", c.GitHub.APIURL)
+	}
+
+	// RabbitMQ takes x-message-ttl in milliseconds as a non-negative 32-bit integer.
+	if c.Queue.RetryTTL < time.Millisecond || c.Queue.RetryTTL.Milliseconds() > 1<<31-1 {
+		bad("queue.retry_ttl", "want between 1ms and 24 days, got %s", c.Queue.RetryTTL)
+	}
+	if c.Queue.MaxAttempts < 0 {
+		bad("queue.max_attempts", "must not be negative")
+	}
+	if c.Queue.Prefetch < 1 || c.Queue.Prefetch > 65535 {
+		bad("queue.prefetch", "want 1 to 65535, got %d", c.Queue.Prefetch)
+	}
+	if c.Queue.PublishTimeout <= 0 {
+		bad("queue.publish_timeout", "must be positive")
+	}
+	if c.Queue.CallTimeout <= 0 {
+		bad("queue.call_timeout", "must be positive")
+	}
+
+	for name, d := range map[string]time.Duration{
+		"workers.window":                 c.Workers.Window,
+		"workers.pending_check_interval": c.Workers.PendingCheckInterval,
+		"workers.cleanup_every":          c.Workers.CleanupEvery,
+		"workers.cleanup_window":         c.Workers.CleanupWindow,
+		"workers.hooks_poll_every":       c.Workers.HooksPollEvery,
+	} {
+		if d <= 0 {
+			bad(name, "must be positive")
+		}
+	}
+	if c.Workers.LeftoverDrainLimit < 0 {
+		bad("workers.leftover_drain_limit", "must not be negative")
+	}
+
+	if len(c.Brokers) == 0 {
+		bad("brokers", "at least one [[brokers]] entry is required")
+	}
+	for i, b := range c.Brokers {
+		if _, err := ParseBroker(i, b.URL); err != nil {
+			bad(fmt.Sprintf("brokers[%d].url", i), "%v", err)
+		}
+	}
+
+	for i, r := range c.Alerts.Rules {
+		if len(r.Events) == 0 {
+			bad(fmt.Sprintf("alerts.rules[%d].events", i), "required")
+		}
+		for _, ch := range r.Channels {
+			if ch != "email" && ch != "push" {
+				bad(fmt.Sprintf("alerts.rules[%d].channels", i), "want \"email\" or \"push\", got %q", ch)
+			}
+		}
+	}
+
+	for name, u := range map[string]string{
+		"healthchecks.service":          c.HealthChecks.Service,
+		"healthchecks.database_service": c.HealthChecks.DatabaseService,
+		"healthchecks.hooks":            c.HealthChecks.Hooks,
+		"healthchecks.cleanup":          c.HealthChecks.Cleanup,
+	} {
+		if u == "" {
+			continue
+		}
+		if pu, err := url.Parse(u); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") {
+			bad(name, "want an http(s) URL")
+		}
+	}
+
+	if !slices.Contains([]string{"debug", "info", "warn", "error"}, c.Log.Level) {
+		bad("log.level", "want debug, info, warn or error, got %q", c.Log.Level)
+	}
+	if c.Log.Format != "text" && c.Log.Format != "json" {
+		bad("log.format", "want text or json, got %q", c.Log.Format)
+	}
+
+	// Map iteration is random; sort so the same file always reads the same.
+	sort.SliceStable(errs, func(i, j int) bool { return errs[i].Error() < errs[j].Error() })
+	return errors.Join(errs...)
+}
+
+// parsePrefix accepts a CIDR or a bare address (a /32 or /128).
+func parsePrefix(s string) (netip.Prefix, error) {
+	if strings.Contains(s, "/") {
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			return netip.Prefix{}, fmt.Errorf("not a CIDR: %q", s)
+		}
+		return p.Masked(), nil
+	}
+	a, err := netip.ParseAddr(s)
+	if err != nil {
+		return netip.Prefix{}, fmt.Errorf("not an address or CIDR: %q", s)
+	}
+	a = a.Unmap()
+	return netip.PrefixFrom(a, a.BitLen()), nil
+}
+
+// mask hides a secret while saying whether it is set.
+func mask(s string) string {
+	if s == "" {
+		return "(unset)"
+	}
+	return "***"
+}
+
+// maskURL hides a URL's password, and its path and query, which for ping and
+// push URLs are often the secret itself.
+func maskURL(s string) string {
+	if s == "" {
+		return "(unset)"
+	}
+	u, err := url.Parse(s)
+	if err != nil {
+		return "***"
+	}
+	return u.Scheme + "://" + u.Host + "/***"
+}
+
+// Summary writes the configuration for check-config, every secret masked.
+func (c *Config) Summary(w io.Writer) {
+	p := func(format string, args ...any) { fmt.Fprintf(w, format+"\n", args...) }
+	p("server.listen = %q", c.Server.Listen)
+	p("server.trusted_proxies = %q", c.Server.TrustedProxies)
+	p("database.path = %q", c.Database.Path)
+	p("database.synchronous = %q", strings.ToUpper(c.Database.Synchronous))
+	p("api.operator_token = %s", mask(c.API.OperatorToken))
+	p("api.producer_token = %s", mask(c.API.ProducerToken))
+	p("github.webhook_secret = %s", mask(c.GitHub.WebhookSecret))
+	p("github.previous_webhook_secrets = %d set", len(c.GitHub.PreviousWebhookSecrets))
+	if c.GitHub.MetaFile != "" {
+		p("github.meta_file = %q", c.GitHub.MetaFile)
+	} else if len(c.GitHub.AllowedCIDRs) > 0 {
+		p("github.allowed_cidrs = %q", c.GitHub.AllowedCIDRs)
+	} else {
+		p("github.allowed_cidrs = GitHub's hooks ranges (built in)")
+	}
+	p("github.bot_app_id = %d", c.GitHub.BotAppID)
+	p("github.app_id = %d (hooks worker %s)", c.GitHub.AppID, map[bool]string{true: "on", false: "off"}[c.GitHub.AppID > 0])
+	p("github.api_url = %q", c.GitHub.APIURL)
+	p("queue.declare_topology = %t", c.Queue.DeclareTopology)
+	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
+		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)
+	p("workers.window = %s, pending_check_interval = %s, leftover_drain_limit = %d",
+		c.Workers.Window, c.Workers.PendingCheckInterval, c.Workers.LeftoverDrainLimit)
+	p("workers.cleanup_every = %s, cleanup_window = %s, hooks_poll_every = %s",
+		c.Workers.CleanupEvery, c.Workers.CleanupWindow, c.Workers.HooksPollEvery)
+	for i, b := range c.Brokers {
+		p("brokers[%d].url = %s", i, redactAMQPURL(b.URL))
+	}
+	p("alerts.rules = %d, email = %s, push = %s", len(c.Alerts.Rules),
+		map[bool]string{true: "on", false: "off"}[c.Alerts.Email.Host != ""], maskURL(c.Alerts.Push.URL))
+	p("healthchecks: service = %s, database_service = %s, hooks = %s, cleanup = %s",
+		maskURL(c.HealthChecks.Service), maskURL(c.HealthChecks.DatabaseService),
+		maskURL(c.HealthChecks.Hooks), maskURL(c.HealthChecks.Cleanup))
+	p("log.level = %q, log.format = %q", c.Log.Level, c.Log.Format)
+}
+
+// redactAMQPURL prints a broker URL as amqps://user:***@host/vhost.
+func redactAMQPURL(raw string) string {
+	u, err := amqp.ParseURI(raw)
+	if err != nil {
+		return "(unparseable URL)"
+	}
+	return u.Scheme + "://" + u.Username + ":***@" + net.JoinHostPort(u.Host, fmt.Sprint(u.Port)) + "/" + url.PathEscape(u.Vhost)
+}

@@ -1,0 +1,246 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Event is one GitHub delivery as the workers see it: the routing facts from
+// the headers, the few payload fields every worker needs, and the raw payload.
+type Event struct {
+	DeliveryID     string
+	Name           string // X-GitHub-Event
+	Action         string
+	HookID         int64
+	TargetType     string
+	TargetID       int64
+	InstallationID int64
+	Repository     string // owner/name
+	Sender         string
+	SourceIP       string
+	Payload        []byte // the webhook's JSON, byte for byte
+	ReceivedAt     time.Time
+}
+
+// Message header names (SPEC §5).
+const (
+	hdrEvent      = "x-github-event"
+	hdrDelivery   = "x-github-delivery"
+	hdrHookID     = "x-github-hook-id"
+	hdrTargetID   = "x-github-hook-installation-target-id"
+	hdrTargetType = "x-github-hook-installation-target-type"
+	hdrSourceIP   = "x-source-ip"
+	hdrError      = "x-error-reason"
+	hdrAttempts   = "x-attempts"
+)
+
+// eventHeaders are the GitHub request headers a message carries, lower-cased.
+var eventHeaders = []string{hdrEvent, hdrDelivery, hdrHookID, hdrTargetID, hdrTargetType}
+
+// newPublishing builds the message for one webhook delivery: the raw payload as
+// body and the GitHub headers as message headers (SPEC §5).
+func newPublishing(h http.Header, payload []byte, sourceIP string, now time.Time) amqp.Publishing {
+	headers := amqp.Table{hdrSourceIP: sourceIP}
+	for _, k := range eventHeaders {
+		if v := h.Get(k); v != "" {
+			headers[k] = v
+		}
+	}
+	return amqp.Publishing{
+		ContentType:  "application/json",
+		DeliveryMode: amqp.Persistent,
+		MessageId:    h.Get(hdrDelivery),
+		Type:         h.Get(hdrEvent),
+		Timestamp:    now,
+		Headers:      headers,
+		Body:         payload,
+	}
+}
+
+// payloadFields are the payload fields every worker needs. Decoding into this
+// small struct reads the body once; the wrapped form's fields ride along.
+type payloadFields struct {
+	Action     string `json:"action"`
+	Repository *struct {
+		FullName string `json:"full_name"`
+	} `json:"repository"`
+	Sender *struct {
+		Login string `json:"login"`
+	} `json:"sender"`
+	Installation *struct {
+		ID int64 `json:"id"`
+	} `json:"installation"`
+
+	// The wrapped form: {"headers": {...}, "payload": {...}}.
+	Headers json.RawMessage `json:"headers"`
+	Payload json.RawMessage `json:"payload"`
+}
+
+// permanentError marks a message that no retry can fix: it goes to -error.
+type permanentError struct{ reason string }
+
+func (e *permanentError) Error() string { return e.reason }
+
+func permanent(format string, args ...any) error {
+	return &permanentError{reason: fmt.Sprintf(format, args...)}
+}
+
+// ErrDuplicate is a handler's answer for a delivery it already finished.
+var ErrDuplicate = errors.New("duplicate delivery")
+
+// DecodeEvent reads a message into an Event. A message without a delivery
+// GUID or event name, or with a body that is not a JSON object, is a permanent
+// failure.
+func DecodeEvent(d *amqp.Delivery) (*Event, error) {
+	body := d.Body
+	get := func(k string) string { return tableString(d.Headers, k) }
+
+	f, err := decodePayload(body)
+	if err != nil {
+		return nil, err
+	}
+	if f.Headers != nil && f.Payload != nil && isWrapped(body) {
+		wrapped, err := decodeWrappedHeaders(f.Headers)
+		if err != nil {
+			return nil, err
+		}
+		get = func(k string) string {
+			if v := wrapped.Get(k); v != "" {
+				return v
+			}
+			return tableString(d.Headers, k)
+		}
+		body = unwrapPayload(f.Payload)
+		if f, err = decodePayload(body); err != nil {
+			return nil, err
+		}
+	}
+
+	ev := &Event{
+		DeliveryID: get(hdrDelivery),
+		Name:       get(hdrEvent),
+		Action:     f.Action,
+		TargetType: get(hdrTargetType),
+		SourceIP:   get(hdrSourceIP),
+		Payload:    body,
+		ReceivedAt: d.Timestamp,
+	}
+	if ev.DeliveryID == "" {
+		ev.DeliveryID = d.MessageId
+	}
+	if ev.Name == "" {
+		ev.Name = d.Type
+	}
+	if ev.DeliveryID == "" {
+		return nil, permanent("no delivery GUID (x-github-delivery header or message_id)")
+	}
+	if ev.Name == "" {
+		return nil, permanent("no event name (x-github-event header or type)")
+	}
+	ev.HookID, _ = strconv.ParseInt(get(hdrHookID), 10, 64)
+	ev.TargetID, _ = strconv.ParseInt(get(hdrTargetID), 10, 64)
+	if f.Repository != nil {
+		ev.Repository = f.Repository.FullName
+	}
+	if f.Sender != nil {
+		ev.Sender = f.Sender.Login
+	}
+	if f.Installation != nil {
+		ev.InstallationID = f.Installation.ID
+	}
+	if ev.ReceivedAt.IsZero() {
+		ev.ReceivedAt = time.Now()
+	}
+	ev.ReceivedAt = ev.ReceivedAt.UTC()
+	return ev, nil
+}
+
+func decodePayload(body []byte) (*payloadFields, error) {
+	body = bytes.TrimSpace(body)
+	if len(body) == 0 {
+		return nil, permanent("empty body")
+	}
+	if body[0] != '{' {
+		return nil, permanent("body is not a JSON object")
+	}
+	var f payloadFields
+	if err := json.Unmarshal(body, &f); err != nil {
+		return nil, permanent("body is not valid JSON: %v", err)
+	}
+	return &f, nil
+}
+
+// isWrapped reports whether body is an object with exactly the keys headers
+// and payload. Only bodies that have both keys pay for this second look.
+func isWrapped(body []byte) bool {
+	var keys map[string]json.RawMessage
+	if err := json.Unmarshal(body, &keys); err != nil {
+		return false
+	}
+	_, h := keys["headers"]
+	_, p := keys["payload"]
+	return len(keys) == 2 && h && p
+}
+
+// decodeWrappedHeaders reads the original HTTP headers, each a string or a
+// list of strings, into an http.Header so lookups ignore case.
+func decodeWrappedHeaders(raw json.RawMessage) (http.Header, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &m); err != nil {
+		return nil, permanent("wrapped message: headers is not an object")
+	}
+	h := http.Header{}
+	for k, v := range m {
+		var s string
+		if err := json.Unmarshal(v, &s); err == nil {
+			h.Add(k, s)
+			continue
+		}
+		var ss []string
+		if err := json.Unmarshal(v, &ss); err == nil {
+			for _, s := range ss {
+				h.Add(k, s)
+			}
+			continue
+		}
+		var n json.Number
+		if err := json.Unmarshal(v, &n); err == nil {
+			h.Add(k, n.String())
+		}
+	}
+	return h, nil
+}
+
+// unwrapPayload returns the payload of the wrapped form: the object itself,
+// or the JSON text inside a string.
+func unwrapPayload(raw json.RawMessage) []byte {
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		return []byte(s)
+	}
+	return raw
+}
+
+// tableString reads a header as text, whatever AMQP type carried it.
+func tableString(t amqp.Table, k string) string {
+	switch v := t[k].(type) {
+	case string:
+		return v
+	case []byte:
+		return string(v)
+	case int64, int32, int16, int8, int, uint8, uint16, uint32, uint64:
+		return fmt.Sprint(v)
+	case nil:
+		return ""
+	default:
+		return strings.TrimSpace(fmt.Sprint(v))
+	}
+}

@@ -1,0 +1,330 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"net/http"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+)
+
+// Every real fixture, POSTed signed, becomes one github row with the right
+// columns, and the 6-hour statistics add up to the deliveries.
+func TestWebhookFixturesEndToEnd(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	d := startDaemon(t, cfg)
+
+	type want struct{ event, action, repo, sender string }
+	wants := map[string]want{}
+	for _, f := range loadFixtures(t) {
+		var p struct {
+			Action     string `json:"action"`
+			Repository *struct {
+				FullName string `json:"full_name"`
+			} `json:"repository"`
+			Sender *struct {
+				Login string `json:"login"`
+			} `json:"sender"`
+		}
+		if err := json.Unmarshal(f.Body, &p); err != nil {
+			t.Fatalf("%s/%s: %v", f.Event, f.Name, err)
+		}
+		w := want{event: f.Event, action: p.Action}
+		if p.Repository != nil {
+			w.repo = p.Repository.FullName
+		}
+		if p.Sender != nil {
+			w.sender = p.Sender.Login
+		}
+		guid := newGUID()
+		wants[guid] = w
+		if code := postWebhook(t, d.URL, f.Event, guid, f.Body); code != http.StatusAccepted {
+			t.Fatalf("%s/%s: got status %d, want 202", f.Event, f.Name, code)
+		}
+	}
+
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 60*time.Second, "every fixture stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github") == len(wants)
+	})
+	rows, err := db.Query("SELECT delivery_id, event, action, repository, sender, forbidden, hook_id, target_type, target_id FROM github")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var guid, event, action, repo, sender, targetType string
+		var forbidden, hookID, targetID int
+		if err := rows.Scan(&guid, &event, &action, &repo, &sender, &forbidden, &hookID, &targetType, &targetID); err != nil {
+			t.Fatal(err)
+		}
+		w, ok := wants[guid]
+		if !ok {
+			t.Errorf("row with unknown delivery %s", guid)
+			continue
+		}
+		got := want{event, action, repo, sender}
+		if got != w {
+			t.Errorf("delivery %s: got %+v, want %+v", guid, got, w)
+		}
+		if forbidden != 0 || hookID != 123456 || targetType != "repository" || targetID != 35129377 {
+			t.Errorf("delivery %s: got forbidden=%d hook_id=%d target=%s/%d", guid, forbidden, hookID, targetType, targetID)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+
+	// The statistics count every delivery once, in its bucket.
+	if got := queryInt(t, db, "SELECT sum(count) FROM github_statistics_6h"); got != len(wants) {
+		t.Errorf("statistics sum: got %d, want %d", got, len(wants))
+	}
+	perBucket, err := db.Query(`SELECT s.bucket, s.event, s.action, s.count,
+		(SELECT count(*) FROM github g WHERE g.event = s.event AND g.action = s.action) FROM github_statistics_6h s`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer perBucket.Close()
+	for perBucket.Next() {
+		var bucket, event, action string
+		var count, rowsFor int
+		if err := perBucket.Scan(&bucket, &event, &action, &count, &rowsFor); err != nil {
+			t.Fatal(err)
+		}
+		if bucket != statisticsBucket(time.Now()) && bucket != statisticsBucket(time.Now().Add(-time.Hour)) {
+			t.Errorf("bucket %s is not the current 6-hour bucket", bucket)
+		}
+		if count != rowsFor {
+			t.Errorf("bucket %s %s.%s: got count %d, want %d rows", bucket, event, action, count, rowsFor)
+		}
+	}
+
+	// The same publish reached github-database through the fanout exchange.
+	eventually(t, 30*time.Second, "database-service saw every delivery", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service'") == len(wants)
+	})
+}
+
+// The same delivery GUID twice: one row, one count.
+func TestWebhookDuplicateDelivery(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened.payload.json")
+	guid := newGUID()
+	for i := 0; i < 2; i++ {
+		if code := postWebhook(t, d.URL, "issues", guid, body); code != http.StatusAccepted {
+			t.Fatalf("post %d: got %d, want 202", i, code)
+		}
+	}
+	other := newGUID()
+	if code := postWebhook(t, d.URL, "issues", other, body); code != http.StatusAccepted {
+		t.Fatalf("got %d, want 202", code)
+	}
+	db := openDB(t, cfg.Database.Path)
+	// The third, distinct delivery is stored after both copies were handled.
+	eventually(t, 20*time.Second, "the distinct delivery stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", other) == 1
+	})
+	eventually(t, 20*time.Second, "github queue empty", func() bool { return ready(t, vhost, queueGitHub) == 0 })
+	if got := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid); got != 1 {
+		t.Errorf("rows for the repeated delivery: got %d, want 1", got)
+	}
+	if got := queryInt(t, db, "SELECT sum(count) FROM github_statistics_6h WHERE event = 'issues' AND action = 'opened'"); got != 2 {
+		t.Errorf("issues.opened count: got %d, want 2 (one per distinct delivery)", got)
+	}
+}
+
+// Bad requests get a clear 4xx and publish nothing.
+func TestWebhookRejectsBadRequests(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	// Keep the workers off the queues for a long window so that anything
+	// published would still be there to count.
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "push", "payload.json")
+	huge := append(append([]byte(`{"padding":"`), bytes.Repeat([]byte("a"), maxWebhookBody)...), []byte(`"}`)...)
+
+	tests := []struct {
+		name   string
+		req    func() *http.Request
+		status int
+	}{
+		{"wrong signature", func() *http.Request {
+			r := webhookRequest(t, d.URL, "push", newGUID(), body)
+			r.Header.Set("X-Hub-Signature-256", sign("another-secret", body))
+			return r
+		}, 401},
+		{"missing signature", func() *http.Request {
+			r := webhookRequest(t, d.URL, "push", newGUID(), body)
+			r.Header.Del("X-Hub-Signature-256")
+			return r
+		}, 401},
+		{"sha1 signature only", func() *http.Request {
+			r := webhookRequest(t, d.URL, "push", newGUID(), body)
+			r.Header.Set("X-Hub-Signature-256", strings.Replace(sign(testSecret, body), "sha256=", "sha1=", 1))
+			return r
+		}, 401},
+		{"missing event header", func() *http.Request {
+			r := webhookRequest(t, d.URL, "push", newGUID(), body)
+			r.Header.Del("X-GitHub-Event")
+			return r
+		}, 400},
+		{"missing delivery header", func() *http.Request {
+			r := webhookRequest(t, d.URL, "push", newGUID(), body)
+			r.Header.Del("X-GitHub-Delivery")
+			return r
+		}, 400},
+		{"over 25 MiB", func() *http.Request { return webhookRequest(t, d.URL, "push", newGUID(), huge) }, 413},
+		{"not JSON", func() *http.Request {
+			return webhookRequest(t, d.URL, "push", newGUID(), []byte("this is not json"))
+		}, 400},
+		{"JSON but not an object", func() *http.Request { return webhookRequest(t, d.URL, "push", newGUID(), []byte(`[1,2]`)) }, 400},
+		{"form without payload", func() *http.Request {
+			b := []byte("other=1")
+			r := webhookRequest(t, d.URL, "push", newGUID(), b)
+			r.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			return r
+		}, 400},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			code, body := do(t, tt.req())
+			if code != tt.status {
+				t.Fatalf("got %d %s, want %d", code, body, tt.status)
+			}
+			var e struct{ Error string }
+			if err := json.Unmarshal([]byte(body), &e); err != nil || e.Error == "" {
+				t.Errorf("body %q: want {\"error\": ...}", body)
+			}
+		})
+	}
+
+	// A good form-encoded delivery goes through, so the endpoint is not just
+	// refusing everything; it is then the only message anywhere.
+	form := []byte("payload=" + url.QueryEscape(string(body)))
+	r := webhookRequest(t, d.URL, "push", "good-form-delivery", form)
+	r.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	if code, b := do(t, r); code != http.StatusAccepted {
+		t.Fatalf("form delivery: got %d %s, want 202", code, b)
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "form delivery stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github") >= 1
+	})
+	d.stop(t)
+	if got := queryInt(t, db, "SELECT count(*) FROM github"); got != 1 {
+		t.Errorf("github rows: got %d, want only the good delivery", got)
+	}
+	var payload string
+	if err := db.QueryRow("SELECT payload FROM github WHERE delivery_id = 'good-form-delivery'").Scan(&payload); err != nil {
+		t.Fatal(err)
+	}
+	if payload != string(body) {
+		t.Errorf("form payload not stored byte for byte")
+	}
+	for _, q := range allQueues() {
+		if n := ready(t, vhost, q); n != 0 {
+			t.Errorf("queue %s: %d messages, want 0", q, n)
+		}
+	}
+}
+
+// A request from outside the allow list, through a trusted proxy, ends in
+// github-forbidden: stored by cleanup with forbidden = 1, never seen by
+// database-service.
+func TestWebhookForbiddenSource(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Server.TrustedProxies = []string{"127.0.0.1"}
+	cfg.GitHub.AllowedCIDRs = []string{"140.82.112.0/20"}
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened.payload.json")
+
+	allowed, forbidden := newGUID(), newGUID()
+	r := webhookRequest(t, d.URL, "issues", allowed, body)
+	r.Header.Set("X-Forwarded-For", "203.0.113.9, 140.82.115.4")
+	if code, b := do(t, r); code != http.StatusAccepted {
+		t.Fatalf("allowed: got %d %s", code, b)
+	}
+	r = webhookRequest(t, d.URL, "issues", forbidden, body)
+	r.Header.Set("X-Forwarded-For", "140.82.115.4, 203.0.113.9")
+	if code, b := do(t, r); code != http.StatusAccepted {
+		t.Fatalf("forbidden: got %d %s", code, b)
+	}
+
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "both stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") == 2 })
+	eventually(t, 20*time.Second, "database-service saw the allowed one", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", allowed) == 1
+	})
+	var ip string
+	var flag int
+	if err := db.QueryRow("SELECT source_ip, forbidden FROM github WHERE delivery_id = ?", forbidden).Scan(&ip, &flag); err != nil {
+		t.Fatal(err)
+	}
+	if ip != "203.0.113.9" || flag != 1 {
+		t.Errorf("forbidden row: got source_ip=%s forbidden=%d, want 203.0.113.9 and 1", ip, flag)
+	}
+	if err := db.QueryRow("SELECT source_ip, forbidden FROM github WHERE delivery_id = ?", allowed).Scan(&ip, &flag); err != nil {
+		t.Fatal(err)
+	}
+	if ip != "140.82.115.4" || flag != 0 {
+		t.Errorf("allowed row: got source_ip=%s forbidden=%d, want 140.82.115.4 and 0", ip, flag)
+	}
+	d.stop(t)
+	if got := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", forbidden); got != 0 {
+		t.Errorf("database-service processed the forbidden delivery")
+	}
+}
+
+// No reachable broker, or a broker that stops confirming: 503 with
+// Retry-After within publish_timeout, and nothing stored.
+func TestWebhookBrokerUnavailable(t *testing.T) {
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	cfg := testConfig(t, proxy.URL(vhost))
+	cfg.Queue.PublishTimeout = time.Second
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened.payload.json")
+
+	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
+		t.Fatalf("with the broker up: got %d, want 202", code)
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "first delivery stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") == 1 })
+
+	for _, tt := range []struct {
+		name  string
+		break_ func()
+	}{
+		{"not confirming", func() { proxy.Stall(true) }},
+		{"unreachable", func() { proxy.Close() }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			tt.break_()
+			start := time.Now()
+			r := webhookRequest(t, d.URL, "issues", newGUID(), body)
+			resp, err := http.DefaultClient.Do(r)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			took := time.Since(start)
+			if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" {
+				t.Errorf("got %d Retry-After=%q, want 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
+			}
+			// The bound is the point of publish_timeout; a generous margin
+			// keeps this from being a timing test.
+			if took > cfg.Queue.PublishTimeout+3*time.Second {
+				t.Errorf("answered after %s, want within publish_timeout (%s)", took, cfg.Queue.PublishTimeout)
+			}
+		})
+	}
+	if got := queryInt(t, db, "SELECT count(*) FROM github"); got != 1 {
+		t.Errorf("rows: got %d, want only the first delivery", got)
+	}
+}

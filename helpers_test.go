@@ -1,0 +1,489 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"database/sql"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// These tests talk to the real RabbitMQ on 127.0.0.1:5672 and real SQLite
+// files. Each test makes its own vhosts, so no test sees another's messages.
+
+const testSecret = "test-webhook-secret"
+
+// newVhost creates a fresh vhost for the test and deletes it afterwards.
+func newVhost(t testing.TB) string {
+	t.Helper()
+	name := "sy-" + strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name()))
+	if len(name) > 40 {
+		name = name[:40]
+	}
+	name += "-" + randHex(4)
+	rabbitmqctl(t, "add_vhost", name)
+	rabbitmqctl(t, "set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+	t.Cleanup(func() {
+		if out, err := exec.Command("rabbitmqctl", "-q", "delete_vhost", name).CombinedOutput(); err != nil {
+			t.Logf("delete_vhost %s: %v: %s", name, err, out)
+		}
+	})
+	return name
+}
+
+func rabbitmqctl(t testing.TB, args ...string) {
+	t.Helper()
+	out, err := exec.Command("rabbitmqctl", append([]string{"-q"}, args...)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("rabbitmqctl %v: %v: %s", args, err, out)
+	}
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func newGUID() string {
+	b := make([]byte, 16)
+	_, _ = rand.Read(b)
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+}
+
+func amqpURL(vhost string) string { return "amqp://guest:guest@127.0.0.1:5672/" + vhost }
+
+// testConfig is a valid config over the given broker URLs, with short
+// durations so that windows, retries and switches happen within a test.
+func testConfig(t testing.TB, brokerURLs ...string) *Config {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.Server.Listen = "127.0.0.1:0"
+	cfg.Server.TrustedProxies = []string{"127.0.0.2"}
+	cfg.Database.Path = filepath.Join(t.TempDir(), "switchyard.db")
+	cfg.API.OperatorToken = "operator-token"
+	cfg.API.ProducerToken = "producer-token"
+	cfg.GitHub.WebhookSecret = testSecret
+	cfg.GitHub.AllowedCIDRs = []string{"127.0.0.0/8", "::1/128"}
+	cfg.Queue.DeclareTopology = true
+	cfg.Queue.RetryTTL = 200 * time.Millisecond
+	cfg.Queue.PublishTimeout = 2 * time.Second
+	cfg.Queue.CallTimeout = 3 * time.Second
+	cfg.Workers.Window = 2 * time.Second
+	cfg.Workers.PendingCheckInterval = 300 * time.Millisecond
+	cfg.Workers.CleanupEvery = time.Second
+	cfg.Workers.CleanupWindow = 500 * time.Millisecond
+	cfg.Log.Level = "debug"
+	for _, u := range brokerURLs {
+		cfg.Brokers = append(cfg.Brokers, BrokerConfig{URL: u})
+	}
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("test config: %v", err)
+	}
+	return cfg
+}
+
+// testLogger writes to the test log, and keeps every line for tests that
+// read them.
+type logSink struct {
+	t  testing.TB
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *logSink) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	s.b.Write(p)
+	s.mu.Unlock()
+	s.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+func (s *logSink) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// testDaemon is a Daemon running in this process.
+type testDaemon struct {
+	*Daemon
+	URL    string
+	logs   *logSink
+	cancel context.CancelFunc
+	done   chan error
+}
+
+// startDaemon runs a Daemon with cfg until the test ends (or stop is called).
+func startDaemon(t *testing.T, cfg *Config) *testDaemon {
+	t.Helper()
+	sink := &logSink{t: t}
+	log := slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	ctx, cancel := context.WithCancel(context.Background())
+	d, err := NewDaemon(ctx, cfg, log)
+	if err != nil {
+		cancel()
+		t.Fatalf("NewDaemon: %v", err)
+	}
+	ln, err := net.Listen("tcp", cfg.Server.Listen)
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	td := &testDaemon{Daemon: d, URL: "http://" + ln.Addr().String(), logs: sink, cancel: cancel, done: make(chan error, 1)}
+	go func() { td.done <- d.Run(ctx, ln, nil) }()
+	t.Cleanup(func() { td.stop(t) })
+	return td
+}
+
+// stop shuts the daemon down and waits for it; calling it twice is fine.
+func (td *testDaemon) stop(t *testing.T) {
+	t.Helper()
+	if td.cancel == nil {
+		return
+	}
+	td.cancel()
+	td.cancel = nil
+	select {
+	case err := <-td.done:
+		if err != nil {
+			t.Errorf("daemon Run: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Errorf("daemon did not stop within 30s")
+	}
+}
+
+func sign(secret string, body []byte) string {
+	mac := hmac.New(sha256.New, []byte(secret))
+	mac.Write(body)
+	return "sha256=" + hex.EncodeToString(mac.Sum(nil))
+}
+
+// webhookRequest builds a signed GitHub-style delivery.
+func webhookRequest(t testing.TB, url, event, guid string, body []byte) *http.Request {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, url+"/webhooks/github", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-GitHub-Event", event)
+	req.Header.Set("X-GitHub-Delivery", guid)
+	req.Header.Set("X-GitHub-Hook-ID", "123456")
+	req.Header.Set("X-GitHub-Hook-Installation-Target-Type", "repository")
+	req.Header.Set("X-GitHub-Hook-Installation-Target-ID", "35129377")
+	req.Header.Set("X-Hub-Signature-256", sign(testSecret, body))
+	return req
+}
+
+// do sends req and returns the status and body.
+func do(t testing.TB, req *http.Request) (int, string) {
+	t.Helper()
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", req.Method, req.URL, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// postWebhook sends a signed delivery and returns the status.
+func postWebhook(t testing.TB, url, event, guid string, body []byte) int {
+	t.Helper()
+	code, _ := do(t, webhookRequest(t, url, event, guid, body))
+	return code
+}
+
+// fixture is one real payload from ../shared/fixtures/github-payloads.
+type fixture struct {
+	Event string
+	Name  string
+	Body  []byte
+}
+
+func loadFixtures(t testing.TB) []fixture {
+	t.Helper()
+	paths, err := filepath.Glob("../shared/fixtures/github-payloads/*/*.json")
+	if err != nil || len(paths) == 0 {
+		t.Fatalf("no fixtures found under ../shared/fixtures/github-payloads: %v", err)
+	}
+	sort.Strings(paths)
+	var fs []fixture
+	for _, p := range paths {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fs = append(fs, fixture{Event: filepath.Base(filepath.Dir(p)), Name: filepath.Base(p), Body: b})
+	}
+	return fs
+}
+
+func loadFixture(t testing.TB, event, name string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("../shared/fixtures/github-payloads", event, name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// openDB opens the test's database file read-only, for assertions.
+func openDB(t testing.TB, path string) *sql.DB {
+	t.Helper()
+	db, err := sql.Open("sqlite", "file:"+path+"?mode=ro&_pragma=busy_timeout(5000)")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+func queryInt(t testing.TB, db *sql.DB, query string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := db.QueryRow(query, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", query, err)
+	}
+	return n
+}
+
+// eventually polls cond every 50ms until it holds or timeout passes.
+func eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// amqpChannel is a raw channel on vhost, for tests that publish or inspect
+// queues directly.
+func amqpChannel(t testing.TB, vhost string) *amqp.Channel {
+	t.Helper()
+	conn, err := amqp.Dial(amqpURL(vhost))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ch
+}
+
+// declareTopology declares the 12 queues on vhost the way the daemon does.
+func declareTestTopology(t testing.TB, vhost string, retryTTL time.Duration) {
+	t.Helper()
+	q := NewQueues(QueueConfig{DeclareTopology: true, RetryTTL: retryTTL, CallTimeout: 5 * time.Second,
+		PublishTimeout: 5 * time.Second, Prefetch: 1, MaxAttempts: 10}, mustBrokers(t, amqpURL(vhost)), slog.New(slog.DiscardHandler))
+	defer q.Close()
+	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func mustBrokers(t testing.TB, urls ...string) []*Broker {
+	t.Helper()
+	var bs []*Broker
+	for i, u := range urls {
+		b, err := ParseBroker(i, u)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bs = append(bs, b)
+	}
+	return bs
+}
+
+// ready returns the ready-message count of queue on vhost.
+func ready(t testing.TB, vhost, queue string) int {
+	t.Helper()
+	ch := amqpChannel(t, vhost)
+	defer ch.Close()
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		t.Fatalf("passive declare %s on %s: %v", queue, vhost, err)
+	}
+	return q.Messages
+}
+
+// publishRaw publishes straight to a queue, as a producer would.
+func publishRaw(t testing.TB, vhost, exchange, key string, msg amqp.Publishing) {
+	t.Helper()
+	ch := amqpChannel(t, vhost)
+	defer ch.Close()
+	if err := ch.Confirm(false); err != nil {
+		t.Fatal(err)
+	}
+	dc, err := ch.PublishWithDeferredConfirm(exchange, key, true, false, msg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !dc.Wait() {
+		t.Fatalf("publish to %s/%s not confirmed", exchange, key)
+	}
+}
+
+// eventMessage is a message as the webhook endpoint would publish it.
+func eventMessage(event, guid string, body []byte) amqp.Publishing {
+	h := http.Header{}
+	h.Set("X-GitHub-Event", event)
+	h.Set("X-GitHub-Delivery", guid)
+	return newPublishing(h, body, "127.0.0.1", time.Now())
+}
+
+// getOne takes one message from queue on vhost, failing when there is none.
+func getOne(t testing.TB, vhost, queue string) amqp.Delivery {
+	t.Helper()
+	ch := amqpChannel(t, vhost)
+	d, ok, err := ch.Get(queue, true)
+	if err != nil || !ok {
+		t.Fatalf("get %s on %s: ok=%v err=%v", queue, vhost, ok, err)
+	}
+	return d
+}
+
+// tcpProxy forwards 127.0.0.1:random to target, and can stall (stop
+// forwarding while keeping connections open) or close (drop everything and
+// refuse new connections).
+type tcpProxy struct {
+	t      testing.TB
+	target string
+	ln     net.Listener
+	addr   string
+
+	mu      sync.Mutex
+	conns   []net.Conn
+	stalled bool
+	closed  bool
+}
+
+func newTCPProxy(t testing.TB, target string) *tcpProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &tcpProxy{t: t, target: target, ln: ln, addr: ln.Addr().String()}
+	go p.serve()
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+func (p *tcpProxy) serve() {
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		up, err := net.Dial("tcp", p.target)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		p.mu.Lock()
+		p.conns = append(p.conns, c, up)
+		p.mu.Unlock()
+		go p.pipe(c, up)
+		go p.pipe(up, c)
+	}
+}
+
+func (p *tcpProxy) pipe(dst, src net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			for p.isStalled() {
+				time.Sleep(10 * time.Millisecond)
+			}
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				break
+			}
+		}
+		if err != nil {
+			break
+		}
+	}
+	dst.Close()
+	src.Close()
+}
+
+func (p *tcpProxy) isStalled() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.stalled && !p.closed
+}
+
+// Stall stops forwarding bytes; connections stay open.
+func (p *tcpProxy) Stall(on bool) {
+	p.mu.Lock()
+	p.stalled = on
+	p.mu.Unlock()
+}
+
+// Cut drops every open connection; new ones are still accepted.
+func (p *tcpProxy) Cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.conns {
+		c.Close()
+	}
+	p.conns = nil
+}
+
+// Close drops everything and stops listening: the broker is unreachable.
+func (p *tcpProxy) Close() {
+	p.ln.Close()
+	p.Cut() // before closed, so that no stalled byte slips through
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
+}
+
+// Reopen listens again on the same address after Close.
+func (p *tcpProxy) Reopen() {
+	p.t.Helper()
+	var ln net.Listener
+	var err error
+	for i := 0; i < 50; i++ {
+		if ln, err = net.Listen("tcp", p.addr); err == nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err != nil {
+		p.t.Fatalf("reopen proxy on %s: %v", p.addr, err)
+	}
+	p.mu.Lock()
+	p.ln, p.closed, p.stalled = ln, false, false
+	p.mu.Unlock()
+	go p.serve()
+}
+
+// URL is an AMQP URL to vhost through the proxy.
+func (p *tcpProxy) URL(vhost string) string { return "amqp://guest:guest@" + p.addr + "/" + vhost }

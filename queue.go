@@ -1,0 +1,312 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// The topology of SPEC §4.
+const exchangeName = "github-exchange"
+
+// Logical queue names; each has a -retry and an -error sibling.
+const (
+	queueGitHub    = "github"
+	queueDatabase  = "github-database"
+	queueHooks     = "github-hooks"
+	queueForbidden = "github-forbidden"
+)
+
+var logicalQueues = []string{queueGitHub, queueDatabase, queueHooks, queueForbidden}
+
+func retryQueue(q string) string { return q + "-retry" }
+func errorQueue(q string) string { return q + "-error" }
+
+// allQueues lists the 12 queues: each logical queue, its -retry and its -error.
+func allQueues() []string {
+	var qs []string
+	for _, q := range logicalQueues {
+		qs = append(qs, q, retryQueue(q), errorQueue(q))
+	}
+	return qs
+}
+
+// Errors callers branch on.
+var (
+	ErrBrokerUnreachable = errors.New("broker unreachable")
+	ErrPublishTimeout    = errors.New("no publisher confirm in time")
+	ErrPublishNacked     = errors.New("broker refused the message")
+	ErrUnroutable        = errors.New("message routed to no queue")
+	ErrCallTimeout       = errors.New("AMQP call timed out")
+)
+
+// Queues is the AMQP side of switchyard: one connection per broker, shared by
+// every worker and the webhook endpoint, dialed on demand with backoff; channels
+// are opened per use.
+type Queues struct {
+	cfg   QueueConfig
+	log   *slog.Logger
+	conns []*brokerConn
+
+	// Backoff between failed dials of one broker, doubled per failure up to
+	// maxBackoff, with jitter. Fields so tests can shorten them.
+	minBackoff, maxBackoff time.Duration
+}
+
+// brokerConn is the one connection to one broker, and its publisher.
+type brokerConn struct {
+	broker *Broker
+	lock   chan struct{} // a mutex that a context can give up on
+
+	conn     *amqp.Connection
+	pub      *publisher
+	failures int
+	retryAt  time.Time
+	lastErr  error
+}
+
+// NewQueues prepares connections to the brokers; nothing is dialed yet.
+func NewQueues(cfg QueueConfig, brokers []*Broker, log *slog.Logger) *Queues {
+	q := &Queues{cfg: cfg, log: log, minBackoff: 200 * time.Millisecond, maxBackoff: 15 * time.Second}
+	for _, b := range brokers {
+		q.conns = append(q.conns, &brokerConn{broker: b, lock: make(chan struct{}, 1)})
+	}
+	return q
+}
+
+// Close closes every connection; whatever is in flight fails.
+func (q *Queues) Close() error {
+	var errs []error
+	for _, bc := range q.conns {
+		bc.lock <- struct{}{}
+		if bc.conn != nil && !bc.conn.IsClosed() {
+			if err := bc.conn.CloseDeadline(time.Now().Add(q.cfg.CallTimeout)); err != nil && !errors.Is(err, amqp.ErrClosed) {
+				errs = append(errs, fmt.Errorf("close %s: %w", bc.broker, err))
+			}
+		}
+		bc.conn, bc.pub = nil, nil
+		<-bc.lock
+	}
+	return errors.Join(errs...)
+}
+
+// conn returns the live connection to broker b, dialing it when there is none
+// and the backoff since the last failure has passed. Within the backoff it
+// fails at once, so a dead broker costs callers nothing.
+func (q *Queues) conn(ctx context.Context, b *Broker) (*amqp.Connection, *publisher, error) {
+	bc := q.conns[b.Index]
+	select {
+	case bc.lock <- struct{}{}:
+	case <-ctx.Done():
+		return nil, nil, ctx.Err()
+	}
+	defer func() { <-bc.lock }()
+
+	if bc.conn != nil && !bc.conn.IsClosed() {
+		return bc.conn, bc.pub, nil
+	}
+	if now := time.Now(); now.Before(bc.retryAt) {
+		return nil, nil, fmt.Errorf("%w: %s: %v (next try in %s)", ErrBrokerUnreachable, b, bc.lastErr, bc.retryAt.Sub(now).Round(time.Millisecond))
+	}
+	conn, err := q.dial(ctx, b)
+	if err != nil {
+		bc.failures++
+		backoff := min(q.minBackoff<<min(bc.failures-1, 16), q.maxBackoff)
+		backoff = backoff/2 + rand.N(backoff/2+1) // jitter: brokers restarting see no thundering herd
+		bc.retryAt, bc.lastErr = time.Now().Add(backoff), err
+		return nil, nil, fmt.Errorf("%w: %s: %v", ErrBrokerUnreachable, b, err)
+	}
+	if bc.failures > 0 {
+		q.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
+	}
+	bc.conn, bc.pub, bc.failures, bc.lastErr = conn, newPublisher(conn, q), 0, nil
+	return conn, bc.pub, nil
+}
+
+// dial opens one connection, bounded by call_timeout and ctx, and declares the
+// topology on it when configured to.
+func (q *Queues) dial(ctx context.Context, b *Broker) (*amqp.Connection, error) {
+	timeout := q.cfg.CallTimeout
+	if dl, ok := ctx.Deadline(); ok {
+		timeout = min(timeout, time.Until(dl))
+	}
+	if timeout <= 0 {
+		return nil, context.DeadlineExceeded
+	}
+	conn, err := amqp.DialConfig(b.URL, amqp.Config{
+		Heartbeat:  10 * time.Second,
+		Dial:       amqp.DefaultDial(timeout),
+		Properties: amqp.Table{"connection_name": "switchyard"},
+	})
+	if err != nil {
+		return nil, redactDialError(err)
+	}
+	if q.cfg.DeclareTopology {
+		if err := q.declareTopology(conn); err != nil {
+			_ = conn.CloseDeadline(time.Now().Add(time.Second))
+			return nil, fmt.Errorf("declare topology: %w", err)
+		}
+	}
+	return conn, nil
+}
+
+// redactDialError keeps the error's meaning but never the URL (and so never
+// the password) that some dial errors quote.
+func redactDialError(err error) error {
+	var aerr *amqp.Error
+	var nerr net.Error
+	switch {
+	case errors.As(err, &aerr):
+		return fmt.Errorf("%s (code %d)", aerr.Reason, aerr.Code)
+	case errors.As(err, &nerr):
+		return nerr
+	default:
+		return errors.New(err.Error())
+	}
+}
+
+// call runs one blocking AMQP call with call_timeout. amqp091-go's calls take
+// no context, and a broker that stops answering would hold them forever (the
+// heartbeat notices only after 30 s), so on timeout the connection is closed,
+// which fails every call waiting on it; the next use dials anew.
+func call[T any](q *Queues, conn *amqp.Connection, what string, fn func() (T, error)) (T, error) {
+	type result struct {
+		v   T
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		v, err := fn()
+		done <- result{v, err}
+	}()
+	t := time.NewTimer(q.cfg.CallTimeout)
+	defer t.Stop()
+	select {
+	case r := <-done:
+		return r.v, r.err
+	case <-t.C:
+		go func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
+		var zero T
+		return zero, fmt.Errorf("%s: %w after %s", what, ErrCallTimeout, q.cfg.CallTimeout)
+	}
+}
+
+// channel opens a channel on conn with call_timeout.
+func (q *Queues) channel(conn *amqp.Connection) (*amqp.Channel, error) {
+	return call(q, conn, "open channel", conn.Channel)
+}
+
+// closeChannel closes ch without waiting on a broker that does not answer.
+func (q *Queues) closeChannel(conn *amqp.Connection, ch *amqp.Channel) {
+	_, _ = call(q, conn, "close channel", func() (struct{}, error) { return struct{}{}, ch.Close() })
+}
+
+// declareTopology declares github-exchange, the 12 queues and the bindings.
+func (q *Queues) declareTopology(conn *amqp.Connection) error {
+	ch, err := q.channel(conn)
+	if err != nil {
+		return err
+	}
+	defer q.closeChannel(conn, ch)
+	_, err = call(q, conn, "declare", func() (struct{}, error) {
+		if err := ch.ExchangeDeclare(exchangeName, amqp.ExchangeFanout, true, false, false, false, nil); err != nil {
+			return struct{}{}, fmt.Errorf("exchange %s: %w", exchangeName, err)
+		}
+		for _, name := range logicalQueues {
+			for _, d := range []struct {
+				name string
+				args amqp.Table
+			}{
+				{name, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": retryQueue(name)}},
+				{retryQueue(name), amqp.Table{"x-message-ttl": q.cfg.RetryTTL.Milliseconds(),
+					"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name}},
+				{errorQueue(name), nil},
+			} {
+				if _, err := ch.QueueDeclare(d.name, true, false, false, false, d.args); err != nil {
+					return struct{}{}, fmt.Errorf("queue %s: %w", d.name, err)
+				}
+			}
+		}
+		for _, name := range []string{queueGitHub, queueDatabase} {
+			if err := ch.QueueBind(name, "", exchangeName, false, nil); err != nil {
+				return struct{}{}, fmt.Errorf("bind %s: %w", name, err)
+			}
+		}
+		return struct{}{}, nil
+	})
+	return err
+}
+
+// isNotFound reports a 404 from a passive declare: the queue does not exist.
+func isNotFound(err error) bool {
+	var aerr *amqp.Error
+	return errors.As(err, &aerr) && aerr.Code == amqp.NotFound
+}
+
+// ReadyCounts passive-declares each queue on broker b, each on a throwaway
+// channel (a 404 closes the channel), and returns its ready-message count. A
+// queue that does not exist counts as 0: CloudAMQP deletes idle queues.
+func (q *Queues) ReadyCounts(ctx context.Context, b *Broker, queues []string) (map[string]int, error) {
+	conn, _, err := q.conn(ctx, b)
+	if err != nil {
+		return nil, err
+	}
+	counts := make(map[string]int, len(queues))
+	for _, name := range queues {
+		n, err := q.readyCount(conn, name)
+		if err != nil {
+			return nil, fmt.Errorf("%s on %s: %w", name, b, err)
+		}
+		counts[name] = n
+	}
+	return counts, nil
+}
+
+func (q *Queues) readyCount(conn *amqp.Connection, name string) (int, error) {
+	ch, err := q.channel(conn)
+	if err != nil {
+		return 0, err
+	}
+	qi, err := call(q, conn, "passive declare "+name, func() (amqp.Queue, error) {
+		return ch.QueueDeclarePassive(name, true, false, false, false, nil)
+	})
+	if isNotFound(err) {
+		return 0, nil // the 404 closed the channel already
+	}
+	q.closeChannel(conn, ch)
+	if err != nil {
+		return 0, err
+	}
+	return qi.Messages, nil
+}
+
+// Drained reports whether broker b holds no ready message in the 4 main and 4
+// -retry queues. -error queues are terminal and do not count.
+func (q *Queues) Drained(ctx context.Context, b *Broker) (bool, error) {
+	var names []string
+	for _, name := range logicalQueues {
+		names = append(names, name, retryQueue(name))
+	}
+	counts, err := q.ReadyCounts(ctx, b, names)
+	if err != nil {
+		return false, err
+	}
+	for _, n := range counts {
+		if n > 0 {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// Reachable dials broker b if needed, for /readyz.
+func (q *Queues) Reachable(ctx context.Context, b *Broker) error {
+	_, _, err := q.conn(ctx, b)
+	return err
+}

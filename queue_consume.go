@@ -1,0 +1,216 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Handler processes one Event. It returns nil when done, ErrDuplicate when the
+// worker already finished this delivery, a permanentError when no retry can
+// help, and any other error for a transient failure. It must commit before it
+// returns nil: the message is acked right after.
+type Handler func(ctx context.Context, ev *Event) error
+
+// Outcome is how consuming one message ended (SPEC §5).
+type Outcome string
+
+const (
+	OutcomeDone      Outcome = "done"
+	OutcomeDuplicate Outcome = "duplicate"
+	OutcomeRetry     Outcome = "retry"
+	OutcomeError     Outcome = "error"
+)
+
+// handleTimeout bounds one message's processing. It does not follow the
+// worker's context: on shutdown the message in hand is finished and acked.
+const handleTimeout = 2 * time.Minute
+
+// deathCount is the attempt number of a message: the count of its x-death
+// entry for queue with reason rejected, i.e. how often it was nacked there.
+func deathCount(h amqp.Table, queue string) int64 {
+	deaths, _ := h["x-death"].([]any)
+	for _, d := range deaths {
+		t, ok := d.(amqp.Table)
+		if !ok || tableString(t, "queue") != queue || tableString(t, "reason") != "rejected" {
+			continue
+		}
+		switch n := t["count"].(type) {
+		case int64:
+			return n
+		case int32:
+			return int64(n)
+		case int:
+			return int64(n)
+		}
+	}
+	return 0
+}
+
+// settle decodes and handles one delivery taken from queue on broker b, then
+// ends it in exactly one of done, duplicate, retry or error, and acks or nacks
+// accordingly. Only a failure to ack or nack is returned: the channel is gone,
+// and the broker will deliver the message again.
+func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (Outcome, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
+	defer cancel()
+
+	ev, err := DecodeEvent(d)
+	if err == nil {
+		log = log.With("delivery_id", ev.DeliveryID, "event", ev.Name)
+		err = h(ctx, ev)
+	} else if d.MessageId != "" {
+		log = log.With("delivery_id", d.MessageId)
+	}
+
+	var perm *permanentError
+	switch {
+	case err == nil:
+		return OutcomeDone, d.Ack(false)
+	case errors.Is(err, ErrDuplicate):
+		log.Debug("duplicate delivery")
+		return OutcomeDuplicate, d.Ack(false)
+	case errors.As(err, &perm):
+		return q.toError(ctx, b, queue, d, perm.reason, 0, log)
+	}
+
+	attempts := deathCount(d.Headers, queue)
+	if attempts >= int64(q.cfg.MaxAttempts) {
+		return q.toError(ctx, b, queue, d, err.Error(), attempts+1, log)
+	}
+	log.Warn("transient failure, message will retry", "attempt", attempts+1, "error", err)
+	return OutcomeRetry, d.Nack(false, false)
+}
+
+// toError publishes the delivery to queue-error on the broker it came from,
+// with the reason, and acks it. If that publish fails the message is nacked
+// instead, so it retries rather than vanishing.
+func (q *Queues) toError(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, reason string, attempts int64, log *slog.Logger) (Outcome, error) {
+	headers := amqp.Table{}
+	for k, v := range d.Headers {
+		headers[k] = v
+	}
+	headers[hdrError] = reason
+	if attempts > 0 {
+		headers[hdrAttempts] = attempts
+	}
+	msg := amqp.Publishing{
+		Headers: headers, ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
+		DeliveryMode: amqp.Persistent, MessageId: d.MessageId, Timestamp: d.Timestamp, Type: d.Type,
+		CorrelationId: d.CorrelationId, AppId: d.AppId, Body: d.Body,
+	}
+	pctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
+	defer cancel()
+	if err := q.Publish(pctx, b, "", errorQueue(queue), msg); err != nil {
+		log.Error("cannot move message to error queue, it will retry", "reason", reason, "error", err)
+		return OutcomeRetry, d.Nack(false, false)
+	}
+	log.Error("message moved to error queue", "queue", errorQueue(queue), "reason", reason, "attempts", attempts)
+	return OutcomeError, d.Ack(false)
+}
+
+// Consume reads queue on broker b until the window ends, stop is closed, or ctx
+// is done, handling each message with h. A queue that does not exist is
+// treated as empty for the window. The message in hand is always finished.
+func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window time.Duration, stop <-chan struct{}, h Handler, log *slog.Logger) (int, error) {
+	conn, _, err := q.conn(ctx, b)
+	if err != nil {
+		return 0, err
+	}
+	ch, err := q.channel(conn)
+	if err != nil {
+		return 0, err
+	}
+	defer q.closeChannel(conn, ch)
+
+	timer := time.NewTimer(window)
+	defer timer.Stop()
+	deliveries, err := call(q, conn, "consume "+queue, func() (<-chan amqp.Delivery, error) {
+		if err := ch.Qos(q.cfg.Prefetch, 0, false); err != nil {
+			return nil, err
+		}
+		return ch.Consume(queue, "", false, false, false, false, nil)
+	})
+	if isNotFound(err) {
+		log.Warn("queue does not exist on broker, treating it as empty", "queue", queue)
+		select {
+		case <-ctx.Done():
+		case <-timer.C:
+		case <-stop:
+		}
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("consume %s on %s: %w", queue, b, err)
+	}
+
+	n := 0
+	for {
+		select {
+		case <-ctx.Done():
+			return n, nil
+		case <-timer.C:
+			return n, nil
+		case <-stop:
+			return n, nil
+		case d, ok := <-deliveries:
+			if !ok {
+				return n, fmt.Errorf("consume %s on %s: %w: channel closed", queue, b, ErrBrokerUnreachable)
+			}
+			if _, err := q.settle(b, queue, &d, h, log); err != nil {
+				return n, fmt.Errorf("settle on %s: %w", b, err)
+			}
+			n++
+		}
+	}
+}
+
+// Drain takes up to limit messages from queue on broker b with basic_get and
+// handles each like a consumed one, returning as soon as the queue is empty
+// instead of waiting out a window. It is the Leftover Drain of SPEC §8.
+func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, h Handler, log *slog.Logger) (int, error) {
+	if limit <= 0 {
+		return 0, nil
+	}
+	conn, _, err := q.conn(ctx, b)
+	if err != nil {
+		return 0, err
+	}
+	if ready, err := q.readyCount(conn, queue); err != nil || ready == 0 {
+		return 0, err
+	}
+	ch, err := q.channel(conn)
+	if err != nil {
+		return 0, err
+	}
+	defer q.closeChannel(conn, ch)
+	n := 0
+	for n < limit && ctx.Err() == nil {
+		type got struct {
+			d  amqp.Delivery
+			ok bool
+		}
+		g, err := call(q, conn, "get "+queue, func() (got, error) {
+			d, ok, err := ch.Get(queue, false)
+			return got{d, ok}, err
+		})
+		if isNotFound(err) {
+			return n, nil
+		}
+		if err != nil {
+			return n, fmt.Errorf("get %s on %s: %w", queue, b, err)
+		}
+		if !g.ok {
+			return n, nil
+		}
+		if _, err := q.settle(b, queue, &g.d, h, log); err != nil {
+			return n, fmt.Errorf("settle on %s: %w", b, err)
+		}
+		n++
+	}
+	return n, nil
+}

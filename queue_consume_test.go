@@ -1,0 +1,270 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+func TestDeathCount(t *testing.T) {
+	h := amqp.Table{"x-death": []any{
+		amqp.Table{"queue": "github-retry", "reason": "expired", "count": int64(3)},
+		amqp.Table{"queue": "github", "reason": "rejected", "count": int64(3)},
+		amqp.Table{"queue": "github-database", "reason": "rejected", "count": int64(7)},
+	}}
+	tests := []struct {
+		queue string
+		want  int64
+	}{{"github", 3}, {"github-database", 7}, {"github-hooks", 0}}
+	for _, tt := range tests {
+		if got := deathCount(h, tt.queue); got != tt.want {
+			t.Errorf("deathCount(%s): got %d, want %d", tt.queue, got, tt.want)
+		}
+	}
+	if got := deathCount(nil, "github"); got != 0 {
+		t.Errorf("no header: got %d, want 0", got)
+	}
+}
+
+// consumeUntil runs Consume windows on b until ctx ends.
+func consumeUntil(ctx context.Context, q *Queues, b *Broker, queue string, h Handler, log *slog.Logger) {
+	for ctx.Err() == nil {
+		if _, err := q.Consume(ctx, b, queue, time.Second, nil, h, log); err != nil {
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+}
+
+// A transient failure goes to -retry, comes back after retry_ttl, and after
+// max_attempts lands in -error with x-attempts; one that then succeeds is
+// stored exactly once.
+func TestRetryCycle(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.MaxAttempts = 3
+	store, err := OpenStore(context.Background(), cfg.Database)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	if _, _, err := store.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.NewTextHandler(&logSink{t: t}, nil))
+	brokers := mustBrokers(t, amqpURL(vhost))
+	q := NewQueues(cfg.Queue, brokers, log)
+	defer q.Close()
+
+	failing, flaky := newGUID(), newGUID()
+	var mu sync.Mutex
+	calls := map[string]int{}
+	service := serviceHandler(store, false)
+	h := func(ctx context.Context, ev *Event) error {
+		mu.Lock()
+		calls[ev.DeliveryID]++
+		n := calls[ev.DeliveryID]
+		mu.Unlock()
+		switch {
+		case ev.DeliveryID == failing:
+			return errors.New("database is locked (simulated)")
+		case ev.DeliveryID == flaky && n <= 2:
+			return errors.New("disk I/O error (simulated)")
+		}
+		return service(ctx, ev)
+	}
+	if err := q.Reachable(context.Background(), brokers[0]); err != nil {
+		t.Fatal(err)
+	}
+	body := loadFixture(t, "issues", "opened.payload.json")
+	publishRaw(t, vhost, exchangeName, "", eventMessage("issues", failing, body))
+	publishRaw(t, vhost, exchangeName, "", eventMessage("issues", flaky, body))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { consumeUntil(ctx, q, brokers[0], queueGitHub, h, log); close(done) }()
+	defer func() { cancel(); <-done }()
+
+	eventually(t, 30*time.Second, "failing message in github-error", func() bool { return ready(t, vhost, errorQueue(queueGitHub)) == 1 })
+	d := getOne(t, vhost, errorQueue(queueGitHub))
+	if d.MessageId != failing {
+		t.Errorf("error queue holds %s, want %s", d.MessageId, failing)
+	}
+	if got := tableString(d.Headers, hdrAttempts); got != "4" {
+		t.Errorf("x-attempts: got %q, want 4 (max_attempts 3, then the 4th failure)", got)
+	}
+	if got := tableString(d.Headers, hdrError); !strings.Contains(got, "database is locked") {
+		t.Errorf("x-error-reason: got %q", got)
+	}
+	if string(d.Body) != string(body) {
+		t.Errorf("error queue body differs from the original")
+	}
+	mu.Lock()
+	if calls[failing] != 4 {
+		t.Errorf("failing message handled %d times, want 4", calls[failing])
+	}
+	mu.Unlock()
+
+	eventually(t, 10*time.Second, "flaky message stored", func() bool {
+		var n int
+		_ = store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = ?", flaky).Scan(&n)
+		return n == 1
+	})
+	mu.Lock()
+	if calls[flaky] != 3 {
+		t.Errorf("flaky message handled %d times, want 3", calls[flaky])
+	}
+	mu.Unlock()
+	for _, name := range []string{queueGitHub, retryQueue(queueGitHub), errorQueue(queueGitHub)} {
+		if n := ready(t, vhost, name); n != 0 {
+			t.Errorf("%s: %d messages left, want 0", name, n)
+		}
+	}
+	var count int
+	_ = store.r.QueryRow("SELECT sum(count) FROM github_statistics_6h").Scan(&count)
+	if count != 1 {
+		t.Errorf("statistics: got %d, want 1 (the flaky message, counted once)", count)
+	}
+}
+
+// A malformed message lands in github-error with a reason, and the worker
+// keeps going.
+func TestMalformedMessages(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	d := startDaemon(t, cfg)
+	eventually(t, 10*time.Second, "topology declared", func() bool {
+		return d.queues.Reachable(context.Background(), d.brokers.List()[0]) == nil
+	})
+	body := loadFixture(t, "issues", "opened.payload.json")
+
+	bad := []struct {
+		name   string
+		msg    amqp.Publishing
+		reason string
+	}{
+		{"no delivery GUID", amqp.Publishing{Type: "issues", Body: body, Headers: amqp.Table{hdrEvent: "issues"}}, "no delivery GUID"},
+		{"no event", amqp.Publishing{MessageId: "no-event", Body: body}, "no event name"},
+		{"non-JSON body", eventMessage("issues", "non-json", []byte("<html>nope</html>")), "not a JSON object"},
+		{"truncated JSON", eventMessage("issues", "truncated", body[:len(body)/2]), "not valid JSON"},
+		{"empty body", eventMessage("issues", "empty", nil), "empty body"},
+	}
+	for _, b := range bad {
+		publishRaw(t, vhost, "", queueGitHub, b.msg)
+	}
+	good := newGUID()
+	publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", good, body))
+
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "good message stored after the bad ones", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", good) == 1
+	})
+	if n := ready(t, vhost, errorQueue(queueGitHub)); n != len(bad) {
+		t.Fatalf("github-error: got %d messages, want %d", n, len(bad))
+	}
+	for _, b := range bad {
+		m := getOne(t, vhost, errorQueue(queueGitHub))
+		if got := tableString(m.Headers, hdrError); !strings.Contains(got, b.reason) {
+			t.Errorf("%s: x-error-reason %q, want it to say %q", b.name, got, b.reason)
+		}
+	}
+	if got := queryInt(t, db, "SELECT count(*) FROM github"); got != 1 {
+		t.Errorf("github rows: got %d, want 1", got)
+	}
+}
+
+// The wrapped form {"headers": ..., "payload": ...} is read like a plain one.
+func TestDecodeWrappedMessage(t *testing.T) {
+	payload := loadFixture(t, "pull_request", "opened.payload.json")
+	body := []byte(`{"headers": {"X-GitHub-Event": "pull_request", "X-GitHub-Delivery": "wrapped-1",
+		"X-GitHub-Hook-ID": ["42"], "X-GitHub-Hook-Installation-Target-Type": "integration",
+		"X-GitHub-Hook-Installation-Target-ID": "9"}, "payload": ` + string(payload) + `}`)
+	ev, err := DecodeEvent(&amqp.Delivery{Body: body})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ev.DeliveryID != "wrapped-1" || ev.Name != "pull_request" || ev.Action != "opened" ||
+		ev.HookID != 42 || ev.TargetType != "integration" || ev.TargetID != 9 {
+		t.Errorf("got %+v", ev)
+	}
+	if string(ev.Payload) != strings.TrimSpace(string(payload)) {
+		t.Errorf("payload not unwrapped byte for byte")
+	}
+	// An object that merely has headers and payload among other keys is a
+	// plain payload.
+	plain := []byte(`{"headers": {}, "payload": {}, "action": "x"}`)
+	ev, err = DecodeEvent(&amqp.Delivery{Body: plain, MessageId: "p", Type: "custom"})
+	if err != nil || ev.Action != "x" || string(ev.Payload) != string(plain) {
+		t.Errorf("got %+v, %v", ev, err)
+	}
+}
+
+// Database writes failing (the file locked by another process past
+// busy_timeout): messages go to -retry, none is acked, none is lost.
+func TestDatabaseLockedRetries(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Database.BusyTimeout = 100 * time.Millisecond
+	cfg.Queue.MaxAttempts = 1000
+	d := startDaemon(t, cfg)
+
+	// Another process's connection holds the write lock.
+	locker, err := sql.Open("sqlite", "file:"+cfg.Database.Path+"?_pragma=busy_timeout(5000)")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Close()
+	conn, err := locker.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.ExecContext(context.Background(), "BEGIN IMMEDIATE"); err != nil {
+		t.Fatal(err)
+	}
+	body := loadFixture(t, "issues", "opened.payload.json")
+	var guids []string
+	for i := 0; i < 5; i++ {
+		g := newGUID()
+		guids = append(guids, g)
+		if code := postWebhook(t, d.URL, "issues", g, body); code != http.StatusAccepted {
+			t.Fatalf("got %d, want 202", code)
+		}
+	}
+	eventually(t, 20*time.Second, "a transient failure retried", func() bool {
+		return strings.Contains(d.logs.String(), "transient failure, message will retry")
+	})
+	time.Sleep(time.Second) // let a few retry cycles pass while locked
+	if _, err := conn.ExecContext(context.Background(), "ROLLBACK"); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close()
+
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 30*time.Second, "all stored once the lock goes", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github") == len(guids)
+	})
+	eventually(t, 30*time.Second, "database-service caught up", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries") == len(guids)
+	})
+	d.stop(t)
+	for _, g := range guids {
+		if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", g); n != 1 {
+			t.Errorf("delivery %s: %d rows, want 1", g, n)
+		}
+	}
+	if n := queryInt(t, db, "SELECT sum(count) FROM github_statistics_6h"); n != len(guids) {
+		t.Errorf("statistics: got %d, want %d", n, len(guids))
+	}
+	for _, q := range allQueues() {
+		if n := ready(t, vhost, q); n != 0 {
+			t.Errorf("%s: %d messages left", q, n)
+		}
+	}
+}

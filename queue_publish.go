@@ -1,0 +1,125 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// maxInFlight bounds the publishes awaiting a confirm on one broker. It also
+// bounds the returns that can wait in a publisher's buffer (see drainReturns).
+const maxInFlight = 512
+
+// publisher is one confirm-mode channel per broker connection, shared by every
+// concurrent publisher: confirms pipeline, each caller waiting on its own
+// deferred confirmation instead of a round trip per message on a channel of
+// its own.
+type publisher struct {
+	conn *amqp.Connection
+	q    *Queues
+	sem  chan struct{}
+
+	mu       sync.Mutex
+	ch       *amqp.Channel
+	returns  chan amqp.Return
+	returned map[string]int // message ids returned as unroutable, not yet claimed
+}
+
+func newPublisher(conn *amqp.Connection, q *Queues) *publisher {
+	return &publisher{conn: conn, q: q, sem: make(chan struct{}, maxInFlight)}
+}
+
+// channel returns the confirm channel, opening a new one when the last closed.
+func (p *publisher) channel() (*amqp.Channel, chan amqp.Return, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ch != nil && !p.ch.IsClosed() {
+		return p.ch, p.returns, nil
+	}
+	ch, err := p.q.channel(p.conn)
+	if err != nil {
+		return nil, nil, err
+	}
+	if _, err := call(p.q, p.conn, "confirm select", func() (struct{}, error) { return struct{}{}, ch.Confirm(false) }); err != nil {
+		p.q.closeChannel(p.conn, ch)
+		return nil, nil, err
+	}
+	p.ch = ch
+	p.returns = ch.NotifyReturn(make(chan amqp.Return, maxInFlight))
+	p.returned = map[string]int{}
+	return ch, p.returns, nil
+}
+
+// wasReturned claims a return for msgID. RabbitMQ sends basic.return before the
+// basic.ack of the same message, and amqp091-go hands the return to the
+// buffered channel before it processes the ack, so once a confirm is in, its
+// return (if any) is already in the buffer: draining it here, after the
+// confirm, cannot miss one. The buffer never fills, as at most maxInFlight
+// publishes are outstanding and each drains after its confirm.
+func (p *publisher) wasReturned(returns chan amqp.Return, msgID string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if returns != p.returns {
+		return false // the channel was replaced; its confirm was a real one
+	}
+	for {
+		select {
+		case r, ok := <-returns:
+			if !ok {
+				returns = nil
+				continue
+			}
+			p.returned[r.MessageId]++
+			continue
+		default:
+		}
+		break
+	}
+	if p.returned[msgID] > 0 {
+		p.returned[msgID]--
+		if p.returned[msgID] == 0 {
+			delete(p.returned, msgID)
+		}
+		return true
+	}
+	return false
+}
+
+// Publish sends msg to broker b and waits for its publisher confirm until ctx
+// ends. Messages are mandatory: one that reaches no queue (a queue deleted on
+// the broker) is an error, never a silent success.
+func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, msg amqp.Publishing) error {
+	_, p, err := q.conn(ctx, b)
+	if err != nil {
+		return err
+	}
+	select {
+	case p.sem <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
+	}
+	defer func() { <-p.sem }()
+
+	ch, returns, err := p.channel()
+	if err != nil {
+		return fmt.Errorf("publish to %s: %w", b, err)
+	}
+	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
+	if err != nil {
+		return fmt.Errorf("publish to %s: %w", b, err)
+	}
+	select {
+	case <-dc.Done():
+	case <-ctx.Done():
+		return fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
+	}
+	if !dc.Acked() {
+		return fmt.Errorf("publish to %s: %w", b, ErrPublishNacked)
+	}
+	if p.wasReturned(returns, msg.MessageId) {
+		return fmt.Errorf("publish to %s %q: %w", b, exchange+"/"+key, ErrUnroutable)
+	}
+	return nil
+}

@@ -1,0 +1,279 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	_ "embed"
+	"errors"
+	"fmt"
+	"net/url"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	_ "modernc.org/sqlite"
+)
+
+//go:embed schema.sql
+var schemaSQL string
+
+// Store is switchyard's SQLite database: one writer connection, so writes queue
+// in Go instead of contending for the file lock, and a small pool of read-only
+// connections for the API and health checks.
+type Store struct {
+	w    *sql.DB
+	r    *sql.DB
+	path string
+}
+
+// timeFormat is how every time is stored: RFC 3339 in UTC, with the fraction
+// when there is one, so text order is time order within one second's precision.
+const timeFormat = time.RFC3339Nano
+
+func formatTime(t time.Time) string { return t.UTC().Format(timeFormat) }
+
+// OpenStore opens (creating when needed) the database at cfg.Path with the
+// pragmas set on every connection, and checks that WAL mode really took.
+func OpenStore(ctx context.Context, cfg DatabaseConfig) (*Store, error) {
+	dsn := func(extra string) string {
+		q := url.Values{}
+		q.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", cfg.BusyTimeout.Milliseconds()))
+		q.Add("_pragma", "journal_mode(WAL)")
+		q.Add("_pragma", "foreign_keys(1)")
+		q.Add("_pragma", "synchronous("+strings.ToUpper(cfg.Synchronous)+")")
+		if extra != "" {
+			q.Add("_pragma", extra)
+		}
+		// A deferred transaction that later writes fails with SQLITE_BUSY
+		// without waiting; immediate ones wait busy_timeout for the lock.
+		q.Set("_txlock", "immediate")
+		return "file:" + cfg.Path + "?" + q.Encode()
+	}
+	w, err := sql.Open("sqlite", dsn(""))
+	if err != nil {
+		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
+	}
+	w.SetMaxOpenConns(1)
+	w.SetMaxIdleConns(1)
+	w.SetConnMaxIdleTime(0)
+	w.SetConnMaxLifetime(0)
+
+	var mode string
+	if err := w.QueryRowContext(ctx, "PRAGMA journal_mode").Scan(&mode); err != nil {
+		w.Close()
+		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
+	}
+	if mode != "wal" {
+		w.Close()
+		return nil, fmt.Errorf("open %s: journal_mode is %q, want wal", cfg.Path, mode)
+	}
+
+	r, err := sql.Open("sqlite", dsn("query_only(1)"))
+	if err != nil {
+		w.Close()
+		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
+	}
+	r.SetMaxOpenConns(4)
+	return &Store{w: w, r: r, path: cfg.Path}, nil
+}
+
+// Close closes both pools; the WAL is checkpointed by the last connection.
+func (s *Store) Close() error {
+	return errors.Join(s.r.Close(), s.w.Close())
+}
+
+// migration is one "-- migration N: ..." block of schema.sql.
+type migration struct {
+	version int
+	name    string
+	sql     string
+}
+
+var migrationHeader = regexp.MustCompile(`(?m)^-- migration (\d+): (.*)$`)
+
+// parseMigrations splits schema.sql into its numbered blocks, which must count
+// up from 1 without gaps.
+func parseMigrations(src string) ([]migration, error) {
+	locs := migrationHeader.FindAllStringSubmatchIndex(src, -1)
+	var ms []migration
+	for i, loc := range locs {
+		end := len(src)
+		if i+1 < len(locs) {
+			end = locs[i+1][0]
+		}
+		v, _ := strconv.Atoi(src[loc[2]:loc[3]])
+		if v != i+1 {
+			return nil, fmt.Errorf("schema.sql: migration %d out of order (want %d)", v, i+1)
+		}
+		ms = append(ms, migration{version: v, name: src[loc[4]:loc[5]], sql: src[loc[1]:end]})
+	}
+	return ms, nil
+}
+
+// Migrate brings the schema up to date, each migration in its own transaction
+// together with the user_version that records it. It returns the versions
+// before and after.
+func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
+	ms, err := parseMigrations(schemaSQL)
+	if err != nil {
+		return 0, 0, err
+	}
+	if err := s.w.QueryRowContext(ctx, "PRAGMA user_version").Scan(&from); err != nil {
+		return 0, 0, fmt.Errorf("read schema version: %w", err)
+	}
+	if from > len(ms) {
+		return from, from, fmt.Errorf("database schema version %d is newer than this binary knows (%d): upgrade switchyard", from, len(ms))
+	}
+	to = from
+	for _, m := range ms[from:] {
+		err := s.write(ctx, func(tx *sql.Tx) error {
+			if _, err := tx.ExecContext(ctx, m.sql); err != nil {
+				return err
+			}
+			_, err := tx.ExecContext(ctx, fmt.Sprintf("PRAGMA user_version = %d", m.version))
+			return err
+		})
+		if err != nil {
+			return from, to, fmt.Errorf("migration %d (%s): %w", m.version, m.name, err)
+		}
+		to = m.version
+	}
+	return from, to, nil
+}
+
+// write runs fn in one immediate transaction on the writer connection.
+func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	tx, err := s.w.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("begin: %w", err)
+	}
+	if err := fn(tx); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("commit: %w", err)
+	}
+	return nil
+}
+
+// Writable proves the database takes a write lock, for /readyz.
+func (s *Store) Writable(ctx context.Context) error {
+	return s.write(ctx, func(tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, "UPDATE settings SET value = value WHERE 0")
+		return err
+	})
+}
+
+// getSetting reads one settings row; a missing row reads as "".
+func getSetting(ctx context.Context, q interface {
+	QueryRowContext(context.Context, string, ...any) *sql.Row
+}, key string) (string, error) {
+	var v string
+	err := q.QueryRowContext(ctx, "SELECT value FROM settings WHERE key = ?", key).Scan(&v)
+	if errors.Is(err, sql.ErrNoRows) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("read setting %s: %w", key, err)
+	}
+	return v, nil
+}
+
+// setSetting writes one settings row inside tx.
+func setSetting(ctx context.Context, tx *sql.Tx, key, value string, now time.Time) error {
+	_, err := tx.ExecContext(ctx, `INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)
+		ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at`,
+		key, value, formatTime(now))
+	if err != nil {
+		return fmt.Errorf("write setting %s: %w", key, err)
+	}
+	return nil
+}
+
+// statisticsBucket is the start of the 6-hour UTC bucket holding t.
+func statisticsBucket(t time.Time) string {
+	t = t.UTC()
+	return time.Date(t.Year(), t.Month(), t.Day(), t.Hour()/6*6, 0, 0, 0, time.UTC).Format(time.RFC3339)
+}
+
+// nullInt stores 0 as NULL: GitHub ids are never 0, so 0 means "not given".
+func nullInt(v int64) any {
+	if v == 0 {
+		return nil
+	}
+	return v
+}
+
+// InsertEvent writes the raw Event and counts it in its 6-hour bucket, in one
+// transaction. It reports false, and changes nothing, when the delivery is
+// already stored: a retried or redelivered message must not count twice.
+func (s *Store) InsertEvent(ctx context.Context, ev *Event, forbidden bool) (inserted bool, err error) {
+	err = s.write(ctx, func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
+			target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at)
+			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (delivery_id) DO NOTHING`,
+			ev.DeliveryID, ev.Name, ev.Action, nullInt(ev.HookID), ev.TargetType, nullInt(ev.TargetID),
+			nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
+			string(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()))
+		if err != nil {
+			return fmt.Errorf("insert github: %w", err)
+		}
+		if n, _ := res.RowsAffected(); n == 0 {
+			return nil
+		}
+		inserted = true
+		_, err = tx.ExecContext(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES (?, ?, ?, 1)
+			ON CONFLICT (bucket, event, action) DO UPDATE SET count = count + 1`,
+			statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action)
+		if err != nil {
+			return fmt.Errorf("count statistics: %w", err)
+		}
+		return nil
+	})
+	return inserted, err
+}
+
+// MarkDelivery runs fn and records that worker finished the delivery, in one
+// transaction. It reports false, without running fn, when the worker already
+// finished it.
+func (s *Store) MarkDelivery(ctx context.Context, worker, deliveryID string, fn func(tx *sql.Tx) error) (done bool, err error) {
+	err = s.write(ctx, func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, `INSERT INTO worker_deliveries (worker, delivery_id, processed_at)
+			VALUES (?, ?, ?) ON CONFLICT DO NOTHING`, worker, deliveryID, formatTime(time.Now()))
+		if err != nil {
+			return fmt.Errorf("mark delivery: %w", err)
+		}
+		if n, _ := res.RowsAffected(); n == 0 {
+			return nil
+		}
+		done = true
+		if fn != nil {
+			return fn(tx)
+		}
+		return nil
+	})
+	return done, err
+}
+
+// Backup writes a consistent snapshot of the live database to dest with
+// VACUUM INTO, then checks the copy with integrity_check.
+func (s *Store) Backup(ctx context.Context, dest string) error {
+	if _, err := s.r.ExecContext(ctx, "VACUUM INTO ?", dest); err != nil {
+		return fmt.Errorf("vacuum into %s: %w", dest, err)
+	}
+	db, err := sql.Open("sqlite", "file:"+dest+"?mode=ro")
+	if err != nil {
+		return fmt.Errorf("open backup: %w", err)
+	}
+	defer db.Close()
+	var res string
+	if err := db.QueryRowContext(ctx, "PRAGMA integrity_check").Scan(&res); err != nil {
+		return fmt.Errorf("integrity_check %s: %w", dest, err)
+	}
+	if res != "ok" {
+		return fmt.Errorf("integrity_check %s: %s", dest, res)
+	}
+	return nil
+}

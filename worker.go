@@ -1,0 +1,130 @@
+package main
+
+import (
+	"context"
+	"log/slog"
+	"math/rand/v2"
+	"time"
+)
+
+// Worker runs the cycle of SPEC §8 for one queue: complete a drained Pending
+// Switch, drain leftovers from the other brokers, then consume the queue on the
+// active broker for one window.
+type Worker struct {
+	Name   string
+	Queue  string
+	Handle Handler
+	// Window is how long one cycle consumes the active broker.
+	Window time.Duration
+	// Every, when set, is the pause between cycles (cleanup runs hourly);
+	// zero runs cycles back to back.
+	Every time.Duration
+
+	cfg     WorkersConfig
+	brokers *Brokers
+	queues  *Queues
+	log     *slog.Logger
+}
+
+// newWorker builds a worker over the shared brokers and queues.
+func newWorker(name, queue string, h Handler, window, every time.Duration, cfg WorkersConfig, brokers *Brokers, queues *Queues, log *slog.Logger) *Worker {
+	return &Worker{Name: name, Queue: queue, Handle: h, Window: window, Every: every,
+		cfg: cfg, brokers: brokers, queues: queues, log: log.With("worker", name, "queue", queue)}
+}
+
+// Run repeats the cycle until ctx is done. A failed cycle is logged and tried
+// again after a backoff with jitter; it never ends the worker.
+func (w *Worker) Run(ctx context.Context) error {
+	failures := 0
+	for ctx.Err() == nil {
+		watch := w.brokers.Watch()
+		if err := w.cycle(ctx); err != nil && ctx.Err() == nil {
+			failures++
+			backoff := min(500*time.Millisecond<<min(failures-1, 10), 15*time.Second)
+			backoff = backoff/2 + rand.N(backoff/2+1)
+			w.log.Warn("cycle failed", "error", err, "retry_in", backoff.Round(time.Millisecond))
+			w.sleep(ctx, backoff, watch)
+			continue
+		}
+		failures = 0
+		if w.Every > 0 {
+			pause := w.Every
+			if w.brokers.Cached().Pending != nil {
+				pause = min(pause, w.cfg.PendingCheckInterval)
+			}
+			w.sleep(ctx, pause, watch)
+		}
+	}
+	return nil
+}
+
+// sleep waits d, or less when ctx ends or the broker state changes.
+func (w *Worker) sleep(ctx context.Context, d time.Duration, watch <-chan struct{}) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	case <-watch:
+	}
+}
+
+// cycle is one pass of SPEC §8, steps 1 to 4.
+func (w *Worker) cycle(ctx context.Context) error {
+	watch := w.brokers.Watch()
+	st, err := w.brokers.State(ctx)
+	if err != nil {
+		return err
+	}
+	if st.Pending != nil {
+		flipped, err := w.brokers.CompleteIfDrained(ctx, w.queues.Drained)
+		if err != nil {
+			w.log.Warn("pending switch waits: cannot verify the active broker is drained",
+				"active", st.Active, "target", st.Pending.Index, "error", err)
+		}
+		if flipped {
+			watch = w.brokers.Watch()
+			if st, err = w.brokers.State(ctx); err != nil {
+				return err
+			}
+		}
+	}
+
+	w.drainLeftovers(ctx, st)
+
+	window := w.Window
+	if st.Pending != nil {
+		window = min(window, w.cfg.PendingCheckInterval)
+	}
+	active, err := w.brokers.Get(st.Active)
+	if err != nil {
+		return err
+	}
+	_, err = w.queues.Consume(ctx, active, w.Queue, window, watch, w.Handle, w.log.With("broker", active.String()))
+	return err
+}
+
+// drainLeftovers takes this worker's queue from every broker except the active
+// one and a Pending Switch's target, up to leftover_drain_limit messages in
+// all. Those messages are older than anything on the active broker, so they go
+// first. A broker that cannot be reached is a warning, never a failed cycle.
+func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState) {
+	remaining := w.cfg.LeftoverDrainLimit
+	for _, b := range w.brokers.List() {
+		if remaining <= 0 || ctx.Err() != nil {
+			return
+		}
+		if b.Index == st.Active || (st.Pending != nil && b.Index == st.Pending.Index) {
+			continue
+		}
+		log := w.log.With("broker", b.String())
+		n, err := w.queues.Drain(ctx, b, w.Queue, remaining, w.Handle, log)
+		remaining -= n
+		if n > 0 {
+			log.Info("leftover drain", "messages", n)
+		}
+		if err != nil {
+			log.Warn("leftover drain skipped broker", "error", err)
+		}
+	}
+}
