@@ -328,3 +328,67 @@ func TestWebhookBrokerUnavailable(t *testing.T) {
 		t.Errorf("rows: got %d, want only the first delivery", got)
 	}
 }
+
+func TestVerifySignature(t *testing.T) {
+	cfg := testConfig(t, amqpURL("x"))
+	cfg.GitHub.PreviousWebhookSecrets = []string{"old-secret"}
+	wh, err := NewWebhook(cfg, nil, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := []byte(`{"zen":"Keep it logically awesome."}`)
+	tests := []struct {
+		name, header string
+		want         bool
+	}{
+		{"current secret", sign(testSecret, body), true},
+		{"previous secret", sign("old-secret", body), true},
+		{"unknown secret", sign("nope", body), false},
+		{"empty", "", false},
+		{"no prefix", strings.TrimPrefix(sign(testSecret, body), "sha256="), false},
+		{"not hex", "sha256=zz", false},
+		{"truncated", sign(testSecret, body)[:20], false},
+		{"other body", sign(testSecret, []byte(`{}`)), false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := wh.verifySignature(body, tt.header); got != tt.want {
+				t.Errorf("got %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestSourceIP(t *testing.T) {
+	cfg := testConfig(t, amqpURL("x"))
+	cfg.Server.TrustedProxies = []string{"10.0.0.0/8", "127.0.0.1"}
+	wh, err := NewWebhook(cfg, nil, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name, peer string
+		xff        []string
+		want       string
+	}{
+		{"direct peer", "140.82.115.4:5555", nil, "140.82.115.4"},
+		{"untrusted peer's XFF is ignored", "203.0.113.9:5555", []string{"140.82.115.4"}, "203.0.113.9"},
+		{"trusted proxy", "127.0.0.1:5555", []string{"140.82.115.4"}, "140.82.115.4"},
+		{"right-most untrusted hop", "127.0.0.1:5555", []string{"1.2.3.4, 140.82.115.4, 10.1.2.3"}, "140.82.115.4"},
+		{"several headers", "127.0.0.1:5555", []string{"1.2.3.4", "140.82.115.5"}, "140.82.115.5"},
+		{"garbled hop stops the walk", "127.0.0.1:5555", []string{"140.82.115.4, garbage, 10.0.0.1"}, "10.0.0.1"},
+		{"IPv6 peer", "[2606:50c0::1]:443", nil, "2606:50c0::1"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, _ := http.NewRequest(http.MethodPost, "/", nil)
+			r.RemoteAddr = tt.peer
+			for _, v := range tt.xff {
+				r.Header.Add("X-Forwarded-For", v)
+			}
+			if got := wh.sourceIP(r).String(); got != tt.want {
+				t.Errorf("got %s, want %s", got, tt.want)
+			}
+		})
+	}
+}
