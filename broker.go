@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -141,6 +142,9 @@ func (bs *Brokers) Get(i int) (*Broker, error) {
 // URL decoding, "" and "/" alike. Never by index: the producer's list and ours
 // need not be in the same order.
 func (bs *Brokers) Match(host, vhost string) (*Broker, error) {
+	if v, err := url.PathUnescape(vhost); err == nil {
+		vhost = v
+	}
 	vhost = normalizeVhost(vhost)
 	for _, b := range bs.list {
 		if strings.EqualFold(b.Host, host) && b.Vhost == vhost {

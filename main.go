@@ -217,7 +217,7 @@ func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, stdout io.Wr
 		}
 		brokers = append(brokers, b)
 	}
-	queues := NewQueues(cfg.Queue, brokers, log)
+	queues := operatorQueues(cfg, brokers, log)
 	defer queues.Close()
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "BROKER\tQUEUE\tREADY")
@@ -240,6 +240,15 @@ func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, stdout io.Wr
 		return errors.New("no broker reachable")
 	}
 	return nil
+}
+
+// operatorQueues is the AMQP side for the queues and replay commands. They
+// work on the queues as they are, so they never declare (and never fail on a
+// declare that the running daemon's retry_ttl would contradict).
+func operatorQueues(cfg *Config, brokers []*Broker, log *slog.Logger) *Queues {
+	qcfg := cfg.Queue
+	qcfg.DeclareTopology = false
+	return NewQueues(qcfg, brokers, log)
 }
 
 // replay moves messages from QUEUE-error back to QUEUE on the active broker:
@@ -275,7 +284,7 @@ func replay(ctx context.Context, cfg *Config, log *slog.Logger, queue string, li
 	if err != nil {
 		return err
 	}
-	queues := NewQueues(cfg.Queue, brokers.List(), log)
+	queues := operatorQueues(cfg, brokers.List(), log)
 	defer queues.Close()
 	n, err := queues.Replay(ctx, b, queue, limit)
 	fmt.Fprintf(stdout, "replayed %d message(s) from %s to %s on %s\n", n, errorQueue(queue), queue, b)

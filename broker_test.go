@@ -1,0 +1,715 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+func TestParseBrokerAndMatch(t *testing.T) {
+	bs := &Brokers{}
+	for i, u := range []string{
+		"amqps://u:p@A.example.com/vh%2Fone",
+		"amqp://u:p@b.example.com",
+		"amqp://u:p@b.example.com:5673/prod",
+	} {
+		b, err := ParseBroker(i, u)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bs.list = append(bs.list, b)
+	}
+	if b := bs.list[0]; b.Port != 5671 || b.Vhost != "vh/one" || b.Host != "A.example.com" {
+		t.Errorf("broker 0: got %+v", b)
+	}
+	tests := []struct {
+		host, vhost string
+		want        int
+	}{
+		{"a.example.com", "vh/one", 0},
+		{"A.EXAMPLE.COM", "vh/one", 0},
+		{"a.example.com", "vh%2Fone", 0},
+		{"b.example.com", "", 1},
+		{"b.example.com", "/", 1},
+		{"B.example.com", "prod", 2},
+		{"b.example.com", "other", -1},
+		{"c.example.com", "/", -1},
+	}
+	for _, tt := range tests {
+		b, err := bs.Match(tt.host, tt.vhost)
+		switch {
+		case tt.want < 0 && err == nil:
+			t.Errorf("Match(%q, %q): got broker %d, want ErrUnknownBroker", tt.host, tt.vhost, b.Index)
+		case tt.want >= 0 && (err != nil || b.Index != tt.want):
+			t.Errorf("Match(%q, %q): got %v %v, want %d", tt.host, tt.vhost, b, err, tt.want)
+		}
+	}
+	for _, bad := range []string{"", "http://x/", "amqp://u:p@h:notaport/"} {
+		if _, err := ParseBroker(0, bad); err == nil {
+			t.Errorf("ParseBroker(%q): got no error", bad)
+		}
+	}
+}
+
+// apiCall sends a JSON request to the admin API.
+func apiCall(t testing.TB, method, url, token, body string) (int, map[string]any) {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	code, raw := do(t, req)
+	var m map[string]any
+	if err := json.Unmarshal([]byte(raw), &m); err != nil {
+		t.Fatalf("%s %s: answer is not a JSON object: %q", method, url, raw)
+	}
+	return code, m
+}
+
+func notification(host, vhost string, at time.Time) string {
+	return fmt.Sprintf(`{"host": %q, "vhost": %q, "switchedAt": %q}`, host, vhost, at.UTC().Format(time.RFC3339))
+}
+
+// activeIndex reads the active broker from GET /api/v1/broker.
+func activeIndex(t testing.TB, url string) int {
+	t.Helper()
+	code, m := apiCall(t, http.MethodGet, url+"/api/v1/broker", "operator-token", "")
+	if code != 200 {
+		t.Fatalf("GET /api/v1/broker: %d %v", code, m)
+	}
+	return int(m["active"].(map[string]any)["index"].(float64))
+}
+
+// The admin API: tokens, statuses, the JSON of SPEC §7, stale notifications
+// and cancelling.
+func TestBrokerAPI(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	d := startDaemon(t, cfg)
+	base := d.URL + "/api/v1/broker"
+	t0 := time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
+
+	auth := []struct {
+		name, method, path, token, body string
+		want                            int
+	}{
+		{"no token", "GET", "", "", "", 401},
+		{"wrong token", "GET", "", "nope", "", 401},
+		{"producer on status", "GET", "", "producer-token", "", 403},
+		{"producer on switch", "POST", "/switch/1", "producer-token", "", 403},
+		{"producer on cancel", "DELETE", "/pending-switch", "producer-token", "", 403},
+		{"wrong token on notify", "POST", "/pending-switch", "nope", notification("127.0.0.1", b, t0), 401},
+		{"switch index not an integer", "POST", "/switch/one", "operator-token", "", 400},
+		{"switch index out of range", "POST", "/switch/7", "operator-token", "", 404},
+		{"switch index negative", "POST", "/switch/-1", "operator-token", "", 404},
+		{"notify malformed JSON", "POST", "/pending-switch", "producer-token", `{"host": `, 400},
+		{"notify missing switchedAt", "POST", "/pending-switch", "producer-token", `{"host": "127.0.0.1", "vhost": "x"}`, 400},
+		{"notify missing vhost", "POST", "/pending-switch", "producer-token", `{"host": "127.0.0.1", "switchedAt": "2026-11-29T10:00:00Z"}`, 400},
+		{"notify bad time", "POST", "/pending-switch", "producer-token", `{"host": "127.0.0.1", "vhost": "x", "switchedAt": "yesterday"}`, 400},
+		{"notify unknown host", "POST", "/pending-switch", "producer-token", notification("c.example.com", b, t0), 404},
+		{"notify unknown vhost", "POST", "/pending-switch", "producer-token", notification("127.0.0.1", "nope", t0), 404},
+		{"notify too large", "POST", "/pending-switch", "producer-token", `{"host": "` + strings.Repeat("a", maxAdminBody) + `"}`, 413},
+	}
+	for _, tt := range auth {
+		t.Run(tt.name, func(t *testing.T) {
+			code, m := apiCall(t, tt.method, base+tt.path, tt.token, tt.body)
+			if code != tt.want {
+				t.Errorf("got %d %v, want %d", code, m, tt.want)
+			}
+			if _, ok := m["error"].(string); !ok {
+				t.Errorf("answer %v has no error", m)
+			}
+		})
+	}
+	if got := activeIndex(t, d.URL); got != 0 {
+		t.Fatalf("bad requests moved the broker to %d", got)
+	}
+
+	// GET: the shape of SPEC §7.
+	code, m := apiCall(t, "GET", base, "operator-token", "")
+	if code != 200 || m["pending_switch"] != nil || m["last_switch"] != nil {
+		t.Fatalf("GET: %d %v", code, m)
+	}
+	list := m["brokers"].([]any)
+	if len(list) != 2 {
+		t.Fatalf("brokers: %v", list)
+	}
+	first := list[0].(map[string]any)
+	if first["host"] != "127.0.0.1" || first["port"] != float64(5672) || first["vhost"] != a || first["active"] != true || first["pending"] != false {
+		t.Errorf("brokers[0]: %v", first)
+	}
+
+	// Accepted notification for another broker: 202 pending. The producer may
+	// send the vhost URL-encoded or not, the host in any case.
+	code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token", notification("127.0.0.1", b, t0))
+	if code != 202 || m["status"] != "pending" {
+		t.Fatalf("notify B: %d %v", code, m)
+	}
+	ps := m["pending_switch"].(map[string]any)
+	if ps["index"] != float64(1) || ps["vhost"] != b || ps["switched_at"] != "2026-11-29T10:00:00Z" || ps["recorded_at"] == "" {
+		t.Errorf("pending_switch: %v", ps)
+	}
+	// The same notification again, and an older one: stale, nothing changes.
+	for _, at := range []time.Time{t0, t0.Add(-time.Minute)} {
+		code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token", notification("127.0.0.1", b, at))
+		if code != 200 || m["status"] != "ignored" || m["reason"] != "stale" {
+			t.Errorf("stale notify at %s: %d %v", at, code, m)
+		}
+	}
+	// DELETE cancels without moving; a second DELETE has nothing to cancel.
+	code, m = apiCall(t, "DELETE", base+"/pending-switch", "operator-token", "")
+	if code != 200 || m["cancelled"] != true || m["pending_switch"] != nil || m["active"].(map[string]any)["index"] != float64(0) {
+		t.Errorf("DELETE: %d %v", code, m)
+	}
+	code, m = apiCall(t, "DELETE", base+"/pending-switch", "operator-token", "")
+	if code != 200 || m["cancelled"] != false {
+		t.Errorf("second DELETE: %d %v", code, m)
+	}
+	// A notification naming the active broker: 200 active.
+	code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token", notification("127.0.0.1", a, t0.Add(time.Minute)))
+	if code != 200 || m["status"] != "active" {
+		t.Errorf("notify active: %d %v", code, m)
+	}
+
+	// Operator switch: moves now, drops the pending switch, and a late copy
+	// of the notification that preceded it cannot undo it.
+	t1 := t0.Add(2 * time.Minute)
+	if code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token", notification("127.0.0.1", b, t1)); code != 202 {
+		t.Fatalf("notify B again: %d %v", code, m)
+	}
+	if _, _, err := d.brokers.CancelPending(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	code, m = apiCall(t, "POST", base+"/switch/1", "operator-token", "")
+	if code != 200 || m["active"].(map[string]any)["index"] != float64(1) || m["pending_switch"] != nil {
+		t.Fatalf("switch/1: %d %v", code, m)
+	}
+	ls := m["last_switch"].(map[string]any)
+	if ls["from"] != float64(0) || ls["to"] != float64(1) || ls["reason"] != "operator" {
+		t.Errorf("last_switch: %v", ls)
+	}
+	code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token", notification("127.0.0.1", a, t1))
+	if code != 200 || m["status"] != "ignored" {
+		t.Errorf("late notification after operator switch: %d %v", code, m)
+	}
+	if got := activeIndex(t, d.URL); got != 1 {
+		t.Errorf("active after late notification: got %d, want 1", got)
+	}
+	// The settings rows are what SPEC §8 names.
+	db := openDB(t, cfg.Database.Path)
+	var pending, watermark string
+	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.pending_switch'").Scan(&pending); err != nil || pending != "" {
+		t.Errorf("broker.pending_switch: %q %v, want \"\"", pending, err)
+	}
+	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.switch_watermark'").Scan(&watermark); err != nil || watermark != "2026-11-29T10:02:00Z" {
+		t.Errorf("broker.switch_watermark: %q %v", watermark, err)
+	}
+}
+
+// A stored pending target that is no longer configured reads as none.
+func TestPendingTargetNoLongerConfigured(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	ctx := context.Background()
+	store, err := OpenStore(ctx, cfg.Database)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.DiscardHandler)
+	bs, err := NewBrokers(ctx, cfg.Brokers, store, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := bs.Notify(ctx, "127.0.0.1", b, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	// Broker b is dropped from the config.
+	bs2, err := NewBrokers(ctx, cfg.Brokers[:1], store, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := bs2.State(ctx)
+	if err != nil || st.Pending != nil || st.Active != 0 {
+		t.Errorf("got %+v %v, want no pending switch", st, err)
+	}
+}
+
+// publishN publishes n deliveries through github-exchange on vhost, as the
+// producer does, and returns their GUIDs.
+func publishN(t testing.TB, vhost, prefix string, n int) []string {
+	t.Helper()
+	ch := amqpChannel(t, vhost)
+	defer ch.Close()
+	if err := ch.Confirm(false); err != nil {
+		t.Fatal(err)
+	}
+	body := loadFixture(t, "pull_request", "synchronize.payload.json")
+	var guids []string
+	var dcs []*amqp.DeferredConfirmation
+	for i := 0; i < n; i++ {
+		g := fmt.Sprintf("%s-%03d-%s", prefix, i, randHex(4))
+		dc, err := ch.PublishWithDeferredConfirm(exchangeName, "", true, false, eventMessage("pull_request", g, body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		dcs = append(dcs, dc)
+		guids = append(guids, g)
+	}
+	for _, dc := range dcs {
+		if !dc.Wait() {
+			t.Fatal("publish not confirmed")
+		}
+	}
+	return guids
+}
+
+// idRange returns the lowest and highest github.id of the deliveries, i.e.
+// their commit order.
+func idRange(t testing.TB, dbPath string, guids []string) (lo, hi int) {
+	t.Helper()
+	db := openDB(t, dbPath)
+	lo, hi = 1<<62, -1
+	for _, g := range guids {
+		id := queryInt(t, db, "SELECT id FROM github WHERE delivery_id = ?", g)
+		lo, hi = min(lo, id), max(hi, id)
+	}
+	return lo, hi
+}
+
+// storedAll waits until every delivery is in github and was seen by
+// database-service.
+func storedAll(t testing.TB, dbPath string, guids []string, timeout time.Duration) {
+	t.Helper()
+	db := openDB(t, dbPath)
+	want := map[string]bool{}
+	for _, g := range guids {
+		want[g] = true
+	}
+	eventually(t, timeout, fmt.Sprintf("%d deliveries stored", len(guids)), func() bool {
+		n := 0
+		for g := range want {
+			n += queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", g)
+		}
+		m := 0
+		for g := range want {
+			m += queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", g)
+		}
+		return n == len(want) && m == len(want)
+	})
+}
+
+// Producer rotates A -> B: everything on A, including what waits in
+// github-retry, is processed before anything published to B, and the flip
+// waits for A's main and retry queues but not for its -error queues.
+func TestProducerRotation(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	retryTTL := 3 * time.Second
+	declareTestTopology(t, a, retryTTL)
+	declareTestTopology(t, b, retryTTL)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	cfg.Queue.RetryTTL = retryTTL
+
+	onA := publishN(t, a, "a", 20)
+	body := loadFixture(t, "issues", "closed.payload.json")
+	var retrying []string
+	for _, q := range []string{queueGitHub, queueDatabase} {
+		g := "a-retry-" + q + "-" + randHex(4)
+		msg := eventMessage("issues", g, body)
+		publishRaw(t, a, "", retryQueue(q), msg)
+		retrying = append(retrying, g)
+	}
+	// The same delivery must reach both queues to be "stored" by both
+	// workers; the retry copies above each went to one queue only, so give
+	// each its twin in the other queue's retry.
+	publishRaw(t, a, "", retryQueue(queueDatabase), eventMessage("issues", retrying[0], body))
+	publishRaw(t, a, "", retryQueue(queueGitHub), eventMessage("issues", retrying[1], body))
+	publishRaw(t, a, "", errorQueue(queueGitHub), eventMessage("issues", "a-dead", body))
+
+	d := startDaemon(t, cfg)
+	t0 := time.Now().UTC().Truncate(time.Second)
+	code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token", notification("127.0.0.1", b, t0))
+	if code != 202 {
+		t.Fatalf("notify: %d %v", code, m)
+	}
+	// The producer now publishes to B, and so does the webhook endpoint.
+	onB := publishN(t, b, "b", 20)
+	viaWebhook := newGUID()
+	if code := postWebhook(t, d.URL, "pull_request", viaWebhook, loadFixture(t, "pull_request", "synchronize.payload.json")); code != 202 {
+		t.Fatalf("webhook: %d", code)
+	}
+	onB = append(onB, viaWebhook)
+
+	// While A's retry queues hold messages, the switch stays pending.
+	time.Sleep(time.Second)
+	if got := activeIndex(t, d.URL); got != 0 {
+		t.Fatalf("flipped to %d while A's retry queues were not empty", got)
+	}
+
+	all := append(append(append([]string{}, onA...), retrying...), onB...)
+	storedAll(t, cfg.Database.Path, all, 60*time.Second)
+	_, hiA := idRange(t, cfg.Database.Path, append(append([]string{}, onA...), retrying...))
+	loB, _ := idRange(t, cfg.Database.Path, onB)
+	if hiA >= loB {
+		t.Errorf("order broken: a message from A committed (id %d) after one from B (id %d)", hiA, loB)
+	}
+	code, m = apiCall(t, "GET", d.URL+"/api/v1/broker", "operator-token", "")
+	ls, _ := m["last_switch"].(map[string]any)
+	if code != 200 || m["active"].(map[string]any)["index"] != float64(1) || m["pending_switch"] != nil ||
+		ls == nil || ls["reason"] != "drained" || ls["from"] != float64(0) || ls["to"] != float64(1) {
+		t.Fatalf("after the drain: %d %v", code, m)
+	}
+	if n := ready(t, a, errorQueue(queueGitHub)); n != 1 {
+		t.Errorf("A's github-error: got %d, want the 1 dead message left alone", n)
+	}
+}
+
+// Double rotation A -> B -> C before the first flip: B is never read while it
+// is the pending target; once C is the target, B's stranded messages are
+// taken by the Leftover Drain; nothing is left anywhere.
+func TestDoubleRotation(t *testing.T) {
+	a, b, c := newVhost(t), newVhost(t), newVhost(t)
+	retryTTL := 3 * time.Second
+	for _, v := range []string{a, b, c} {
+		declareTestTopology(t, v, retryTTL)
+	}
+	cfg := testConfig(t, amqpURL(a), amqpURL(b), amqpURL(c))
+	cfg.Queue.RetryTTL = retryTTL
+
+	onA := publishN(t, a, "a", 10)
+	// Something in A's retry keeps A from draining for retry_ttl.
+	holdA := "a-hold-" + randHex(4)
+	body := loadFixture(t, "issues", "closed.payload.json")
+	publishRaw(t, a, "", retryQueue(queueGitHub), eventMessage("issues", holdA, body))
+	publishRaw(t, a, "", retryQueue(queueDatabase), eventMessage("issues", holdA, body))
+	onB := publishN(t, b, "b", 10)
+
+	d := startDaemon(t, cfg)
+	t0 := time.Now().UTC().Truncate(time.Second)
+	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token", notification("127.0.0.1", b, t0)); code != 202 {
+		t.Fatalf("notify B: %d %v", code, m)
+	}
+	time.Sleep(time.Second)
+	for _, q := range []string{queueGitHub, queueDatabase} {
+		if n := ready(t, b, q); n != len(onB) {
+			t.Fatalf("B's %s was read while B was the pending target: %d of %d left", q, n, len(onB))
+		}
+	}
+	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token", notification("127.0.0.1", c, t0.Add(time.Second))); code != 202 {
+		t.Fatalf("notify C: %d %v", code, m)
+	}
+	onC := publishN(t, c, "c", 10)
+
+	all := append(append(append(append([]string{}, onA...), holdA), onB...), onC...)
+	storedAll(t, cfg.Database.Path, all, 60*time.Second)
+	_, hiAB := idRange(t, cfg.Database.Path, append(append(append([]string{}, onA...), holdA), onB...))
+	loC, _ := idRange(t, cfg.Database.Path, onC)
+	if hiAB >= loC {
+		t.Errorf("order broken: a message from A or B committed (id %d) after one from C (id %d)", hiAB, loC)
+	}
+	if got := activeIndex(t, d.URL); got != 2 {
+		t.Errorf("active: got %d, want 2", got)
+	}
+	d.stop(t)
+	for _, v := range []string{a, b, c} {
+		for _, q := range allQueues() {
+			if n := ready(t, v, q); n != 0 {
+				t.Errorf("%s on %s: %d messages left", q, v, n)
+			}
+		}
+	}
+}
+
+// An operator switch ends every worker's window at once: with 1-minute windows
+// and an hourly cleanup, all three workers read the new broker within 5 s.
+func TestOperatorSwitchMovesWorkers(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	declareTestTopology(t, b, 200*time.Millisecond)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	cfg.Workers.Window = time.Minute
+	cfg.Workers.CleanupEvery = time.Hour
+	cfg.Workers.CleanupWindow = time.Minute
+	d := startDaemon(t, cfg)
+	// Let every worker settle into its window on A.
+	time.Sleep(time.Second)
+
+	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/switch/1", "operator-token", ""); code != 200 {
+		t.Fatalf("switch: %d %v", code, m)
+	}
+	switched := time.Now()
+	onB := publishN(t, b, "b", 3)
+	forbidden := "forbidden-" + randHex(4)
+	publishRaw(t, b, "", queueForbidden, eventMessage("issues", forbidden, loadFixture(t, "issues", "opened.payload.json")))
+
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 10*time.Second, "all workers reading B", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE forbidden = 0") == len(onB) &&
+			queryInt(t, db, "SELECT count(*) FROM github WHERE forbidden = 1") == 1 &&
+			queryInt(t, db, "SELECT count(*) FROM worker_deliveries") == len(onB)
+	})
+	// The promise is "within seconds"; the assertion above has slack, so the
+	// 5 s of the issue is checked here, and only once the work is done.
+	if took := time.Since(switched); took > 5*time.Second {
+		t.Errorf("workers took %s to follow the operator switch, want under 5s", took)
+	}
+}
+
+// Active broker unreachable while a switch is pending: no flip and a warning;
+// once it is back and drained, the flip. A spare broker that is down does not
+// fail a cycle.
+func TestPendingSwitchWaitsForUnreachableActive(t *testing.T) {
+	a, b, spare := newVhost(t), newVhost(t), newVhost(t)
+	declareTestTopology(t, b, 200*time.Millisecond)
+	proxyA := newTCPProxy(t, "127.0.0.1:5672")
+	proxySpare := newTCPProxy(t, "127.0.0.1:5672")
+	proxySpare.Close() // the spare is down from the start
+	cfg := testConfig(t, proxyA.URL(a), amqpURL(b), proxySpare.URL(spare))
+	d := startDaemon(t, cfg)
+
+	// Messages on A are processed while the spare is down: its drain is a
+	// warning, not a failed cycle.
+	onA := publishN(t, a, "a", 3)
+	storedAll(t, cfg.Database.Path, onA, 20*time.Second)
+	if !strings.Contains(d.logs.String(), "leftover drain skipped broker") {
+		t.Errorf("no warning about the unreachable spare")
+	}
+	if strings.Contains(d.logs.String(), "cycle failed") {
+		t.Errorf("a cycle failed because of the spare")
+	}
+
+	proxyA.Close()
+	t0 := time.Now().UTC().Truncate(time.Second)
+	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token", notification("127.0.0.1", b, t0)); code != 202 {
+		t.Fatalf("notify: %d %v", code, m)
+	}
+	eventually(t, 10*time.Second, "a warning that the switch waits", func() bool {
+		return strings.Contains(d.logs.String(), "pending switch waits")
+	})
+	time.Sleep(time.Second)
+	if got := activeIndex(t, d.URL); got != 0 {
+		t.Fatalf("flipped to %d while the active broker was unreachable", got)
+	}
+
+	proxyA.Reopen()
+	eventually(t, 30*time.Second, "the flip once A is back", func() bool { return activeIndex(t, d.URL) == 1 })
+	onB := publishN(t, b, "b", 3)
+	storedAll(t, cfg.Database.Path, onB, 20*time.Second)
+}
+
+// Four workers checking the drain at the same moment produce one flip and one
+// last_switch.
+func TestConcurrentDrainChecks(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	ctx := context.Background()
+	store, err := OpenStore(ctx, cfg.Database)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.DiscardHandler)
+	bs, err := NewBrokers(ctx, cfg.Brokers, store, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := NewQueues(cfg.Queue, bs.List(), log)
+	defer q.Close()
+	if _, _, err := bs.Notify(ctx, "127.0.0.1", b, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	flips := make(chan bool, 4)
+	for i := 0; i < 4; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			ok, err := bs.CompleteIfDrained(ctx, q.Drained)
+			if err != nil {
+				t.Error(err)
+			}
+			flips <- ok
+		}()
+	}
+	close(start)
+	wg.Wait()
+	close(flips)
+	n := 0
+	for ok := range flips {
+		if ok {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Errorf("flips: got %d, want 1", n)
+	}
+	st, err := bs.State(ctx)
+	if err != nil || st.Active != 1 || st.Pending != nil || st.Last == nil || st.Last.From != 0 || st.Last.To != 1 {
+		t.Errorf("state after the flip: %+v %v", st, err)
+	}
+	var updates int
+	if err := store.r.QueryRow("SELECT count(*) FROM settings WHERE key = 'broker.last_switch'").Scan(&updates); err != nil || updates != 1 {
+		t.Errorf("last_switch rows: %d %v", updates, err)
+	}
+}
+
+// A message nacked on a non-active broker during the Leftover Drain goes
+// through that broker's retry cycle and is processed later, exactly once.
+func TestLeftoverDrainRetry(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	declareTestTopology(t, b, 200*time.Millisecond)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	store, err := OpenStore(ctx, cfg.Database)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sink := &logSink{t: t}
+	log := slog.New(slog.NewTextHandler(sink, nil))
+	bs, err := NewBrokers(ctx, cfg.Brokers, store, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := NewQueues(cfg.Queue, bs.List(), log)
+	defer q.Close()
+
+	guid := "leftover-" + randHex(4)
+	publishRaw(t, b, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened.payload.json")))
+	var mu sync.Mutex
+	calls := 0
+	service := serviceHandler(store, false)
+	h := func(ctx context.Context, ev *Event) error {
+		mu.Lock()
+		calls++
+		n := calls
+		mu.Unlock()
+		if n == 1 {
+			return fmt.Errorf("transient (simulated)")
+		}
+		return service(ctx, ev)
+	}
+	w := newWorker("service", queueGitHub, h, 300*time.Millisecond, 0, cfg.Workers, bs, q, log)
+	done := make(chan struct{})
+	go func() { _ = w.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+
+	eventually(t, 20*time.Second, "the leftover stored", func() bool {
+		var n int
+		_ = store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = ?", guid).Scan(&n)
+		return n == 1
+	})
+	cancel()
+	<-done
+	mu.Lock()
+	if calls != 2 {
+		t.Errorf("handled %d times, want 2 (one nack, one success)", calls)
+	}
+	mu.Unlock()
+	if !strings.Contains(sink.String(), "transient failure") {
+		t.Errorf("no retry logged")
+	}
+	for _, name := range []string{queueGitHub, retryQueue(queueGitHub), errorQueue(queueGitHub)} {
+		if n := ready(t, b, name); n != 0 {
+			t.Errorf("%s on B: %d left", name, n)
+		}
+	}
+}
+
+// `queues` lists all 12 queues on every broker and says which are
+// unreachable; `replay` moves -error messages back, a limited number at a time.
+func TestQueuesAndReplayCommands(t *testing.T) {
+	a := newVhost(t)
+	declareTestTopology(t, a, time.Hour)
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	proxy.Close()
+	dir := t.TempDir()
+	config := writeConfig(t, dir, freeAddr(t), dir+"/switchyard.db", amqpURL(a), proxy.URL("gone"))
+	body := loadFixture(t, "issues", "opened.payload.json")
+	for i, name := range allQueues() {
+		for j := 0; j <= i%3; j++ {
+			publishRaw(t, a, "", name, eventMessage("issues", fmt.Sprintf("%s-%d", name, j), body))
+		}
+	}
+
+	var out bytes.Buffer
+	if err := run(context.Background(), []string{"queues", "-config", config}, &out, &out); err != nil {
+		t.Fatalf("queues: %v\n%s", err, out.String())
+	}
+	for i, name := range allQueues() {
+		line := fmt.Sprintf("%s  %d", name, i%3+1)
+		if !strings.Contains(regexpSpaces(out.String()), line) {
+			t.Errorf("queues output lacks %q:\n%s", line, out.String())
+		}
+	}
+	if !strings.Contains(out.String(), "unreachable") {
+		t.Errorf("queues output does not say the second broker is unreachable:\n%s", out.String())
+	}
+	if strings.Contains(out.String(), "guest:guest") {
+		t.Errorf("queues output shows credentials")
+	}
+
+	// github-error holds 3 messages (index 2 in allQueues).
+	out.Reset()
+	if err := run(context.Background(), []string{"replay", "-config", config, "github", "-limit", "2"}, &out, &out); err != nil {
+		t.Fatalf("replay: %v\n%s", err, out.String())
+	}
+	if got, want := ready(t, a, errorQueue(queueGitHub)), 1; got != want {
+		t.Errorf("github-error after replay -limit 2: got %d, want %d", got, want)
+	}
+	if got, want := ready(t, a, queueGitHub), 1+2; got != want {
+		t.Errorf("github after replay: got %d, want %d", got, want)
+	}
+	if err := run(context.Background(), []string{"replay", "-config", config, "github-error"}, &out, &out); err != nil {
+		t.Fatalf("replay: %v", err)
+	}
+	if got := ready(t, a, errorQueue(queueGitHub)); got != 0 {
+		t.Errorf("github-error after full replay: %d left", got)
+	}
+	if got := ready(t, a, queueGitHub); got != 4 {
+		t.Errorf("github after full replay: got %d, want 4", got)
+	}
+	// A replayed message starts its attempts anew.
+	for i := 0; i < 4; i++ {
+		m := getOne(t, a, queueGitHub)
+		if m.Headers[hdrError] != nil || m.Headers["x-death"] != nil {
+			t.Errorf("replayed message keeps its error headers: %v", m.Headers)
+		}
+	}
+	if err := run(context.Background(), []string{"replay", "-config", config, "nope"}, &out, &out); exitCode(err, &out) != 2 {
+		t.Errorf("replay of an unknown queue: got %v, want a usage error", err)
+	}
+}
+
+// regexpSpaces folds runs of spaces to two, as tabwriter pads columns.
+func regexpSpaces(s string) string {
+	for strings.Contains(s, "   ") {
+		s = strings.ReplaceAll(s, "   ", "  ")
+	}
+	return s
+}
