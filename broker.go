@@ -109,6 +109,10 @@ type Brokers struct {
 	mu      sync.Mutex
 	changed chan struct{} // closed, and replaced, on every change
 	cached  SwitchState   // the state after the last read or change
+
+	// gate orders changes against Leftover Drain takes: a change holds it
+	// for writing, a take for reading (see WhileUnchanged).
+	gate sync.RWMutex
 }
 
 // NewBrokers parses the configured brokers and reads the stored state.
@@ -160,6 +164,23 @@ func (bs *Brokers) Watch() <-chan struct{} {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
 	return bs.changed
+}
+
+// WhileUnchanged runs fn only if no change happened since watch was taken,
+// and holds every change back until fn returns. The Leftover Drain takes each
+// message this way: once a notification has been answered, no worker still
+// acting on the state before it can take a message from the new target, so a
+// producer that publishes to a broker after naming it is never drained early.
+func (bs *Brokers) WhileUnchanged(watch <-chan struct{}, fn func()) bool {
+	bs.gate.RLock()
+	defer bs.gate.RUnlock()
+	select {
+	case <-watch:
+		return false
+	default:
+		fn()
+		return true
+	}
 }
 
 // Cached returns the state as of the last read or change, without a query.
@@ -243,6 +264,8 @@ func (bs *Brokers) read(ctx context.Context, q rowQuerier) (SwitchState, error) 
 // change runs fn over the current state inside one write transaction, then
 // publishes the result. fn returns the new state and whether it changed.
 func (bs *Brokers) change(ctx context.Context, fn func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error)) (SwitchState, error) {
+	bs.gate.Lock()
+	defer bs.gate.Unlock()
 	var out SwitchState
 	var changed bool
 	err := bs.store.write(ctx, func(tx *sql.Tx) error {

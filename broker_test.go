@@ -327,7 +327,7 @@ func TestProducerRotation(t *testing.T) {
 	cfg.Queue.RetryTTL = retryTTL
 
 	onA := publishN(t, a, "a", 20)
-	body := loadFixture(t, "issues", "closed.payload.json")
+	body := loadFixture(t, "pull_request", "closed.payload.json")
 	var retrying []string
 	for _, q := range []string{queueGitHub, queueDatabase} {
 		g := "a-retry-" + q + "-" + randHex(4)
@@ -395,16 +395,17 @@ func TestDoubleRotation(t *testing.T) {
 	onA := publishN(t, a, "a", 10)
 	// Something in A's retry keeps A from draining for retry_ttl.
 	holdA := "a-hold-" + randHex(4)
-	body := loadFixture(t, "issues", "closed.payload.json")
+	body := loadFixture(t, "pull_request", "closed.payload.json")
 	publishRaw(t, a, "", retryQueue(queueGitHub), eventMessage("issues", holdA, body))
 	publishRaw(t, a, "", retryQueue(queueDatabase), eventMessage("issues", holdA, body))
-	onB := publishN(t, b, "b", 10)
 
 	d := startDaemon(t, cfg)
 	t0 := time.Now().UTC().Truncate(time.Second)
 	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token", notification("127.0.0.1", b, t0)); code != 202 {
 		t.Fatalf("notify B: %d %v", code, m)
 	}
+	// The producer publishes to B, then rotates again before A drains.
+	onB := publishN(t, b, "b", 10)
 	time.Sleep(time.Second)
 	for _, q := range []string{queueGitHub, queueDatabase} {
 		if n := ready(t, b, q); n != len(onB) {
@@ -475,6 +476,7 @@ func TestOperatorSwitchMovesWorkers(t *testing.T) {
 // fail a cycle.
 func TestPendingSwitchWaitsForUnreachableActive(t *testing.T) {
 	a, b, spare := newVhost(t), newVhost(t), newVhost(t)
+	declareTestTopology(t, a, 200*time.Millisecond)
 	declareTestTopology(t, b, 200*time.Millisecond)
 	proxyA := newTCPProxy(t, "127.0.0.1:5672")
 	proxySpare := newTCPProxy(t, "127.0.0.1:5672")

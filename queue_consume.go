@@ -171,8 +171,10 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window ti
 
 // Drain takes up to limit messages from queue on broker b with basic_get and
 // handles each like a consumed one, returning as soon as the queue is empty
-// instead of waiting out a window. It is the Leftover Drain of SPEC §8.
-func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, h Handler, log *slog.Logger) (int, error) {
+// instead of waiting out a window. It is the Leftover Drain of SPEC §8. Each
+// basic_get runs inside guard; when guard declines (the broker state changed),
+// the drain stops.
+func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, guard func(func()) bool, h Handler, log *slog.Logger) (int, error) {
 	if limit <= 0 {
 		return 0, nil
 	}
@@ -194,10 +196,16 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, 
 			d  amqp.Delivery
 			ok bool
 		}
-		g, err := call(q, conn, "get "+queue, func() (got, error) {
-			d, ok, err := ch.Get(queue, false)
-			return got{d, ok}, err
-		})
+		var g got
+		var err error
+		if !guard(func() {
+			g, err = call(q, conn, "get "+queue, func() (got, error) {
+				d, ok, err := ch.Get(queue, false)
+				return got{d, ok}, err
+			})
+		}) {
+			return n, nil
+		}
 		if isNotFound(err) {
 			return n, nil
 		}

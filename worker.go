@@ -90,7 +90,7 @@ func (w *Worker) cycle(ctx context.Context) error {
 		}
 	}
 
-	w.drainLeftovers(ctx, st)
+	w.drainLeftovers(ctx, st, watch)
 
 	window := w.Window
 	if st.Pending != nil {
@@ -108,7 +108,10 @@ func (w *Worker) cycle(ctx context.Context) error {
 // one and a Pending Switch's target, up to leftover_drain_limit messages in
 // all. Those messages are older than anything on the active broker, so they go
 // first. A broker that cannot be reached is a warning, never a failed cycle.
-func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState) {
+// The drain stops when the state changes under it (watch), so that it never
+// acts on a state that is no longer true.
+func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-chan struct{}) {
+	guard := func(fn func()) bool { return w.brokers.WhileUnchanged(watch, fn) }
 	remaining := w.cfg.LeftoverDrainLimit
 	for _, b := range w.brokers.List() {
 		if remaining <= 0 || ctx.Err() != nil {
@@ -118,7 +121,7 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState) {
 			continue
 		}
 		log := w.log.With("broker", b.String())
-		n, err := w.queues.Drain(ctx, b, w.Queue, remaining, w.Handle, log)
+		n, err := w.queues.Drain(ctx, b, w.Queue, remaining, guard, w.Handle, log)
 		remaining -= n
 		if n > 0 {
 			log.Info("leftover drain", "messages", n)
