@@ -3,7 +3,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 GO      ?= go
 CONFIG  ?= config.example.toml
 PREFIX  ?= /usr/local
-STATICCHECK_VERSION ?= 2025.1.1
+STATICCHECK_VERSION ?= v0.8.2
 
 SHELL   := /bin/bash
 export CGO_ENABLED = 0

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -98,7 +99,8 @@ func activeIndex(t testing.TB, url string) int {
 func TestBrokerAPI(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
-	d := startDaemon(t, cfg)
+	// The HTTP side alone: no worker completes a Pending Switch under the test.
+	d := startAPI(t, cfg)
 	base := d.URL + "/api/v1/broker"
 	t0 := time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
 
@@ -217,6 +219,23 @@ func TestBrokerAPI(t *testing.T) {
 	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.switch_watermark'").Scan(&watermark); err != nil || watermark != "2026-11-29T10:02:00Z" {
 		t.Errorf("broker.switch_watermark: %q %v", watermark, err)
 	}
+}
+
+// startAPI serves a Daemon's HTTP handler without running its workers.
+func startAPI(t *testing.T, cfg *Config) *testDaemon {
+	t.Helper()
+	log := slog.New(slog.NewTextHandler(&logSink{t: t}, nil))
+	d, err := NewDaemon(context.Background(), cfg, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(d.api.Handler())
+	t.Cleanup(func() {
+		srv.Close()
+		d.queues.Close()
+		d.store.Close()
+	})
+	return &testDaemon{Daemon: d, URL: srv.URL}
 }
 
 // A stored pending target that is no longer configured reads as none.

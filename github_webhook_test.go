@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/url"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -327,6 +328,33 @@ func TestWebhookBrokerUnavailable(t *testing.T) {
 	if got := queryInt(t, db, "SELECT count(*) FROM github"); got != 1 {
 		t.Errorf("rows: got %d, want only the first delivery", got)
 	}
+
+	// /readyz names what is wrong; /healthz still answers.
+	code, answer := do(t, mustRequest(t, http.MethodGet, d.URL+"/readyz"))
+	if code != http.StatusServiceUnavailable || !strings.Contains(answer, `"broker"`) || strings.Contains(answer, `"database"`) {
+		t.Errorf("/readyz with the broker down: got %d %s", code, answer)
+	}
+	if code, body := do(t, mustRequest(t, http.MethodGet, d.URL+"/healthz")); code != http.StatusOK {
+		t.Errorf("/healthz: got %d %s", code, body)
+	}
+	proxy.Reopen()
+	eventually(t, 20*time.Second, "/readyz back to 200", func() bool {
+		code, _ := do(t, mustRequest(t, http.MethodGet, d.URL+"/readyz"))
+		return code == http.StatusOK
+	})
+	// And the webhook with it, on a fresh connection after the backoff.
+	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
+		t.Errorf("after the broker came back: got %d, want 202", code)
+	}
+}
+
+func mustRequest(t testing.TB, method, url string) *http.Request {
+	t.Helper()
+	r, err := http.NewRequest(method, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
 }
 
 func TestVerifySignature(t *testing.T) {
@@ -390,5 +418,59 @@ func TestSourceIP(t *testing.T) {
 				t.Errorf("got %s, want %s", got, tt.want)
 			}
 		})
+	}
+}
+
+// A message that would reach no queue (the queues were deleted on the broker,
+// as CloudAMQP does with idle ones) is not answered 202.
+func TestWebhookUnroutableIsNotAccepted(t *testing.T) {
+	vhost := newVhost(t)
+	declareTestTopology(t, vhost, 200*time.Millisecond)
+	ch := amqpChannel(t, vhost)
+	for _, q := range []string{queueGitHub, queueDatabase} {
+		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.DeclareTopology = false
+	d := startDaemon(t, cfg)
+	if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened.payload.json")); code != http.StatusServiceUnavailable {
+		t.Errorf("got %d, want 503 for a message no queue takes", code)
+	}
+	if !strings.Contains(d.logs.String(), "routed to no queue") {
+		t.Errorf("no log line says why")
+	}
+}
+
+// One AMQP connection per broker, shared by the webhook endpoint and every
+// worker (CloudAMQP's free plan allows 20).
+func TestOneConnectionPerBroker(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	d := startDaemon(t, cfg)
+	for i := 0; i < 5; i++ {
+		if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened.payload.json")); code != http.StatusAccepted {
+			t.Fatalf("got %d", code)
+		}
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "deliveries stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") == 5 })
+	// Let a few cycles run their leftover drains on b too.
+	time.Sleep(3 * time.Second)
+	for _, v := range []string{a, b} {
+		out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "vhost").CombinedOutput()
+		if err != nil {
+			t.Fatalf("list_connections: %v: %s", err, out)
+		}
+		n := 0
+		for _, line := range strings.Split(string(out), "\n") {
+			if strings.TrimSpace(line) == v {
+				n++
+			}
+		}
+		if n != 1 {
+			t.Errorf("connections to %s: got %d, want 1", v, n)
+		}
 	}
 }

@@ -278,3 +278,28 @@ func TestUsage(t *testing.T) {
 		})
 	}
 }
+
+// migrate creates the schema once and is a no-op the second time.
+func TestMigrateCommand(t *testing.T) {
+	dir := t.TempDir()
+	config := writeConfig(t, dir, "127.0.0.1:1", dir+"/m.db", amqpURL("x"))
+	for _, want := range []string{"schema version 0 -> 1", "schema version 1 -> 1"} {
+		var out bytes.Buffer
+		if err := run(context.Background(), []string{"migrate", "-config", config}, &out, &out); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("got %q, want %q", out.String(), want)
+		}
+	}
+	db := openDB(t, dir+"/m.db")
+	for _, table := range []string{"settings", "github", "github_statistics_6h", "worker_deliveries"} {
+		if n := queryInt(t, db, "SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name = ?", table); n != 1 {
+			t.Errorf("table %s missing", table)
+		}
+	}
+	var mode string
+	if err := db.QueryRow("PRAGMA journal_mode").Scan(&mode); err != nil || mode != "wal" {
+		t.Errorf("journal_mode: %q %v, want wal", mode, err)
+	}
+}
