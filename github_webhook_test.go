@@ -300,13 +300,13 @@ func TestWebhookBrokerUnavailable(t *testing.T) {
 
 	for _, tt := range []struct {
 		name  string
-		break_ func()
+		cause func()
 	}{
 		{"not confirming", func() { proxy.Stall(true) }},
 		{"unreachable", func() { proxy.Close() }},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			tt.break_()
+			tt.cause()
 			start := time.Now()
 			r := webhookRequest(t, d.URL, "issues", newGUID(), body)
 			resp, err := http.DefaultClient.Do(r)
