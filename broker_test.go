@@ -216,7 +216,7 @@ func TestBrokerAPI(t *testing.T) {
 	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.pending_switch'").Scan(&pending); err != nil || pending != "" {
 		t.Errorf("broker.pending_switch: %q %v, want \"\"", pending, err)
 	}
-	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.switch_watermark'").Scan(&watermark); err != nil || watermark != "2026-11-29T10:02:00Z" {
+	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.switch_watermark'").Scan(&watermark); err != nil || watermark != "2026-11-29T10:02:00.000000Z" {
 		t.Errorf("broker.switch_watermark: %q %v", watermark, err)
 	}
 }

@@ -335,7 +335,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	w := cfg.Workers
 	d.workers = []*Worker{
 		newWorker("service", queueGitHub, serviceHandler(store, false), w.Window, 0, w, brokers, queues, log),
-		newWorker("database-service", queueDatabase, databaseHandler(store), w.Window, 0, w, brokers, queues, log),
+		newWorker("database-service", queueDatabase, databaseHandler(store, cfg.GitHub.BotAppID, log.With("worker", "database-service")), w.Window, 0, w, brokers, queues, log),
 		newWorker("cleanup", queueForbidden, serviceHandler(store, true), w.CleanupWindow, w.CleanupEvery, w, brokers, queues, log),
 	}
 	return d, nil

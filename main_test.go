@@ -283,7 +283,12 @@ func TestUsage(t *testing.T) {
 func TestMigrateCommand(t *testing.T) {
 	dir := t.TempDir()
 	config := writeConfig(t, dir, "127.0.0.1:1", dir+"/m.db", amqpURL("x"))
-	for _, want := range []string{"schema version 0 -> 1", "schema version 1 -> 1"} {
+	ms, err := parseMigrations(schemaSQL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	latest := len(ms)
+	for _, want := range []string{fmt.Sprintf("schema version 0 -> %d", latest), fmt.Sprintf("schema version %d -> %d", latest, latest)} {
 		var out bytes.Buffer
 		if err := run(context.Background(), []string{"migrate", "-config", config}, &out, &out); err != nil {
 			t.Fatal(err)
@@ -293,7 +298,10 @@ func TestMigrateCommand(t *testing.T) {
 		}
 	}
 	db := openDB(t, dir+"/m.db")
-	for _, table := range []string{"settings", "github", "github_statistics_6h", "worker_deliveries"} {
+	for _, table := range []string{"settings", "github", "github_statistics_6h", "worker_deliveries",
+		"github_releases", "github_release_workflow_runs", "github_branches", "github_issues", "github_pull_requests",
+		"github_comments", "github_discussions", "github_check_runs", "github_pushes", "github_installations",
+		"github_repositories"} {
 		if n := queryInt(t, db, "SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name = ?", table); n != 1 {
 			t.Errorf("table %s missing", table)
 		}
@@ -301,5 +309,40 @@ func TestMigrateCommand(t *testing.T) {
 	var mode string
 	if err := db.QueryRow("PRAGMA journal_mode").Scan(&mode); err != nil || mode != "wal" {
 		t.Errorf("journal_mode: %q %v, want wal", mode, err)
+	}
+}
+
+// A database at an older schema version is upgraded in place, keeping its rows.
+func TestMigrateUpgradesInPlace(t *testing.T) {
+	ctx := context.Background()
+	cfg := DefaultConfig().Database
+	cfg.Path = filepath.Join(t.TempDir(), "old.db")
+	store, err := OpenStore(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	ms, err := parseMigrations(schemaSQL)
+	if err != nil || len(ms) < 2 {
+		t.Fatalf("migrations: %d, %v", len(ms), err)
+	}
+	// The database as the first release left it.
+	if _, err := store.w.Exec(ms[0].sql + "; PRAGMA user_version = 1"); err != nil {
+		t.Fatal(err)
+	}
+	ev := &Event{DeliveryID: "old-row", Name: "ping", Payload: []byte("{}"), ReceivedAt: time.Now()}
+	if _, err := store.InsertEvent(ctx, ev, false); err != nil {
+		t.Fatal(err)
+	}
+	from, to, err := store.Migrate(ctx)
+	if err != nil || from != 1 || to != len(ms) {
+		t.Fatalf("Migrate: %d -> %d, %v; want 1 -> %d", from, to, err, len(ms))
+	}
+	var n int
+	if err := store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = 'old-row'").Scan(&n); err != nil || n != 1 {
+		t.Errorf("row kept: %d %v", n, err)
+	}
+	if err := store.r.QueryRow("SELECT count(*) FROM github_pull_requests").Scan(&n); err != nil {
+		t.Errorf("new table missing: %v", err)
 	}
 }

@@ -57,3 +57,267 @@ CREATE TABLE worker_deliveries (
     processed_at TEXT NOT NULL,
     PRIMARY KEY (worker, delivery_id)
 ) STRICT, WITHOUT ROWID;
+
+-- migration 2: release tracking and the typed bot tables
+-- github_releases: release tracking for every repository (database-service).
+-- One row per release; an Event older than the stored row never overwrites it.
+CREATE TABLE github_releases (
+    release_id        INTEGER PRIMARY KEY,      -- release.id
+    repository        TEXT NOT NULL,            -- repository.full_name
+    tag_name          TEXT NOT NULL,            -- release.tag_name
+    name              TEXT NOT NULL DEFAULT '', -- release.name
+    draft             INTEGER NOT NULL DEFAULT 0 CHECK (draft IN (0, 1)),
+    prerelease        INTEGER NOT NULL DEFAULT 0 CHECK (prerelease IN (0, 1)),
+    author            TEXT NOT NULL DEFAULT '', -- release.author.login
+    html_url          TEXT NOT NULL DEFAULT '',
+    last_action       TEXT NOT NULL,            -- the action of the Event that wrote the row
+    created_at        TEXT,                     -- release.created_at
+    published_at      TEXT,                     -- release.published_at, NULL while a draft
+    deleted           INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1)), -- 1 after a "deleted" Event
+    github_updated_at TEXT NOT NULL,            -- release.updated_at, or when the Event was received: orders Events
+    delivery_id       TEXT NOT NULL,            -- the delivery that wrote the row
+    updated_at        TEXT NOT NULL             -- when switchyard wrote the row
+) STRICT;
+CREATE INDEX github_releases_repository_tag ON github_releases (repository, tag_name);
+
+-- github_release_workflow_runs: workflow runs of every repository, linked to a
+-- release tag when the run was triggered by a release or runs on a tag that
+-- is a known release. One row per run; an older updated_at never overwrites.
+CREATE TABLE github_release_workflow_runs (
+    run_id            INTEGER PRIMARY KEY,      -- workflow_run.id
+    repository        TEXT NOT NULL,
+    workflow_name     TEXT NOT NULL DEFAULT '', -- workflow_run.name
+    head_branch       TEXT NOT NULL DEFAULT '',
+    head_sha          TEXT NOT NULL DEFAULT '',
+    event             TEXT NOT NULL DEFAULT '', -- what triggered the run (push, release, ...)
+    status            TEXT NOT NULL DEFAULT '', -- requested, queued, in_progress, completed
+    conclusion        TEXT NOT NULL DEFAULT '', -- '' until completed
+    run_number        INTEGER NOT NULL DEFAULT 0,
+    run_attempt       INTEGER NOT NULL DEFAULT 0,
+    html_url          TEXT NOT NULL DEFAULT '',
+    github_updated_at TEXT NOT NULL,            -- workflow_run.updated_at: orders Events
+    release_tag       TEXT,                     -- the release tag the run belongs to, NULL when none
+    delivery_id       TEXT NOT NULL,
+    updated_at        TEXT NOT NULL
+) STRICT;
+CREATE INDEX github_release_workflow_runs_tag ON github_release_workflow_runs (repository, release_tag);
+
+-- The typed bot tables: only Events of the bot App (target type "integration",
+-- target id = github.bot_app_id). Every row carries the delivery that last
+-- changed it (delivery_id, hook_id, target_type, target_id, installation_id)
+-- and a processing_state: switchyard writes NEW, RE_REQUESTED and UPDATED, the
+-- bot PROCESSING and PROCESSED. processing_date is when the state last changed;
+-- created_at and updated_at when switchyard inserted and last changed the row.
+
+-- github_branches: create and delete Events, one row per delivery.
+CREATE TABLE github_branches (
+    id               INTEGER PRIMARY KEY,
+    delivery_id      TEXT NOT NULL UNIQUE,
+    hook_id          INTEGER,
+    target_type      TEXT NOT NULL DEFAULT '',
+    target_id        INTEGER,
+    installation_id  INTEGER,
+    event            TEXT NOT NULL,             -- create or delete
+    repository       TEXT NOT NULL,
+    ref              TEXT NOT NULL,             -- the branch or tag name
+    ref_type         TEXT NOT NULL,             -- branch or tag
+    master_branch    TEXT NOT NULL DEFAULT '',  -- create only: the default branch
+    sender           TEXT NOT NULL DEFAULT '',
+    processing_state TEXT NOT NULL CHECK (processing_state IN ('NEW', 'RE_REQUESTED', 'UPDATED', 'PROCESSING', 'PROCESSED')),
+    processing_date  TEXT NOT NULL,
+    created_at       TEXT NOT NULL,
+    updated_at       TEXT NOT NULL
+) STRICT;
+
+-- github_issues: one row per issue (node id); states as SPEC §10's table.
+CREATE TABLE github_issues (
+    id               INTEGER PRIMARY KEY,
+    node_id          TEXT NOT NULL UNIQUE,      -- issue.node_id
+    delivery_id      TEXT NOT NULL,
+    hook_id          INTEGER,
+    target_type      TEXT NOT NULL DEFAULT '',
+    target_id        INTEGER,
+    installation_id  INTEGER,
+    repository_owner TEXT NOT NULL,
+    repository_name  TEXT NOT NULL,
+    number           INTEGER NOT NULL,
+    title            TEXT NOT NULL DEFAULT '',
+    sender           TEXT NOT NULL DEFAULT '',
+    state            TEXT NOT NULL CHECK (state IN ('OPEN', 'CLOSED')),
+    last_action      TEXT NOT NULL,
+    processing_state TEXT NOT NULL CHECK (processing_state IN ('NEW', 'RE_REQUESTED', 'UPDATED', 'PROCESSING', 'PROCESSED')),
+    processing_date  TEXT NOT NULL,
+    created_at       TEXT NOT NULL,
+    updated_at       TEXT NOT NULL
+) STRICT;
+
+-- github_pull_requests: one row per pull request (node id); states as SPEC §10.
+CREATE TABLE github_pull_requests (
+    id               INTEGER PRIMARY KEY,
+    node_id          TEXT NOT NULL UNIQUE,      -- pull_request.node_id
+    delivery_id      TEXT NOT NULL,
+    hook_id          INTEGER,
+    target_type      TEXT NOT NULL DEFAULT '',
+    target_id        INTEGER,
+    installation_id  INTEGER,
+    repository_owner TEXT NOT NULL,
+    repository_name  TEXT NOT NULL,
+    number           INTEGER NOT NULL,
+    title            TEXT NOT NULL DEFAULT '',
+    sender           TEXT NOT NULL DEFAULT '',
+    state            TEXT NOT NULL CHECK (state IN ('OPEN', 'CLOSED')),
+    last_action      TEXT NOT NULL,
+    head_ref         TEXT NOT NULL DEFAULT '',  -- pull_request.head.ref
+    head_sha         TEXT NOT NULL DEFAULT '',  -- pull_request.head.sha
+    merged           INTEGER NOT NULL DEFAULT 0 CHECK (merged IN (0, 1)),
+    draft            INTEGER NOT NULL DEFAULT 0 CHECK (draft IN (0, 1)),
+    processing_state TEXT NOT NULL CHECK (processing_state IN ('NEW', 'RE_REQUESTED', 'UPDATED', 'PROCESSING', 'PROCESSED')),
+    processing_date  TEXT NOT NULL,
+    created_at       TEXT NOT NULL,
+    updated_at       TEXT NOT NULL
+) STRICT;
+
+-- github_comments: issue_comment, pull_request_review_comment and
+-- commit_comment Events, one row per comment id.
+CREATE TABLE github_comments (
+    id               INTEGER PRIMARY KEY,
+    comment_id       INTEGER NOT NULL UNIQUE,   -- comment.id
+    delivery_id      TEXT NOT NULL,
+    hook_id          INTEGER,
+    target_type      TEXT NOT NULL DEFAULT '',
+    target_id        INTEGER,
+    installation_id  INTEGER,
+    event            TEXT NOT NULL,             -- which of the three comment Events
+    repository       TEXT NOT NULL,
+    number           INTEGER,                   -- issue or pull request number; NULL on commit comments
+    commit_id        TEXT NOT NULL DEFAULT '',  -- comment.commit_id (review and commit comments)
+    path             TEXT NOT NULL DEFAULT '',  -- comment.path, '' when not on a file
+    author           TEXT NOT NULL DEFAULT '',  -- comment.user.login
+    body             TEXT NOT NULL DEFAULT '',  -- comment.body
+    html_url         TEXT NOT NULL DEFAULT '',
+    deleted          INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1)),
+    last_action      TEXT NOT NULL,
+    processing_state TEXT NOT NULL CHECK (processing_state IN ('NEW', 'RE_REQUESTED', 'UPDATED', 'PROCESSING', 'PROCESSED')),
+    processing_date  TEXT NOT NULL,
+    created_at       TEXT NOT NULL,
+    updated_at       TEXT NOT NULL
+) STRICT;
+
+-- github_discussions: discussion and discussion_comment Events, one row per
+-- discussion (node id); a comment updates its discussion's row.
+CREATE TABLE github_discussions (
+    id               INTEGER PRIMARY KEY,
+    node_id          TEXT NOT NULL UNIQUE,      -- discussion.node_id
+    delivery_id      TEXT NOT NULL,
+    hook_id          INTEGER,
+    target_type      TEXT NOT NULL DEFAULT '',
+    target_id        INTEGER,
+    installation_id  INTEGER,
+    repository       TEXT NOT NULL,
+    number           INTEGER NOT NULL,
+    title            TEXT NOT NULL DEFAULT '',
+    category         TEXT NOT NULL DEFAULT '',  -- discussion.category.name
+    state            TEXT NOT NULL DEFAULT '',  -- discussion.state
+    sender           TEXT NOT NULL DEFAULT '',
+    last_event       TEXT NOT NULL,             -- discussion or discussion_comment
+    last_action      TEXT NOT NULL,
+    last_comment_id  INTEGER,                   -- comment.id of the last discussion_comment
+    processing_state TEXT NOT NULL CHECK (processing_state IN ('NEW', 'RE_REQUESTED', 'UPDATED', 'PROCESSING', 'PROCESSED')),
+    processing_date  TEXT NOT NULL,
+    created_at       TEXT NOT NULL,
+    updated_at       TEXT NOT NULL
+) STRICT;
+
+-- github_check_runs: check_run Events, one row per check run id.
+CREATE TABLE github_check_runs (
+    id               INTEGER PRIMARY KEY,
+    check_run_id     INTEGER NOT NULL UNIQUE,   -- check_run.id
+    delivery_id      TEXT NOT NULL,
+    hook_id          INTEGER,
+    target_type      TEXT NOT NULL DEFAULT '',
+    target_id        INTEGER,
+    installation_id  INTEGER,
+    repository       TEXT NOT NULL,
+    name             TEXT NOT NULL DEFAULT '',
+    head_sha         TEXT NOT NULL DEFAULT '',
+    status           TEXT NOT NULL DEFAULT '',
+    conclusion       TEXT NOT NULL DEFAULT '',  -- '' until completed
+    html_url         TEXT NOT NULL DEFAULT '',
+    requested_action TEXT NOT NULL DEFAULT '',  -- requested_action.identifier
+    last_action      TEXT NOT NULL,
+    processing_state TEXT NOT NULL CHECK (processing_state IN ('NEW', 'RE_REQUESTED', 'UPDATED', 'PROCESSING', 'PROCESSED')),
+    processing_date  TEXT NOT NULL,
+    created_at       TEXT NOT NULL,
+    updated_at       TEXT NOT NULL
+) STRICT;
+
+-- github_pushes: push Events, one row per repository and head commit (the
+-- "after" sha, which is all zeros when a ref is deleted).
+CREATE TABLE github_pushes (
+    id               INTEGER PRIMARY KEY,
+    delivery_id      TEXT NOT NULL,
+    hook_id          INTEGER,
+    target_type      TEXT NOT NULL DEFAULT '',
+    target_id        INTEGER,
+    installation_id  INTEGER,
+    repository       TEXT NOT NULL,
+    head_commit      TEXT NOT NULL,             -- after
+    ref              TEXT NOT NULL,
+    before           TEXT NOT NULL DEFAULT '',
+    pusher           TEXT NOT NULL DEFAULT '',  -- pusher.name
+    commits          INTEGER NOT NULL DEFAULT 0, -- how many commits the push carried
+    created          INTEGER NOT NULL DEFAULT 0 CHECK (created IN (0, 1)),
+    deleted          INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1)),
+    forced           INTEGER NOT NULL DEFAULT 0 CHECK (forced IN (0, 1)),
+    processing_state TEXT NOT NULL CHECK (processing_state IN ('NEW', 'RE_REQUESTED', 'UPDATED', 'PROCESSING', 'PROCESSED')),
+    processing_date  TEXT NOT NULL,
+    created_at       TEXT NOT NULL,
+    updated_at       TEXT NOT NULL,
+    UNIQUE (repository, head_commit)
+) STRICT;
+
+-- github_installations: installation and installation_repositories Events,
+-- one row per installation id.
+CREATE TABLE github_installations (
+    id                   INTEGER PRIMARY KEY,
+    installation_id      INTEGER NOT NULL UNIQUE,  -- installation.id
+    delivery_id          TEXT NOT NULL,
+    hook_id              INTEGER,
+    target_type          TEXT NOT NULL DEFAULT '',
+    target_id            INTEGER,
+    account              TEXT NOT NULL DEFAULT '', -- installation.account.login
+    account_type         TEXT NOT NULL DEFAULT '', -- User or Organization
+    repository_selection TEXT NOT NULL DEFAULT '', -- all or selected
+    app_id               INTEGER,                  -- installation.app_id
+    suspended            INTEGER NOT NULL DEFAULT 0 CHECK (suspended IN (0, 1)),
+    deleted              INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1)),
+    last_event           TEXT NOT NULL,
+    last_action          TEXT NOT NULL,
+    processing_state     TEXT NOT NULL CHECK (processing_state IN ('NEW', 'RE_REQUESTED', 'UPDATED', 'PROCESSING', 'PROCESSED')),
+    processing_date      TEXT NOT NULL,
+    created_at           TEXT NOT NULL,
+    updated_at           TEXT NOT NULL
+) STRICT;
+
+-- github_repositories: an append-only log of repository Events and of each
+-- repository added to or removed from an installation, one row per delivery
+-- and repository.
+CREATE TABLE github_repositories (
+    id               INTEGER PRIMARY KEY,
+    delivery_id      TEXT NOT NULL,
+    hook_id          INTEGER,
+    target_type      TEXT NOT NULL DEFAULT '',
+    target_id        INTEGER,
+    installation_id  INTEGER,
+    event            TEXT NOT NULL,             -- repository or installation_repositories
+    action           TEXT NOT NULL,             -- created, renamed, ... or added, removed
+    repository       TEXT NOT NULL,             -- full_name
+    repository_id    INTEGER,
+    private          INTEGER CHECK (private IN (0, 1)),
+    sender           TEXT NOT NULL DEFAULT '',
+    processing_state TEXT NOT NULL CHECK (processing_state IN ('NEW', 'RE_REQUESTED', 'UPDATED', 'PROCESSING', 'PROCESSED')),
+    processing_date  TEXT NOT NULL,
+    created_at       TEXT NOT NULL,
+    updated_at       TEXT NOT NULL,
+    UNIQUE (delivery_id, repository)
+) STRICT;

@@ -27,11 +27,22 @@ type Store struct {
 	path string
 }
 
-// timeFormat is how every time is stored: RFC 3339 in UTC, with the fraction
-// when there is one, so text order is time order within one second's precision.
-const timeFormat = time.RFC3339Nano
+// timeFormat is how every time is stored: RFC 3339 in UTC with a fixed six
+// fraction digits, so that text order is time order (GitHub's own times, with
+// no fraction, would otherwise sort after the same second with one).
+const timeFormat = "2006-01-02T15:04:05.000000Z"
 
 func formatTime(t time.Time) string { return t.UTC().Format(timeFormat) }
+
+// normalizeTime rewrites an RFC 3339 time from a payload in timeFormat; ok is
+// false when s is not one.
+func normalizeTime(s string) (string, bool) {
+	t, err := time.Parse(time.RFC3339Nano, s)
+	if err != nil {
+		return "", false
+	}
+	return formatTime(t), true
+}
 
 // OpenStore opens (creating when needed) the database at cfg.Path with the
 // pragmas set on every connection, and checks that WAL mode really took.

@@ -1,0 +1,288 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+)
+
+// rowMeta is what every typed row carries of the delivery that wrote it.
+type rowMeta struct {
+	DeliveryID     string
+	HookID         any // nullInt
+	TargetType     string
+	TargetID       any
+	InstallationID any
+	Now            string
+}
+
+func newRowMeta(ev *Event) rowMeta {
+	return rowMeta{DeliveryID: ev.DeliveryID, HookID: nullInt(ev.HookID), TargetType: ev.TargetType,
+		TargetID: nullInt(ev.TargetID), InstallationID: nullInt(ev.InstallationID), Now: formatTime(time.Now())}
+}
+
+// writeTableRows writes everything one Event maps to, inside tx.
+func writeTableRows(ctx context.Context, tx *sql.Tx, m rowMeta, r *tableRows) error {
+	steps := []struct {
+		table string
+		skip  bool
+		write func() error
+	}{
+		{"github_releases", r.Release == nil, func() error { return writeRelease(ctx, tx, m, r.Release) }},
+		{"github_release_workflow_runs", r.WorkflowRun == nil, func() error { return writeWorkflowRun(ctx, tx, m, r.WorkflowRun) }},
+		{"github_branches", r.Branch == nil, func() error { return writeBranch(ctx, tx, m, r.Branch) }},
+		{"github_issues", r.Issue == nil, func() error { return writeIssue(ctx, tx, m, r.Issue) }},
+		{"github_comments", r.Comment == nil, func() error { return writeComment(ctx, tx, m, r.Comment) }},
+		{"github_discussions", r.Discussion == nil, func() error { return writeDiscussion(ctx, tx, m, r.Discussion) }},
+		{"github_check_runs", r.CheckRun == nil, func() error { return writeCheckRun(ctx, tx, m, r.CheckRun) }},
+		{"github_pushes", r.Push == nil, func() error { return writePush(ctx, tx, m, r.Push) }},
+		{"github_installations", r.Installation == nil, func() error { return writeInstallation(ctx, tx, m, r.Installation) }},
+		{"github_repositories", len(r.Repositories) == 0, func() error { return writeRepositories(ctx, tx, m, r.Repositories) }},
+	}
+	for _, s := range steps {
+		if s.skip {
+			continue
+		}
+		if err := s.write(); err != nil {
+			return fmt.Errorf("write %s: %w", s.table, err)
+		}
+	}
+	return nil
+}
+
+// writeRelease upserts a release unless the stored row is newer.
+func writeRelease(ctx context.Context, tx *sql.Tx, m rowMeta, r *releaseRow) error {
+	_, err := tx.ExecContext(ctx, `INSERT INTO github_releases (release_id, repository, tag_name, name, draft,
+		prerelease, author, html_url, last_action, created_at, published_at, deleted, github_updated_at, delivery_id, updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+		ON CONFLICT (release_id) DO UPDATE SET repository = excluded.repository, tag_name = excluded.tag_name,
+			name = excluded.name, draft = excluded.draft, prerelease = excluded.prerelease, author = excluded.author,
+			html_url = excluded.html_url, last_action = excluded.last_action, created_at = excluded.created_at,
+			published_at = excluded.published_at, deleted = excluded.deleted,
+			github_updated_at = excluded.github_updated_at, delivery_id = excluded.delivery_id, updated_at = excluded.updated_at
+		WHERE excluded.github_updated_at >= github_releases.github_updated_at`,
+		r.ID, r.Repository, r.TagName, r.Name, r.Draft, r.Prerelease, r.Author, r.HTMLURL, r.Action,
+		r.CreatedAt, r.PublishedAt, r.Deleted, *r.GitHubUpdated, m.DeliveryID, m.Now)
+	return err
+}
+
+// writeWorkflowRun upserts a run unless the stored row is newer, linking it
+// to its release tag: the head branch of a run triggered by a release, or a
+// head branch that is a known release tag of the repository.
+func writeWorkflowRun(ctx context.Context, tx *sql.Tx, m rowMeta, r *workflowRunRow) error {
+	var tag any
+	if r.EventName == "release" && r.HeadBranch != "" {
+		tag = r.HeadBranch
+	} else if r.HeadBranch != "" {
+		var t string
+		err := tx.QueryRowContext(ctx, `SELECT tag_name FROM github_releases WHERE repository = ? AND tag_name = ? LIMIT 1`,
+			r.Repository, r.HeadBranch).Scan(&t)
+		if err != nil && !errors.Is(err, sql.ErrNoRows) {
+			return err
+		}
+		if err == nil {
+			tag = t
+		}
+	}
+	_, err := tx.ExecContext(ctx, `INSERT INTO github_release_workflow_runs (run_id, repository, workflow_name,
+		head_branch, head_sha, event, status, conclusion, run_number, run_attempt, html_url, github_updated_at,
+		release_tag, delivery_id, updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+		ON CONFLICT (run_id) DO UPDATE SET repository = excluded.repository, workflow_name = excluded.workflow_name,
+			head_branch = excluded.head_branch, head_sha = excluded.head_sha, event = excluded.event,
+			status = excluded.status, conclusion = excluded.conclusion, run_number = excluded.run_number,
+			run_attempt = excluded.run_attempt, html_url = excluded.html_url,
+			github_updated_at = excluded.github_updated_at,
+			release_tag = coalesce(excluded.release_tag, github_release_workflow_runs.release_tag),
+			delivery_id = excluded.delivery_id, updated_at = excluded.updated_at
+		WHERE excluded.github_updated_at >= github_release_workflow_runs.github_updated_at`,
+		r.ID, r.Repository, r.Name, r.HeadBranch, r.HeadSHA, r.EventName, r.Status, r.Conclusion,
+		r.RunNumber, r.RunAttempt, r.HTMLURL, r.GitHubUpdated, tag, m.DeliveryID, m.Now)
+	return err
+}
+
+func writeBranch(ctx context.Context, tx *sql.Tx, m rowMeta, r *branchRow) error {
+	_, err := tx.ExecContext(ctx, `INSERT INTO github_branches (delivery_id, hook_id, target_type, target_id,
+		installation_id, event, repository, ref, ref_type, master_branch, sender, processing_state, processing_date,
+		created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		ON CONFLICT (delivery_id) DO NOTHING`,
+		m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Event, r.Repository, r.Ref,
+		r.RefType, r.MasterBranch, r.Sender, m.Now, m.Now, m.Now)
+	return err
+}
+
+// issueTransition is SPEC §10's table for pull requests and issues: the new
+// state and processing state for an action on a row in state cur ("" when the
+// row is absent), or change = false when the row stays as it is.
+func issueTransition(action, cur string) (state, processing string, change bool) {
+	switch action {
+	case "opened", "reopened":
+		if cur == "" {
+			return "OPEN", "NEW", true
+		}
+		return "OPEN", "RE_REQUESTED", true
+	case "closed":
+		switch cur {
+		case "":
+			return "CLOSED", "NEW", true
+		case "OPEN":
+			return "CLOSED", "UPDATED", true
+		}
+		return "", "", false
+	default: // synchronize, edited, ready_for_review, converted_to_draft, labeled, unlabeled
+		switch cur {
+		case "":
+			return "OPEN", "NEW", true
+		case "OPEN":
+			return "OPEN", "UPDATED", true
+		}
+		return "", "", false
+	}
+}
+
+func writeIssue(ctx context.Context, tx *sql.Tx, m rowMeta, r *issueRow) error {
+	table := "github_issues"
+	if r.Pull {
+		table = "github_pull_requests"
+	}
+	var cur string
+	err := tx.QueryRowContext(ctx, "SELECT state FROM "+table+" WHERE node_id = ?", r.NodeID).Scan(&cur)
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return err
+	}
+	state, processing, change := issueTransition(r.Action, cur)
+	if !change {
+		return nil
+	}
+	cols := []string{"delivery_id", "hook_id", "target_type", "target_id", "installation_id", "repository_owner",
+		"repository_name", "number", "title", "sender", "state", "last_action", "processing_state", "processing_date", "updated_at"}
+	vals := []any{m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Owner, r.Name, r.Number,
+		r.Title, r.Sender, state, r.Action, processing, m.Now, m.Now}
+	if r.Pull {
+		cols = append(cols, "head_ref", "head_sha", "merged", "draft")
+		vals = append(vals, r.HeadRef, r.HeadSHA, r.Merged, r.Draft)
+	}
+	if cur == "" {
+		cols = append(cols, "node_id", "created_at")
+		vals = append(vals, r.NodeID, m.Now)
+		_, err = tx.ExecContext(ctx, "INSERT INTO "+table+" ("+strings.Join(cols, ", ")+") VALUES (?"+
+			strings.Repeat(", ?", len(cols)-1)+")", vals...)
+		return err
+	}
+	_, err = tx.ExecContext(ctx, "UPDATE "+table+" SET "+strings.Join(cols, " = ?, ")+" = ? WHERE node_id = ?",
+		append(vals, r.NodeID)...)
+	return err
+}
+
+func writeComment(ctx context.Context, tx *sql.Tx, m rowMeta, r *commentRow) error {
+	_, err := tx.ExecContext(ctx, `INSERT INTO github_comments (comment_id, delivery_id, hook_id, target_type,
+		target_id, installation_id, event, repository, number, commit_id, path, author, body, html_url, deleted,
+		last_action, processing_state, processing_date, created_at, updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		ON CONFLICT (comment_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
+			target_type = excluded.target_type, target_id = excluded.target_id,
+			installation_id = excluded.installation_id, body = excluded.body, html_url = excluded.html_url,
+			deleted = excluded.deleted, last_action = excluded.last_action, processing_state = ?,
+			processing_date = excluded.processing_date, updated_at = excluded.updated_at`,
+		r.ID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Event, r.Repository, r.Number,
+		r.CommitID, r.Path, r.Author, r.Body, r.HTMLURL, r.Action == "deleted", r.Action, m.Now, m.Now, m.Now,
+		entityState(r.Action))
+	return err
+}
+
+func writeDiscussion(ctx context.Context, tx *sql.Tx, m rowMeta, r *discussionRow) error {
+	// A comment is an update of its discussion, never a repeated creation.
+	state := entityState(r.Action)
+	if r.Event == "discussion_comment" {
+		state = "UPDATED"
+	}
+	_, err := tx.ExecContext(ctx, `INSERT INTO github_discussions (node_id, delivery_id, hook_id, target_type,
+		target_id, installation_id, repository, number, title, category, state, sender, last_event, last_action,
+		last_comment_id, processing_state, processing_date, created_at, updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		ON CONFLICT (node_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
+			target_type = excluded.target_type, target_id = excluded.target_id,
+			installation_id = excluded.installation_id, repository = excluded.repository, title = excluded.title,
+			category = excluded.category, state = excluded.state, sender = excluded.sender,
+			last_event = excluded.last_event, last_action = excluded.last_action,
+			last_comment_id = coalesce(excluded.last_comment_id, github_discussions.last_comment_id),
+			processing_state = ?, processing_date = excluded.processing_date, updated_at = excluded.updated_at`,
+		r.NodeID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Repository, r.Number,
+		r.Title, r.Category, r.State, r.Sender, r.Event, r.Action, r.CommentID, m.Now, m.Now, m.Now, state)
+	return err
+}
+
+func writeCheckRun(ctx context.Context, tx *sql.Tx, m rowMeta, r *checkRunRow) error {
+	_, err := tx.ExecContext(ctx, `INSERT INTO github_check_runs (check_run_id, delivery_id, hook_id, target_type,
+		target_id, installation_id, repository, name, head_sha, status, conclusion, html_url, requested_action,
+		last_action, processing_state, processing_date, created_at, updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		ON CONFLICT (check_run_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
+			target_type = excluded.target_type, target_id = excluded.target_id,
+			installation_id = excluded.installation_id, name = excluded.name, head_sha = excluded.head_sha,
+			status = excluded.status, conclusion = excluded.conclusion, html_url = excluded.html_url,
+			requested_action = excluded.requested_action, last_action = excluded.last_action,
+			processing_state = ?, processing_date = excluded.processing_date, updated_at = excluded.updated_at`,
+		r.ID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Repository, r.Name, r.HeadSHA,
+		r.Status, r.Conclusion, r.HTMLURL, r.RequestedAction, r.Action, m.Now, m.Now, m.Now, entityState(r.Action))
+	return err
+}
+
+// writePush inserts a push; the same head pushed again asks for the work
+// again (RE_REQUESTED).
+func writePush(ctx context.Context, tx *sql.Tx, m rowMeta, r *pushRow) error {
+	_, err := tx.ExecContext(ctx, `INSERT INTO github_pushes (delivery_id, hook_id, target_type, target_id,
+		installation_id, repository, head_commit, ref, before, pusher, commits, created, deleted, forced,
+		processing_state, processing_date, created_at, updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		ON CONFLICT (repository, head_commit) DO UPDATE SET delivery_id = excluded.delivery_id,
+			hook_id = excluded.hook_id, target_type = excluded.target_type, target_id = excluded.target_id,
+			installation_id = excluded.installation_id, ref = excluded.ref, before = excluded.before,
+			pusher = excluded.pusher, commits = excluded.commits, created = excluded.created,
+			deleted = excluded.deleted, forced = excluded.forced, processing_state = 'RE_REQUESTED',
+			processing_date = excluded.processing_date, updated_at = excluded.updated_at`,
+		m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Repository, r.HeadCommit, r.Ref,
+		r.Before, r.Pusher, r.Commits, r.Created, r.Deleted, r.Forced, m.Now, m.Now, m.Now)
+	return err
+}
+
+func writeInstallation(ctx context.Context, tx *sql.Tx, m rowMeta, r *installationRow) error {
+	state := entityState(r.Action)
+	if r.Event == "installation_repositories" {
+		state = "UPDATED"
+	}
+	_, err := tx.ExecContext(ctx, `INSERT INTO github_installations (installation_id, delivery_id, hook_id,
+		target_type, target_id, account, account_type, repository_selection, app_id, suspended, deleted,
+		last_event, last_action, processing_state, processing_date, created_at, updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		ON CONFLICT (installation_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
+			target_type = excluded.target_type, target_id = excluded.target_id,
+			account = coalesce(nullif(excluded.account, ''), github_installations.account),
+			account_type = coalesce(nullif(excluded.account_type, ''), github_installations.account_type),
+			repository_selection = coalesce(nullif(excluded.repository_selection, ''), github_installations.repository_selection),
+			app_id = coalesce(excluded.app_id, github_installations.app_id),
+			suspended = excluded.suspended, deleted = excluded.deleted, last_event = excluded.last_event,
+			last_action = excluded.last_action, processing_state = ?, processing_date = excluded.processing_date,
+			updated_at = excluded.updated_at`,
+		r.ID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, r.Account, r.AccountType, r.RepositorySelection,
+		nullInt(r.AppID), r.Suspended, r.Deleted, r.Event, r.Action, m.Now, m.Now, m.Now, state)
+	return err
+}
+
+func writeRepositories(ctx context.Context, tx *sql.Tx, m rowMeta, rs []repositoryRow) error {
+	for _, r := range rs {
+		_, err := tx.ExecContext(ctx, `INSERT INTO github_repositories (delivery_id, hook_id, target_type, target_id,
+			installation_id, event, action, repository, repository_id, private, sender, processing_state,
+			processing_date, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+			ON CONFLICT (delivery_id, repository) DO NOTHING`,
+			m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Event, r.Action, r.Repository,
+			nullInt(r.RepositoryID), r.Private, r.Sender, m.Now, m.Now, m.Now)
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}

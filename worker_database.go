@@ -1,0 +1,36 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"log/slog"
+)
+
+// databaseHandler is the database-service worker's handler (queue
+// github-database): release tracking for every repository, then the typed
+// tables for the bot App's Events, all in one transaction that also records
+// the delivery as done, so a redelivered or retried Event changes nothing the
+// second time. The payload is decoded before the transaction: a payload that
+// lacks a field the tables need is a permanent failure and holds no lock.
+func databaseHandler(store *Store, botAppID int64, log *slog.Logger) Handler {
+	return func(ctx context.Context, ev *Event) error {
+		rows, err := decodeTableRows(ev, botAppID)
+		if err != nil {
+			return err
+		}
+		if rows.SkippedReason != "" {
+			log.Debug("event not used by the typed tables", "delivery_id", ev.DeliveryID, "reason", rows.SkippedReason)
+		}
+		m := newRowMeta(ev)
+		done, err := store.MarkDelivery(ctx, "database-service", ev.DeliveryID, func(tx *sql.Tx) error {
+			return writeTableRows(ctx, tx, m, rows)
+		})
+		if err != nil {
+			return err
+		}
+		if !done {
+			return ErrDuplicate
+		}
+		return nil
+	}
+}
