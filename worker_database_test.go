@@ -1,0 +1,524 @@
+package main
+
+import (
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+const testBotAppID = 4242
+
+// postAs sends a signed delivery as GitHub sends it to the bot App's hook
+// (bot = true) or to a repository hook.
+func postAs(t testing.TB, url, event, guid string, body []byte, bot bool) {
+	t.Helper()
+	r := webhookRequest(t, url, event, guid, body)
+	if bot {
+		r.Header.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
+		r.Header.Set("X-GitHub-Hook-Installation-Target-ID", fmt.Sprint(testBotAppID))
+	}
+	if code, b := do(t, r); code != http.StatusAccepted {
+		t.Fatalf("%s %s: got %d %s, want 202", event, guid, code, b)
+	}
+}
+
+// mutate changes a real payload: fn edits it as a generic JSON object.
+func mutate(t testing.TB, body []byte, fn func(p map[string]any)) []byte {
+	t.Helper()
+	var p map[string]any
+	if err := json.Unmarshal(body, &p); err != nil {
+		t.Fatal(err)
+	}
+	fn(p)
+	b, err := json.Marshal(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func obj(p map[string]any, key string) map[string]any { return p[key].(map[string]any) }
+
+// waitDatabase waits until database-service finished every delivery.
+func waitDatabase(t testing.TB, db *sql.DB, guids ...string) {
+	t.Helper()
+	eventually(t, 30*time.Second, fmt.Sprintf("database-service finished %d deliveries", len(guids)), func() bool {
+		for _, g := range guids {
+			if queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = ?", g) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+func botDaemon(t *testing.T) (*testDaemon, *Config, *sql.DB) {
+	t.Helper()
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.GitHub.BotAppID = testBotAppID
+	d := startDaemon(t, cfg)
+	return d, cfg, openDB(t, cfg.Database.Path)
+}
+
+var botTables = []string{"github_branches", "github_issues", "github_pull_requests", "github_comments",
+	"github_discussions", "github_check_runs", "github_pushes", "github_installations", "github_repositories"}
+
+// Every fixture of the bot's Events, delivered to the bot's hook, produces its
+// row with the key columns right; delivered to a repository hook it touches
+// no bot table, while release tracking still runs.
+func TestDatabaseServiceFixtures(t *testing.T) {
+	events := map[string]string{ // event -> the table its rows go to
+		"create": "github_branches", "delete": "github_branches", "issues": "github_issues",
+		"pull_request": "github_pull_requests", "issue_comment": "github_comments",
+		"pull_request_review_comment": "github_comments", "commit_comment": "github_comments",
+		"discussion": "github_discussions", "discussion_comment": "github_discussions",
+		"check_run": "github_check_runs", "push": "github_pushes", "installation": "github_installations",
+		"installation_repositories": "github_installations", "repository": "github_repositories",
+		"release": "github_releases", "workflow_run": "github_release_workflow_runs",
+	}
+	var fixtures []fixture
+	for _, f := range loadFixtures(t) {
+		if _, ok := events[f.Event]; ok {
+			fixtures = append(fixtures, f)
+		}
+	}
+
+	for _, bot := range []bool{true, false} {
+		t.Run(map[bool]string{true: "bot", false: "not bot"}[bot], func(t *testing.T) {
+			d, _, db := botDaemon(t)
+			var guids []string
+			for _, f := range fixtures {
+				g := newGUID()
+				guids = append(guids, g)
+				postAs(t, d.URL, f.Event, g, f.Body, bot)
+			}
+			waitDatabase(t, db, guids...)
+			if n := ready(t, d.brokers.List()[0].Vhost, errorQueue(queueDatabase)); n != 0 {
+				t.Fatalf("github-database-error holds %d messages; every fixture should be taken", n)
+			}
+			for i, f := range fixtures {
+				checkFixtureRow(t, db, f, guids[i], bot)
+			}
+			if !bot {
+				for _, table := range botTables {
+					if n := queryInt(t, db, "SELECT count(*) FROM "+table); n != 0 {
+						t.Errorf("%s: %d rows from non-bot Events, want 0", table, n)
+					}
+				}
+			}
+		})
+	}
+}
+
+// checkFixtureRow asserts the row one fixture must have produced.
+func checkFixtureRow(t *testing.T, db *sql.DB, f fixture, guid string, bot bool) {
+	t.Helper()
+	var p struct {
+		Action     string `json:"action"`
+		Ref        string `json:"ref"`
+		After      string `json:"after"`
+		Repository struct {
+			FullName string `json:"full_name"`
+		} `json:"repository"`
+		Release     struct{ ID int64 }
+		WorkflowRun struct{ ID int64 } `json:"workflow_run"`
+		Issue       struct {
+			NodeID string `json:"node_id"`
+			Number int64
+		}
+		PullRequest struct {
+			NodeID string `json:"node_id"`
+			Number int64
+		} `json:"pull_request"`
+		Comment    struct{ ID int64 }
+		Discussion struct {
+			NodeID string `json:"node_id"`
+			Number int64
+		}
+		CheckRun     struct{ ID int64 } `json:"check_run"`
+		Installation struct{ ID int64 }
+	}
+	if err := json.Unmarshal(f.Body, &p); err != nil {
+		t.Fatal(err)
+	}
+	name := f.Event + "/" + f.Name
+	count := func(query string, args ...any) int { return queryInt(t, db, query, args...) }
+	switch f.Event {
+	case "release":
+		if count("SELECT count(*) FROM github_releases WHERE release_id = ? AND repository = ?", p.Release.ID, p.Repository.FullName) != 1 {
+			t.Errorf("%s: no github_releases row for release %d", name, p.Release.ID)
+		}
+		return
+	case "workflow_run":
+		if count("SELECT count(*) FROM github_release_workflow_runs WHERE run_id = ? AND repository = ?", p.WorkflowRun.ID, p.Repository.FullName) != 1 {
+			t.Errorf("%s: no workflow run row for run %d", name, p.WorkflowRun.ID)
+		}
+		return
+	}
+	if !bot {
+		return
+	}
+	switch f.Event {
+	case "create", "delete":
+		if count("SELECT count(*) FROM github_branches WHERE delivery_id = ? AND ref = ? AND event = ? AND repository = ? AND processing_state = 'NEW' AND target_type = 'integration' AND target_id = ?",
+			guid, p.Ref, f.Event, p.Repository.FullName, testBotAppID) != 1 {
+			t.Errorf("%s: no github_branches row for delivery %s", name, guid)
+		}
+	case "issues", "pull_request":
+		table, node, number, actions := "github_issues", p.Issue.NodeID, p.Issue.Number, issueActions
+		if f.Event == "pull_request" {
+			table, node, number, actions = "github_pull_requests", p.PullRequest.NodeID, p.PullRequest.Number, pullActions
+		}
+		owner, repo, _ := strings.Cut(p.Repository.FullName, "/")
+		if count("SELECT count(*) FROM "+table+" WHERE node_id = ? AND number = ? AND repository_owner = ? AND repository_name = ?", node, number, owner, repo) != 1 && containsString(actions, p.Action) {
+			t.Errorf("%s: no %s row for %s", name, table, node)
+		}
+	case "issue_comment", "pull_request_review_comment", "commit_comment":
+		if count("SELECT count(*) FROM github_comments WHERE comment_id = ? AND event = ? AND repository = ?", p.Comment.ID, f.Event, p.Repository.FullName) != 1 {
+			t.Errorf("%s: no github_comments row for comment %d", name, p.Comment.ID)
+		}
+	case "discussion", "discussion_comment":
+		if count("SELECT count(*) FROM github_discussions WHERE node_id = ? AND number = ?", p.Discussion.NodeID, p.Discussion.Number) != 1 {
+			t.Errorf("%s: no github_discussions row for %s", name, p.Discussion.NodeID)
+		}
+	case "check_run":
+		if count("SELECT count(*) FROM github_check_runs WHERE check_run_id = ? AND repository = ?", p.CheckRun.ID, p.Repository.FullName) != 1 {
+			t.Errorf("%s: no github_check_runs row for %d", name, p.CheckRun.ID)
+		}
+	case "push":
+		if count("SELECT count(*) FROM github_pushes WHERE repository = ? AND head_commit = ? AND ref = ?", p.Repository.FullName, p.After, p.Ref) != 1 {
+			t.Errorf("%s: no github_pushes row for %s", name, p.After)
+		}
+	case "installation", "installation_repositories":
+		if count("SELECT count(*) FROM github_installations WHERE installation_id = ?", p.Installation.ID) != 1 {
+			t.Errorf("%s: no github_installations row for %d", name, p.Installation.ID)
+		}
+		if f.Event == "installation_repositories" && count("SELECT count(*) FROM github_repositories WHERE delivery_id = ? AND event = 'installation_repositories'", guid) == 0 {
+			t.Errorf("%s: no github_repositories rows for the added or removed repositories", name)
+		}
+	case "repository":
+		if count("SELECT count(*) FROM github_repositories WHERE delivery_id = ? AND repository = ? AND action = ?", guid, p.Repository.FullName, p.Action) != 1 {
+			t.Errorf("%s: no github_repositories row", name)
+		}
+	}
+}
+
+func containsString(list []string, s string) bool {
+	for _, v := range list {
+		if v == s {
+			return true
+		}
+	}
+	return false
+}
+
+// The state table of SPEC §10, row by row, for pull requests and issues.
+func TestIssueTransition(t *testing.T) {
+	tests := []struct {
+		action, cur       string
+		state, processing string
+		change            bool
+	}{
+		{"opened", "", "OPEN", "NEW", true},
+		{"opened", "OPEN", "OPEN", "RE_REQUESTED", true},
+		{"opened", "CLOSED", "OPEN", "RE_REQUESTED", true},
+		{"reopened", "", "OPEN", "NEW", true},
+		{"reopened", "OPEN", "OPEN", "RE_REQUESTED", true},
+		{"reopened", "CLOSED", "OPEN", "RE_REQUESTED", true},
+		{"closed", "", "CLOSED", "NEW", true},
+		{"closed", "OPEN", "CLOSED", "UPDATED", true},
+		{"closed", "CLOSED", "", "", false},
+	}
+	for _, a := range []string{"synchronize", "edited", "ready_for_review", "converted_to_draft", "labeled", "unlabeled"} {
+		tests = append(tests,
+			struct {
+				action, cur       string
+				state, processing string
+				change            bool
+			}{a, "", "OPEN", "NEW", true},
+			struct {
+				action, cur       string
+				state, processing string
+				change            bool
+			}{a, "OPEN", "OPEN", "UPDATED", true},
+			struct {
+				action, cur       string
+				state, processing string
+				change            bool
+			}{a, "CLOSED", "", "", false})
+	}
+	for _, tt := range tests {
+		state, processing, change := issueTransition(tt.action, tt.cur)
+		if state != tt.state || processing != tt.processing || change != tt.change {
+			t.Errorf("%s on %q: got %s/%s/%v, want %s/%s/%v", tt.action, tt.cur, state, processing, change, tt.state, tt.processing, tt.change)
+		}
+	}
+}
+
+// prStep is one delivery of a sequence: a fixture's action with the sequence's
+// own node id and head sha.
+type prStep struct {
+	action, sha string
+}
+
+// runSequence delivers steps for one pull request (or issue) node and returns
+// its row's state, processing state, head sha and merged flag.
+func runSequence(t *testing.T, d *testDaemon, db *sql.DB, event string, steps []prStep) (state, processing, sha string, merged int) {
+	t.Helper()
+	node := "node-" + randHex(6)
+	var guids []string
+	for _, s := range steps {
+		var body []byte
+		switch {
+		case event == "pull_request":
+			body = loadFixture(t, "pull_request", s.action+".payload.json")
+		case s.action == "closed":
+			// There is no issues.closed fixture: a reopened one, closed.
+			body = mutate(t, loadFixture(t, "issues", "reopened.payload.json"), func(p map[string]any) {
+				p["action"] = "closed"
+				obj(p, "issue")["state"] = "closed"
+			})
+		default:
+			body = loadFixture(t, "issues", s.action+".payload.json")
+		}
+		body = mutate(t, body, func(p map[string]any) {
+			if event == "pull_request" {
+				pr := obj(p, "pull_request")
+				pr["node_id"] = node
+				obj(pr, "head")["sha"] = s.sha
+			} else {
+				obj(p, "issue")["node_id"] = node
+			}
+		})
+		g := newGUID()
+		guids = append(guids, g)
+		postAs(t, d.URL, event, g, body, true)
+	}
+	waitDatabase(t, db, guids...)
+	table := map[string]string{"pull_request": "github_pull_requests", "issues": "github_issues"}[event]
+	cols := "state, processing_state, '', 0"
+	if event == "pull_request" {
+		cols = "state, processing_state, head_sha, merged"
+	}
+	if err := db.QueryRow("SELECT "+cols+" FROM "+table+" WHERE node_id = ?", node).Scan(&state, &processing, &sha, &merged); err != nil {
+		t.Fatalf("row for %s: %v", node, err)
+	}
+	return state, processing, sha, merged
+}
+
+// Pull requests and issues through sequences that only the right order gets
+// right.
+func TestPullRequestAndIssueSequences(t *testing.T) {
+	d, _, db := botDaemon(t)
+	tests := []struct {
+		event             string
+		steps             []prStep
+		state, processing string
+		sha               string
+	}{
+		{"pull_request", []prStep{{"opened", "a1"}, {"synchronize", "a2"}, {"closed", "a3"}}, "CLOSED", "UPDATED", "a3"},
+		{"pull_request", []prStep{{"opened", "b1"}, {"closed", "b2"}, {"synchronize", "b3"}}, "CLOSED", "UPDATED", "b2"},
+		{"pull_request", []prStep{{"closed", "c1"}, {"reopened", "c2"}}, "OPEN", "RE_REQUESTED", "c2"},
+		{"pull_request", []prStep{{"synchronize", "d1"}}, "OPEN", "NEW", "d1"},
+		{"pull_request", []prStep{{"opened", "e1"}, {"opened", "e2"}}, "OPEN", "RE_REQUESTED", "e2"},
+		{"pull_request", []prStep{{"opened", "f1"}, {"assigned", "f2"}}, "OPEN", "NEW", "f1"},
+		{"issues", []prStep{{"opened", ""}, {"edited", ""}, {"closed", ""}}, "CLOSED", "UPDATED", ""},
+		{"issues", []prStep{{"opened", ""}, {"closed", ""}, {"edited", ""}}, "CLOSED", "UPDATED", ""},
+		{"issues", []prStep{{"closed", ""}, {"reopened", ""}}, "OPEN", "RE_REQUESTED", ""},
+		{"issues", []prStep{{"labeled", ""}}, "OPEN", "NEW", ""},
+	}
+	for _, tt := range tests {
+		var names []string
+		for _, s := range tt.steps {
+			names = append(names, s.action)
+		}
+		t.Run(tt.event+" "+strings.Join(names, ","), func(t *testing.T) {
+			state, processing, sha, _ := runSequence(t, d, db, tt.event, tt.steps)
+			if state != tt.state || processing != tt.processing || sha != tt.sha {
+				t.Errorf("got %s/%s head %q, want %s/%s head %q", state, processing, sha, tt.state, tt.processing, tt.sha)
+			}
+		})
+	}
+	// The merged flag comes with the close.
+	body := mutate(t, loadFixture(t, "pull_request", "closed.payload.json"), func(p map[string]any) {
+		pr := obj(p, "pull_request")
+		pr["node_id"], pr["merged"] = "merged-node", true
+	})
+	g := newGUID()
+	postAs(t, d.URL, "pull_request", g, body, true)
+	waitDatabase(t, db, g)
+	if n := queryInt(t, db, "SELECT merged FROM github_pull_requests WHERE node_id = 'merged-node'"); n != 1 {
+		t.Errorf("merged: got %d, want 1", n)
+	}
+}
+
+// workflow_run requested -> in_progress -> completed, delivered in reverse
+// order, ends with the completed row; the same delivery twice changes nothing.
+func TestWorkflowRunOrdering(t *testing.T) {
+	d, _, db := botDaemon(t)
+	base := loadFixture(t, "workflow_run", "requested.payload.json")
+	run := func(status, conclusion, updated string) []byte {
+		return mutate(t, base, func(p map[string]any) {
+			w := obj(p, "workflow_run")
+			w["status"], w["updated_at"] = status, updated
+			if conclusion != "" {
+				w["conclusion"] = conclusion
+			}
+			if status == "completed" {
+				p["action"] = "completed"
+			}
+		})
+	}
+	completed := run("completed", "success", "2020-10-05T16:33:49Z")
+	inProgress := run("in_progress", "", "2020-10-05T16:33:30Z")
+	requested := run("queued", "", "2020-10-05T16:33:24Z")
+	var guids []string
+	for _, b := range [][]byte{completed, inProgress, requested} {
+		g := newGUID()
+		guids = append(guids, g)
+		postAs(t, d.URL, "workflow_run", g, b, false)
+	}
+	waitDatabase(t, db, guids...)
+	var status, conclusion, updated, delivery string
+	row := func() {
+		t.Helper()
+		if err := db.QueryRow("SELECT status, conclusion, github_updated_at, delivery_id FROM github_release_workflow_runs WHERE run_id = 289782451").
+			Scan(&status, &conclusion, &updated, &delivery); err != nil {
+			t.Fatal(err)
+		}
+	}
+	row()
+	if status != "completed" || conclusion != "success" || delivery != guids[0] {
+		t.Errorf("got %s/%s from %s, want completed/success from the first delivery", status, conclusion, delivery)
+	}
+	// The completed delivery again (a redelivery): nothing changes.
+	postAs(t, d.URL, "workflow_run", guids[0], completed, false)
+	later := newGUID()
+	postAs(t, d.URL, "ping", later, loadFixture(t, "ping", "payload.json"), false)
+	waitDatabase(t, db, later)
+	before := updated
+	row()
+	if updated != before || delivery != guids[0] {
+		t.Errorf("the repeated delivery changed the row")
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", guids[0]); n != 1 {
+		t.Errorf("worker_deliveries for the repeated delivery: %d", n)
+	}
+
+	// A run triggered by a release is linked to its tag.
+	rel := mutate(t, base, func(p map[string]any) {
+		w := obj(p, "workflow_run")
+		w["id"], w["event"], w["head_branch"] = 777, "release", "v1.2.3"
+	})
+	g := newGUID()
+	postAs(t, d.URL, "workflow_run", g, rel, false)
+	waitDatabase(t, db, g)
+	var tag string
+	if err := db.QueryRow("SELECT release_tag FROM github_release_workflow_runs WHERE run_id = 777").Scan(&tag); err != nil || tag != "v1.2.3" {
+		t.Errorf("release_tag: %q %v, want v1.2.3", tag, err)
+	}
+}
+
+// A row the bot is PROCESSING moves to UPDATED on a relevant Event; a
+// PROCESSED row stays PROCESSED on an irrelevant one.
+func TestBotProcessingStates(t *testing.T) {
+	d, cfg, db := botDaemon(t)
+	node := "bot-node-" + randHex(4)
+	withNode := func(action string) []byte {
+		return mutate(t, loadFixture(t, "pull_request", action+".payload.json"), func(p map[string]any) {
+			obj(p, "pull_request")["node_id"] = node
+		})
+	}
+	g := newGUID()
+	postAs(t, d.URL, "pull_request", g, withNode("opened"), true)
+	waitDatabase(t, db, g)
+
+	// The bot takes the row, as it would, through its own connection.
+	bot, err := sql.Open("sqlite", "file:"+cfg.Database.Path+"?_pragma=busy_timeout(5000)")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bot.Close()
+	setState := func(s string) {
+		t.Helper()
+		if _, err := bot.Exec("UPDATE github_pull_requests SET processing_state = ? WHERE node_id = ?", s, node); err != nil {
+			t.Fatal(err)
+		}
+	}
+	state := func() string {
+		var s string
+		if err := db.QueryRow("SELECT processing_state FROM github_pull_requests WHERE node_id = ?", node).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+
+	setState("PROCESSING")
+	g = newGUID()
+	postAs(t, d.URL, "pull_request", g, withNode("synchronize"), true)
+	waitDatabase(t, db, g)
+	if s := state(); s != "UPDATED" {
+		t.Errorf("PROCESSING + synchronize: got %s, want UPDATED", s)
+	}
+
+	setState("PROCESSED")
+	g = newGUID()
+	postAs(t, d.URL, "pull_request", g, withNode("assigned"), true)
+	waitDatabase(t, db, g)
+	if s := state(); s != "PROCESSED" {
+		t.Errorf("PROCESSED + assigned: got %s, want PROCESSED", s)
+	}
+
+	// Other tables: a check run the bot finished, requested again.
+	g = newGUID()
+	postAs(t, d.URL, "check_run", g, loadFixture(t, "check_run", "created.payload.json"), true)
+	waitDatabase(t, db, g)
+	if _, err := bot.Exec("UPDATE github_check_runs SET processing_state = 'PROCESSED' WHERE check_run_id = 128620228"); err != nil {
+		t.Fatal(err)
+	}
+	g2, g3 := newGUID(), newGUID()
+	postAs(t, d.URL, "check_run", g2, loadFixture(t, "check_run", "rerequested.payload.json"), true)
+	postAs(t, d.URL, "check_run", g3, loadFixture(t, "check_run", "completed.payload.json"), true)
+	waitDatabase(t, db, g2)
+	waitDatabase(t, db, g3)
+	var cs, status string
+	if err := db.QueryRow("SELECT processing_state, status FROM github_check_runs WHERE check_run_id = 128620228").Scan(&cs, &status); err != nil {
+		t.Fatal(err)
+	}
+	if cs != "UPDATED" || status != "completed" {
+		t.Errorf("check run after rerequested, completed: got %s/%s, want UPDATED/completed", cs, status)
+	}
+}
+
+// A payload missing a field the tables need lands in github-database-error
+// with a reason, and the worker keeps going.
+func TestDatabaseServiceMissingField(t *testing.T) {
+	d, _, db := botDaemon(t)
+	broken := mutate(t, loadFixture(t, "pull_request", "opened.payload.json"), func(p map[string]any) {
+		delete(obj(p, "pull_request"), "node_id")
+	})
+	badGUID, good := newGUID(), newGUID()
+	postAs(t, d.URL, "pull_request", badGUID, broken, true)
+	postAs(t, d.URL, "pull_request", good, loadFixture(t, "pull_request", "opened.payload.json"), true)
+	waitDatabase(t, db, good)
+	vhost := d.brokers.List()[0].Vhost
+	eventually(t, 10*time.Second, "the broken message in github-database-error", func() bool {
+		return ready(t, vhost, errorQueue(queueDatabase)) == 1
+	})
+	m := getOne(t, vhost, errorQueue(queueDatabase))
+	if m.MessageId != badGUID || !strings.Contains(tableString(m.Headers, hdrError), "node_id") {
+		t.Errorf("error message %s with reason %q", m.MessageId, tableString(m.Headers, hdrError))
+	}
+	// The raw log still has it: the service worker does not need the field.
+	eventually(t, 10*time.Second, "raw row stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", badGUID) == 1
+	})
+	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", badGUID); n != 0 {
+		t.Errorf("the broken delivery was marked done")
+	}
+}
