@@ -624,7 +624,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 	publishRaw(t, b, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened.payload.json")))
 	var mu sync.Mutex
 	calls := 0
-	service := serviceHandler(store, false)
+	service := serviceHandler(store, nil, false, log)
 	h := func(ctx context.Context, ev *Event) error {
 		mu.Lock()
 		calls++

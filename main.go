@@ -333,10 +333,33 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues,
 		api: &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, log: log}}
 	w := cfg.Workers
-	d.workers = []*Worker{
-		newWorker("service", queueGitHub, serviceHandler(store, false), w.Window, 0, w, brokers, queues, log),
-		newWorker("database-service", queueDatabase, databaseHandler(store, cfg.GitHub.BotAppID, log.With("worker", "database-service")), w.Window, 0, w, brokers, queues, log),
-		newWorker("cleanup", queueForbidden, serviceHandler(store, true), w.CleanupWindow, w.CleanupEvery, w, brokers, queues, log),
+	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
+	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, log.With("worker", name)) }
+	service := newWorker("service", queueGitHub, serviceHandler(store, alerter, false, log), w.Window, 0, w, brokers, queues, log)
+	service.health = hc(cfg.HealthChecks.Service, "service")
+	database := newWorker("database-service", queueDatabase, databaseHandler(store, cfg.GitHub.BotAppID, log.With("worker", "database-service")), w.Window, 0, w, brokers, queues, log)
+	database.health = hc(cfg.HealthChecks.DatabaseService, "database-service")
+	cleanup := newWorker("cleanup", queueForbidden, serviceHandler(store, alerter, true, log), w.CleanupWindow, w.CleanupEvery, w, brokers, queues, log)
+	cleanup.health = hc(cfg.HealthChecks.Cleanup, "cleanup")
+	d.workers = []*Worker{service, database, cleanup}
+	if cfg.GitHub.AppID > 0 {
+		app, err := NewGitHubApp(cfg.GitHub, log.With("component", "github"))
+		if err != nil {
+			queues.Close()
+			return fail(err)
+		}
+		hooks := &Hooks{app: app, store: store, brokers: brokers, queues: queues, timeout: cfg.Queue.PublishTimeout, log: log.With("worker", "hooks")}
+		hw := newWorker("hooks", queueHooks, hooks.Handle, w.Window, 0, w, brokers, queues, log)
+		hw.Poll = func(ctx context.Context) error {
+			n, err := hooks.Poll(ctx)
+			if n > 0 {
+				log.Info("hooks poll queued failed deliveries", "worker", "hooks", "queued", n)
+			}
+			return err
+		}
+		hw.PollEvery = w.HooksPollEvery
+		hw.health = hc(cfg.HealthChecks.Hooks, "hooks")
+		d.workers = append(d.workers, hw)
 	}
 	return d, nil
 }

@@ -66,7 +66,7 @@ func TestRetryCycle(t *testing.T) {
 	failing, flaky := newGUID(), newGUID()
 	var mu sync.Mutex
 	calls := map[string]int{}
-	service := serviceHandler(store, false)
+	service := serviceHandler(store, nil, false, log)
 	h := func(ctx context.Context, ev *Event) error {
 		mu.Lock()
 		calls[ev.DeliveryID]++

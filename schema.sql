@@ -321,3 +321,24 @@ CREATE TABLE github_repositories (
     updated_at       TEXT NOT NULL,
     UNIQUE (delivery_id, repository)
 ) STRICT;
+
+-- migration 3: hooks redelivery and alert bookkeeping
+-- hook_redeliveries: what the hooks worker queued on github-hooks, so that a
+-- GUID is queued once. The poll's checkpoint is the setting hooks.checkpoint.
+CREATE TABLE hook_redeliveries (
+    guid           TEXT PRIMARY KEY,          -- X-GitHub-Delivery of the failed delivery
+    delivery_id    INTEGER NOT NULL,          -- GitHub's id of the attempt to fetch
+    event          TEXT NOT NULL DEFAULT '',
+    queued_at      TEXT NOT NULL,             -- when the message went to github-hooks
+    republished_at TEXT                       -- when the consumer republished the Event
+) STRICT;
+
+-- alert_sends: which alert channel has sent which delivery's alert, so that a
+-- retry after a failed send repeats only what failed. github.alerted_at is
+-- set once every channel has sent.
+CREATE TABLE alert_sends (
+    delivery_id TEXT NOT NULL,
+    channel     TEXT NOT NULL,                -- email or push
+    sent_at     TEXT NOT NULL,
+    PRIMARY KEY (delivery_id, channel)
+) STRICT, WITHOUT ROWID;

@@ -288,3 +288,47 @@ func (s *Store) Backup(ctx context.Context, dest string) error {
 	}
 	return nil
 }
+
+// AlertProgress reads how far a delivery's alert got: the channels that have
+// sent it, and whether github.alerted_at is set.
+func (s *Store) AlertProgress(ctx context.Context, deliveryID string) (sent []string, alerted bool, err error) {
+	var at sql.NullString
+	if err := s.r.QueryRowContext(ctx, "SELECT alerted_at FROM github WHERE delivery_id = ?", deliveryID).Scan(&at); err != nil {
+		return nil, false, fmt.Errorf("read alerted_at: %w", err)
+	}
+	if at.Valid {
+		return nil, true, nil
+	}
+	rows, err := s.r.QueryContext(ctx, "SELECT channel FROM alert_sends WHERE delivery_id = ?", deliveryID)
+	if err != nil {
+		return nil, false, fmt.Errorf("read alert sends: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var c string
+		if err := rows.Scan(&c); err != nil {
+			return nil, false, err
+		}
+		sent = append(sent, c)
+	}
+	return sent, false, rows.Err()
+}
+
+// RecordAlertSend notes that channel sent the delivery's alert; with last set,
+// it also sets github.alerted_at.
+func (s *Store) RecordAlertSend(ctx context.Context, deliveryID, channel string, last bool) error {
+	return s.write(ctx, func(tx *sql.Tx) error {
+		now := formatTime(time.Now())
+		if _, err := tx.ExecContext(ctx, `INSERT INTO alert_sends (delivery_id, channel, sent_at) VALUES (?, ?, ?)
+			ON CONFLICT DO NOTHING`, deliveryID, channel, now); err != nil {
+			return fmt.Errorf("record alert send: %w", err)
+		}
+		if !last {
+			return nil
+		}
+		if _, err := tx.ExecContext(ctx, "UPDATE github SET alerted_at = ? WHERE delivery_id = ?", now, deliveryID); err != nil {
+			return fmt.Errorf("set alerted_at: %w", err)
+		}
+		return nil
+	})
+}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"math/rand/v2"
 	"time"
@@ -19,6 +20,13 @@ type Worker struct {
 	// Every, when set, is the pause between cycles (cleanup runs hourly);
 	// zero runs cycles back to back.
 	Every time.Duration
+	// Poll, when set, runs at the start of a cycle once PollEvery has passed
+	// since it last ran (the hooks worker asks GitHub for failed deliveries).
+	Poll      func(ctx context.Context) error
+	PollEvery time.Duration
+	lastPoll  time.Time
+
+	health *HealthCheck
 
 	cfg     WorkersConfig
 	brokers *Brokers
@@ -38,7 +46,13 @@ func (w *Worker) Run(ctx context.Context) error {
 	failures := 0
 	for ctx.Err() == nil {
 		watch := w.brokers.Watch()
-		if err := w.cycle(ctx); err != nil && ctx.Err() == nil {
+		w.health.Start(ctx)
+		err := w.cycle(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if err != nil {
+			w.health.Fail(ctx, err.Error())
 			failures++
 			backoff := min(500*time.Millisecond<<min(failures-1, 10), 15*time.Second)
 			backoff = backoff/2 + rand.N(backoff/2+1)
@@ -46,6 +60,7 @@ func (w *Worker) Run(ctx context.Context) error {
 			w.sleep(ctx, backoff, watch)
 			continue
 		}
+		w.health.Success(ctx)
 		failures = 0
 		if w.Every > 0 {
 			pause := w.Every
@@ -69,8 +84,19 @@ func (w *Worker) sleep(ctx context.Context, d time.Duration, watch <-chan struct
 	}
 }
 
-// cycle is one pass of SPEC §8, steps 1 to 4.
+// cycle is one pass of SPEC §8, steps 1 to 4, after the worker's own poll
+// when one is due. A failed poll fails the cycle, but only after the rest of
+// it ran: the queue is still worked.
 func (w *Worker) cycle(ctx context.Context) error {
+	var pollErr error
+	if w.Poll != nil && time.Since(w.lastPoll) >= w.PollEvery {
+		w.lastPoll = time.Now()
+		pollErr = w.Poll(ctx)
+	}
+	return errors.Join(w.work(ctx), pollErr)
+}
+
+func (w *Worker) work(ctx context.Context) error {
 	watch := w.brokers.Watch()
 	st, err := w.brokers.State(ctx)
 	if err != nil {

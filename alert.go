@@ -1,0 +1,259 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"slices"
+	"strings"
+	"time"
+
+	mail "github.com/wneessen/go-mail"
+)
+
+// Alerter sends the alerts of SPEC §9: rules select Events by "event.action"
+// patterns, and name the channels (email, push) that announce them.
+type Alerter struct {
+	cfg  AlertsConfig
+	http *http.Client
+	log  *slog.Logger
+}
+
+// NewAlerter returns nil when no rule is configured: nothing to send.
+func NewAlerter(cfg AlertsConfig, log *slog.Logger) *Alerter {
+	if len(cfg.Rules) == 0 {
+		return nil
+	}
+	return &Alerter{cfg: cfg, http: &http.Client{Timeout: 15 * time.Second}, log: log}
+}
+
+// matchPattern matches "event.action" against a rule pattern: "*" matches
+// all, "pull_request.*" every action of an event, "issues.opened" one action,
+// and a bare "push" an event with any or no action.
+func matchPattern(pattern, event, action string) bool {
+	if pattern == "*" {
+		return true
+	}
+	pe, pa, hasAction := strings.Cut(pattern, ".")
+	if pe != event {
+		return false
+	}
+	if !hasAction || pa == "*" {
+		return true
+	}
+	return pa == action
+}
+
+// Channels returns the channels that must announce ev, in a stable order. A
+// rule without channels means every configured channel.
+func (a *Alerter) Channels(ev *Event) []string {
+	if a == nil {
+		return nil
+	}
+	var out []string
+	for _, r := range a.cfg.Rules {
+		matched := false
+		for _, p := range r.Events {
+			if matchPattern(p, ev.Name, ev.Action) {
+				matched = true
+				break
+			}
+		}
+		if !matched {
+			continue
+		}
+		chans := r.Channels
+		if len(chans) == 0 {
+			chans = a.configured()
+		}
+		for _, c := range chans {
+			if !slices.Contains(out, c) {
+				out = append(out, c)
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+func (a *Alerter) configured() []string {
+	var c []string
+	if a.cfg.Email.Host != "" {
+		c = append(c, "email")
+	}
+	if a.cfg.Push.URL != "" {
+		c = append(c, "push")
+	}
+	return c
+}
+
+// alertLink finds the page a person would open for the Event.
+func alertLink(payload []byte) string {
+	var p struct {
+		PullRequest *struct {
+			HTMLURL string `json:"html_url"`
+		} `json:"pull_request"`
+		Issue *struct {
+			HTMLURL string `json:"html_url"`
+		} `json:"issue"`
+		Comment *struct {
+			HTMLURL string `json:"html_url"`
+		} `json:"comment"`
+		Discussion *struct {
+			HTMLURL string `json:"html_url"`
+		} `json:"discussion"`
+		Release *struct {
+			HTMLURL string `json:"html_url"`
+		} `json:"release"`
+		CheckRun *struct {
+			HTMLURL string `json:"html_url"`
+		} `json:"check_run"`
+		WorkflowRun *struct {
+			HTMLURL string `json:"html_url"`
+		} `json:"workflow_run"`
+		Compare    string `json:"compare"`
+		Repository *struct {
+			HTMLURL string `json:"html_url"`
+		} `json:"repository"`
+	}
+	if json.Unmarshal(payload, &p) != nil {
+		return ""
+	}
+	for _, u := range []*struct {
+		HTMLURL string `json:"html_url"`
+	}{p.Comment, p.PullRequest, p.Issue, p.Discussion, p.Release, p.CheckRun, p.WorkflowRun} {
+		if u != nil && u.HTMLURL != "" {
+			return u.HTMLURL
+		}
+	}
+	if p.Compare != "" {
+		return p.Compare
+	}
+	if p.Repository != nil {
+		return p.Repository.HTMLURL
+	}
+	return ""
+}
+
+// alertText is what a person reads: what happened, where, by whom, and a link.
+func alertText(ev *Event, forbidden bool) (subject, body, link string) {
+	what := ev.Name
+	if ev.Action != "" {
+		what += "." + ev.Action
+	}
+	where := ev.Repository
+	if where == "" {
+		where = "GitHub"
+	}
+	subject = fmt.Sprintf("%s on %s", what, where)
+	if ev.Sender != "" {
+		subject += " by " + ev.Sender
+	}
+	if forbidden {
+		subject = "[Forbidden] " + subject
+	}
+	link = alertLink(ev.Payload)
+	var b strings.Builder
+	fmt.Fprintf(&b, "Event:      %s\n", ev.Name)
+	if ev.Action != "" {
+		fmt.Fprintf(&b, "Action:     %s\n", ev.Action)
+	}
+	fmt.Fprintf(&b, "Repository: %s\n", where)
+	if ev.Sender != "" {
+		fmt.Fprintf(&b, "By:         %s\n", ev.Sender)
+	}
+	if link != "" {
+		fmt.Fprintf(&b, "Link:       %s\n", link)
+	}
+	fmt.Fprintf(&b, "Delivery:   %s\nReceived:   %s\n", ev.DeliveryID, ev.ReceivedAt.UTC().Format(time.RFC3339))
+	if forbidden {
+		fmt.Fprintf(&b, "\nThis delivery came from %s, outside the allowed GitHub ranges.\n", ev.SourceIP)
+	}
+	return subject, b.String(), link
+}
+
+// Send announces ev on one channel.
+func (a *Alerter) Send(ctx context.Context, channel string, ev *Event, forbidden bool) error {
+	subject, body, link := alertText(ev, forbidden)
+	switch channel {
+	case "email":
+		return a.sendEmail(ctx, subject, body)
+	case "push":
+		return a.sendPush(ctx, subject, body, link, ev)
+	}
+	return fmt.Errorf("unknown alert channel %q", channel)
+}
+
+func (a *Alerter) sendEmail(ctx context.Context, subject, body string) error {
+	c := a.cfg.Email
+	if c.Host == "" {
+		return fmt.Errorf("email alert: alerts.email.host is not set")
+	}
+	m := mail.NewMsg()
+	if err := m.From(c.From); err != nil {
+		return fmt.Errorf("email alert: from: %w", err)
+	}
+	if err := m.To(c.To...); err != nil {
+		return fmt.Errorf("email alert: to: %w", err)
+	}
+	m.Subject(subject)
+	m.SetBodyString(mail.TypeTextPlain, body)
+
+	opts := []mail.Option{mail.WithPort(c.Port), mail.WithTimeout(15 * time.Second)}
+	switch c.TLS {
+	case "tls":
+		opts = append(opts, mail.WithSSL())
+	case "none":
+		opts = append(opts, mail.WithTLSPolicy(mail.NoTLS))
+	default: // starttls
+		opts = append(opts, mail.WithTLSPolicy(mail.TLSMandatory))
+	}
+	if c.Username != "" {
+		opts = append(opts, mail.WithSMTPAuth(mail.SMTPAuthPlain), mail.WithUsername(c.Username), mail.WithPassword(c.Password))
+	}
+	client, err := mail.NewClient(c.Host, opts...)
+	if err != nil {
+		return fmt.Errorf("email alert: %w", err)
+	}
+	if err := client.DialAndSendWithContext(ctx, m); err != nil {
+		return fmt.Errorf("email alert via %s:%d: %w", c.Host, c.Port, err)
+	}
+	return nil
+}
+
+// sendPush POSTs an ntfy-style message: the body as text, the title, tags
+// and link as headers.
+func (a *Alerter) sendPush(ctx context.Context, title, body, link string, ev *Event) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, a.cfg.Push.URL, bytes.NewBufferString(body))
+	if err != nil {
+		return fmt.Errorf("push alert: %w", err)
+	}
+	req.Header.Set("Content-Type", "text/plain; charset=utf-8")
+	req.Header.Set("Title", title)
+	tags := []string{"github", ev.Name}
+	if ev.Action != "" {
+		tags = append(tags, ev.Action)
+	}
+	if strings.HasPrefix(title, "[Forbidden]") {
+		tags = append(tags, "warning")
+	}
+	req.Header.Set("Tags", strings.Join(tags, ","))
+	if link != "" {
+		req.Header.Set("Click", link)
+	}
+	if a.cfg.Push.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+a.cfg.Push.Token)
+	}
+	resp, err := a.http.Do(req)
+	if err != nil {
+		return fmt.Errorf("push alert to %s: %w", req.URL.Host, err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		return fmt.Errorf("push alert: %s answered %d", req.URL.Host, resp.StatusCode)
+	}
+	return nil
+}

@@ -1,0 +1,371 @@
+package main
+
+import (
+	"context"
+	"crypto/rsa"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/golang-jwt/jwt/v5"
+)
+
+// GitHub keeps hook deliveries for 3 days; older ones cannot be fetched.
+const deliveryRetention = 72 * time.Hour
+
+// checkpointOverlap re-reads a little before the last checkpoint: a delivery
+// GitHub records late must not fall between two polls.
+const checkpointOverlap = 2 * time.Minute
+
+// GitHubApp is the client of the App's own REST endpoints, authenticated with
+// the App JWT.
+type GitHubApp struct {
+	appID  int64
+	key    *rsa.PrivateKey
+	apiURL string
+	http   *http.Client
+	log    *slog.Logger
+
+	mu       sync.Mutex
+	token    string
+	tokenExp time.Time
+}
+
+// NewGitHubApp reads the App's PEM key.
+func NewGitHubApp(cfg GitHubConfig, log *slog.Logger) (*GitHubApp, error) {
+	pem, err := os.ReadFile(cfg.PrivateKeyFile)
+	if err != nil {
+		return nil, fmt.Errorf("github.private_key_file: %w", err)
+	}
+	key, err := jwt.ParseRSAPrivateKeyFromPEM(pem)
+	if err != nil {
+		return nil, fmt.Errorf("github.private_key_file: not an RSA private key in PEM: %w", err)
+	}
+	return &GitHubApp{appID: cfg.AppID, key: key, apiURL: strings.TrimRight(cfg.APIURL, "/"),
+		http: &http.Client{Timeout: 30 * time.Second}, log: log}, nil
+}
+
+// jwt returns the App JWT: RS256, issued 60 s in the past against clock
+// drift, expiring in 9 minutes (GitHub refuses more than 10). It is reused
+// until a minute before it expires.
+func (a *GitHubApp) jwt() (string, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	now := time.Now()
+	if a.token != "" && now.Before(a.tokenExp.Add(-time.Minute)) {
+		return a.token, nil
+	}
+	exp := now.Add(9 * time.Minute)
+	tok, err := jwt.NewWithClaims(jwt.SigningMethodRS256, jwt.RegisteredClaims{
+		IssuedAt:  jwt.NewNumericDate(now.Add(-60 * time.Second)),
+		ExpiresAt: jwt.NewNumericDate(exp),
+		Issuer:    strconv.FormatInt(a.appID, 10),
+	}).SignedString(a.key)
+	if err != nil {
+		return "", fmt.Errorf("sign app jwt: %w", err)
+	}
+	a.token, a.tokenExp = tok, exp
+	return tok, nil
+}
+
+// githubStatusError is an unsuccessful answer of GitHub's API.
+type githubStatusError struct {
+	Status int
+	Msg    string
+}
+
+func (e *githubStatusError) Error() string {
+	return fmt.Sprintf("GitHub API answered %d: %s", e.Status, e.Msg)
+}
+
+// ErrGitHubUnauthorized is a 401: the App id or key is wrong.
+var ErrGitHubUnauthorized = errors.New("GitHub rejected the App JWT (401): check github.app_id and github.private_key_file")
+
+// get fetches rawURL (a path under api_url or a full URL from a Link header)
+// into v. 5xx, 429 and rate-limited 403 answers are transient; a 401 is
+// ErrGitHubUnauthorized, logged as the configuration error it is; a 404 is a
+// githubStatusError the caller may take as permanent.
+func (a *GitHubApp) get(ctx context.Context, rawURL string, v any) (http.Header, error) {
+	if strings.HasPrefix(rawURL, "/") {
+		rawURL = a.apiURL + rawURL
+	}
+	tok, err := a.jwt()
+	if err != nil {
+		return nil, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, rawURL, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Authorization", "Bearer "+tok)
+	req.Header.Set("Accept", "application/vnd.github+json")
+	req.Header.Set("X-GitHub-Api-Version", "2022-11-28")
+	req.Header.Set("User-Agent", "switchyard/"+version)
+	resp, err := a.http.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("GitHub API: %w", err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return nil, fmt.Errorf("GitHub API: read answer: %w", err)
+	}
+	if resp.StatusCode == http.StatusUnauthorized {
+		a.log.Error("GitHub API configuration error", "error", ErrGitHubUnauthorized, "url", req.URL.Path)
+		return nil, ErrGitHubUnauthorized
+	}
+	if resp.StatusCode/100 != 2 {
+		var msg struct {
+			Message string `json:"message"`
+		}
+		_ = json.Unmarshal(body, &msg)
+		return nil, &githubStatusError{Status: resp.StatusCode, Msg: msg.Message}
+	}
+	if err := json.Unmarshal(body, v); err != nil {
+		return nil, fmt.Errorf("GitHub API: answer of %s is not the expected JSON: %w", req.URL.Path, err)
+	}
+	return resp.Header, nil
+}
+
+// hookDelivery is one attempt in GET /app/hook/deliveries.
+type hookDelivery struct {
+	ID          int64     `json:"id"`
+	GUID        string    `json:"guid"`
+	DeliveredAt time.Time `json:"delivered_at"`
+	Redelivery  bool      `json:"redelivery"`
+	Status      string    `json:"status"`
+	StatusCode  int       `json:"status_code"`
+	Event       string    `json:"event"`
+	Action      *string   `json:"action"`
+}
+
+// hookDeliveryDetail is GET /app/hook/deliveries/{id}: the attempt with the
+// original request.
+type hookDeliveryDetail struct {
+	hookDelivery
+	Request struct {
+		Headers map[string]string `json:"headers"`
+		Payload json.RawMessage   `json:"payload"`
+	} `json:"request"`
+}
+
+var linkNext = regexp.MustCompile(`<([^>]+)>;\s*rel="next"`)
+
+// ListDeliveries pages through the App's deliveries, newest first, back to
+// since, and returns the attempts delivered at or after it.
+func (a *GitHubApp) ListDeliveries(ctx context.Context, since time.Time) ([]hookDelivery, error) {
+	var all []hookDelivery
+	next := "/app/hook/deliveries?per_page=100"
+	for next != "" {
+		var page []hookDelivery
+		h, err := a.get(ctx, next, &page)
+		if err != nil {
+			return nil, err
+		}
+		next = ""
+		if m := linkNext.FindStringSubmatch(h.Get("Link")); m != nil {
+			next = m[1]
+		}
+		for _, d := range page {
+			if d.DeliveredAt.Before(since) {
+				next = "" // older than the checkpoint: this page is the last one needed
+				continue
+			}
+			all = append(all, d)
+		}
+	}
+	return all, nil
+}
+
+// Delivery fetches one attempt with its original headers and payload.
+func (a *GitHubApp) Delivery(ctx context.Context, id int64) (*hookDeliveryDetail, error) {
+	var d hookDeliveryDetail
+	if _, err := a.get(ctx, "/app/hook/deliveries/"+strconv.FormatInt(id, 10), &d); err != nil {
+		return nil, err
+	}
+	return &d, nil
+}
+
+// Hooks is the hooks worker's work: poll GitHub for deliveries that never got
+// a 2xx, queue each once on github-hooks, and republish what the queue asks for.
+type Hooks struct {
+	app     *GitHubApp
+	store   *Store
+	brokers *Brokers
+	queues  *Queues
+	timeout time.Duration
+	log     *slog.Logger
+}
+
+const keyHooksCheckpoint = "hooks.checkpoint"
+
+// hookMessage is the body of a github-hooks message.
+type hookMessage struct {
+	DeliveryID int64  `json:"delivery_id"`
+	GUID       string `json:"guid"`
+}
+
+// Poll lists the deliveries since the checkpoint (never more than GitHub's 3
+// days), groups the attempts by GUID, and queues one github-hooks message for
+// each GUID with no 2xx attempt that is neither stored in github nor queued
+// already. The checkpoint moves only after a poll that queued all it found.
+func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
+	now := time.Now().UTC()
+	since := now.Add(-deliveryRetention)
+	cp, err := getSetting(ctx, h.store.r, keyHooksCheckpoint)
+	if err != nil {
+		return 0, err
+	}
+	if t, err := time.Parse(time.RFC3339Nano, cp); err == nil && t.Add(-checkpointOverlap).After(since) {
+		since = t.Add(-checkpointOverlap)
+	}
+	deliveries, err := h.app.ListDeliveries(ctx, since)
+	if err != nil {
+		return 0, fmt.Errorf("list hook deliveries: %w", err)
+	}
+
+	type attempts struct {
+		ok     bool
+		latest hookDelivery
+	}
+	byGUID := map[string]*attempts{}
+	var order []string
+	for _, d := range deliveries {
+		if d.GUID == "" {
+			continue
+		}
+		a, seen := byGUID[d.GUID]
+		if !seen {
+			a = &attempts{latest: d}
+			byGUID[d.GUID] = a
+			order = append(order, d.GUID)
+		}
+		if d.StatusCode >= 200 && d.StatusCode < 300 {
+			a.ok = true
+		}
+		if d.DeliveredAt.After(a.latest.DeliveredAt) {
+			a.latest = d
+		}
+	}
+	for _, guid := range order {
+		a := byGUID[guid]
+		if a.ok {
+			continue
+		}
+		known, err := h.known(ctx, guid)
+		if err != nil {
+			return queued, err
+		}
+		if known {
+			continue
+		}
+		if err := h.queue(ctx, a.latest); err != nil {
+			return queued, err
+		}
+		queued++
+	}
+	if err := h.store.write(ctx, func(tx *sql.Tx) error {
+		return setSetting(ctx, tx, keyHooksCheckpoint, formatTime(now), now)
+	}); err != nil {
+		return queued, err
+	}
+	return queued, nil
+}
+
+// known reports whether a GUID is stored in github or queued already.
+func (h *Hooks) known(ctx context.Context, guid string) (bool, error) {
+	var n int
+	err := h.store.r.QueryRowContext(ctx, `SELECT (SELECT count(*) FROM github WHERE delivery_id = ?) +
+		(SELECT count(*) FROM hook_redeliveries WHERE guid = ?)`, guid, guid).Scan(&n)
+	return n > 0, err
+}
+
+// queue publishes one github-hooks message, then remembers it.
+func (h *Hooks) queue(ctx context.Context, d hookDelivery) error {
+	body, _ := json.Marshal(hookMessage{DeliveryID: d.ID, GUID: d.GUID})
+	hdr := http.Header{}
+	hdr.Set(hdrDelivery, d.GUID)
+	hdr.Set(hdrEvent, d.Event)
+	msg := newPublishing(hdr, body, "", time.Now())
+	b, err := h.brokers.Get(h.brokers.Cached().PublishTarget())
+	if err != nil {
+		return err
+	}
+	pctx, cancel := context.WithTimeout(ctx, h.timeout)
+	defer cancel()
+	if err := h.queues.Publish(pctx, b, "", queueHooks, msg); err != nil {
+		return fmt.Errorf("queue redelivery of %s: %w", d.GUID, err)
+	}
+	h.log.Info("queued a failed delivery for redelivery", "delivery_id", d.GUID, "event", d.Event, "github_delivery", d.ID)
+	return h.store.write(ctx, func(tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, `INSERT INTO hook_redeliveries (guid, delivery_id, event, queued_at)
+			VALUES (?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`, d.GUID, d.ID, d.Event, formatTime(time.Now()))
+		return err
+	})
+}
+
+// Handle is the github-hooks consumer: fetch the original request of the
+// delivery and republish it through github-exchange, so that both the raw log
+// and the typed tables get the Event.
+func (h *Hooks) Handle(ctx context.Context, ev *Event) error {
+	var m hookMessage
+	if err := json.Unmarshal(ev.Payload, &m); err != nil || m.DeliveryID == 0 {
+		return permanent("github-hooks message without delivery_id")
+	}
+	var done int
+	if err := h.store.r.QueryRowContext(ctx, `SELECT count(*) FROM worker_deliveries WHERE worker = 'hooks' AND delivery_id = ?`,
+		ev.DeliveryID).Scan(&done); err != nil {
+		return err
+	}
+	if done > 0 {
+		return ErrDuplicate
+	}
+	d, err := h.app.Delivery(ctx, m.DeliveryID)
+	var se *githubStatusError
+	if errors.As(err, &se) && (se.Status == http.StatusNotFound || se.Status == http.StatusGone) {
+		return permanent("GitHub no longer has delivery %d (%d): older than 3 days", m.DeliveryID, se.Status)
+	}
+	if err != nil {
+		return err
+	}
+	hdr := http.Header{}
+	for k, v := range d.Request.Headers {
+		hdr.Set(k, v)
+	}
+	if hdr.Get(hdrDelivery) == "" {
+		hdr.Set(hdrDelivery, d.GUID)
+	}
+	if hdr.Get(hdrEvent) == "" {
+		hdr.Set(hdrEvent, d.Event)
+	}
+	payload := unwrapPayload(d.Request.Payload)
+	if _, err := decodePayload(payload); err != nil {
+		return permanent("delivery %d: %v", m.DeliveryID, err)
+	}
+	b, err := h.brokers.Get(h.brokers.Cached().PublishTarget())
+	if err != nil {
+		return err
+	}
+	pctx, cancel := context.WithTimeout(ctx, h.timeout)
+	defer cancel()
+	msg := newPublishing(hdr, payload, "", time.Now())
+	if err := h.queues.Publish(pctx, b, exchangeName, "", msg); err != nil {
+		return fmt.Errorf("republish %s: %w", d.GUID, err)
+	}
+	_, err = h.store.MarkDelivery(ctx, "hooks", ev.DeliveryID, func(tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, `UPDATE hook_redeliveries SET republished_at = ? WHERE guid = ?`,
+			formatTime(time.Now()), ev.DeliveryID)
+		return err
+	})
+	return err
+}
