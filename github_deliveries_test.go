@@ -1,0 +1,370 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/x509"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/golang-jwt/jwt/v5"
+)
+
+const testAppID = 31337
+
+// fakeGitHub serves the App's hook-delivery endpoints in the shapes of
+// GitHub's REST API, and checks the App JWT on every request.
+type fakeGitHub struct {
+	t   testing.TB
+	key *rsa.PrivateKey
+	srv *httptest.Server
+
+	mu         sync.Mutex
+	deliveries []hookDelivery // newest first, as GitHub lists them
+	payloads   map[int64][]byte
+	listCalls  int
+	pageCalls  int
+	fetches    map[int64]int
+	failNext   []int // statuses to answer the next detail fetches with
+	always401  bool
+}
+
+func newFakeGitHub(t testing.TB) *fakeGitHub {
+	t.Helper()
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &fakeGitHub{t: t, key: key, payloads: map[int64][]byte{}, fetches: map[int64]int{}}
+	g.srv = httptest.NewServer(http.HandlerFunc(g.serve))
+	t.Cleanup(g.srv.Close)
+	return g
+}
+
+// keyFile writes the App's private key as PEM, as GitHub hands it out.
+func (g *fakeGitHub) keyFile(t testing.TB) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "app.pem")
+	b := pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(g.key)})
+	if err := os.WriteFile(p, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// add records one delivery attempt; payload, when set, is what a detail
+// fetch returns as the original request's body.
+func (g *fakeGitHub) add(d hookDelivery, payload []byte) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.deliveries = append([]hookDelivery{d}, g.deliveries...)
+	if payload != nil {
+		g.payloads[d.ID] = payload
+	}
+}
+
+func (g *fakeGitHub) checkJWT(r *http.Request) bool {
+	tok := strings.TrimPrefix(r.Header.Get("Authorization"), "Bearer ")
+	claims := &jwt.RegisteredClaims{}
+	parsed, err := jwt.ParseWithClaims(tok, claims, func(*jwt.Token) (any, error) { return &g.key.PublicKey, nil },
+		jwt.WithValidMethods([]string{"RS256"}))
+	if err != nil || !parsed.Valid || claims.Issuer != strconv.Itoa(testAppID) {
+		return false
+	}
+	iat, exp := claims.IssuedAt.Time, claims.ExpiresAt.Time
+	// GitHub: iat may be in the past against drift, exp at most 10 minutes after.
+	return time.Since(iat) >= 50*time.Second && exp.Sub(iat) <= 10*time.Minute+time.Second
+}
+
+func (g *fakeGitHub) serve(w http.ResponseWriter, r *http.Request) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.always401 || !g.checkJWT(r) {
+		w.WriteHeader(http.StatusUnauthorized)
+		fmt.Fprint(w, `{"message":"A JSON web token could not be decoded","documentation_url":"https://docs.github.com/rest"}`)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json; charset=utf-8")
+	if r.URL.Path == "/app/hook/deliveries" {
+		g.pageCalls++
+		if r.URL.Query().Get("cursor") == "" {
+			g.listCalls++
+		}
+		start, _ := strconv.Atoi(strings.TrimPrefix(r.URL.Query().Get("cursor"), "v1_"))
+		per, _ := strconv.Atoi(r.URL.Query().Get("per_page"))
+		if per <= 0 || per > 100 {
+			per = 30
+		}
+		end := min(start+per, len(g.deliveries))
+		if end < len(g.deliveries) {
+			w.Header().Set("Link", fmt.Sprintf(`<%s/app/hook/deliveries?per_page=%d&cursor=v1_%d>; rel="next"`, g.srv.URL, per, end))
+		}
+		_ = json.NewEncoder(w).Encode(g.deliveries[start:end])
+		return
+	}
+	idText, ok := strings.CutPrefix(r.URL.Path, "/app/hook/deliveries/")
+	id, err := strconv.ParseInt(idText, 10, 64)
+	if !ok || err != nil {
+		w.WriteHeader(http.StatusNotFound)
+		fmt.Fprint(w, `{"message":"Not Found"}`)
+		return
+	}
+	g.fetches[id]++
+	if len(g.failNext) > 0 {
+		status := g.failNext[0]
+		g.failNext = g.failNext[1:]
+		if status == http.StatusForbidden {
+			w.Header().Set("X-RateLimit-Remaining", "0")
+			w.WriteHeader(status)
+			fmt.Fprint(w, `{"message":"API rate limit exceeded for installation."}`)
+			return
+		}
+		w.WriteHeader(status)
+		fmt.Fprint(w, `{"message":"Server Error"}`)
+		return
+	}
+	for _, d := range g.deliveries {
+		if d.ID != id {
+			continue
+		}
+		payload := g.payloads[id]
+		detail := map[string]any{
+			"id": d.ID, "guid": d.GUID, "delivered_at": d.DeliveredAt, "redelivery": d.Redelivery,
+			"duration": 0.27, "status": d.Status, "status_code": d.StatusCode, "event": d.Event, "action": d.Action,
+			"installation_id": 123, "repository_id": 456, "url": "https://example.com/webhooks/github",
+			"request": map[string]any{
+				"headers": map[string]string{
+					"Accept": "*/*", "Content-Type": "application/json", "User-Agent": "GitHub-Hookshot/5c6ad3b",
+					"X-GitHub-Delivery": d.GUID, "X-GitHub-Event": d.Event, "X-GitHub-Hook-ID": "42",
+					"X-GitHub-Hook-Installation-Target-ID": strconv.Itoa(testAppID),
+					"X-GitHub-Hook-Installation-Target-Type": "integration",
+					"X-Hub-Signature-256":                    "sha256=ignored-here",
+				},
+				"payload": json.RawMessage(payload),
+			},
+			"response": map[string]any{"headers": map[string]string{}, "payload": "service unavailable"},
+		}
+		_ = json.NewEncoder(w).Encode(detail)
+		return
+	}
+	w.WriteHeader(http.StatusNotFound)
+	fmt.Fprint(w, `{"message":"Not Found"}`)
+}
+
+func (g *fakeGitHub) counts(id int64) (list, pages, fetches int) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.listCalls, g.pageCalls, g.fetches[id]
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// Failed, failed-then-redelivered-OK, OK, and already stored deliveries:
+// exactly the first is queued, once, across two polls; the consumer puts its
+// Event in github and through github-database.
+func TestHooksRedeliversFailedDeliveries(t *testing.T) {
+	gh := newFakeGitHub(t)
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.GitHub.AppID = testAppID
+	cfg.GitHub.PrivateKeyFile = gh.keyFile(t)
+	cfg.GitHub.APIURL = gh.srv.URL
+	cfg.GitHub.BotAppID = testAppID
+	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
+	cfg.Workers.Window = 300 * time.Millisecond
+
+	payload := loadFixture(t, "pull_request", "opened.payload.json")
+	now := time.Now().UTC().Add(-10 * time.Minute)
+	failed, retriedOK, ok, stored := newGUID(), newGUID(), newGUID(), newGUID()
+	gh.add(hookDelivery{ID: 1, GUID: failed, DeliveredAt: now, Status: "Service Unavailable", StatusCode: 503, Event: "pull_request", Action: ptr("opened")}, payload)
+	gh.add(hookDelivery{ID: 2, GUID: retriedOK, DeliveredAt: now, Status: "Service Unavailable", StatusCode: 503, Event: "issues"}, nil)
+	gh.add(hookDelivery{ID: 3, GUID: retriedOK, DeliveredAt: now.Add(time.Minute), Redelivery: true, Status: "OK", StatusCode: 202, Event: "issues"}, nil)
+	gh.add(hookDelivery{ID: 4, GUID: ok, DeliveredAt: now, Status: "OK", StatusCode: 202, Event: "issues"}, nil)
+	gh.add(hookDelivery{ID: 5, GUID: stored, DeliveredAt: now, Status: "Timeout", StatusCode: 0, Event: "issues"}, nil)
+
+	// The "stored" one reached us after all (GitHub timed out on the answer).
+	ctx := context.Background()
+	store, err := OpenStore(ctx, cfg.Database)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := store.InsertEvent(ctx, &Event{DeliveryID: stored, Name: "issues", Payload: loadFixture(t, "issues", "opened.payload.json"), ReceivedAt: time.Now()}, false); err != nil {
+		t.Fatal(err)
+	}
+	store.Close()
+
+	d := startDaemon(t, cfg)
+	db := openDB(t, cfg.Database.Path)
+
+	eventually(t, 30*time.Second, "the failed delivery stored and through database-service", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", failed) == 1 &&
+			queryInt(t, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id = ?", failed) == 1
+	})
+	eventually(t, 10*time.Second, "two more polls", func() bool { l, _, _ := gh.counts(1); return l >= 3 })
+	d.stop(t)
+	if n := queryInt(t, db, "SELECT count(*) FROM hook_redeliveries"); n != 1 {
+		t.Errorf("hook_redeliveries: %d rows, want only the failed delivery", n)
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM hook_redeliveries WHERE guid = ? AND republished_at IS NOT NULL", failed); n != 1 {
+		t.Errorf("the failed delivery is not recorded as republished")
+	}
+	if _, _, f := gh.counts(1); f != 1 {
+		t.Errorf("the failed delivery was fetched %d times, want 1", f)
+	}
+	for _, id := range []int64{2, 3, 4, 5} {
+		if _, _, f := gh.counts(id); f != 0 {
+			t.Errorf("delivery %d was fetched, want it left alone", id)
+		}
+	}
+	var source, target string
+	if err := db.QueryRow("SELECT source_ip, target_type FROM github WHERE delivery_id = ?", failed).Scan(&source, &target); err != nil {
+		t.Fatal(err)
+	}
+	if target != "integration" {
+		t.Errorf("republished Event lost its headers: target_type %q", target)
+	}
+}
+
+// hooksForTest builds the hooks worker's parts over a real store and broker.
+func hooksForTest(t *testing.T, gh *fakeGitHub) (*Hooks, string, *Store, *logSink) {
+	t.Helper()
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.GitHub.AppID = testAppID
+	cfg.GitHub.PrivateKeyFile = gh.keyFile(t)
+	cfg.GitHub.APIURL = gh.srv.URL
+	ctx := context.Background()
+	store, err := OpenStore(ctx, cfg.Database)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sink := &logSink{t: t}
+	log := slog.New(slog.NewTextHandler(sink, nil))
+	brokers, err := NewBrokers(ctx, cfg.Brokers, store, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	queues := NewQueues(cfg.Queue, brokers.List(), log)
+	t.Cleanup(func() { queues.Close() })
+	app, err := NewGitHubApp(cfg.GitHub, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &Hooks{app: app, store: store, brokers: brokers, queues: queues, timeout: 5 * time.Second, log: log}, vhost, store, sink
+}
+
+// 250 deliveries over three pages are all seen; the checkpoint stops the next
+// poll from reading them again.
+func TestHooksPollPagingAndCheckpoint(t *testing.T) {
+	gh := newFakeGitHub(t)
+	start := time.Now().UTC().Add(-2 * time.Hour)
+	for i := 0; i < 250; i++ {
+		gh.add(hookDelivery{ID: int64(1000 + i), GUID: newGUID(), DeliveredAt: start.Add(time.Duration(i) * time.Second),
+			Status: "Invalid HTTP Response: 503", StatusCode: 503, Event: "issues"}, nil)
+	}
+	// One older than GitHub keeps: never asked for.
+	gh.deliveries = append(gh.deliveries, hookDelivery{ID: 1, GUID: newGUID(), DeliveredAt: time.Now().Add(-80 * time.Hour), StatusCode: 503, Event: "issues"})
+	hooks, vhost, store, _ := hooksForTest(t, gh)
+
+	n, err := hooks.Poll(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n != 250 {
+		t.Errorf("queued %d, want 250", n)
+	}
+	if _, pages, _ := gh.counts(0); pages != 3 {
+		t.Errorf("pages read: %d, want 3", pages)
+	}
+	if got := ready(t, vhost, queueHooks); got != 250 {
+		t.Errorf("github-hooks holds %d, want 250", got)
+	}
+	var rows int
+	_ = store.r.QueryRow("SELECT count(*) FROM hook_redeliveries").Scan(&rows)
+	if rows != 250 {
+		t.Errorf("hook_redeliveries: %d, want 250", rows)
+	}
+
+	n, err = hooks.Poll(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, pages, _ := gh.counts(0); n != 0 || pages != 4 {
+		t.Errorf("second poll: queued %d reading %d pages in all, want 0 queued and only its first page read", n, pages)
+	}
+	if got := ready(t, vhost, queueHooks); got != 250 {
+		t.Errorf("github-hooks holds %d after the second poll, want still 250", got)
+	}
+}
+
+// GitHub answering 500 or 403 rate-limited: the message retries and then
+// succeeds; 401: a clear log line, and the message waits.
+func TestHooksGitHubErrors(t *testing.T) {
+	gh := newFakeGitHub(t)
+	guid := newGUID()
+	gh.add(hookDelivery{ID: 7, GUID: guid, DeliveredAt: time.Now().UTC().Add(-time.Minute), StatusCode: 503, Event: "issues"},
+		loadFixture(t, "issues", "opened.payload.json"))
+	gh.failNext = []int{500, 403}
+	hooks, vhost, store, appLog := hooksForTest(t, gh)
+	sink := &logSink{t: t}
+	log := slog.New(slog.NewTextHandler(sink, nil))
+	b := hooks.brokers.List()[0]
+
+	if _, err := hooks.Poll(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { consumeUntil(ctx, hooks.queues, b, queueHooks, hooks.Handle, log); close(done) }()
+	defer func() { cancel(); <-done }()
+
+	eventually(t, 20*time.Second, "the Event republished to github", func() bool { return ready(t, vhost, queueGitHub) == 1 })
+	if _, _, f := gh.counts(7); f != 3 {
+		t.Errorf("fetches: %d, want 3 (500, 403, then OK)", f)
+	}
+	if c := strings.Count(sink.String(), "transient failure, message will retry"); c != 2 {
+		t.Errorf("retries logged: %d, want 2", c)
+	}
+	var n int
+	_ = store.r.QueryRow("SELECT count(*) FROM worker_deliveries WHERE worker = 'hooks' AND delivery_id = ?", guid).Scan(&n)
+	if n != 1 {
+		t.Errorf("hooks worker did not record the delivery")
+	}
+
+	// A wrong key: every call is a 401, said plainly, and nothing is lost.
+	gh.mu.Lock()
+	gh.always401 = true
+	gh.mu.Unlock()
+	if _, err := hooks.Poll(context.Background()); err == nil || !strings.Contains(err.Error(), "401") {
+		t.Errorf("poll with a rejected JWT: got %v", err)
+	}
+	if !strings.Contains(appLog.String(), "level=ERROR") || !strings.Contains(appLog.String(), "check github.app_id and github.private_key_file") {
+		t.Errorf("no clear error line for the 401:\n%s", appLog.String())
+	}
+	// The consumer, handed a message while GitHub says 401, nacks it: it waits
+	// in the retry cycle instead of being dropped.
+	other := newGUID()
+	publishRaw(t, vhost, "", queueHooks, eventMessage("issues", other, []byte(`{"delivery_id": 7, "guid": "`+other+`"}`)))
+	eventually(t, 10*time.Second, "a retry after the 401", func() bool {
+		return strings.Count(sink.String(), "transient failure, message will retry") >= 3
+	})
+}

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// hcServer records the pings it gets, as "path body".
+type hcServer struct {
+	srv   *httptest.Server
+	mu    sync.Mutex
+	pings []string
+}
+
+func newHCServer(t testing.TB) *hcServer {
+	t.Helper()
+	h := &hcServer{}
+	h.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		h.mu.Lock()
+		h.pings = append(h.pings, strings.TrimPrefix(r.URL.Path, "/ping/uuid")+" "+string(b))
+		h.mu.Unlock()
+	}))
+	t.Cleanup(h.srv.Close)
+	return h
+}
+
+func (h *hcServer) seen() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]string(nil), h.pings...)
+}
+
+// runWorker runs a service worker over one broker URL with the given ping URL
+// until the test ends.
+func runWorker(t *testing.T, brokerURL, pingURL string) (*Store, *logSink) {
+	t.Helper()
+	cfg := testConfig(t, brokerURL)
+	ctx, cancel := context.WithCancel(context.Background())
+	store, err := OpenStore(ctx, cfg.Database)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sink := &logSink{t: t}
+	log := slog.New(slog.NewTextHandler(sink, nil))
+	brokers, err := NewBrokers(ctx, cfg.Brokers, store, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	queues := NewQueues(cfg.Queue, brokers.List(), log)
+	w := newWorker("service", queueGitHub, serviceHandler(store, nil, false, log), 200*time.Millisecond, 0, cfg.Workers, brokers, queues, log)
+	w.health = NewHealthCheck(pingURL, log)
+	done := make(chan struct{})
+	go func() { _ = w.Run(ctx); close(done) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		queues.Close()
+		store.Close()
+	})
+	return store, sink
+}
+
+// A good cycle pings /start then the URL; a failing one /start then /fail
+// with the reason.
+func TestHealthChecksPings(t *testing.T) {
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	hc := newHCServer(t)
+	runWorker(t, proxy.URL(vhost), hc.srv.URL+"/ping/uuid")
+
+	eventually(t, 10*time.Second, "start and success pings", func() bool {
+		p := hc.seen()
+		return len(p) >= 2 && p[0] == "/start " && p[1] == " "
+	})
+	proxy.Close()
+	eventually(t, 20*time.Second, "a fail ping with a reason", func() bool {
+		p := hc.seen()
+		for i := 1; i < len(p); i++ {
+			if strings.HasPrefix(p[i], "/fail ") && strings.Contains(p[i], "unreachable") && p[i-1] == "/start " {
+				return true
+			}
+		}
+		return false
+	})
+}
+
+// HealthChecks down changes nothing else: the worker still stores messages.
+func TestHealthChecksDown(t *testing.T) {
+	vhost := newVhost(t)
+	declareTestTopology(t, vhost, 200*time.Millisecond)
+	store, sink := runWorker(t, amqpURL(vhost), "http://"+reserveAddr(t)+"/ping/uuid")
+	guid := newGUID()
+	publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened.payload.json")))
+	eventually(t, 10*time.Second, "message stored with HealthChecks down", func() bool {
+		var n int
+		_ = store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = ?", guid).Scan(&n)
+		return n == 1
+	})
+	if !strings.Contains(sink.String(), "healthchecks ping failed") {
+		t.Errorf("no warning about the failed ping")
+	}
+	if strings.Contains(sink.String(), "cycle failed") {
+		t.Errorf("a failed ping failed a cycle")
+	}
+	if strings.Contains(sink.String(), "/ping/uuid") {
+		t.Errorf("the ping URL's secret path is in the log")
+	}
+}
