@@ -8,7 +8,10 @@ STATICCHECK_VERSION ?= v0.8.2
 SHELL   := /bin/bash
 export CGO_ENABLED = 0
 
-.PHONY: build run test lint bench clean ensure-rabbitmq
+BINARY  ?= switchyard
+UNITDIR ?= /etc/systemd/system
+
+.PHONY: build run test lint bench install clean ensure-rabbitmq
 
 build:
 	$(GO) build -trimpath -ldflags "-s -w -X main.version=$(VERSION)" -o switchyard .
@@ -28,6 +31,16 @@ lint:
 
 bench: ensure-rabbitmq
 	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./...
+
+# Binary, unit, example config and README, DESTDIR-aware. The live config is
+# never overwritten: copy the example to /etc/switchyard/switchyard.toml.
+install: build
+	install -D -m 0755 $(BINARY) $(DESTDIR)$(PREFIX)/bin/switchyard
+	install -d -m 0755 $(DESTDIR)$(UNITDIR)
+	sed 's|/usr/local/bin/switchyard|$(PREFIX)/bin/switchyard|g' deploy/switchyard.service > $(DESTDIR)$(UNITDIR)/switchyard.service
+	chmod 0644 $(DESTDIR)$(UNITDIR)/switchyard.service
+	install -D -m 0640 config.example.toml $(DESTDIR)/etc/switchyard/switchyard.toml.example
+	install -D -m 0644 README.md $(DESTDIR)$(PREFIX)/share/doc/switchyard/README.md
 
 clean:
 	rm -f switchyard

@@ -21,6 +21,7 @@ type API struct {
 	brokers *Brokers
 	queues  *Queues
 	webhook *Webhook
+	metrics *Metrics
 	log     *slog.Logger
 }
 
@@ -38,6 +39,9 @@ func (a *API) Handler() http.Handler {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 	})
 	r.GET("/readyz", a.ready)
+	if a.cfg.Server.MetricsListen == "" {
+		r.Handler(http.MethodGet, "/metrics", a.metrics.Handler())
+	}
 
 	r.NotFound = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusNotFound, map[string]string{"error": "not found"})

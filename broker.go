@@ -102,9 +102,10 @@ const (
 // machine kept in settings. Every change is one transaction, and wakes the
 // workers so that they re-read the state at once.
 type Brokers struct {
-	list  []*Broker
-	store *Store
-	log   *slog.Logger
+	list    []*Broker
+	store   *Store
+	log     *slog.Logger
+	metrics *Metrics
 
 	mu      sync.Mutex
 	changed chan struct{} // closed, and replaced, on every change
@@ -193,6 +194,7 @@ func (bs *Brokers) Cached() SwitchState {
 
 // publish records a committed state and wakes everyone watching.
 func (bs *Brokers) publish(st SwitchState) {
+	bs.metrics.brokerState(st)
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
 	bs.cached = st
@@ -206,6 +208,7 @@ func (bs *Brokers) State(ctx context.Context) (SwitchState, error) {
 	if err != nil {
 		return st, err
 	}
+	bs.metrics.brokerState(st)
 	bs.mu.Lock()
 	bs.cached = st
 	bs.mu.Unlock()
@@ -315,6 +318,7 @@ func (bs *Brokers) SwitchTo(ctx context.Context, index int) (SwitchState, error)
 			return st, false, err
 		}
 		st.Active, st.Pending, st.Last = index, nil, last
+		bs.metrics.switched("operator")
 		return st, true, nil
 	})
 }
@@ -405,6 +409,7 @@ func (bs *Brokers) CompleteIfDrained(ctx context.Context, drained func(ctx conte
 		return cur, true, nil
 	})
 	if flipped {
+		bs.metrics.switched("drained")
 		bs.log.Info("pending switch completed", "from", st.Active, "to", st.Pending.Index)
 	}
 	return flipped, err

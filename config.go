@@ -39,6 +39,9 @@ type ServerConfig struct {
 	// ShutdownTimeout bounds the whole shutdown after SIGTERM; systemd's
 	// TimeoutStopSec must be longer.
 	ShutdownTimeout time.Duration `toml:"shutdown_timeout"`
+	// MetricsListen, when set, serves /metrics on this address alone
+	// instead of on listen.
+	MetricsListen string `toml:"metrics_listen"`
 }
 
 // DatabaseConfig is the SQLite file.
@@ -205,6 +208,11 @@ func (c *Config) Validate() error {
 
 	if _, _, err := net.SplitHostPort(c.Server.Listen); err != nil {
 		bad("server.listen", "want host:port, got %q", c.Server.Listen)
+	}
+	if c.Server.MetricsListen != "" {
+		if _, _, err := net.SplitHostPort(c.Server.MetricsListen); err != nil {
+			bad("server.metrics_listen", "want host:port, got %q", c.Server.MetricsListen)
+		}
 	}
 	for i, p := range c.Server.TrustedProxies {
 		if _, err := parsePrefix(p); err != nil {
@@ -387,6 +395,9 @@ func (c *Config) Summary(w io.Writer) {
 	p := func(format string, args ...any) { fmt.Fprintf(w, format+"\n", args...) }
 	p("server.listen = %q", c.Server.Listen)
 	p("server.trusted_proxies = %q", c.Server.TrustedProxies)
+	if c.Server.MetricsListen != "" {
+		p("server.metrics_listen = %q", c.Server.MetricsListen)
+	}
 	p("database.path = %q", c.Database.Path)
 	p("database.synchronous = %q", strings.ToUpper(c.Database.Synchronous))
 	p("api.operator_token = %s", mask(c.API.OperatorToken))

@@ -99,6 +99,7 @@ type Webhook struct {
 	brokers *Brokers
 	queues  *Queues
 	log     *slog.Logger
+	metrics *Metrics
 }
 
 // NewWebhook builds the endpoint from the config; the allow list is meta_file's
@@ -217,10 +218,22 @@ func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request) ([]byte, 
 	return payload, nil
 }
 
+// rejectOutcome names a refused webhook for the metrics.
+func rejectOutcome(err error) string {
+	switch statusOf(err) {
+	case http.StatusUnauthorized:
+		return "unauthorized"
+	case http.StatusRequestEntityTooLarge:
+		return "too_large"
+	}
+	return "bad_request"
+}
+
 // ServeHTTP answers 202 only once the broker confirmed the message.
 func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	payload, err := wh.readPayload(w, r)
 	if err != nil {
+		wh.metrics.webhook(rejectOutcome(err))
 		writeError(w, r, wh.log, err)
 		return
 	}
@@ -244,11 +257,13 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	log := wh.log.With("delivery_id", msg.MessageId, "event", msg.Type, "source_ip", srcText)
 	if err != nil {
+		wh.metrics.webhook("unavailable")
 		log.Warn("webhook not queued", "error", err)
 		w.Header().Set("Retry-After", "30")
 		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"error": "not queued: broker unavailable, retry later"})
 		return
 	}
+	wh.metrics.webhook(map[bool]string{true: "forbidden", false: "accepted"}[key != ""])
 	log.Debug("webhook queued", "broker", b.String(), "forbidden", key != "")
 	writeJSON(w, http.StatusAccepted, map[string]string{"status": "queued", "delivery_id": msg.MessageId})
 }

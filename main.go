@@ -19,6 +19,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/coreos/go-systemd/v22/daemon"
 	"golang.org/x/sync/errgroup"
 )
 
@@ -101,7 +102,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	log := newLogger(cfg.Log, stderr)
 	switch cmd {
 	case "serve":
-		return serve(ctx, cfg, log, nil)
+		return serve(ctx, cfg, log, func() { sdNotify(log, daemon.SdNotifyReady) })
 	case "migrate":
 		return migrate(ctx, cfg, stdout)
 	case "backup":
@@ -299,6 +300,7 @@ type Daemon struct {
 	store   *Store
 	brokers *Brokers
 	queues  *Queues
+	metrics *Metrics
 	api     *API
 	workers []*Worker
 }
@@ -330,11 +332,14 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	if err != nil {
 		return fail(err)
 	}
-	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues,
-		api: &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, log: log}}
+	metrics := NewMetrics()
+	store.metrics, brokers.metrics, queues.metrics, webhook.metrics = metrics, metrics, metrics, metrics
+	metrics.brokerState(brokers.Cached())
+	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics,
+		api: &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics, log: log}}
 	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
-	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, log.With("worker", name)) }
+	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
 	service := newWorker("service", queueGitHub, serviceHandler(store, alerter, false, log), w.Window, 0, w, brokers, queues, log)
 	service.health = hc(cfg.HealthChecks.Service, "service")
 	database := newWorker("database-service", queueDatabase, databaseHandler(store, cfg.GitHub.BotAppID, log.With("worker", "database-service")), w.Window, 0, w, brokers, queues, log)
@@ -376,17 +381,30 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(d.log.Handler(), slog.LevelWarn),
 	}
+	servers := []*http.Server{srv}
+	listeners := []net.Listener{ln}
+	if addr := d.cfg.Server.MetricsListen; addr != "" {
+		mln, err := net.Listen("tcp", addr)
+		if err != nil {
+			ln.Close()
+			return errors.Join(fmt.Errorf("listen %s (server.metrics_listen): %w", addr, err), d.queues.Close(), d.store.Close())
+		}
+		servers = append(servers, &http.Server{Handler: d.metrics.Handler(), ReadHeaderTimeout: 10 * time.Second})
+		listeners = append(listeners, mln)
+	}
 	// The workers' context does not follow ctx: they stop only after the HTTP
 	// server has stopped taking webhooks.
 	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
 	g, gctx := errgroup.WithContext(workCtx)
-	g.Go(func() error {
-		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-			return fmt.Errorf("http: %w", err)
-		}
-		return nil
-	})
+	for i, s := range servers {
+		g.Go(func() error {
+			if err := s.Serve(listeners[i]); !errors.Is(err, http.ErrServerClosed) {
+				return fmt.Errorf("http %s: %w", listeners[i].Addr(), err)
+			}
+			return nil
+		})
+	}
 	for _, w := range d.workers {
 		g.Go(func() error { return w.Run(gctx) })
 	}
@@ -394,6 +412,22 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 		"database", d.cfg.Database.Path, "brokers", len(d.brokers.List()))
 	if ready != nil {
 		ready()
+	}
+
+	// Under systemd with WatchdogSec, prove the process is alive.
+	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
+		g.Go(func() error {
+			t := time.NewTicker(interval / 2)
+			defer t.Stop()
+			for {
+				select {
+				case <-gctx.Done():
+					return nil
+				case <-t.C:
+					sdNotify(d.log, daemon.SdNotifyWatchdog)
+				}
+			}
+		})
 	}
 
 	stopped := make(chan struct{})
@@ -404,14 +438,17 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 		}
 		close(stopped)
 		d.log.Info("shutting down")
+		sdNotify(d.log, daemon.SdNotifyStopping)
 		sctx, cancel := context.WithTimeout(context.Background(), d.cfg.Server.ShutdownTimeout*3/4)
 		defer cancel()
-		err := srv.Shutdown(sctx)
-		cancelWork()
-		if err != nil {
-			return fmt.Errorf("http shutdown: %w", err)
+		var errs []error
+		for _, s := range servers {
+			if err := s.Shutdown(sctx); err != nil {
+				errs = append(errs, fmt.Errorf("http shutdown: %w", err))
+			}
 		}
-		return nil
+		cancelWork()
+		return errors.Join(errs...)
 	})
 
 	done := make(chan error, 1)
@@ -427,6 +464,14 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 		}
 	}
 	return errors.Join(err, d.queues.Close(), d.store.Close())
+}
+
+// sdNotify tells systemd the daemon's state when NOTIFY_SOCKET is set
+// (Type=notify); elsewhere it does nothing.
+func sdNotify(log *slog.Logger, state string) {
+	if _, err := daemon.SdNotify(false, state); err != nil {
+		log.Warn("cannot notify systemd", "state", state, "error", err)
+	}
 }
 
 // serve is the serve command: listen, then run until SIGTERM or SIGINT.

@@ -50,9 +50,10 @@ var (
 // every worker and the webhook endpoint, dialed on demand with backoff; channels
 // are opened per use.
 type Queues struct {
-	cfg   QueueConfig
-	log   *slog.Logger
-	conns []*brokerConn
+	cfg     QueueConfig
+	log     *slog.Logger
+	conns   []*brokerConn
+	metrics *Metrics
 
 	// Backoff between failed dials of one broker, doubled per failure up to
 	// maxBackoff, with jitter. Fields so tests can shorten them.
@@ -259,7 +260,7 @@ func (q *Queues) ReadyCounts(ctx context.Context, b *Broker, queues []string) (m
 	}
 	counts := make(map[string]int, len(queues))
 	for _, name := range queues {
-		n, err := q.readyCount(conn, name)
+		n, err := q.readyCount(conn, b, name)
 		if err != nil {
 			return nil, fmt.Errorf("%s on %s: %w", name, b, err)
 		}
@@ -268,7 +269,7 @@ func (q *Queues) ReadyCounts(ctx context.Context, b *Broker, queues []string) (m
 	return counts, nil
 }
 
-func (q *Queues) readyCount(conn *amqp.Connection, name string) (int, error) {
+func (q *Queues) readyCount(conn *amqp.Connection, b *Broker, name string) (int, error) {
 	ch, err := q.channel(conn)
 	if err != nil {
 		return 0, err
@@ -277,12 +278,14 @@ func (q *Queues) readyCount(conn *amqp.Connection, name string) (int, error) {
 		return ch.QueueDeclarePassive(name, true, false, false, false, nil)
 	})
 	if isNotFound(err) {
+		q.metrics.ready(b.Index, name, 0)
 		return 0, nil // the 404 closed the channel already
 	}
 	q.closeChannel(conn, ch)
 	if err != nil {
 		return 0, err
 	}
+	q.metrics.ready(b.Index, name, qi.Messages)
 	return qi.Messages, nil
 }
 

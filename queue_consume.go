@@ -55,7 +55,9 @@ func deathCount(h amqp.Table, queue string) int64 {
 // ends it in exactly one of done, duplicate, retry or error, and acks or nacks
 // accordingly. Only a failure to ack or nack is returned: the channel is gone,
 // and the broker will deliver the message again.
-func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (Outcome, error) {
+func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (outcome Outcome, err error) {
+	start := time.Now()
+	defer func() { q.metrics.consume(queue, outcome, time.Since(start)) }()
 	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
 	defer cancel()
 
@@ -182,7 +184,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, 
 	if err != nil {
 		return 0, err
 	}
-	if ready, err := q.readyCount(conn, queue); err != nil || ready == 0 {
+	if ready, err := q.readyCount(conn, b, queue); err != nil || ready == 0 {
 		return 0, err
 	}
 	ch, err := q.channel(conn)

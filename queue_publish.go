@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -90,7 +91,9 @@ func (p *publisher) wasReturned(returns chan amqp.Return, msgID string) bool {
 // Publish sends msg to broker b and waits for its publisher confirm until ctx
 // ends. Messages are mandatory: one that reaches no queue (a queue deleted on
 // the broker) is an error, never a silent success.
-func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, msg amqp.Publishing) error {
+func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, msg amqp.Publishing) (err error) {
+	start := time.Now()
+	defer func() { q.metrics.publish(b.Index, err, time.Since(start)) }()
 	_, p, err := q.conn(ctx, b)
 	if err != nil {
 		return err

@@ -22,9 +22,10 @@ var schemaSQL string
 // in Go instead of contending for the file lock, and a small pool of read-only
 // connections for the API and health checks.
 type Store struct {
-	w    *sql.DB
-	r    *sql.DB
-	path string
+	w       *sql.DB
+	r       *sql.DB
+	path    string
+	metrics *Metrics
 }
 
 // timeFormat is how every time is stored: RFC 3339 in UTC with a fixed six
@@ -155,6 +156,8 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 
 // write runs fn in one immediate transaction on the writer connection.
 func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	start := time.Now()
+	defer func() { s.metrics.dbWrite(time.Since(start)) }()
 	tx, err := s.w.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("begin: %w", err)
@@ -271,7 +274,10 @@ func (s *Store) MarkDelivery(ctx context.Context, worker, deliveryID string, fn 
 // Backup writes a consistent snapshot of the live database to dest with
 // VACUUM INTO, then checks the copy with integrity_check.
 func (s *Store) Backup(ctx context.Context, dest string) error {
-	if _, err := s.r.ExecContext(ctx, "VACUUM INTO ?", dest); err != nil {
+	// VACUUM INTO only reads this database (in one read transaction, so the
+	// copy is consistent while serve writes), but the query_only readers
+	// refuse it; the writer connection does it without taking a write lock.
+	if _, err := s.w.ExecContext(ctx, "VACUUM INTO ?", dest); err != nil {
 		return fmt.Errorf("vacuum into %s: %w", dest, err)
 	}
 	db, err := sql.Open("sqlite", "file:"+dest+"?mode=ro")

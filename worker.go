@@ -149,6 +149,7 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 		log := w.log.With("broker", b.String())
 		n, err := w.queues.Drain(ctx, b, w.Queue, remaining, guard, w.Handle, log)
 		remaining -= n
+		w.queues.metrics.leftover(w.Queue, n)
 		if n > 0 {
 			log.Info("leftover drain", "messages", n)
 		}

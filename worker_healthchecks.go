@@ -13,17 +13,20 @@ import (
 // fails. A ping that fails is logged and changes nothing else. A nil
 // *HealthCheck pings nothing.
 type HealthCheck struct {
-	url  string
-	http *http.Client
-	log  *slog.Logger
+	url     string
+	worker  string
+	http    *http.Client
+	log     *slog.Logger
+	metrics *Metrics
 }
 
 // NewHealthCheck returns nil for an empty URL.
-func NewHealthCheck(url string, log *slog.Logger) *HealthCheck {
+func NewHealthCheck(url, worker string, metrics *Metrics, log *slog.Logger) *HealthCheck {
 	if url == "" {
 		return nil
 	}
-	return &HealthCheck{url: strings.TrimRight(url, "/"), http: &http.Client{Timeout: 10 * time.Second}, log: log}
+	return &HealthCheck{url: strings.TrimRight(url, "/"), worker: worker, http: &http.Client{Timeout: 10 * time.Second},
+		log: log.With("worker", worker), metrics: metrics}
 }
 
 // Start, Success and Fail are the three pings of a cycle.
@@ -49,11 +52,13 @@ func (h *HealthCheck) ping(ctx context.Context, suffix, body string) {
 	resp, err := h.http.Do(req)
 	if err != nil {
 		// The URL is a secret of sorts: log the host only.
+		h.metrics.healthCheckFailed(h.worker)
 		h.log.Warn("healthchecks ping failed", "host", req.URL.Host, "ping", strings.TrimPrefix(suffix, "/"), "error", redactURLError(err))
 		return
 	}
 	resp.Body.Close()
 	if resp.StatusCode/100 != 2 {
+		h.metrics.healthCheckFailed(h.worker)
 		h.log.Warn("healthchecks ping refused", "host", req.URL.Host, "ping", strings.TrimPrefix(suffix, "/"), "status", resp.StatusCode)
 	}
 }

@@ -59,7 +59,7 @@ func runWorker(t *testing.T, brokerURL, pingURL string) (*Store, *logSink) {
 	}
 	queues := NewQueues(cfg.Queue, brokers.List(), log)
 	w := newWorker("service", queueGitHub, serviceHandler(store, nil, false, log), 200*time.Millisecond, 0, cfg.Workers, brokers, queues, log)
-	w.health = NewHealthCheck(pingURL, log)
+	w.health = NewHealthCheck(pingURL, "service", nil, log)
 	done := make(chan struct{})
 	go func() { _ = w.Run(ctx); close(done) }()
 	t.Cleanup(func() {

@@ -1,0 +1,143 @@
+package main
+
+import (
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Metrics are switchyard's Prometheus metrics, on a registry of their own
+// (no global state). Every method is safe on a nil *Metrics, which records
+// nothing: parts built without metrics (commands, tests) need no stubs.
+type Metrics struct {
+	reg *prometheus.Registry
+
+	webhooks       *prometheus.CounterVec
+	publishes      *prometheus.CounterVec
+	publishSeconds *prometheus.HistogramVec
+	consumed       *prometheus.CounterVec
+	processSeconds *prometheus.HistogramVec
+	queueReady     *prometheus.GaugeVec
+	activeBroker   prometheus.Gauge
+	pendingSwitch  prometheus.Gauge
+	switches       *prometheus.CounterVec
+	leftovers      *prometheus.CounterVec
+	dbWriteSeconds prometheus.Histogram
+	hcFailures     *prometheus.CounterVec
+}
+
+// NewMetrics registers every metric, plus the Go runtime and process ones.
+func NewMetrics() *Metrics {
+	latency := []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}
+	m := &Metrics{
+		reg: prometheus.NewRegistry(),
+		webhooks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_webhooks_received_total",
+			Help: "Webhook requests by outcome: accepted, forbidden (accepted into github-forbidden), unauthorized, bad_request, too_large, unavailable."},
+			[]string{"outcome"}),
+		publishes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_publishes_total",
+			Help: "Messages published with a publisher confirm, by broker index and outcome (confirmed, failed)."},
+			[]string{"broker", "outcome"}),
+		publishSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "switchyard_publish_duration_seconds",
+			Help: "Time from publish to publisher confirm, by broker index.", Buckets: latency}, []string{"broker"}),
+		consumed: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_messages_consumed_total",
+			Help: "Messages consumed, by queue and outcome (done, duplicate, retry, error)."}, []string{"queue", "outcome"}),
+		processSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "switchyard_message_processing_seconds",
+			Help: "Time to process one message up to its ack, by queue.", Buckets: latency}, []string{"queue"}),
+		queueReady: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_queue_ready_messages",
+			Help: "Ready messages last seen by a passive declare, by broker index and queue."}, []string{"broker", "queue"}),
+		activeBroker: prometheus.NewGauge(prometheus.GaugeOpts{Name: "switchyard_active_broker_index",
+			Help: "Index of the broker the workers read."}),
+		pendingSwitch: prometheus.NewGauge(prometheus.GaugeOpts{Name: "switchyard_pending_switch",
+			Help: "1 while a Pending Switch waits for the active broker to drain, else 0."}),
+		switches: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_switches_completed_total",
+			Help: "Completed broker switches, by reason (drained, operator)."}, []string{"reason"}),
+		leftovers: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_leftover_messages_drained_total",
+			Help: "Messages taken by the Leftover Drain from non-active brokers, by queue."}, []string{"queue"}),
+		dbWriteSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "switchyard_database_write_seconds",
+			Help: "Duration of one SQLite write transaction, from begin to commit.", Buckets: latency}),
+		hcFailures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_healthchecks_failures_total",
+			Help: "HealthChecks pings that failed, by worker."}, []string{"worker"}),
+	}
+	m.reg.MustRegister(m.webhooks, m.publishes, m.publishSeconds, m.consumed, m.processSeconds, m.queueReady,
+		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Handler serves the registry in the Prometheus text format.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{})
+}
+
+func (m *Metrics) webhook(outcome string) {
+	if m != nil {
+		m.webhooks.WithLabelValues(outcome).Inc()
+	}
+}
+
+func (m *Metrics) publish(broker int, err error, took time.Duration) {
+	if m == nil {
+		return
+	}
+	b := strconv.Itoa(broker)
+	outcome := "confirmed"
+	if err != nil {
+		outcome = "failed"
+	} else {
+		m.publishSeconds.WithLabelValues(b).Observe(took.Seconds())
+	}
+	m.publishes.WithLabelValues(b, outcome).Inc()
+}
+
+func (m *Metrics) consume(queue string, outcome Outcome, took time.Duration) {
+	if m != nil {
+		m.consumed.WithLabelValues(queue, string(outcome)).Inc()
+		m.processSeconds.WithLabelValues(queue).Observe(took.Seconds())
+	}
+}
+
+func (m *Metrics) ready(broker int, queue string, n int) {
+	if m != nil {
+		m.queueReady.WithLabelValues(strconv.Itoa(broker), queue).Set(float64(n))
+	}
+}
+
+func (m *Metrics) brokerState(st SwitchState) {
+	if m == nil {
+		return
+	}
+	m.activeBroker.Set(float64(st.Active))
+	if st.Pending != nil {
+		m.pendingSwitch.Set(1)
+	} else {
+		m.pendingSwitch.Set(0)
+	}
+}
+
+func (m *Metrics) switched(reason string) {
+	if m != nil {
+		m.switches.WithLabelValues(reason).Inc()
+	}
+}
+
+func (m *Metrics) leftover(queue string, n int) {
+	if m != nil && n > 0 {
+		m.leftovers.WithLabelValues(queue).Add(float64(n))
+	}
+}
+
+func (m *Metrics) dbWrite(took time.Duration) {
+	if m != nil {
+		m.dbWriteSeconds.Observe(took.Seconds())
+	}
+}
+
+func (m *Metrics) healthCheckFailed(worker string) {
+	if m != nil {
+		m.hcFailures.WithLabelValues(worker).Inc()
+	}
+}

@@ -1,0 +1,104 @@
+package main
+
+import (
+	"bufio"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// scrape reads /metrics into "name{labels}" -> value.
+func scrape(t testing.TB, url string) map[string]float64 {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s: %d", url, resp.StatusCode)
+	}
+	m := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, "#") || line == "" {
+			continue
+		}
+		i := strings.LastIndex(line, " ")
+		v, err := strconv.ParseFloat(line[i+1:], 64)
+		if err == nil {
+			m[line[:i]] = v
+		}
+	}
+	return m
+}
+
+// One webhook moves the received, published and consumed counters by one each.
+func TestMetricsMove(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	d := startDaemon(t, cfg)
+	db := openDB(t, cfg.Database.Path)
+	before := scrape(t, d.URL+"/metrics")
+
+	guid := newGUID()
+	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened.payload.json"))
+	eventually(t, 20*time.Second, "stored by both workers", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1 &&
+			queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", guid) == 1
+	})
+	// A bad request is counted by its outcome too.
+	r := webhookRequest(t, d.URL, "issues", newGUID(), []byte(`{}`))
+	r.Header.Set("X-Hub-Signature-256", "sha256=00")
+	do(t, r)
+	eventually(t, 5*time.Second, "consumed counters", func() bool {
+		after := scrape(t, d.URL+"/metrics")
+		return after[`switchyard_messages_consumed_total{outcome="done",queue="github-database"}`] == 1
+	})
+	after := scrape(t, d.URL+"/metrics")
+	for _, name := range []string{
+		`switchyard_webhooks_received_total{outcome="accepted"}`,
+		`switchyard_webhooks_received_total{outcome="unauthorized"}`,
+		`switchyard_publishes_total{broker="0",outcome="confirmed"}`,
+		`switchyard_messages_consumed_total{outcome="done",queue="github"}`,
+		`switchyard_messages_consumed_total{outcome="done",queue="github-database"}`,
+		`switchyard_publish_duration_seconds_count{broker="0"}`,
+		`switchyard_message_processing_seconds_count{queue="github"}`,
+	} {
+		if got := after[name] - before[name]; got != 1 {
+			t.Errorf("%s moved by %v, want 1", name, got)
+		}
+	}
+	if after["switchyard_database_write_seconds_count"] < 2 {
+		t.Errorf("database writes not measured")
+	}
+	if _, ok := after["switchyard_active_broker_index"]; !ok {
+		t.Errorf("no active broker gauge")
+	}
+	if _, ok := after["go_goroutines"]; !ok {
+		t.Errorf("no Go runtime metrics")
+	}
+}
+
+// metrics_listen moves /metrics to its own address.
+func TestMetricsListen(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Server.MetricsListen = freeAddr(t)
+	d := startDaemon(t, cfg)
+	eventually(t, 10*time.Second, "metrics listener", func() bool {
+		resp, err := http.Get("http://" + cfg.Server.MetricsListen + "/metrics")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	})
+	if code, _ := do(t, mustRequest(t, http.MethodGet, d.URL+"/metrics")); code != http.StatusNotFound {
+		t.Errorf("/metrics on the main listener: %d, want 404", code)
+	}
+}

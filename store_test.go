@@ -1,0 +1,195 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func TestStatisticsBucket(t *testing.T) {
+	tests := []struct{ in, want string }{
+		{"2026-11-29T00:00:00Z", "2026-11-29T00:00:00Z"},
+		{"2026-11-29T05:59:59Z", "2026-11-29T00:00:00Z"},
+		{"2026-11-29T06:00:00Z", "2026-11-29T06:00:00Z"},
+		{"2026-11-29T13:30:00+02:00", "2026-11-29T06:00:00Z"},
+		{"2026-11-29T23:59:59Z", "2026-11-29T18:00:00Z"},
+	}
+	for _, tt := range tests {
+		in, _ := time.Parse(time.RFC3339, tt.in)
+		if got := statisticsBucket(in); got != tt.want {
+			t.Errorf("statisticsBucket(%s): got %s, want %s", tt.in, got, tt.want)
+		}
+	}
+}
+
+// A backup taken while 1,000 webhooks are being processed opens, passes
+// integrity_check, and holds every row committed before it started; a second
+// backup to the same file is refused.
+func TestBackupWhileServing(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	d := startDaemon(t, cfg)
+	dir := t.TempDir()
+	config := writeConfig(t, dir, "127.0.0.1:1", cfg.Database.Path, amqpURL(vhost))
+	body := loadFixture(t, "push", "payload.json")
+
+	var sent atomic.Int64
+	var wg sync.WaitGroup
+	for w := 0; w < 8; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for sent.Add(1) <= 1000 {
+				postWebhook(t, d.URL, "push", newGUID(), body)
+			}
+		}()
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 60*time.Second, "300 rows stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") >= 300 })
+
+	committed := map[string]bool{}
+	rows, err := db.Query("SELECT delivery_id FROM github")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id string
+		rows.Scan(&id)
+		committed[id] = true
+	}
+	rows.Close()
+	dest := filepath.Join(dir, "backup.db")
+	var out bytes.Buffer
+	if err := run(context.Background(), []string{"backup", "-config", config, dest}, &out, &out); err != nil {
+		t.Fatalf("backup: %v\n%s", err, out.String())
+	}
+	if !strings.Contains(out.String(), "integrity_check ok") {
+		t.Errorf("backup output: %s", out.String())
+	}
+	wg.Wait()
+
+	bk, err := sql.Open("sqlite", "file:"+dest+"?mode=ro")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bk.Close()
+	var check string
+	if err := bk.QueryRow("PRAGMA integrity_check").Scan(&check); err != nil || check != "ok" {
+		t.Fatalf("integrity_check of the backup: %q %v", check, err)
+	}
+	missing := 0
+	for id := range committed {
+		var n int
+		bk.QueryRow("SELECT count(*) FROM github WHERE delivery_id = ?", id).Scan(&n)
+		if n != 1 {
+			missing++
+		}
+	}
+	if missing > 0 {
+		t.Errorf("%d of %d rows committed before the backup are missing from it", missing, len(committed))
+	}
+	var total int
+	bk.QueryRow("SELECT count(*) FROM github").Scan(&total)
+	t.Logf("backup holds %d rows (%d committed before it started)", total, len(committed))
+
+	if err := run(context.Background(), []string{"backup", "-config", config, dest}, &out, &out); err == nil || !strings.Contains(err.Error(), "refusing to overwrite") {
+		t.Errorf("second backup to the same file: %v", err)
+	}
+	eventually(t, 60*time.Second, "all 1,000 stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") == 1000 })
+}
+
+// No secret of the config shows in a log line, an API answer or check-config.
+func TestNoSecretLeaks(t *testing.T) {
+	vhost := newVhost(t)
+	user, password := "sy-"+randHex(4), "brokerpw-"+randHex(8)
+	rabbitmqctl(t, "add_user", user, password)
+	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "-q", "delete_user", user).Run() })
+	rabbitmqctl(t, "set_permissions", "-p", vhost, user, ".*", ".*", ".*")
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	brokerURL := "amqp://" + user + ":" + password + "@" + proxy.addr + "/" + vhost
+
+	smtp, push := newSMTPSink(t), newPushSink(t)
+	cfg := alertConfig(t, smtp.addr, push.srv.URL+"/topic-"+randHex(6), "*")
+	cfg.Brokers = []BrokerConfig{{URL: brokerURL}}
+	cfg.API.OperatorToken = "optoken-" + randHex(8)
+	cfg.API.ProducerToken = "prtoken-" + randHex(8)
+	cfg.GitHub.WebhookSecret = "whsecret-" + randHex(8)
+	cfg.GitHub.PreviousWebhookSecrets = []string{"oldsecret-" + randHex(8)}
+	cfg.Alerts.Email.Username, cfg.Alerts.Email.Password = "mailer", "mailpw-"+randHex(8)
+	cfg.Alerts.Push.Token = "pushtoken-" + randHex(8)
+	cfg.HealthChecks.Service = "http://" + reserveAddr(t) + "/hc-" + randHex(8)
+	cfg.Log.Level = "debug"
+	secrets := []string{password, cfg.API.OperatorToken, cfg.API.ProducerToken, cfg.GitHub.WebhookSecret,
+		cfg.GitHub.PreviousWebhookSecrets[0], cfg.Alerts.Email.Password, cfg.Alerts.Push.Token,
+		strings.TrimPrefix(cfg.Alerts.Push.URL, push.srv.URL+"/"), cfg.HealthChecks.Service[strings.LastIndex(cfg.HealthChecks.Service, "/")+1:]}
+
+	d := startDaemon(t, cfg)
+	var answers strings.Builder
+	collect := func(code int, body string) { answers.WriteString(body + "\n") }
+	body := loadFixture(t, "issues", "opened.payload.json")
+	r := webhookRequest(t, d.URL, "issues", newGUID(), body)
+	r.Header.Set("X-Hub-Signature-256", sign(cfg.GitHub.WebhookSecret, body))
+	collect(do(t, r))
+	collect(do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))) // wrong secret
+	for _, tok := range []string{cfg.API.OperatorToken, cfg.API.ProducerToken, "wrong"} {
+		req, _ := http.NewRequest(http.MethodGet, d.URL+"/api/v1/broker", nil)
+		req.Header.Set("Authorization", "Bearer "+tok)
+		collect(do(t, req))
+	}
+	collect(do(t, mustRequest(t, http.MethodGet, d.URL+"/readyz")))
+	time.Sleep(500 * time.Millisecond)
+	// The broker goes away: errors are logged and answered.
+	proxy.Close()
+	r = webhookRequest(t, d.URL, "issues", newGUID(), body)
+	r.Header.Set("X-Hub-Signature-256", sign(cfg.GitHub.WebhookSecret, body))
+	collect(do(t, r))
+	collect(do(t, mustRequest(t, http.MethodGet, d.URL+"/readyz")))
+	time.Sleep(time.Second)
+	d.stop(t)
+
+	// check-config on the same settings.
+	dir := t.TempDir()
+	p := filepath.Join(dir, "c.toml")
+	os.WriteFile(p, []byte(`[server]
+listen = "127.0.0.1:1"
+[api]
+operator_token = "`+cfg.API.OperatorToken+`"
+producer_token = "`+cfg.API.ProducerToken+`"
+[github]
+webhook_secret = "`+cfg.GitHub.WebhookSecret+`"
+previous_webhook_secrets = ["`+cfg.GitHub.PreviousWebhookSecrets[0]+`"]
+[alerts.email]
+host = "127.0.0.1"
+password = "`+cfg.Alerts.Email.Password+`"
+[alerts.push]
+url = "`+cfg.Alerts.Push.URL+`"
+token = "`+cfg.Alerts.Push.Token+`"
+[healthchecks]
+service = "`+cfg.HealthChecks.Service+`"
+[[brokers]]
+url = "`+brokerURL+`"
+`), 0o600)
+	var out bytes.Buffer
+	if err := run(context.Background(), []string{"check-config", "-config", p}, &out, &out); err != nil {
+		t.Fatalf("check-config: %v", err)
+	}
+	for name, text := range map[string]string{"logs": d.logs.String(), "API answers": answers.String(), "check-config": out.String()} {
+		for _, s := range secrets {
+			if strings.Contains(text, s) {
+				t.Errorf("%s show the secret %q", name, s)
+			}
+		}
+	}
+	if !strings.Contains(d.logs.String(), "webhook not queued") {
+		t.Errorf("the broker failure was not logged, so the test saw no error path")
+	}
+}
