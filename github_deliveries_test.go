@@ -148,7 +148,7 @@ func (g *fakeGitHub) serve(w http.ResponseWriter, r *http.Request) {
 				"headers": map[string]string{
 					"Accept": "*/*", "Content-Type": "application/json", "User-Agent": "GitHub-Hookshot/5c6ad3b",
 					"X-GitHub-Delivery": d.GUID, "X-GitHub-Event": d.Event, "X-GitHub-Hook-ID": "42",
-					"X-GitHub-Hook-Installation-Target-ID": strconv.Itoa(testAppID),
+					"X-GitHub-Hook-Installation-Target-ID":   strconv.Itoa(testAppID),
 					"X-GitHub-Hook-Installation-Target-Type": "integration",
 					"X-Hub-Signature-256":                    "sha256=ignored-here",
 				},
