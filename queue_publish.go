@@ -119,6 +119,11 @@ func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, m
 		return fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
 	}
 	if !dc.Acked() {
+		if ch.IsClosed() {
+			// amqp091-go resolves outstanding confirms as nacks when the
+			// channel closes: the broker never said no, it went away.
+			return fmt.Errorf("publish to %s: %w: channel closed before the confirm", b, ErrBrokerUnreachable)
+		}
 		return fmt.Errorf("publish to %s: %w", b, ErrPublishNacked)
 	}
 	if p.wasReturned(returns, msg.MessageId) {

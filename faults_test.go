@@ -1,0 +1,213 @@
+package main
+
+import (
+	"fmt"
+	"net/http"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+// These tests break things on purpose: connections cut, RabbitMQ stopped,
+// the process killed, the broker stalled. Each checks the no-loss promise:
+// every delivery GitHub was told was accepted ends up stored exactly once.
+
+// stream sends n deliveries from `clients` concurrent clients. Like GitHub
+// redelivering, a client repeats a delivery until it gets a 202 (or deadline
+// passes); pause, when set, runs between deliveries of client 0 so that the
+// caller can break things mid-stream. It returns the accepted GUIDs.
+func stream(t *testing.T, url func() string, n, clients int, deadline time.Duration) []string {
+	t.Helper()
+	body := loadFixture(t, "pull_request", "synchronize.payload.json")
+	var next atomic.Int64
+	var mu sync.Mutex
+	var accepted []string
+	var wg sync.WaitGroup
+	end := time.Now().Add(deadline)
+	client := &http.Client{Timeout: 10 * time.Second}
+	for c := 0; c < clients; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for next.Add(1) <= int64(n) {
+				guid := newGUID()
+				for time.Now().Before(end) {
+					resp, err := client.Do(webhookRequest(t, url(), "pull_request", guid, body))
+					if err == nil {
+						resp.Body.Close()
+						if resp.StatusCode == http.StatusAccepted {
+							mu.Lock()
+							accepted = append(accepted, guid)
+							mu.Unlock()
+							break
+						}
+					}
+					time.Sleep(50 * time.Millisecond)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return accepted
+}
+
+// storedExactlyOnce checks that every GUID has exactly one github row and was
+// finished once by database-service.
+func storedExactlyOnce(t *testing.T, dbPath string, guids []string, timeout time.Duration) {
+	t.Helper()
+	db := openDB(t, dbPath)
+	eventually(t, timeout, fmt.Sprintf("%d deliveries stored", len(guids)), func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github") >= len(guids) &&
+			queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service'") >= len(guids)
+	})
+	for _, g := range guids {
+		if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", g); n != 1 {
+			t.Errorf("delivery %s: %d rows, want 1", g, n)
+		}
+	}
+	if n := queryInt(t, db, "SELECT sum(count) FROM github_statistics_6h"); n != queryInt(t, db, "SELECT count(*) FROM github") {
+		t.Errorf("statistics count %d rows, github has %d", n, queryInt(t, db, "SELECT count(*) FROM github"))
+	}
+}
+
+// The broker connection cut 20 times during a stream of 2,000 webhooks: every
+// delivery stored exactly once, and no goroutine left behind.
+func TestFaultConnectionCuts(t *testing.T) {
+	// Registered first, so it runs last: after the daemon, the proxy and the
+	// test's own database handles are closed.
+	before := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	cfg := testConfig(t, proxy.URL(vhost))
+	cfg.Log.Level = "info"
+	d := startDaemon(t, cfg)
+
+	stop := make(chan struct{})
+	cuts := make(chan int)
+	go func() {
+		n := 0
+		defer func() { cuts <- n }()
+		for n < 20 {
+			select {
+			case <-stop:
+				return
+			case <-time.After(60 * time.Millisecond):
+				proxy.Cut()
+				n++
+			}
+		}
+	}()
+	accepted := stream(t, func() string { return d.URL }, 2000, 8, 3*time.Minute)
+	close(stop)
+	if n := <-cuts; n < 20 {
+		t.Errorf("only %d cuts happened during the stream", n)
+	}
+	if len(accepted) != 2000 {
+		t.Fatalf("accepted %d of 2000", len(accepted))
+	}
+	storedExactlyOnce(t, cfg.Database.Path, accepted, 2*time.Minute)
+}
+
+// RabbitMQ itself stopped and started during a stream: 503 while it is down,
+// 202 after, and nothing accepted is lost.
+func TestFaultRabbitMQRestart(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Log.Level = "info"
+	d := startDaemon(t, cfg)
+	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "-q", "start_app").Run() })
+
+	body := loadFixture(t, "issues", "opened.payload.json")
+	probe := func() int { return postWebhook(t, d.URL, "issues", newGUID(), body) }
+	done := make(chan []string)
+	go func() { done <- stream(t, func() string { return d.URL }, 600, 4, 3*time.Minute) }()
+	time.Sleep(500 * time.Millisecond)
+	rabbitmqctl(t, "stop_app")
+	// While it is down: 503.
+	down := probe()
+	time.Sleep(time.Second)
+	rabbitmqctl(t, "start_app")
+	accepted := <-done
+	eventually(t, 60*time.Second, "202 once RabbitMQ is back", func() bool { return probe() == http.StatusAccepted })
+	if down != http.StatusServiceUnavailable {
+		t.Errorf("webhook while RabbitMQ was stopped: got %d, want 503", down)
+	}
+	if len(accepted) != 600 {
+		t.Fatalf("accepted %d of 600", len(accepted))
+	}
+	storedExactlyOnce(t, cfg.Database.Path, accepted, 2*time.Minute)
+}
+
+// switchyard killed with SIGKILL 10 times during a stream and restarted:
+// every confirmed webhook ends up stored exactly once.
+func TestFaultSIGKILL(t *testing.T) {
+	vhost := newVhost(t)
+	dir := t.TempDir()
+	addr := freeAddr(t)
+	dbPath := filepath.Join(dir, "switchyard.db")
+	config := writeConfig(t, dir, addr, dbPath, amqpURL(vhost))
+
+	cmd, out := startProcess(t, config, addr)
+	done := make(chan []string)
+	go func() { done <- stream(t, func() string { return "http://" + addr }, 1500, 8, 4*time.Minute) }()
+	for i := 0; i < 10; i++ {
+		time.Sleep(400 * time.Millisecond)
+		_ = cmd.Process.Signal(syscall.SIGKILL)
+		_ = cmd.Wait()
+		cmd, out = startProcess(t, config, addr)
+	}
+	accepted := <-done
+	if len(accepted) != 1500 {
+		t.Fatalf("accepted %d of 1500\n%s", len(accepted), out)
+	}
+	storedExactlyOnce(t, dbPath, accepted, 2*time.Minute)
+	_ = cmd.Process.Signal(syscall.SIGTERM)
+	_ = cmd.Wait()
+}
+
+// A broker that accepts connections and then never answers: AMQP calls time
+// out, the webhook answers 503 within publish_timeout, the worker logs and
+// moves on, and once the broker answers again everything flows.
+func TestFaultStalledBroker(t *testing.T) {
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	cfg := testConfig(t, proxy.URL(vhost))
+	cfg.Queue.CallTimeout = time.Second
+	cfg.Queue.PublishTimeout = time.Second
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened.payload.json")
+	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
+		t.Fatalf("before the stall: %d", code)
+	}
+
+	proxy.Stall(true)
+	start := time.Now()
+	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusServiceUnavailable {
+		t.Errorf("stalled broker: got %d, want 503", code)
+	}
+	if took := time.Since(start); took > cfg.Queue.PublishTimeout+2*time.Second {
+		t.Errorf("answered after %s, want about publish_timeout", took)
+	}
+	eventually(t, 20*time.Second, "a worker noticing the stall", func() bool {
+		logs := d.logs.String()
+		return strings.Contains(logs, "cycle failed") && (strings.Contains(logs, "timed out") || strings.Contains(logs, "i/o timeout"))
+	})
+	proxy.Stall(false)
+	proxy.Cut() // the stalled connections are dead to both sides by now
+	guid := newGUID()
+	eventually(t, 30*time.Second, "202 after the stall", func() bool {
+		return postWebhook(t, d.URL, "issues", guid, body) == http.StatusAccepted
+	})
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 30*time.Second, "stored after the stall", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+	})
+}
