@@ -11,7 +11,7 @@ export CGO_ENABLED = 0
 BINARY  ?= switchyard
 UNITDIR ?= /etc/systemd/system
 
-.PHONY: build run test lint bench install clean ensure-rabbitmq
+.PHONY: build run test lint fuzz bench install clean ensure-rabbitmq
 
 build:
 	$(GO) build -trimpath -ldflags "-s -w -X main.version=$(VERSION)" -o switchyard .
@@ -28,6 +28,12 @@ lint:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) run honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION) ./...
+
+# A short run of every fuzz target; FUZZTIME=10m for a real one.
+FUZZTIME ?= 20s
+fuzz:
+	for f in FuzzWebhookRequest FuzzPendingSwitchBody FuzzBrokerURL FuzzDecodeEvent; do \
+		CGO_ENABLED=1 $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) . || exit 1; done
 
 bench: ensure-rabbitmq
 	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./...

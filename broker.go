@@ -46,6 +46,9 @@ func ParseBroker(index int, raw string) (*Broker, error) {
 	if u.Host == "" {
 		return nil, errors.New("missing host")
 	}
+	if u.Port <= 0 || u.Port > 65535 {
+		return nil, fmt.Errorf("port %d out of range", u.Port)
+	}
 	return &Broker{Index: index, URL: raw, Scheme: u.Scheme, Host: u.Host, Port: u.Port, Vhost: normalizeVhost(u.Vhost)}, nil
 }
 

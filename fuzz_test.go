@@ -1,0 +1,131 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Fuzz targets for everything that reads outside input: the webhook request,
+// the producer's pending-switch body, broker URLs and consumed messages. The
+// seed corpus is in testdata/fuzz; `go test` runs it, `go test -fuzz=Name`
+// explores. None may panic, and every rejection must be a clear 4xx or a
+// permanent failure (an -error message), never a 5xx or a retry.
+
+func FuzzWebhookRequest(f *testing.F) {
+	for _, name := range []string{"opened.payload.json", "closed.payload.json"} {
+		f.Add(loadFixture(f, "pull_request", name), "application/json", "pull_request", "guid-1", true)
+	}
+	f.Add([]byte("payload=%7B%7D"), "application/x-www-form-urlencoded", "ping", "guid-2", true)
+	f.Add([]byte(`{"a":1}`), "application/json", "", "guid-3", true)
+	f.Add([]byte(`not json`), "text/plain", "push", "guid-4", false)
+	cfg := DefaultConfig()
+	cfg.GitHub.WebhookSecret = testSecret
+	wh, err := NewWebhook(cfg, nil, nil, nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Fuzz(func(t *testing.T, body []byte, contentType, event, delivery string, signed bool) {
+		r := httptest.NewRequest(http.MethodPost, "/webhooks/github", bytes.NewReader(body))
+		r.Header.Set("Content-Type", contentType)
+		r.Header.Set("X-GitHub-Event", event)
+		r.Header.Set("X-GitHub-Delivery", delivery)
+		if signed {
+			r.Header.Set("X-Hub-Signature-256", sign(testSecret, body))
+		}
+		payload, err := wh.readPayload(httptest.NewRecorder(), r)
+		if err != nil {
+			if s := statusOf(err); s < 400 || s > 499 {
+				t.Fatalf("rejection %v maps to %d, want a 4xx", err, s)
+			}
+			return
+		}
+		if !signed || event == "" || delivery == "" {
+			t.Fatalf("accepted a request without signature, event or delivery")
+		}
+		if _, err := decodePayload(payload); err != nil {
+			t.Fatalf("accepted a payload the workers refuse: %v", err)
+		}
+	})
+}
+
+func FuzzPendingSwitchBody(f *testing.F) {
+	f.Add(`{"host": "b.example", "vhost": "y", "switchedAt": "2026-11-29T10:00:00Z"}`)
+	f.Add(`{"host": "b.example", "vhost": "", "switchedAt": "2026-11-29T10:00:00.123+02:00"}`)
+	f.Add(`{"host": "b.example"}`)
+	f.Add(`{"host": 1, "vhost": [], "switchedAt": null}`)
+	f.Add(`{} {}`)
+	f.Fuzz(func(t *testing.T, body string) {
+		host, _, at, err := decodeNotification(strings.NewReader(body))
+		if err != nil {
+			if s := statusOf(err); s != http.StatusBadRequest && s != http.StatusRequestEntityTooLarge {
+				t.Fatalf("rejection %v maps to %d, want 400 or 413", err, s)
+			}
+			return
+		}
+		if host == "" || at.IsZero() {
+			t.Fatalf("accepted %q without host or time", body)
+		}
+	})
+}
+
+func FuzzBrokerURL(f *testing.F) {
+	f.Add("amqps://user:secret@a.example.com/vhost")
+	f.Add("amqp://user:secret@b.example.com:5673/%2Fweird%20vhost")
+	f.Add("amqp://127.0.0.1")
+	f.Add("amqps://user:p%40ss@host/?heartbeat=10")
+	f.Add("http://example.com/")
+	f.Fuzz(func(t *testing.T, raw string) {
+		b, err := ParseBroker(0, raw)
+		if err != nil {
+			if strings.Contains(err.Error(), "secret") {
+				t.Fatalf("error %q quotes the URL", err)
+			}
+			return
+		}
+		if b.Host == "" || b.Vhost == "" || b.Port <= 0 {
+			t.Fatalf("parsed %q into %+v", raw, b)
+		}
+		u, _ := amqp.ParseURI(raw)
+		if u.Password != "" && strings.Contains(redactAMQPURL(raw), ":"+u.Password+"@") {
+			t.Fatalf("redacted URL shows the password: %s", redactAMQPURL(raw))
+		}
+		bs := &Brokers{list: []*Broker{b}}
+		if m, err := bs.Match(strings.ToUpper(b.Host), b.Vhost); err != nil || m != b {
+			t.Fatalf("broker %+v does not match its own endpoint: %v", b, err)
+		}
+	})
+}
+
+func FuzzDecodeEvent(f *testing.F) {
+	for _, fx := range [][2]string{{"pull_request", "opened.payload.json"}, {"issues", "opened.payload.json"},
+		{"workflow_run", "completed.payload.json"}, {"release", "published.payload.json"},
+		{"installation_repositories", "added.payload.json"}, {"push", "payload.json"}} {
+		f.Add(loadFixture(f, fx[0], fx[1]), fx[0], "guid", "integration", "4242")
+	}
+	f.Add([]byte(`{"headers": {"X-GitHub-Event": "issues", "X-GitHub-Delivery": "g"}, "payload": {"action": "opened"}}`), "", "", "", "")
+	f.Add([]byte(`{"headers": 5, "payload": "{\"a\":1}"}`), "", "m", "", "")
+	f.Fuzz(func(t *testing.T, body []byte, event, guid, targetType, targetID string) {
+		d := &amqp.Delivery{Body: body, MessageId: guid, Type: event,
+			Headers: amqp.Table{hdrTargetType: targetType, hdrTargetID: targetID}}
+		ev, err := DecodeEvent(d)
+		var perm *permanentError
+		if err != nil {
+			if !errors.As(err, &perm) {
+				t.Fatalf("decode error %v is not permanent", err)
+			}
+			return
+		}
+		if ev.DeliveryID == "" || ev.Name == "" {
+			t.Fatalf("decoded an Event without GUID or name: %+v", ev)
+		}
+		if _, err := decodeTableRows(ev, 4242); err != nil && !errors.As(err, &perm) {
+			t.Fatalf("table decode error %v is not permanent", err)
+		}
+	})
+}
