@@ -36,7 +36,7 @@ fuzz:
 		CGO_ENABLED=1 $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) . || exit 1; done
 
 bench: ensure-rabbitmq
-	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./...
+	$(GO) test -run '^$$' -bench '^BenchmarkSwitchyard$$' -benchtime 1x -timeout 30m .
 
 # Binary, unit, example config and README, DESTDIR-aware. The live config is
 # never overwritten: copy the example to /etc/switchyard/switchyard.toml.

@@ -243,24 +243,12 @@ func TestPendingTargetNoLongerConfigured(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	ctx := context.Background()
-	store, err := OpenStore(ctx, cfg.Database)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer store.Close()
-	if _, _, err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	log := slog.New(slog.DiscardHandler)
-	bs, err := NewBrokers(ctx, cfg.Brokers, store, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, _, err := bs.Notify(ctx, "127.0.0.1", b, time.Now()); err != nil {
+	p := newParts(t, cfg)
+	if _, _, err := p.brokers.Notify(ctx, "127.0.0.1", b, time.Now()); err != nil {
 		t.Fatal(err)
 	}
 	// Broker b is dropped from the config.
-	bs2, err := NewBrokers(ctx, cfg.Brokers[:1], store, log)
+	bs2, err := NewBrokers(ctx, cfg.Brokers[:1], p.store, p.log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -539,21 +527,8 @@ func TestConcurrentDrainChecks(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	ctx := context.Background()
-	store, err := OpenStore(ctx, cfg.Database)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer store.Close()
-	if _, _, err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	log := slog.New(slog.DiscardHandler)
-	bs, err := NewBrokers(ctx, cfg.Brokers, store, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	q := NewQueues(cfg.Queue, bs.List(), log)
-	defer q.Close()
+	p := newParts(t, cfg)
+	store, bs, q := p.store, p.brokers, p.queues
 	if _, _, err := bs.Notify(ctx, "127.0.0.1", b, time.Now()); err != nil {
 		t.Fatal(err)
 	}
@@ -603,22 +578,8 @@ func TestLeftoverDrainRetry(t *testing.T) {
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	store, err := OpenStore(ctx, cfg.Database)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer store.Close()
-	if _, _, err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	sink := &logSink{t: t}
-	log := slog.New(slog.NewTextHandler(sink, nil))
-	bs, err := NewBrokers(ctx, cfg.Brokers, store, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	q := NewQueues(cfg.Queue, bs.List(), log)
-	defer q.Close()
+	p := newParts(t, cfg)
+	store, bs, q, log, sink := p.store, p.brokers, p.queues, p.log, p.logs
 
 	guid := "leftover-" + randHex(4)
 	publishRaw(t, b, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened.payload.json")))

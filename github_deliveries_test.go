@@ -248,28 +248,12 @@ func hooksForTest(t *testing.T, gh *fakeGitHub) (*Hooks, string, *Store, *logSin
 	cfg.GitHub.AppID = testAppID
 	cfg.GitHub.PrivateKeyFile = gh.keyFile(t)
 	cfg.GitHub.APIURL = gh.srv.URL
-	ctx := context.Background()
-	store, err := OpenStore(ctx, cfg.Database)
+	p := newParts(t, cfg)
+	app, err := NewGitHubApp(cfg.GitHub, p.log)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { store.Close() })
-	if _, _, err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	sink := &logSink{t: t}
-	log := slog.New(slog.NewTextHandler(sink, nil))
-	brokers, err := NewBrokers(ctx, cfg.Brokers, store, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	queues := NewQueues(cfg.Queue, brokers.List(), log)
-	t.Cleanup(func() { queues.Close() })
-	app, err := NewGitHubApp(cfg.GitHub, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &Hooks{app: app, store: store, brokers: brokers, queues: queues, timeout: 5 * time.Second, log: log}, vhost, store, sink
+	return &Hooks{app: app, store: p.store, brokers: p.brokers, queues: p.queues, timeout: 5 * time.Second, log: p.log}, vhost, p.store, p.logs
 }
 
 // 250 deliveries over three pages are all seen; the checkpoint stops the next

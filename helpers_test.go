@@ -487,3 +487,36 @@ func (p *tcpProxy) Reopen() {
 
 // URL is an AMQP URL to vhost through the proxy.
 func (p *tcpProxy) URL(vhost string) string { return "amqp://guest:guest@" + p.addr + "/" + vhost }
+
+// parts are the daemon's pieces over cfg without the daemon: a migrated
+// store, the brokers, their queues, and a logger writing to the test. The
+// test's cleanup closes them.
+type parts struct {
+	store   *Store
+	brokers *Brokers
+	queues  *Queues
+	log     *slog.Logger
+	logs    *logSink
+}
+
+func newParts(t testing.TB, cfg *Config) *parts {
+	t.Helper()
+	ctx := context.Background()
+	store, err := OpenStore(ctx, cfg.Database)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sink := &logSink{t: t}
+	log := slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	brokers, err := NewBrokers(ctx, cfg.Brokers, store, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	queues := NewQueues(cfg.Queue, brokers.List(), log)
+	t.Cleanup(func() { queues.Close() })
+	return &parts{store: store, brokers: brokers, queues: queues, log: log, logs: sink}
+}

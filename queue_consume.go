@@ -171,6 +171,19 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window ti
 	}
 }
 
+// get is one basic_get with call_timeout; ok is false when the queue is empty.
+func (q *Queues) get(conn *amqp.Connection, ch *amqp.Channel, queue string) (amqp.Delivery, bool, error) {
+	type got struct {
+		d  amqp.Delivery
+		ok bool
+	}
+	g, err := call(q, conn, "get "+queue, func() (got, error) {
+		d, ok, err := ch.Get(queue, false)
+		return got{d, ok}, err
+	})
+	return g.d, g.ok, err
+}
+
 // Drain takes up to limit messages from queue on broker b with basic_get and
 // handles each like a consumed one, returning as soon as the queue is empty
 // instead of waiting out a window. It is the Leftover Drain of SPEC §8. Each
@@ -194,18 +207,10 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, 
 	defer q.closeChannel(conn, ch)
 	n := 0
 	for n < limit && ctx.Err() == nil {
-		type got struct {
-			d  amqp.Delivery
-			ok bool
-		}
-		var g got
+		var d amqp.Delivery
+		var ok bool
 		var err error
-		if !guard(func() {
-			g, err = call(q, conn, "get "+queue, func() (got, error) {
-				d, ok, err := ch.Get(queue, false)
-				return got{d, ok}, err
-			})
-		}) {
+		if !guard(func() { d, ok, err = q.get(conn, ch, queue) }) {
 			return n, nil
 		}
 		if isNotFound(err) {
@@ -214,10 +219,10 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, 
 		if err != nil {
 			return n, fmt.Errorf("get %s on %s: %w", queue, b, err)
 		}
-		if !g.ok {
+		if !ok {
 			return n, nil
 		}
-		if _, err := q.settle(b, queue, &g.d, h, log); err != nil {
+		if _, err := q.settle(b, queue, &d, h, log); err != nil {
 			return n, fmt.Errorf("settle on %s: %w", b, err)
 		}
 		n++

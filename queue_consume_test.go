@@ -50,18 +50,8 @@ func TestRetryCycle(t *testing.T) {
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.MaxAttempts = 3
-	store, err := OpenStore(context.Background(), cfg.Database)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer store.Close()
-	if _, _, err := store.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	log := slog.New(slog.NewTextHandler(&logSink{t: t}, nil))
-	brokers := mustBrokers(t, amqpURL(vhost))
-	q := NewQueues(cfg.Queue, brokers, log)
-	defer q.Close()
+	p := newParts(t, cfg)
+	store, brokers, q, log := p.store, p.brokers.List(), p.queues, p.log
 
 	failing, flaky := newGUID(), newGUID()
 	var mu sync.Mutex

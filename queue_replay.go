@@ -21,18 +21,10 @@ func (q *Queues) Replay(ctx context.Context, b *Broker, queue string, limit int)
 	defer q.closeChannel(conn, ch)
 	n := 0
 	for (limit <= 0 || n < limit) && ctx.Err() == nil {
-		type got struct {
-			d  amqp.Delivery
-			ok bool
-		}
-		g, err := call(q, conn, "get "+errorQueue(queue), func() (got, error) {
-			d, ok, err := ch.Get(errorQueue(queue), false)
-			return got{d, ok}, err
-		})
-		if err != nil || !g.ok {
+		d, ok, err := q.get(conn, ch, errorQueue(queue))
+		if err != nil || !ok {
 			return n, err
 		}
-		d := g.d
 		headers := amqp.Table{}
 		for k, v := range d.Headers {
 			headers[k] = v

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"io"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -44,30 +43,13 @@ func runWorker(t *testing.T, brokerURL, pingURL string) (*Store, *logSink) {
 	t.Helper()
 	cfg := testConfig(t, brokerURL)
 	ctx, cancel := context.WithCancel(context.Background())
-	store, err := OpenStore(ctx, cfg.Database)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, _, err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	sink := &logSink{t: t}
-	log := slog.New(slog.NewTextHandler(sink, nil))
-	brokers, err := NewBrokers(ctx, cfg.Brokers, store, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	queues := NewQueues(cfg.Queue, brokers.List(), log)
+	p := newParts(t, cfg)
+	store, brokers, queues, log, sink := p.store, p.brokers, p.queues, p.log, p.logs
 	w := newWorker("service", queueGitHub, serviceHandler(store, nil, false, log), 200*time.Millisecond, 0, cfg.Workers, brokers, queues, log)
 	w.health = NewHealthCheck(pingURL, "service", nil, log)
 	done := make(chan struct{})
 	go func() { _ = w.Run(ctx); close(done) }()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-		queues.Close()
-		store.Close()
-	})
+	t.Cleanup(func() { cancel(); <-done })
 	return store, sink
 }
 

@@ -1,0 +1,469 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"text/tabwriter"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// BenchmarkSwitchyard is `make bench`: each row measures switchyard and, where
+// there is one, a raw baseline in the same run on the same broker and disk,
+// and prints the ratio. It runs once (-benchtime 1x); the figures are for
+// BENCHMARKS.md, not pass/fail.
+func BenchmarkSwitchyard(b *testing.B) {
+	type row struct{ name, ours, base, ratio, aim string }
+	var rows []row
+	add := func(name string, ours, base float64, unit, aim string) {
+		r := row{name: name, ours: fmt.Sprintf("%.0f %s", ours, unit), aim: aim}
+		if base > 0 {
+			r.base, r.ratio = fmt.Sprintf("%.0f %s", base, unit), fmt.Sprintf("%.2f", ours/base)
+		}
+		rows = append(rows, r)
+	}
+	payload := paddedPayload(b, 25<<10)
+
+	for i := 0; i < b.N; i++ {
+		ours, base := benchIngest(b, payload)
+		add("ingest (16 clients, 25 KB)", ours, base, "msg/s", "ratio >= 0.7")
+		ours, base = benchConsume(b, payload)
+		add("consume github-database (FULL)", ours, base, "msg/s", "ratio >= 0.7")
+		ours, base = benchDrain(b, payload)
+		add("leftover drain 10,000", ours, base, "msg/s", "ratio >= 0.7")
+		e2e := benchEndToEnd(b, payload)
+		add("end to end, sustained 60 s", e2e.rate, 0, "webhooks/s", ">= 1,000/s")
+		rows = append(rows, row{name: "end to end at 200/s: p50 / p99", ours: fmt.Sprintf("%.1f / %.1f ms", e2e.p50, e2e.p99), aim: "p99 < 100 ms"})
+		rows = append(rows, row{name: "peak RSS during end to end", ours: fmt.Sprintf("%.0f MB", e2e.rssMB), aim: "< 100 MB"})
+		sw, pci := benchSwitch(b)
+		rows = append(rows, row{name: "last ack on old broker -> flip", ours: fmt.Sprintf("%.2f s", sw.Seconds()), aim: fmt.Sprintf("< %s + 1 s", pci)})
+	}
+
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "ROW\tSWITCHYARD\tBASELINE\tRATIO\tAIM")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", r.name, r.ours, r.base, r.ratio, r.aim)
+	}
+	tw.Flush()
+}
+
+// paddedPayload is a real pull_request.opened payload padded to size bytes.
+func paddedPayload(b testing.TB, size int) []byte {
+	var p map[string]any
+	if err := json.Unmarshal(loadFixture(b, "pull_request", "opened.payload.json"), &p); err != nil {
+		b.Fatal(err)
+	}
+	base, _ := json.Marshal(p)
+	if pad := size - len(base) - 20; pad > 0 {
+		p["padding"] = strings.Repeat("x", pad)
+	}
+	out, _ := json.Marshal(p)
+	return out
+}
+
+// withNode returns payload with its pull request's node id replaced, so each
+// delivery writes its own typed row.
+func withNode(payload []byte, node string) []byte {
+	return []byte(strings.Replace(string(payload), `"MDExOlB1bGxSZXF1ZXN0Mjc5MTQ3NDM3"`, `"`+node+`"`, 1))
+}
+
+// benchIngest: signed POSTs answered 202 after the confirm, 16 clients,
+// against raw publish-with-confirm from 16 goroutines.
+func benchIngest(b *testing.B, payload []byte) (ours, base float64) {
+	const n, clients = 6000, 16
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, time.Minute)
+	cfg := testConfig(b, amqpURL(vhost))
+	cfg.Log.Level = "warn"
+	log := slog.New(slog.DiscardHandler)
+	d, err := NewDaemon(context.Background(), cfg, log)
+	if err != nil {
+		b.Fatal(err)
+	}
+	srv := httptest.NewServer(d.api.Handler())
+	defer func() { srv.Close(); d.queues.Close(); d.store.Close() }()
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients}}
+
+	ours = parallelRate(clients, n, func(i int) {
+		req := webhookRequest(b, srv.URL, "pull_request", fmt.Sprintf("ingest-%d-%s", i, randHex(4)), payload)
+		resp, err := client.Do(req)
+		if err != nil || resp.StatusCode != http.StatusAccepted {
+			b.Fatalf("POST: %v %v", err, resp)
+		}
+		resp.Body.Close()
+	})
+
+	conn, err := amqp.Dial(amqpURL(vhost))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	chans := make(chan *amqp.Channel, clients)
+	for i := 0; i < clients; i++ {
+		ch, _ := conn.Channel()
+		_ = ch.Confirm(false)
+		chans <- ch
+	}
+	base = parallelRate(clients, n, func(i int) {
+		ch := <-chans
+		defer func() { chans <- ch }()
+		dc, err := ch.PublishWithDeferredConfirm(exchangeName, "", true, false, amqp.Publishing{
+			ContentType: "application/json", DeliveryMode: amqp.Persistent, MessageId: fmt.Sprint(i), Body: payload})
+		if err != nil || !dc.Wait() {
+			b.Fatalf("raw publish: %v", err)
+		}
+	})
+	return ours, base
+}
+
+// parallelRate runs fn n times from `workers` goroutines and returns calls/s.
+func parallelRate(workers, n int, fn func(i int)) float64 {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := int(next.Add(1))
+				if i > n {
+					return
+				}
+				fn(i)
+			}
+		}()
+	}
+	wg.Wait()
+	return float64(n) / time.Since(start).Seconds()
+}
+
+// fillQueue publishes n bot pull_request messages straight into queue.
+func fillQueue(b testing.TB, vhost, queue string, payload []byte, n int) {
+	ch := amqpChannel(b, vhost)
+	defer ch.Close()
+	_ = ch.Confirm(false)
+	var dcs []*amqp.DeferredConfirmation
+	for i := 0; i < n; i++ {
+		guid := fmt.Sprintf("fill-%d-%s", i, randHex(4))
+		msg := eventMessage("pull_request", guid, withNode(payload, "node-"+guid))
+		msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
+		dc, err := ch.PublishWithDeferredConfirm("", queue, true, false, msg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		dcs = append(dcs, dc)
+		if len(dcs) == 500 {
+			for _, dc := range dcs {
+				dc.Wait()
+			}
+			dcs = dcs[:0]
+		}
+	}
+	for _, dc := range dcs {
+		dc.Wait()
+	}
+}
+
+// benchStore opens a fresh migrated store with the default pragmas.
+func benchStore(b testing.TB) (*Store, *Config) {
+	cfg := testConfig(b, amqpURL("x"))
+	store, err := OpenStore(context.Background(), cfg.Database)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, _, err := store.Migrate(context.Background()); err != nil {
+		b.Fatal(err)
+	}
+	return store, cfg
+}
+
+// rawInsertHandler is the baseline's work per message: one row, one
+// transaction, the same pragmas.
+func rawInsert(b testing.TB, db *sql.DB, id string, body []byte) {
+	tx, err := db.Begin()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := tx.Exec("INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('raw', ?, ?)", id, string(body[:20])); err != nil {
+		b.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// benchConsume: database-service over n messages against a raw consume with
+// a one-row insert per message.
+func benchConsume(b *testing.B, payload []byte) (ours, base float64) {
+	const n = 3000
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, time.Minute)
+	fillQueue(b, vhost, queueDatabase, payload, n)
+	store, cfg := benchStore(b)
+	defer store.Close()
+	log := slog.New(slog.DiscardHandler)
+	q := NewQueues(cfg.Queue, mustBrokers(b, amqpURL(vhost)), log)
+	defer q.Close()
+	h := databaseHandler(store, testBotAppID, log)
+	var done atomic.Int64
+	counted := func(ctx context.Context, ev *Event) error {
+		err := h(ctx, ev)
+		done.Add(1)
+		return err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	start := time.Now()
+	go consumeUntil(ctx, q, q.conns[0].broker, queueDatabase, counted, log)
+	for done.Load() < n {
+		time.Sleep(5 * time.Millisecond)
+	}
+	ours = n / time.Since(start).Seconds()
+	cancel()
+
+	fillQueue(b, vhost, queueDatabase, payload, n)
+	conn, err := amqp.Dial(amqpURL(vhost))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	ch, _ := conn.Channel()
+	_ = ch.Qos(1, 0, false)
+	deliveries, err := ch.Consume(queueDatabase, "", false, false, false, false, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	start = time.Now()
+	for i := 0; i < n; i++ {
+		d := <-deliveries
+		rawInsert(b, store.w, d.MessageId, d.Body)
+		_ = d.Ack(false)
+	}
+	base = n / time.Since(start).Seconds()
+	return ours, base
+}
+
+// benchDrain: the Leftover Drain of 10,000 messages against a raw basic_get
+// loop with a one-row insert per message.
+func benchDrain(b *testing.B, payload []byte) (ours, base float64) {
+	const n = 10000
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, time.Minute)
+	fillQueue(b, vhost, queueGitHub, payload, n)
+	store, cfg := benchStore(b)
+	defer store.Close()
+	log := slog.New(slog.DiscardHandler)
+	q := NewQueues(cfg.Queue, mustBrokers(b, amqpURL(vhost)), log)
+	defer q.Close()
+	always := func(fn func()) bool { fn(); return true }
+	start := time.Now()
+	got, err := q.Drain(context.Background(), q.conns[0].broker, queueGitHub, n, always, serviceHandler(store, nil, false, log), log)
+	if err != nil || got != n {
+		b.Fatalf("drain: %d, %v", got, err)
+	}
+	ours = n / time.Since(start).Seconds()
+
+	fillQueue(b, vhost, queueGitHub, payload, n)
+	conn, err := amqp.Dial(amqpURL(vhost))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	ch, _ := conn.Channel()
+	start = time.Now()
+	for i := 0; i < n; i++ {
+		d, ok, err := ch.Get(queueGitHub, false)
+		if err != nil || !ok {
+			b.Fatalf("raw get: %v %v", ok, err)
+		}
+		rawInsert(b, store.w, d.MessageId, d.Body)
+		_ = d.Ack(false)
+	}
+	base = n / time.Since(start).Seconds()
+	return ours, base
+}
+
+type e2eResult struct{ rate, p50, p99, rssMB float64 }
+
+// benchEndToEnd runs the real binary: first an open loop at 200/s for the
+// latency (POST to the row in github and in github_pull_requests), then as
+// fast as 32 clients go for 60 s for the sustained rate; RSS is the daemon's
+// peak (VmHWM).
+func benchEndToEnd(b *testing.B, payload []byte) e2eResult {
+	vhost := newVhost(b)
+	dir := b.TempDir()
+	addr := freeAddr(b)
+	dbPath := filepath.Join(dir, "e2e.db")
+	config := writeConfig(b, dir, addr, dbPath, amqpURL(vhost))
+	cfgText, _ := os.ReadFile(config)
+	cfgText = []byte(strings.Replace(string(cfgText), "[github]\n", fmt.Sprintf("[github]\nbot_app_id = %d\n", testBotAppID), 1))
+	cfgText = []byte(strings.Replace(string(cfgText), `retry_ttl = "200ms"`, "retry_ttl = \"200ms\"\nprefetch = "+benchPrefetch(), 1))
+	os.WriteFile(config, cfgText, 0o600)
+	cmd := exec.Command(binary(b), "serve", "-config", config)
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	eventually(b, 20*time.Second, "daemon up", func() bool {
+		resp, err := http.Get("http://" + addr + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+		}
+		return err == nil
+	})
+	db := openDB(b, dbPath)
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
+	post := func(guid string) {
+		req := webhookRequest(b, "http://"+addr, "pull_request", guid, withNode(payload, "node-"+guid))
+		req.Header.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
+		req.Header.Set("X-GitHub-Hook-Installation-Target-ID", strconv.Itoa(testBotAppID))
+		resp, err := client.Do(req)
+		if err != nil {
+			b.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusAccepted {
+			b.Fatalf("POST: %d", resp.StatusCode)
+		}
+	}
+
+	// Latency at 200/s for 15 s.
+	sent := map[string]time.Time{}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	tick := time.NewTicker(5 * time.Millisecond)
+	for i := 0; i < 3000; i++ {
+		<-tick.C
+		guid := fmt.Sprintf("lat-%d-%s", i, randHex(4))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			mu.Lock()
+			sent[guid] = time.Now()
+			mu.Unlock()
+			post(guid)
+		}()
+	}
+	tick.Stop()
+	wg.Wait()
+	eventually(b, 60*time.Second, "latency run stored", func() bool {
+		return queryInt(b, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id LIKE 'lat-%'") == len(sent)
+	})
+	var lat []float64
+	rows, err := db.Query(`SELECT g.delivery_id, max(g.processed_at, p.updated_at) FROM github g
+		JOIN github_pull_requests p ON p.delivery_id = g.delivery_id WHERE g.delivery_id LIKE 'lat-%'`)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for rows.Next() {
+		var id, at string
+		rows.Scan(&id, &at)
+		t, _ := time.Parse(time.RFC3339Nano, at)
+		lat = append(lat, float64(t.Sub(sent[id]).Microseconds())/1000)
+	}
+	rows.Close()
+	sort.Float64s(lat)
+	res := e2eResult{p50: lat[len(lat)/2], p99: lat[len(lat)*99/100]}
+
+	// Sustained: 32 clients for 60 s; the rate is what both tables hold.
+	before := queryInt(b, db, "SELECT count(*) FROM github_pull_requests")
+	var posted atomic.Int64
+	deadline := time.Now().Add(60 * time.Second)
+	start := time.Now()
+	for c := 0; c < 32; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(deadline) {
+				post(fmt.Sprintf("sus-%d-%s", posted.Add(1), randHex(4)))
+			}
+		}()
+	}
+	wg.Wait()
+	want := int(posted.Load())
+	eventually(b, 5*time.Minute, "sustained run stored", func() bool {
+		return queryInt(b, db, "SELECT count(*) FROM github_pull_requests")-before == want
+	})
+	res.rate = float64(want) / time.Since(start).Seconds()
+	status, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", cmd.Process.Pid))
+	for _, line := range strings.Split(string(status), "\n") {
+		if strings.HasPrefix(line, "VmHWM:") {
+			kb, _ := strconv.Atoi(strings.Fields(line)[1])
+			res.rssMB = float64(kb) / 1024
+		}
+	}
+	return res
+}
+
+// benchPrefetch is the prefetch the end-to-end row runs with.
+func benchPrefetch() string {
+	if p := os.Getenv("BENCH_PREFETCH"); p != "" {
+		return p
+	}
+	return "1"
+}
+
+// benchSwitch: a Pending Switch completes after the old broker's last message
+// is acked; the time between the two, with pending_check_interval 5 s.
+func benchSwitch(b *testing.B) (time.Duration, time.Duration) {
+	a, c := newVhost(b), newVhost(b)
+	declareTestTopology(b, a, 200*time.Millisecond)
+	declareTestTopology(b, c, 200*time.Millisecond)
+	cfg := testConfig(b, amqpURL(a), amqpURL(c))
+	cfg.Workers.PendingCheckInterval = 5 * time.Second
+	cfg.Workers.Window = time.Minute
+	cfg.Log.Level = "warn"
+	log := slog.New(slog.DiscardHandler)
+	d, err := NewDaemon(context.Background(), cfg, log)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = d.Run(ctx, ln, nil); close(done) }()
+	defer func() { cancel(); <-done }()
+	time.Sleep(time.Second)
+	if _, _, err := d.brokers.Notify(ctx, "127.0.0.1", c, time.Now()); err != nil {
+		b.Fatal(err)
+	}
+	guid := "switch-" + randHex(4)
+	publishRaw(b, a, exchangeName, "", eventMessage("issues", guid, loadFixture(b, "issues", "opened.payload.json")))
+	db := openDB(b, cfg.Database.Path)
+	var flipped string
+	eventually(b, 60*time.Second, "the flip", func() bool {
+		st := d.brokers.Cached()
+		if st.Active == 1 && st.Last != nil {
+			flipped = formatTime(st.Last.CompletedAt)
+			return true
+		}
+		return false
+	})
+	var lastAck string
+	if err := db.QueryRow(`SELECT max(processed_at) FROM (SELECT processed_at FROM github WHERE delivery_id = ?
+		UNION ALL SELECT processed_at FROM worker_deliveries WHERE delivery_id = ?)`, guid, guid).Scan(&lastAck); err != nil {
+		b.Fatal(err)
+	}
+	t1, _ := time.Parse(time.RFC3339Nano, lastAck)
+	t2, _ := time.Parse(time.RFC3339Nano, flipped)
+	return t2.Sub(t1), cfg.Workers.PendingCheckInterval
+}
