@@ -88,7 +88,7 @@ func withNode(payload []byte, node string) []byte {
 func benchIngest(b *testing.B, payload []byte) (ours, base float64) {
 	const n, clients = 6000, 16
 	vhost := newVhost(b)
-	declareTestTopology(b, vhost, time.Minute)
+	declareTestTopology(b, vhost, 200*time.Millisecond)
 	cfg := testConfig(b, amqpURL(vhost))
 	cfg.Log.Level = "warn"
 	log := slog.New(slog.DiscardHandler)
@@ -100,13 +100,17 @@ func benchIngest(b *testing.B, payload []byte) (ours, base float64) {
 	defer func() { srv.Close(); d.queues.Close(); d.store.Close() }()
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients}}
 
-	ours = parallelRate(clients, n, func(i int) {
+	ours = parallelRate(b, clients, n, func(i int) error {
 		req := webhookRequest(b, srv.URL, "pull_request", fmt.Sprintf("ingest-%d-%s", i, randHex(4)), payload)
 		resp, err := client.Do(req)
-		if err != nil || resp.StatusCode != http.StatusAccepted {
-			b.Fatalf("POST: %v %v", err, resp)
+		if err != nil {
+			return err
 		}
 		resp.Body.Close()
+		if resp.StatusCode != http.StatusAccepted {
+			return fmt.Errorf("POST: %d", resp.StatusCode)
+		}
+		return nil
 	})
 
 	conn, err := amqp.Dial(amqpURL(vhost))
@@ -120,22 +124,25 @@ func benchIngest(b *testing.B, payload []byte) (ours, base float64) {
 		_ = ch.Confirm(false)
 		chans <- ch
 	}
-	base = parallelRate(clients, n, func(i int) {
+	base = parallelRate(b, clients, n, func(i int) error {
 		ch := <-chans
 		defer func() { chans <- ch }()
 		dc, err := ch.PublishWithDeferredConfirm(exchangeName, "", true, false, amqp.Publishing{
 			ContentType: "application/json", DeliveryMode: amqp.Persistent, MessageId: fmt.Sprint(i), Body: payload})
 		if err != nil || !dc.Wait() {
-			b.Fatalf("raw publish: %v", err)
+			return fmt.Errorf("raw publish: %v", err)
 		}
+		return nil
 	})
 	return ours, base
 }
 
-// parallelRate runs fn n times from `workers` goroutines and returns calls/s.
-func parallelRate(workers, n int, fn func(i int)) float64 {
+// parallelRate runs fn n times from `workers` goroutines and returns calls/s;
+// the first error stops the benchmark.
+func parallelRate(b testing.TB, workers, n int, fn func(i int) error) float64 {
 	var next atomic.Int64
 	var wg sync.WaitGroup
+	var first atomic.Value
 	start := time.Now()
 	for w := 0; w < workers; w++ {
 		wg.Add(1)
@@ -143,14 +150,19 @@ func parallelRate(workers, n int, fn func(i int)) float64 {
 			defer wg.Done()
 			for {
 				i := int(next.Add(1))
-				if i > n {
+				if i > n || first.Load() != nil {
 					return
 				}
-				fn(i)
+				if err := fn(i); err != nil {
+					first.CompareAndSwap(nil, err)
+				}
 			}
 		}()
 	}
 	wg.Wait()
+	if err := first.Load(); err != nil {
+		b.Fatal(err)
+	}
 	return float64(n) / time.Since(start).Seconds()
 }
 
@@ -214,7 +226,7 @@ func rawInsert(b testing.TB, db *sql.DB, id string, body []byte) {
 func benchConsume(b *testing.B, payload []byte) (ours, base float64) {
 	const n = 3000
 	vhost := newVhost(b)
-	declareTestTopology(b, vhost, time.Minute)
+	declareTestTopology(b, vhost, 200*time.Millisecond)
 	fillQueue(b, vhost, queueDatabase, payload, n)
 	store, cfg := benchStore(b)
 	defer store.Close()
@@ -264,7 +276,7 @@ func benchConsume(b *testing.B, payload []byte) (ours, base float64) {
 func benchDrain(b *testing.B, payload []byte) (ours, base float64) {
 	const n = 10000
 	vhost := newVhost(b)
-	declareTestTopology(b, vhost, time.Minute)
+	declareTestTopology(b, vhost, 200*time.Millisecond)
 	fillQueue(b, vhost, queueGitHub, payload, n)
 	store, cfg := benchStore(b)
 	defer store.Close()
@@ -329,17 +341,20 @@ func benchEndToEnd(b *testing.B, payload []byte) e2eResult {
 	})
 	db := openDB(b, dbPath)
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
+	var failed atomic.Value
 	post := func(guid string) {
 		req := webhookRequest(b, "http://"+addr, "pull_request", guid, withNode(payload, "node-"+guid))
 		req.Header.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
 		req.Header.Set("X-GitHub-Hook-Installation-Target-ID", strconv.Itoa(testBotAppID))
 		resp, err := client.Do(req)
-		if err != nil {
-			b.Fatal(err)
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusAccepted {
+				err = fmt.Errorf("POST: %d", resp.StatusCode)
+			}
 		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusAccepted {
-			b.Fatalf("POST: %d", resp.StatusCode)
+		if err != nil {
+			failed.CompareAndSwap(nil, err)
 		}
 	}
 
@@ -362,6 +377,9 @@ func benchEndToEnd(b *testing.B, payload []byte) e2eResult {
 	}
 	tick.Stop()
 	wg.Wait()
+	if err := failed.Load(); err != nil {
+		b.Fatal(err)
+	}
 	eventually(b, 60*time.Second, "latency run stored", func() bool {
 		return queryInt(b, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id LIKE 'lat-%'") == len(sent)
 	})
@@ -396,6 +414,9 @@ func benchEndToEnd(b *testing.B, payload []byte) e2eResult {
 		}()
 	}
 	wg.Wait()
+	if err := failed.Load(); err != nil {
+		b.Fatal(err)
+	}
 	want := int(posted.Load())
 	eventually(b, 5*time.Minute, "sustained run stored", func() bool {
 		return queryInt(b, db, "SELECT count(*) FROM github_pull_requests")-before == want

@@ -26,6 +26,23 @@ const (
 	OutcomeError     Outcome = "error"
 )
 
+type loggerKey struct{}
+
+// withLogger hands a handler the message's logger, which carries worker,
+// queue, broker, delivery_id and event, so that its lines say which message
+// they are about.
+func withLogger(ctx context.Context, log *slog.Logger) context.Context {
+	return context.WithValue(ctx, loggerKey{}, log)
+}
+
+// loggerFrom returns the message's logger, or fallback outside a message.
+func loggerFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
+	if l, ok := ctx.Value(loggerKey{}).(*slog.Logger); ok {
+		return l
+	}
+	return fallback
+}
+
 // handleTimeout bounds one message's processing. It does not follow the
 // worker's context: on shutdown the message in hand is finished and acked.
 const handleTimeout = 2 * time.Minute
@@ -64,7 +81,7 @@ func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, lo
 	ev, err := DecodeEvent(d)
 	if err == nil {
 		log = log.With("delivery_id", ev.DeliveryID, "event", ev.Name)
-		err = h(ctx, ev)
+		err = h(withLogger(ctx, log), ev)
 	} else if d.MessageId != "" {
 		log = log.With("delivery_id", d.MessageId)
 	}

@@ -258,3 +258,37 @@ func TestDatabaseLockedRetries(t *testing.T) {
 		}
 	}
 }
+
+// Every log line about a message says which worker, queue, broker, delivery
+// and event it is about, including the handlers' own lines.
+func TestMessageLogLines(t *testing.T) {
+	smtp, push := newSMTPSink(t), newPushSink(t)
+	cfg := alertConfig(t, smtp.addr, push.srv.URL, "issues.opened")
+	d := startDaemon(t, cfg)
+	guid := newGUID()
+	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened.payload.json"))
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "alert recorded", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NOT NULL", guid) == 1
+	})
+	eventually(t, 20*time.Second, "database-service done", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", guid) == 1
+	})
+	d.stop(t)
+	var lines []string
+	for _, l := range strings.Split(d.logs.String(), "\n") {
+		if strings.Contains(l, guid) && !strings.Contains(l, "webhook queued") {
+			lines = append(lines, l)
+		}
+	}
+	if len(lines) < 2 {
+		t.Fatalf("expected the alert and typed-table lines, got:\n%s", strings.Join(lines, "\n"))
+	}
+	for _, l := range lines {
+		for _, key := range []string{"worker=", "queue=", "broker=", "delivery_id=", "event="} {
+			if !strings.Contains(l, key) {
+				t.Errorf("line lacks %s: %s", key, l)
+			}
+		}
+	}
+}

@@ -19,7 +19,7 @@ func databaseHandler(store *Store, botAppID int64, log *slog.Logger) Handler {
 			return err
 		}
 		if rows.SkippedReason != "" {
-			log.Debug("event not used by the typed tables", "delivery_id", ev.DeliveryID, "reason", rows.SkippedReason)
+			loggerFrom(ctx, log).Debug("event not used by the typed tables", "reason", rows.SkippedReason)
 		}
 		m := newRowMeta(ev)
 		done, err := store.MarkDelivery(ctx, "database-service", ev.DeliveryID, func(tx *sql.Tx) error {

@@ -57,7 +57,7 @@ func serviceHandler(store *Store, alerter *Alerter, forbidden bool, log *slog.Lo
 			if err := store.RecordAlertSend(ctx, ev.DeliveryID, c, i == len(todo)-1); err != nil {
 				return err
 			}
-			log.Info("alert sent", "delivery_id", ev.DeliveryID, "event", ev.Name, "channel", c)
+			loggerFrom(ctx, log).Info("alert sent", "channel", c)
 		}
 		return nil
 	}
