@@ -193,9 +193,14 @@ func fillQueue(b testing.TB, vhost, queue string, payload []byte, n int) {
 	}
 }
 
+// benchPrefetch is the prefetch (and so the largest batch) the switchyard
+// side of the consume, drain and end-to-end rows runs with.
+const benchPrefetch = 64
+
 // benchStore opens a fresh migrated store with the default pragmas.
 func benchStore(b testing.TB) (*Store, *Config) {
 	cfg := testConfig(b, amqpURL("x"))
+	cfg.Queue.Prefetch = benchPrefetch
 	store, err := OpenStore(context.Background(), cfg.Database)
 	if err != nil {
 		b.Fatal(err)
@@ -242,7 +247,7 @@ func benchConsume(b *testing.B, payload []byte) (ours, base float64) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	start := time.Now()
-	go consumeUntil(ctx, q, q.conns[0].broker, queueDatabase, counted, log)
+	go consumeUntil(ctx, q, q.conns[0].broker, queueDatabase, counted, store, log)
 	for done.Load() < n {
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -285,7 +290,7 @@ func benchDrain(b *testing.B, payload []byte) (ours, base float64) {
 	defer q.Close()
 	always := func(fn func()) bool { fn(); return true }
 	start := time.Now()
-	got, err := q.Drain(context.Background(), q.conns[0].broker, queueGitHub, n, always, serviceHandler(store, nil, false, log), log)
+	got, err := q.Drain(context.Background(), q.conns[0].broker, queueGitHub, n, always, serviceHandler(store, nil, false, log), store, log)
 	if err != nil || got != n {
 		b.Fatalf("drain: %d, %v", got, err)
 	}
@@ -325,7 +330,7 @@ func benchEndToEnd(b *testing.B, payload []byte) e2eResult {
 	config := writeConfig(b, dir, addr, dbPath, amqpURL(vhost))
 	cfgText, _ := os.ReadFile(config)
 	cfgText = []byte(strings.Replace(string(cfgText), "[github]\n", fmt.Sprintf("[github]\nbot_app_id = %d\n", testBotAppID), 1))
-	cfgText = []byte(strings.Replace(string(cfgText), `retry_ttl = "200ms"`, "retry_ttl = \"200ms\"\nprefetch = "+benchPrefetch(), 1))
+	cfgText = []byte(strings.Replace(string(cfgText), `retry_ttl = "200ms"`, "retry_ttl = \"200ms\"\nprefetch = "+strconv.Itoa(benchPrefetch), 1))
 	os.WriteFile(config, cfgText, 0o600)
 	cmd := exec.Command(binary(b), "serve", "-config", config)
 	if err := cmd.Start(); err != nil {
@@ -430,14 +435,6 @@ func benchEndToEnd(b *testing.B, payload []byte) e2eResult {
 		}
 	}
 	return res
-}
-
-// benchPrefetch is the prefetch the end-to-end row runs with.
-func benchPrefetch() string {
-	if p := os.Getenv("BENCH_PREFETCH"); p != "" {
-		return p
-	}
-	return "1"
 }
 
 // benchSwitch: a Pending Switch completes after the old broker's last message

@@ -346,6 +346,10 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	database.health = hc(cfg.HealthChecks.DatabaseService, "database-service")
 	cleanup := newWorker("cleanup", queueForbidden, serviceHandler(store, alerter, true, log), w.CleanupWindow, w.CleanupEvery, w, brokers, queues, log)
 	cleanup.health = hc(cfg.HealthChecks.Cleanup, "cleanup")
+	// The hooks worker talks to GitHub per message: it is not batched.
+	for _, w := range []*Worker{service, database, cleanup} {
+		w.Batch = store
+	}
 	d.workers = []*Worker{service, database, cleanup}
 	if cfg.GitHub.AppID > 0 {
 		app, err := NewGitHubApp(cfg.GitHub, log.With("component", "github"))

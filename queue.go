@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -58,6 +59,9 @@ type Queues struct {
 	// Backoff between failed dials of one broker, doubled per failure up to
 	// maxBackoff, with jitter. Fields so tests can shorten them.
 	minBackoff, maxBackoff time.Duration
+	// drainQuiet is how long a broker must stay empty, with no message in
+	// a worker's hands, before Drained says so (see Drained).
+	drainQuiet time.Duration
 }
 
 // brokerConn is the one connection to one broker, and its publisher.
@@ -70,11 +74,15 @@ type brokerConn struct {
 	failures int
 	retryAt  time.Time
 	lastErr  error
+
+	// inHand counts deliveries from this broker that a worker has taken and
+	// not yet settled: the broker's ready counts do not show them.
+	inHand atomic.Int64
 }
 
 // NewQueues prepares connections to the brokers; nothing is dialed yet.
 func NewQueues(cfg QueueConfig, brokers []*Broker, log *slog.Logger) *Queues {
-	q := &Queues{cfg: cfg, log: log, minBackoff: 200 * time.Millisecond, maxBackoff: 15 * time.Second}
+	q := &Queues{cfg: cfg, log: log, minBackoff: 200 * time.Millisecond, maxBackoff: 15 * time.Second, drainQuiet: time.Second}
 	for _, b := range brokers {
 		q.conns = append(q.conns, &brokerConn{broker: b, lock: make(chan struct{}, 1)})
 	}
@@ -290,18 +298,38 @@ func (q *Queues) readyCount(conn *amqp.Connection, b *Broker, name string) (int,
 }
 
 // Drained reports whether broker b holds no ready message in the 4 main and 4
-// -retry queues. -error queues are terminal and do not count.
+// -retry queues (-error queues are terminal and do not count), and no worker
+// of this process holds one of its messages. Ready counts miss two kinds of
+// message: one in a worker's hands (unacked, and it may yet be nacked into
+// -retry), and one that RabbitMQ is dead-lettering from -retry back to its
+// queue at that instant. So the broker must look empty twice, drainQuiet
+// apart, with nothing in hand either time.
 func (q *Queues) Drained(ctx context.Context, b *Broker) (bool, error) {
 	var names []string
 	for _, name := range logicalQueues {
 		names = append(names, name, retryQueue(name))
 	}
-	counts, err := q.ReadyCounts(ctx, b, names)
-	if err != nil {
-		return false, err
-	}
-	for _, n := range counts {
-		if n > 0 {
+	for check := 0; check < 2; check++ {
+		if check > 0 {
+			select {
+			case <-ctx.Done():
+				return false, ctx.Err()
+			case <-time.After(q.drainQuiet):
+			}
+		}
+		if q.conns[b.Index].inHand.Load() > 0 {
+			return false, nil
+		}
+		counts, err := q.ReadyCounts(ctx, b, names)
+		if err != nil {
+			return false, err
+		}
+		for _, n := range counts {
+			if n > 0 {
+				return false, nil
+			}
+		}
+		if q.conns[b.Index].inHand.Load() > 0 {
 			return false, nil
 		}
 	}

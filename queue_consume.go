@@ -68,16 +68,18 @@ func deathCount(h amqp.Table, queue string) int64 {
 	return 0
 }
 
-// settle decodes and handles one delivery taken from queue on broker b, then
-// ends it in exactly one of done, duplicate, retry or error, and acks or nacks
-// accordingly. Only a failure to ack or nack is returned: the channel is gone,
-// and the broker will deliver the message again.
-func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (outcome Outcome, err error) {
-	start := time.Now()
-	defer func() { q.metrics.consume(queue, outcome, time.Since(start)) }()
-	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
-	defer cancel()
+// Batcher runs a batch of messages' handlers in one transaction; *Store is
+// one (Store.Batch).
+type Batcher interface {
+	Batch(ctx context.Context, fn func(ctx context.Context) error) error
+}
 
+// process decodes and handles one delivery taken from queue on broker b. A
+// retry or an error is settled here (nack, or publish to -error and ack); done
+// and duplicate are left to the caller, which acks them once their
+// transaction committed. Only a failed ack or nack is returned: the channel is
+// gone, and the broker will deliver the message again.
+func (q *Queues) process(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (Outcome, error) {
 	ev, err := DecodeEvent(d)
 	if err == nil {
 		log = log.With("delivery_id", ev.DeliveryID, "event", ev.Name)
@@ -89,20 +91,102 @@ func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, lo
 	var perm *permanentError
 	switch {
 	case err == nil:
-		return OutcomeDone, d.Ack(false)
+		return OutcomeDone, nil
 	case errors.Is(err, ErrDuplicate):
 		log.Debug("duplicate delivery")
-		return OutcomeDuplicate, d.Ack(false)
+		return OutcomeDuplicate, nil
 	case errors.As(err, &perm):
 		return q.toError(ctx, b, queue, d, perm.reason, 0, log)
 	}
+	return q.retry(ctx, b, queue, d, err, log)
+}
 
+// retry ends a transient failure: nack, so the message waits retry_ttl in
+// queue-retry, or once it has failed max_attempts times, publish it to
+// queue-error with the reason and the attempts.
+func (q *Queues) retry(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, cause error, log *slog.Logger) (Outcome, error) {
 	attempts := deathCount(d.Headers, queue)
 	if attempts >= int64(q.cfg.MaxAttempts) {
-		return q.toError(ctx, b, queue, d, err.Error(), attempts+1, log)
+		return q.toError(ctx, b, queue, d, cause.Error(), attempts+1, log)
 	}
-	log.Warn("transient failure, message will retry", "attempt", attempts+1, "error", err)
+	log.Warn("transient failure, message will retry", "attempt", attempts+1, "error", cause)
 	return OutcomeRetry, d.Nack(false, false)
+}
+
+// settle handles one delivery in its own transaction(s) and acks it.
+func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (Outcome, error) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
+	defer cancel()
+	outcome, err := q.process(ctx, b, queue, d, h, log)
+	if err == nil && (outcome == OutcomeDone || outcome == OutcomeDuplicate) {
+		err = d.Ack(false)
+	}
+	q.metrics.consume(queue, outcome, time.Since(start))
+	return outcome, err
+}
+
+// settleBatch handles deliveries, in order, in one transaction, then acks the
+// done and duplicate ones with a single multiple ack: every other delivery of
+// the batch was settled on its own before, so the multiple ack covers exactly
+// these. If the commit fails, none of them was stored, and each goes through
+// the retry rules.
+func (q *Queues) settleBatch(b *Broker, queue string, ds []amqp.Delivery, h Handler, batch Batcher, log *slog.Logger) error {
+	inHand := &q.conns[b.Index].inHand
+	defer inHand.Add(-int64(len(ds)))
+	if len(ds) == 1 || batch == nil {
+		for i := range ds {
+			if _, err := q.settle(b, queue, &ds[i], h, log); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
+	defer cancel()
+	var pending []*amqp.Delivery // handled, waiting for the commit
+	var outcomes []Outcome
+	processed := 0
+	err := batch.Batch(ctx, func(ctx context.Context) error {
+		for i := range ds {
+			outcome, err := q.process(ctx, b, queue, &ds[i], h, log)
+			if err != nil {
+				return err
+			}
+			processed++
+			if outcome == OutcomeDone || outcome == OutcomeDuplicate {
+				pending = append(pending, &ds[i])
+				outcomes = append(outcomes, outcome)
+			} else {
+				q.metrics.consume(queue, outcome, time.Since(start))
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		// Nothing of the batch was stored: what was handled, and what the
+		// batch never reached (a BEGIN that found the database locked), retry.
+		for i := processed; i < len(ds); i++ {
+			pending = append(pending, &ds[i])
+		}
+		log.Warn("batch not committed, its messages will retry", "messages", len(pending), "error", err)
+		for _, d := range pending {
+			outcome, rerr := q.retry(ctx, b, queue, d, err, log)
+			q.metrics.consume(queue, outcome, time.Since(start))
+			if rerr != nil {
+				return rerr
+			}
+		}
+		return nil
+	}
+	if len(pending) == 0 {
+		return nil
+	}
+	for _, o := range outcomes {
+		q.metrics.consume(queue, o, time.Since(start))
+	}
+	return pending[len(pending)-1].Ack(true)
 }
 
 // toError publishes the delivery to queue-error on the broker it came from,
@@ -135,7 +219,7 @@ func (q *Queues) toError(ctx context.Context, b *Broker, queue string, d *amqp.D
 // Consume reads queue on broker b until the window ends, stop is closed, or ctx
 // is done, handling each message with h. A queue that does not exist is
 // treated as empty for the window. The message in hand is always finished.
-func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window time.Duration, stop <-chan struct{}, h Handler, log *slog.Logger) (int, error) {
+func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window time.Duration, stop <-chan struct{}, h Handler, batch Batcher, log *slog.Logger) (int, error) {
 	conn, _, err := q.conn(ctx, b)
 	if err != nil {
 		return 0, err
@@ -180,10 +264,27 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window ti
 			if !ok {
 				return n, fmt.Errorf("consume %s on %s: %w: channel closed", queue, b, ErrBrokerUnreachable)
 			}
-			if _, err := q.settle(b, queue, &d, h, log); err != nil {
+			q.conns[b.Index].inHand.Add(1)
+			// Whatever else the broker already sent (up to prefetch) joins
+			// this message's batch: one commit and one ack for all.
+			ds := []amqp.Delivery{d}
+		more:
+			for batch != nil && len(ds) < q.cfg.Prefetch {
+				select {
+				case d, ok := <-deliveries:
+					if !ok {
+						break more
+					}
+					q.conns[b.Index].inHand.Add(1)
+					ds = append(ds, d)
+				default:
+					break more
+				}
+			}
+			if err := q.settleBatch(b, queue, ds, h, batch, log); err != nil {
 				return n, fmt.Errorf("settle on %s: %w", b, err)
 			}
-			n++
+			n += len(ds)
 		}
 	}
 }
@@ -206,7 +307,7 @@ func (q *Queues) get(conn *amqp.Connection, ch *amqp.Channel, queue string) (amq
 // instead of waiting out a window. It is the Leftover Drain of SPEC §8. Each
 // basic_get runs inside guard; when guard declines (the broker state changed),
 // the drain stops.
-func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, guard func(func()) bool, h Handler, log *slog.Logger) (int, error) {
+func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, guard func(func()) bool, h Handler, batch Batcher, log *slog.Logger) (int, error) {
 	if limit <= 0 {
 		return 0, nil
 	}
@@ -222,27 +323,44 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, 
 		return 0, err
 	}
 	defer q.closeChannel(conn, ch)
+	size := 1
+	if batch != nil {
+		size = q.cfg.Prefetch
+	}
 	n := 0
 	for n < limit && ctx.Err() == nil {
-		var d amqp.Delivery
-		var ok bool
-		var err error
-		if !guard(func() { d, ok, err = q.get(conn, ch, queue) }) {
+		var ds []amqp.Delivery
+		var getErr error
+		stop := false
+		for len(ds) < min(size, limit-n) {
+			var d amqp.Delivery
+			var ok bool
+			if !guard(func() { d, ok, getErr = q.get(conn, ch, queue) }) {
+				stop = true // the state changed: take no more, finish what was taken
+				break
+			}
+			if isNotFound(getErr) {
+				getErr = nil
+			}
+			if getErr != nil || !ok {
+				stop = true
+				break
+			}
+			q.conns[b.Index].inHand.Add(1)
+			ds = append(ds, d)
+		}
+		if len(ds) > 0 {
+			if err := q.settleBatch(b, queue, ds, h, batch, log); err != nil {
+				return n, fmt.Errorf("settle on %s: %w", b, err)
+			}
+			n += len(ds)
+		}
+		if getErr != nil {
+			return n, fmt.Errorf("get %s on %s: %w", queue, b, getErr)
+		}
+		if stop {
 			return n, nil
 		}
-		if isNotFound(err) {
-			return n, nil
-		}
-		if err != nil {
-			return n, fmt.Errorf("get %s on %s: %w", queue, b, err)
-		}
-		if !ok {
-			return n, nil
-		}
-		if _, err := q.settle(b, queue, &d, h, log); err != nil {
-			return n, fmt.Errorf("settle on %s: %w", b, err)
-		}
-		n++
 	}
 	return n, nil
 }

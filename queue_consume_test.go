@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"strings"
@@ -35,9 +36,9 @@ func TestDeathCount(t *testing.T) {
 }
 
 // consumeUntil runs Consume windows on b until ctx ends.
-func consumeUntil(ctx context.Context, q *Queues, b *Broker, queue string, h Handler, log *slog.Logger) {
+func consumeUntil(ctx context.Context, q *Queues, b *Broker, queue string, h Handler, batch Batcher, log *slog.Logger) {
 	for ctx.Err() == nil {
-		if _, err := q.Consume(ctx, b, queue, time.Second, nil, h, log); err != nil {
+		if _, err := q.Consume(ctx, b, queue, time.Second, nil, h, batch, log); err != nil {
 			time.Sleep(100 * time.Millisecond)
 		}
 	}
@@ -79,7 +80,7 @@ func TestRetryCycle(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	go func() { consumeUntil(ctx, q, brokers[0], queueGitHub, h, log); close(done) }()
+	go func() { consumeUntil(ctx, q, brokers[0], queueGitHub, h, nil, log); close(done) }()
 	defer func() { cancel(); <-done }()
 
 	eventually(t, 30*time.Second, "failing message in github-error", func() bool { return ready(t, vhost, errorQueue(queueGitHub)) == 1 })
@@ -290,5 +291,90 @@ func TestMessageLogLines(t *testing.T) {
 				t.Errorf("line lacks %s: %s", key, l)
 			}
 		}
+	}
+}
+
+// With prefetch above 1, messages are committed in batches with one multiple
+// ack: malformed and failing messages inside a batch are settled on their
+// own, and everything else is stored exactly once, in order. A database
+// locked past busy_timeout fails whole batches, whose messages retry.
+func TestBatchedCommits(t *testing.T) {
+	vhost := newVhost(t)
+	declareTestTopology(t, vhost, 200*time.Millisecond)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.Prefetch = 25
+	cfg.Queue.MaxAttempts = 1000
+	cfg.Database.BusyTimeout = 100 * time.Millisecond
+	p := newParts(t, cfg)
+	b := p.brokers.List()[0]
+
+	body := loadFixture(t, "issues", "opened.payload.json")
+	var guids []string
+	for i := 0; i < 200; i++ {
+		g := fmt.Sprintf("batch-%03d-%s", i, randHex(3))
+		guids = append(guids, g)
+		publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", g, body))
+		if i%50 == 7 {
+			publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", "bad-"+g, []byte("not json")))
+		}
+	}
+	failOnce := map[string]bool{guids[10]: true, guids[111]: true}
+	var mu sync.Mutex
+	service := serviceHandler(p.store, nil, false, p.log)
+	h := func(ctx context.Context, ev *Event) error {
+		mu.Lock()
+		fail := failOnce[ev.DeliveryID]
+		delete(failOnce, ev.DeliveryID)
+		mu.Unlock()
+		if fail {
+			return errors.New("transient (simulated)")
+		}
+		return service(ctx, ev)
+	}
+
+	// The database is locked while the first batches arrive.
+	locker, err := sql.Open("sqlite", "file:"+cfg.Database.Path+"?_pragma=busy_timeout(5000)")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Close()
+	conn, err := locker.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.ExecContext(context.Background(), "BEGIN IMMEDIATE"); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { consumeUntil(ctx, p.queues, b, queueGitHub, h, p.store, p.log); close(done) }()
+	defer func() { cancel(); <-done }()
+	eventually(t, 10*time.Second, "a failed batch", func() bool {
+		return strings.Contains(p.logs.String(), "batch not committed")
+	})
+	conn.ExecContext(context.Background(), "ROLLBACK")
+	conn.Close()
+
+	eventually(t, 30*time.Second, "all stored", func() bool {
+		var n int
+		_ = p.store.r.QueryRow("SELECT count(*) FROM github").Scan(&n)
+		return n == len(guids)
+	})
+	eventually(t, 10*time.Second, "queues settled", func() bool {
+		return ready(t, vhost, queueGitHub) == 0 && ready(t, vhost, retryQueue(queueGitHub)) == 0
+	})
+	if n := ready(t, vhost, errorQueue(queueGitHub)); n != 4 {
+		t.Errorf("github-error: %d, want the 4 malformed messages", n)
+	}
+	var stats int
+	_ = p.store.r.QueryRow("SELECT sum(count) FROM github_statistics_6h").Scan(&stats)
+	if stats != len(guids) {
+		t.Errorf("statistics: %d, want %d", stats, len(guids))
+	}
+	if !strings.Contains(p.logs.String(), "transient failure") {
+		t.Errorf("the simulated failures did not retry")
+	}
+	if n := p.queues.conns[0].inHand.Load(); n != 0 {
+		t.Errorf("in-hand count after the run: %d, want 0", n)
 	}
 }

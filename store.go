@@ -154,8 +154,57 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 	return from, to, nil
 }
 
-// write runs fn in one immediate transaction on the writer connection.
+// batchTx is the transaction a batch of messages shares (see Batch).
+type batchTx struct {
+	tx         *sql.Tx
+	savepoints int
+}
+
+type batchKey struct{}
+
+// Batch runs fn with one transaction in its context: every write made with
+// that context joins it as a savepoint, and the whole batch commits once.
+// One fsync then covers many messages, which synchronous=FULL makes the
+// costliest part of a message. Messages stay in order: fn runs them one after
+// the other. A write that fails rolls back to its savepoint only.
+func (s *Store) Batch(ctx context.Context, fn func(ctx context.Context) error) error {
+	start := time.Now()
+	defer func() { s.metrics.dbWrite(time.Since(start)) }()
+	tx, err := s.w.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("begin: %w", err)
+	}
+	if err := fn(context.WithValue(ctx, batchKey{}, &batchTx{tx: tx})); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("commit: %w", err)
+	}
+	return nil
+}
+
+// queryer is what reads need: a pool or a transaction.
+type queryer interface {
+	QueryRowContext(context.Context, string, ...any) *sql.Row
+	QueryContext(context.Context, string, ...any) (*sql.Rows, error)
+}
+
+// reader reads inside the batch when there is one, so a handler sees what the
+// batch wrote before it; else from the read-only pool.
+func (s *Store) reader(ctx context.Context) queryer {
+	if bt, ok := ctx.Value(batchKey{}).(*batchTx); ok {
+		return bt.tx
+	}
+	return s.r
+}
+
+// write runs fn in one immediate transaction on the writer connection, or
+// in a savepoint of the batch in ctx.
 func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	if bt, ok := ctx.Value(batchKey{}).(*batchTx); ok {
+		return bt.savepoint(ctx, fn)
+	}
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
 	tx, err := s.w.BeginTx(ctx, nil)
@@ -168,6 +217,25 @@ func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
 	}
 	if err := tx.Commit(); err != nil {
 		return fmt.Errorf("commit: %w", err)
+	}
+	return nil
+}
+
+func (bt *batchTx) savepoint(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	bt.savepoints++
+	name := fmt.Sprintf("msg%d", bt.savepoints)
+	if _, err := bt.tx.ExecContext(ctx, "SAVEPOINT "+name); err != nil {
+		return fmt.Errorf("savepoint: %w", err)
+	}
+	if err := fn(bt.tx); err != nil {
+		if _, rerr := bt.tx.ExecContext(ctx, "ROLLBACK TO "+name); rerr != nil {
+			return errors.Join(err, fmt.Errorf("rollback to savepoint: %w", rerr))
+		}
+		_, _ = bt.tx.ExecContext(ctx, "RELEASE "+name)
+		return err
+	}
+	if _, err := bt.tx.ExecContext(ctx, "RELEASE "+name); err != nil {
+		return fmt.Errorf("release savepoint: %w", err)
 	}
 	return nil
 }
@@ -299,13 +367,14 @@ func (s *Store) Backup(ctx context.Context, dest string) error {
 // sent it, and whether github.alerted_at is set.
 func (s *Store) AlertProgress(ctx context.Context, deliveryID string) (sent []string, alerted bool, err error) {
 	var at sql.NullString
-	if err := s.r.QueryRowContext(ctx, "SELECT alerted_at FROM github WHERE delivery_id = ?", deliveryID).Scan(&at); err != nil {
+	r := s.reader(ctx)
+	if err := r.QueryRowContext(ctx, "SELECT alerted_at FROM github WHERE delivery_id = ?", deliveryID).Scan(&at); err != nil {
 		return nil, false, fmt.Errorf("read alerted_at: %w", err)
 	}
 	if at.Valid {
 		return nil, true, nil
 	}
-	rows, err := s.r.QueryContext(ctx, "SELECT channel FROM alert_sends WHERE delivery_id = ?", deliveryID)
+	rows, err := r.QueryContext(ctx, "SELECT channel FROM alert_sends WHERE delivery_id = ?", deliveryID)
 	if err != nil {
 		return nil, false, fmt.Errorf("read alert sends: %w", err)
 	}

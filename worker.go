@@ -15,6 +15,9 @@ type Worker struct {
 	Name   string
 	Queue  string
 	Handle Handler
+	// Batch, when set, lets a cycle commit several messages at once
+	// (up to queue.prefetch); nil handles each on its own.
+	Batch Batcher
 	// Window is how long one cycle consumes the active broker.
 	Window time.Duration
 	// Every, when set, is the pause between cycles (cleanup runs hourly);
@@ -126,7 +129,7 @@ func (w *Worker) work(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	_, err = w.queues.Consume(ctx, active, w.Queue, window, watch, w.Handle, w.log.With("broker", active.String()))
+	_, err = w.queues.Consume(ctx, active, w.Queue, window, watch, w.Handle, w.Batch, w.log.With("broker", active.String()))
 	return err
 }
 
@@ -147,7 +150,7 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 			continue
 		}
 		log := w.log.With("broker", b.String())
-		n, err := w.queues.Drain(ctx, b, w.Queue, remaining, guard, w.Handle, log)
+		n, err := w.queues.Drain(ctx, b, w.Queue, remaining, guard, w.Handle, w.Batch, log)
 		remaining -= n
 		w.queues.metrics.leftover(w.Queue, n)
 		if n > 0 {
