@@ -75,7 +75,11 @@ func login(u *jsonUser) string {
 // decodeInto unmarshals the payload into v; a payload that does not fit the
 // Event's shape is a permanent failure.
 func decodeInto(ev *Event, v any) error {
-	if err := json.Unmarshal(ev.Payload, v); err != nil {
+	payload := ev.tableJSON
+	if payload == nil {
+		payload = ev.Payload
+	}
+	if err := json.Unmarshal(payload, v); err != nil {
 		return permanent("%s: payload does not have the %s shape: %v", ev.Name, ev.Name, err)
 	}
 	return nil

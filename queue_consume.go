@@ -126,6 +126,16 @@ func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, lo
 	return outcome, err
 }
 
+// batchLinger is the longest a consumer waits for the next delivery of a
+// batch; it bounds the latency a batch adds to its first message.
+const batchLinger = 2 * time.Millisecond
+
+// batchSize is the most messages one transaction takes: half the prefetch
+// window, so that the broker sends the next half while this one commits.
+func (q *Queues) batchSize() int {
+	return max(1, q.cfg.Prefetch/2)
+}
+
 // settleBatch handles deliveries, in order, in one transaction, then acks the
 // done and duplicate ones with a single multiple ack: every other delivery of
 // the batch was settled on its own before, so the multiple ack covers exactly
@@ -265,21 +275,27 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window ti
 				return n, fmt.Errorf("consume %s on %s: %w: channel closed", queue, b, ErrBrokerUnreachable)
 			}
 			q.conns[b.Index].inHand.Add(1)
-			// Whatever else the broker already sent (up to prefetch) joins
-			// this message's batch: one commit and one ack for all.
+			// Whatever else the broker already sent joins this message's
+			// batch: one commit and one ack for all. amqp091-go hands
+			// deliveries over one at a time from its own goroutine, so wait
+			// a moment (batchLinger) for the next rather than none at all.
 			ds := []amqp.Delivery{d}
-		more:
-			for batch != nil && len(ds) < q.cfg.Prefetch {
-				select {
-				case d, ok := <-deliveries:
-					if !ok {
+			if batch != nil && q.batchSize() > 1 {
+				linger := time.NewTimer(batchLinger)
+			more:
+				for len(ds) < q.batchSize() {
+					select {
+					case d, ok := <-deliveries:
+						if !ok {
+							break more
+						}
+						q.conns[b.Index].inHand.Add(1)
+						ds = append(ds, d)
+					case <-linger.C:
 						break more
 					}
-					q.conns[b.Index].inHand.Add(1)
-					ds = append(ds, d)
-				default:
-					break more
 				}
+				linger.Stop()
 			}
 			if err := q.settleBatch(b, queue, ds, h, batch, log); err != nil {
 				return n, fmt.Errorf("settle on %s: %w", b, err)
@@ -323,6 +339,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, 
 		return 0, err
 	}
 	defer q.closeChannel(conn, ch)
+	// basic_get has no window to keep full: a batch takes a whole prefetch.
 	size := 1
 	if batch != nil {
 		size = q.cfg.Prefetch
