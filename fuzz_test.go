@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"net/http"
 	"net/http/httptest"
@@ -126,6 +127,36 @@ func FuzzDecodeEvent(f *testing.F) {
 		}
 		if _, err := decodeTableRows(ev, 4242); err != nil && !errors.As(err, &perm) {
 			t.Fatalf("table decode error %v is not permanent", err)
+		}
+	})
+}
+
+// validJSON must agree with json.Valid on every input, and jsonMembers must
+// find the members json.Unmarshal finds.
+func FuzzValidJSON(f *testing.F) {
+	for _, s := range []string{`{}`, `[]`, `{"a":[1,2,{"b":null}],"c":"\u00e9\n"}`, `-0.5e+3`, `01`, `1.`, `"\x"`,
+		`{"a":1,}`, `[1 2]`, "\"\x01\"", `{"a" 1}`, `tru`, ` {"k": "v"} `, `"\ud800"`, "\"\xff\"", `{"a":1}{}`} {
+		f.Add([]byte(s))
+	}
+	f.Add(loadFixture(f, "push", "payload.json"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if got, want := validJSON(b), json.Valid(b); got != want {
+			t.Fatalf("validJSON(%q) = %v, json.Valid = %v", b, got, want)
+		}
+		var m map[string]json.RawMessage
+		err := json.Unmarshal(b, &m)
+		got := map[string]string{}
+		ok := jsonMembers(b, func(k string, v []byte) { got[k] = string(v) })
+		if (err == nil && m != nil) != ok {
+			t.Fatalf("jsonMembers(%q) = %v, json.Unmarshal into a map: %v", b, ok, err)
+		}
+		if ok && len(got) != len(m) {
+			t.Fatalf("jsonMembers found %d keys, json.Unmarshal %d", len(got), len(m))
+		}
+		for k, v := range m {
+			if got[k] != string(v) {
+				t.Fatalf("member %q: %q, want %q", k, got[k], v)
+			}
 		}
 	})
 }

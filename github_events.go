@@ -70,77 +70,55 @@ func newPublishing(h http.Header, payload []byte, sourceIP string, now time.Time
 	}
 }
 
-// payloadFields are the payload fields every worker needs. The body is read
-// once: the few fields of the raw log are decoded, the top-level objects the
-// typed tables read are kept raw (a slice of the body, not decoded), and the
-// wrapped form's fields ride along.
+// tableKeys are the top-level payload members the typed tables read; the
+// wrapped form adds headers and payload.
+var tableKeys = []string{"action", "repository", "sender", "installation", "release", "workflow_run", "ref",
+	"ref_type", "master_branch", "issue", "pull_request", "comment", "discussion", "check_run", "requested_action",
+	"before", "after", "created", "deleted", "forced", "pusher", "commits", "repository_selection",
+	"repositories_added", "repositories_removed"}
+
+// keptKeys is tableKeys and the wrapped form's keys, for lookups.
+var keptKeys = func() map[string]bool {
+	m := map[string]bool{"headers": true, "payload": true}
+	for _, k := range tableKeys {
+		m[k] = true
+	}
+	return m
+}()
+
+// payloadFields is one pass over a payload (jsonMembers): the top-level
+// members the workers read, kept raw as slices of the body, and how many
+// members there were.
 type payloadFields struct {
-	Action       string          `json:"action"`
-	Repository   json.RawMessage `json:"repository"`
-	Sender       json.RawMessage `json:"sender"`
-	Installation json.RawMessage `json:"installation"`
-
-	Release             json.RawMessage `json:"release"`
-	WorkflowRun         json.RawMessage `json:"workflow_run"`
-	Ref                 json.RawMessage `json:"ref"`
-	RefType             json.RawMessage `json:"ref_type"`
-	MasterBranch        json.RawMessage `json:"master_branch"`
-	Issue               json.RawMessage `json:"issue"`
-	PullRequest         json.RawMessage `json:"pull_request"`
-	Comment             json.RawMessage `json:"comment"`
-	Discussion          json.RawMessage `json:"discussion"`
-	CheckRun            json.RawMessage `json:"check_run"`
-	RequestedAction     json.RawMessage `json:"requested_action"`
-	Before              json.RawMessage `json:"before"`
-	After               json.RawMessage `json:"after"`
-	Created             json.RawMessage `json:"created"`
-	Deleted             json.RawMessage `json:"deleted"`
-	Forced              json.RawMessage `json:"forced"`
-	Pusher              json.RawMessage `json:"pusher"`
-	Commits             json.RawMessage `json:"commits"`
-	RepositorySelection json.RawMessage `json:"repository_selection"`
-	RepositoriesAdded   json.RawMessage `json:"repositories_added"`
-	RepositoriesRemoved json.RawMessage `json:"repositories_removed"`
-
-	// The wrapped form: {"headers": {...}, "payload": {...}}.
-	Headers json.RawMessage `json:"headers"`
-	Payload json.RawMessage `json:"payload"`
+	members map[string]json.RawMessage
+	count   int
 }
 
-// tableJSON writes the kept top-level values back into one small object, in
-// the payload's own key names, for the typed tables' decoders. The values are
-// slices of a body json.Unmarshal has validated, so no re-encoding is needed.
+// str decodes a member that should be a string; any other type reads as "".
+func (f *payloadFields) str(key string) string {
+	var s string
+	if raw := f.members[key]; raw != nil {
+		_ = json.Unmarshal(raw, &s)
+	}
+	return s
+}
+
+// tableJSON writes the kept members back into one small object, under their
+// own keys, for the typed tables' decoders. The values are slices of a body
+// that was validated, so they are copied, not re-encoded.
 func (f *payloadFields) tableJSON() []byte {
 	var b bytes.Buffer
 	b.WriteByte('{')
-	first := true
-	add := func(key string, raw json.RawMessage) {
+	for _, k := range tableKeys {
+		raw := f.members[k]
 		if raw == nil {
-			return
+			continue
 		}
-		if !first {
+		if b.Len() > 1 {
 			b.WriteByte(',')
 		}
-		first = false
-		b.WriteString(`"` + key + `":`)
+		b.WriteString(`"` + k + `":`)
 		b.Write(raw)
-	}
-	action, _ := json.Marshal(f.Action)
-	add("action", action)
-	for _, kv := range []struct {
-		key string
-		raw json.RawMessage
-	}{
-		{"repository", f.Repository}, {"sender", f.Sender}, {"installation", f.Installation},
-		{"release", f.Release}, {"workflow_run", f.WorkflowRun}, {"ref", f.Ref}, {"ref_type", f.RefType},
-		{"master_branch", f.MasterBranch}, {"issue", f.Issue}, {"pull_request", f.PullRequest},
-		{"comment", f.Comment}, {"discussion", f.Discussion}, {"check_run", f.CheckRun},
-		{"requested_action", f.RequestedAction}, {"before", f.Before}, {"after", f.After},
-		{"created", f.Created}, {"deleted", f.Deleted}, {"forced", f.Forced}, {"pusher", f.Pusher},
-		{"commits", f.Commits}, {"repository_selection", f.RepositorySelection},
-		{"repositories_added", f.RepositoriesAdded}, {"repositories_removed", f.RepositoriesRemoved},
-	} {
-		add(kv.key, kv.raw)
 	}
 	b.WriteByte('}')
 	return b.Bytes()
@@ -169,8 +147,8 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 	if err != nil {
 		return nil, err
 	}
-	if f.Headers != nil && f.Payload != nil && isWrapped(body) {
-		wrapped, err := decodeWrappedHeaders(f.Headers)
+	if f.count == 2 && f.members["headers"] != nil && f.members["payload"] != nil {
+		wrapped, err := decodeWrappedHeaders(f.members["headers"])
 		if err != nil {
 			return nil, err
 		}
@@ -180,7 +158,7 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 			}
 			return tableString(d.Headers, k)
 		}
-		body = unwrapPayload(f.Payload)
+		body = unwrapPayload(f.members["payload"])
 		if f, err = decodePayload(body); err != nil {
 			return nil, err
 		}
@@ -189,7 +167,7 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 	ev := &Event{
 		DeliveryID: get(hdrDelivery),
 		Name:       get(hdrEvent),
-		Action:     f.Action,
+		Action:     f.str("action"),
 		TargetType: get(hdrTargetType),
 		SourceIP:   get(hdrSourceIP),
 		Payload:    body,
@@ -216,15 +194,15 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 	}
 	// Each of these is a small object; a value of another type (a payload
 	// of an unexpected shape) just leaves the column empty.
-	if json.Unmarshal(f.Repository, &small) == nil {
+	if json.Unmarshal(f.members["repository"], &small) == nil {
 		ev.Repository = small.FullName
 	}
 	small.Login = ""
-	if json.Unmarshal(f.Sender, &small) == nil {
+	if json.Unmarshal(f.members["sender"], &small) == nil {
 		ev.Sender = small.Login
 	}
 	small.ID = 0
-	if json.Unmarshal(f.Installation, &small) == nil {
+	if json.Unmarshal(f.members["installation"], &small) == nil {
 		ev.InstallationID = small.ID
 	}
 	ev.tableJSON = f.tableJSON()
@@ -243,23 +221,17 @@ func decodePayload(body []byte) (*payloadFields, error) {
 	if body[0] != '{' {
 		return nil, permanent("body is not a JSON object")
 	}
-	var f payloadFields
-	if err := json.Unmarshal(body, &f); err != nil {
-		return nil, permanent("body is not valid JSON: %v", err)
+	f := &payloadFields{members: make(map[string]json.RawMessage, 8)}
+	ok := jsonMembers(body, func(key string, value []byte) {
+		f.count++
+		if keptKeys[key] {
+			f.members[key] = value
+		}
+	})
+	if !ok {
+		return nil, permanent("body is not valid JSON")
 	}
-	return &f, nil
-}
-
-// isWrapped reports whether body is an object with exactly the keys headers
-// and payload. Only bodies that have both keys pay for this second look.
-func isWrapped(body []byte) bool {
-	var keys map[string]json.RawMessage
-	if err := json.Unmarshal(body, &keys); err != nil {
-		return false
-	}
-	_, h := keys["headers"]
-	_, p := keys["payload"]
-	return len(keys) == 2 && h && p
+	return f, nil
 }
 
 // decodeWrappedHeaders reads the original HTTP headers, each a string or a

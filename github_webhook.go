@@ -212,7 +212,7 @@ func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request) ([]byte, 
 		}
 		payload = []byte(form.Get("payload"))
 	}
-	if t := bytes.TrimSpace(payload); len(t) == 0 || t[0] != '{' || !json.Valid(t) {
+	if t := bytes.TrimSpace(payload); len(t) == 0 || t[0] != '{' || !validJSON(t) {
 		return nil, fmt.Errorf("%w: payload is not a JSON object", ErrBadRequest)
 	}
 	return payload, nil

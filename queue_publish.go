@@ -4,24 +4,36 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 // maxInFlight bounds the publishes awaiting a confirm on one broker. It also
-// bounds the returns that can wait in a publisher's buffer (see drainReturns).
+// bounds the returns that can wait in a lane's buffer (see wasReturned).
 const maxInFlight = 512
 
-// publisher is one confirm-mode channel per broker connection, shared by every
-// concurrent publisher: confirms pipeline, each caller waiting on its own
-// deferred confirmation instead of a round trip per message on a channel of
-// its own.
-type publisher struct {
-	conn *amqp.Connection
-	q    *Queues
-	sem  chan struct{}
+// confirmLanes is how many confirm channels a broker's publisher spreads its
+// publishes over. RabbitMQ runs each channel as one process, so a single
+// channel serializes every publish of the daemon through it; a few let the
+// broker work on them in parallel, each still pipelining its confirms.
+const confirmLanes = 4
 
+// publisher is a few confirm-mode channels per broker connection, shared by
+// every concurrent publisher: confirms pipeline, each caller waiting on its
+// own deferred confirmation instead of a round trip per message on a channel
+// of its own.
+type publisher struct {
+	conn  *amqp.Connection
+	q     *Queues
+	sem   chan struct{}
+	next  atomic.Uint32
+	lanes [confirmLanes]lane
+}
+
+// lane is one confirm channel and the returns (unroutable messages) it got.
+type lane struct {
 	mu       sync.Mutex
 	ch       *amqp.Channel
 	returns  chan amqp.Return
@@ -32,12 +44,13 @@ func newPublisher(conn *amqp.Connection, q *Queues) *publisher {
 	return &publisher{conn: conn, q: q, sem: make(chan struct{}, maxInFlight)}
 }
 
-// channel returns the confirm channel, opening a new one when the last closed.
-func (p *publisher) channel() (*amqp.Channel, chan amqp.Return, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.ch != nil && !p.ch.IsClosed() {
-		return p.ch, p.returns, nil
+// channel returns the lane's confirm channel, opening a new one when the last
+// closed.
+func (l *lane) channel(p *publisher) (*amqp.Channel, chan amqp.Return, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.ch != nil && !l.ch.IsClosed() {
+		return l.ch, l.returns, nil
 	}
 	ch, err := p.q.channel(p.conn)
 	if err != nil {
@@ -47,10 +60,10 @@ func (p *publisher) channel() (*amqp.Channel, chan amqp.Return, error) {
 		p.q.closeChannel(p.conn, ch)
 		return nil, nil, err
 	}
-	p.ch = ch
-	p.returns = ch.NotifyReturn(make(chan amqp.Return, maxInFlight))
-	p.returned = map[string]int{}
-	return ch, p.returns, nil
+	l.ch = ch
+	l.returns = ch.NotifyReturn(make(chan amqp.Return, maxInFlight))
+	l.returned = map[string]int{}
+	return ch, l.returns, nil
 }
 
 // wasReturned claims a return for msgID. RabbitMQ sends basic.return before the
@@ -59,29 +72,28 @@ func (p *publisher) channel() (*amqp.Channel, chan amqp.Return, error) {
 // return (if any) is already in the buffer: draining it here, after the
 // confirm, cannot miss one. The buffer never fills, as at most maxInFlight
 // publishes are outstanding and each drains after its confirm.
-func (p *publisher) wasReturned(returns chan amqp.Return, msgID string) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if returns != p.returns {
+func (l *lane) wasReturned(returns chan amqp.Return, msgID string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if returns != l.returns {
 		return false // the channel was replaced; its confirm was a real one
 	}
+drain:
 	for {
 		select {
 		case r, ok := <-returns:
 			if !ok {
-				returns = nil
-				continue
+				break drain
 			}
-			p.returned[r.MessageId]++
-			continue
+			l.returned[r.MessageId]++
 		default:
+			break drain
 		}
-		break
 	}
-	if p.returned[msgID] > 0 {
-		p.returned[msgID]--
-		if p.returned[msgID] == 0 {
-			delete(p.returned, msgID)
+	if l.returned[msgID] > 0 {
+		l.returned[msgID]--
+		if l.returned[msgID] == 0 {
+			delete(l.returned, msgID)
 		}
 		return true
 	}
@@ -105,7 +117,8 @@ func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, m
 	}
 	defer func() { <-p.sem }()
 
-	ch, returns, err := p.channel()
+	l := &p.lanes[p.next.Add(1)%confirmLanes]
+	ch, returns, err := l.channel(p)
 	if err != nil {
 		return fmt.Errorf("publish to %s: %w", b, err)
 	}
@@ -126,7 +139,7 @@ func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, m
 		}
 		return fmt.Errorf("publish to %s: %w", b, ErrPublishNacked)
 	}
-	if p.wasReturned(returns, msg.MessageId) {
+	if l.wasReturned(returns, msg.MessageId) {
 		return fmt.Errorf("publish to %s %q: %w", b, exchange+"/"+key, ErrUnroutable)
 	}
 	return nil

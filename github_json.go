@@ -1,0 +1,265 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+)
+
+// A one-pass JSON reader for the hot path. encoding/json reads a payload
+// twice (checkValid, then the decode) with a scanner that calls a function per
+// byte; for a 25 KB webhook that was over half of the endpoint's CPU and a
+// third of a consumer's (see BENCHMARKS.md). This reader validates exactly as
+// json.Valid does (FuzzValidJSON holds it to that) and hands out the
+// top-level members of an object as slices of the input, which encoding/json
+// then decodes one small value at a time.
+
+// maxJSONDepth is encoding/json's own nesting limit.
+const maxJSONDepth = 10000
+
+type jsonReader struct {
+	b     []byte
+	i     int
+	depth int
+}
+
+// validJSON reports whether b is one valid JSON value, as json.Valid does.
+func validJSON(b []byte) bool {
+	r := jsonReader{b: b}
+	r.space()
+	if !r.value() {
+		return false
+	}
+	r.space()
+	return r.i == len(r.b)
+}
+
+// jsonMembers calls member for each top-level member of the object in b, in
+// order, with the decoded key and the raw value. It returns false, having
+// called member for some members perhaps, when b is not one valid JSON
+// object.
+func jsonMembers(b []byte, member func(key string, value []byte)) bool {
+	r := jsonReader{b: b}
+	r.space()
+	if r.i >= len(r.b) || r.b[r.i] != '{' || !r.object(member) {
+		return false
+	}
+	r.space()
+	return r.i == len(r.b)
+}
+
+func (r *jsonReader) space() {
+	for r.i < len(r.b) {
+		switch r.b[r.i] {
+		case ' ', '\t', '\n', '\r':
+			r.i++
+		default:
+			return
+		}
+	}
+}
+
+func (r *jsonReader) value() bool {
+	if r.i >= len(r.b) {
+		return false
+	}
+	switch c := r.b[r.i]; {
+	case c == '{':
+		return r.object(nil)
+	case c == '[':
+		return r.array()
+	case c == '"':
+		return r.str()
+	case c == 't':
+		return r.literal("true")
+	case c == 'f':
+		return r.literal("false")
+	case c == 'n':
+		return r.literal("null")
+	case c == '-' || (c >= '0' && c <= '9'):
+		return r.number()
+	}
+	return false
+}
+
+func (r *jsonReader) object(member func(key string, value []byte)) bool {
+	if r.depth++; r.depth > maxJSONDepth {
+		return false
+	}
+	defer func() { r.depth-- }()
+	r.i++ // {
+	r.space()
+	if r.i < len(r.b) && r.b[r.i] == '}' {
+		r.i++
+		return true
+	}
+	for {
+		if r.i >= len(r.b) || r.b[r.i] != '"' {
+			return false
+		}
+		start := r.i
+		if !r.str() {
+			return false
+		}
+		key := r.b[start:r.i]
+		r.space()
+		if r.i >= len(r.b) || r.b[r.i] != ':' {
+			return false
+		}
+		r.i++
+		r.space()
+		vstart := r.i
+		if !r.value() {
+			return false
+		}
+		if member != nil {
+			member(jsonKey(key), r.b[vstart:r.i])
+		}
+		r.space()
+		if r.i >= len(r.b) {
+			return false
+		}
+		switch r.b[r.i] {
+		case ',':
+			r.i++
+			r.space()
+		case '}':
+			r.i++
+			return true
+		default:
+			return false
+		}
+	}
+}
+
+// jsonKey decodes a quoted key; keys with escapes are rare and go the slow way.
+func jsonKey(quoted []byte) string {
+	if bytes.IndexByte(quoted, '\\') < 0 {
+		return string(quoted[1 : len(quoted)-1])
+	}
+	var s string
+	_ = json.Unmarshal(quoted, &s)
+	return s
+}
+
+func (r *jsonReader) array() bool {
+	if r.depth++; r.depth > maxJSONDepth {
+		return false
+	}
+	defer func() { r.depth-- }()
+	r.i++ // [
+	r.space()
+	if r.i < len(r.b) && r.b[r.i] == ']' {
+		r.i++
+		return true
+	}
+	for {
+		if !r.value() {
+			return false
+		}
+		r.space()
+		if r.i >= len(r.b) {
+			return false
+		}
+		switch r.b[r.i] {
+		case ',':
+			r.i++
+			r.space()
+		case ']':
+			r.i++
+			return true
+		default:
+			return false
+		}
+	}
+}
+
+func (r *jsonReader) str() bool {
+	r.i++ // "
+	for r.i < len(r.b) {
+		c := r.b[r.i]
+		switch {
+		case c == '"':
+			r.i++
+			return true
+		case c == '\\':
+			r.i++
+			if r.i >= len(r.b) {
+				return false
+			}
+			switch r.b[r.i] {
+			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+				r.i++
+			case 'u':
+				if r.i+4 >= len(r.b) {
+					return false
+				}
+				for _, h := range r.b[r.i+1 : r.i+5] {
+					if !isHex(h) {
+						return false
+					}
+				}
+				r.i += 5
+			default:
+				return false
+			}
+		case c < 0x20:
+			return false
+		default:
+			r.i++
+		}
+	}
+	return false
+}
+
+func isHex(c byte) bool {
+	return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F')
+}
+
+func (r *jsonReader) literal(lit string) bool {
+	if !bytes.HasPrefix(r.b[r.i:], []byte(lit)) {
+		return false
+	}
+	r.i += len(lit)
+	return true
+}
+
+func (r *jsonReader) number() bool {
+	if r.b[r.i] == '-' {
+		r.i++
+	}
+	if r.i >= len(r.b) {
+		return false
+	}
+	switch {
+	case r.b[r.i] == '0':
+		r.i++
+	case r.b[r.i] >= '1' && r.b[r.i] <= '9':
+		r.digits()
+	default:
+		return false
+	}
+	if r.i < len(r.b) && r.b[r.i] == '.' {
+		r.i++
+		if r.digits() == 0 {
+			return false
+		}
+	}
+	if r.i < len(r.b) && (r.b[r.i] == 'e' || r.b[r.i] == 'E') {
+		r.i++
+		if r.i < len(r.b) && (r.b[r.i] == '+' || r.b[r.i] == '-') {
+			r.i++
+		}
+		if r.digits() == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+func (r *jsonReader) digits() int {
+	start := r.i
+	for r.i < len(r.b) && r.b[r.i] >= '0' && r.b[r.i] <= '9' {
+		r.i++
+	}
+	return r.i - start
+}
