@@ -211,6 +211,19 @@ func (q *Queues) channel(conn *amqp.Connection) (*amqp.Channel, error) {
 	return call(q, conn, "open channel", conn.Channel)
 }
 
+// openChannel opens a channel on broker b's connection, dialing it if needed.
+func (q *Queues) openChannel(ctx context.Context, b *Broker) (*amqp.Connection, *amqp.Channel, error) {
+	conn, _, err := q.conn(ctx, b)
+	if err != nil {
+		return nil, nil, err
+	}
+	ch, err := q.channel(conn)
+	if err != nil {
+		return nil, nil, err
+	}
+	return conn, ch, nil
+}
+
 // closeChannel closes ch without waiting on a broker that does not answer.
 func (q *Queues) closeChannel(conn *amqp.Connection, ch *amqp.Channel) {
 	_, _ = call(q, conn, "close channel", func() (struct{}, error) { return struct{}{}, ch.Close() })

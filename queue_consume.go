@@ -230,11 +230,7 @@ func (q *Queues) toError(ctx context.Context, b *Broker, queue string, d *amqp.D
 // is done, handling each message with h. A queue that does not exist is
 // treated as empty for the window. The message in hand is always finished.
 func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window time.Duration, stop <-chan struct{}, h Handler, batch Batcher, log *slog.Logger) (int, error) {
-	conn, _, err := q.conn(ctx, b)
-	if err != nil {
-		return 0, err
-	}
-	ch, err := q.channel(conn)
+	conn, ch, err := q.openChannel(ctx, b)
 	if err != nil {
 		return 0, err
 	}

@@ -197,6 +197,35 @@ func TestDecodeWrappedMessage(t *testing.T) {
 	}
 }
 
+// lockDatabase holds the database's write lock from another connection, as
+// another process would, until unlock is called (or the test ends).
+func lockDatabase(t testing.TB, path string) (unlock func()) {
+	t.Helper()
+	locker, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(5000)")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { locker.Close() })
+	conn, err := locker.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.ExecContext(context.Background(), "BEGIN IMMEDIATE"); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	unlock = func() {
+		once.Do(func() {
+			if _, err := conn.ExecContext(context.Background(), "ROLLBACK"); err != nil {
+				t.Error(err)
+			}
+			conn.Close()
+		})
+	}
+	t.Cleanup(unlock)
+	return unlock
+}
+
 // Database writes failing (the file locked by another process past
 // busy_timeout): messages go to -retry, none is acked, none is lost.
 func TestDatabaseLockedRetries(t *testing.T) {
@@ -207,18 +236,7 @@ func TestDatabaseLockedRetries(t *testing.T) {
 	d := startDaemon(t, cfg)
 
 	// Another process's connection holds the write lock.
-	locker, err := sql.Open("sqlite", "file:"+cfg.Database.Path+"?_pragma=busy_timeout(5000)")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer locker.Close()
-	conn, err := locker.Conn(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := conn.ExecContext(context.Background(), "BEGIN IMMEDIATE"); err != nil {
-		t.Fatal(err)
-	}
+	unlock := lockDatabase(t, cfg.Database.Path)
 	body := loadFixture(t, "issues", "opened.payload.json")
 	var guids []string
 	for i := 0; i < 5; i++ {
@@ -232,10 +250,7 @@ func TestDatabaseLockedRetries(t *testing.T) {
 		return strings.Contains(d.logs.String(), "transient failure, message will retry")
 	})
 	time.Sleep(time.Second) // let a few retry cycles pass while locked
-	if _, err := conn.ExecContext(context.Background(), "ROLLBACK"); err != nil {
-		t.Fatal(err)
-	}
-	conn.Close()
+	unlock()
 
 	db := openDB(t, cfg.Database.Path)
 	eventually(t, 30*time.Second, "all stored once the lock goes", func() bool {
@@ -333,18 +348,7 @@ func TestBatchedCommits(t *testing.T) {
 	}
 
 	// The database is locked while the first batches arrive.
-	locker, err := sql.Open("sqlite", "file:"+cfg.Database.Path+"?_pragma=busy_timeout(5000)")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer locker.Close()
-	conn, err := locker.Conn(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := conn.ExecContext(context.Background(), "BEGIN IMMEDIATE"); err != nil {
-		t.Fatal(err)
-	}
+	unlock := lockDatabase(t, cfg.Database.Path)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { consumeUntil(ctx, p.queues, b, queueGitHub, h, p.store, p.log); close(done) }()
@@ -352,8 +356,7 @@ func TestBatchedCommits(t *testing.T) {
 	eventually(t, 10*time.Second, "a failed batch", func() bool {
 		return strings.Contains(p.logs.String(), "batch not committed")
 	})
-	conn.ExecContext(context.Background(), "ROLLBACK")
-	conn.Close()
+	unlock()
 
 	eventually(t, 30*time.Second, "all stored", func() bool {
 		var n int

@@ -10,11 +10,7 @@ import (
 // queue-error, publish to queue through the default exchange with a confirm,
 // then ack. The retry history goes, so the message gets its attempts anew.
 func (q *Queues) Replay(ctx context.Context, b *Broker, queue string, limit int) (int, error) {
-	conn, _, err := q.conn(ctx, b)
-	if err != nil {
-		return 0, err
-	}
-	ch, err := q.channel(conn)
+	conn, ch, err := q.openChannel(ctx, b)
 	if err != nil {
 		return 0, err
 	}
