@@ -9,7 +9,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"mime"
 	"net"
@@ -190,7 +189,14 @@ func (wh *Webhook) sourceIP(r *http.Request) netip.Addr {
 // readPayload reads the body, checks the signature over it, and returns the
 // JSON payload (the body itself, or its payload= field when form-encoded).
 func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request) ([]byte, error) {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxWebhookBody))
+	// Size the buffer from Content-Length (bounded) instead of growing it
+	// by doubling: a 25 KB payload would otherwise be copied six times.
+	var buf bytes.Buffer
+	if n := r.ContentLength; n > 0 && n <= maxWebhookBody {
+		buf.Grow(int(n) + 1)
+	}
+	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, maxWebhookBody))
+	body := buf.Bytes()
 	var mbe *http.MaxBytesError
 	if errors.As(err, &mbe) {
 		return nil, fmt.Errorf("%w: over %d bytes", ErrTooLarge, maxWebhookBody)
