@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -70,17 +71,53 @@ func newPublishing(h http.Header, payload []byte, sourceIP string, now time.Time
 	}
 }
 
-// tableKeys are the top-level payload members the typed tables read; the
-// wrapped form adds headers and payload.
-var tableKeys = []string{"action", "repository", "sender", "installation", "release", "workflow_run", "ref",
-	"ref_type", "master_branch", "issue", "pull_request", "comment", "discussion", "check_run", "requested_action",
-	"before", "after", "created", "deleted", "forced", "pusher", "commits", "repository_selection",
-	"repositories_added", "repositories_removed"}
+// tableFields is what the typed tables read of a payload: for each top-level
+// member, nil to keep it whole, or the fields to keep of an object (nested
+// the same way). DecodeEvent cuts the payload down to this (see tableJSON), so
+// the tables' decoders read a few hundred bytes instead of the whole payload
+// again. A field a decoder reads must be listed here.
+var tableFields = map[string]map[string]any{
+	"action":               nil,
+	"repository":           {"full_name": nil, "id": nil, "private": nil},
+	"sender":               {"login": nil},
+	"installation":         {"id": nil, "app_id": nil, "repository_selection": nil, "suspended_at": nil, "account": map[string]any{"login": nil, "type": nil}},
+	"release":              {"id": nil, "tag_name": nil, "name": nil, "draft": nil, "prerelease": nil, "author": map[string]any{"login": nil}, "html_url": nil, "created_at": nil, "published_at": nil, "updated_at": nil},
+	"workflow_run":         {"id": nil, "name": nil, "head_branch": nil, "head_sha": nil, "event": nil, "status": nil, "conclusion": nil, "run_number": nil, "run_attempt": nil, "html_url": nil, "updated_at": nil},
+	"ref":                  nil,
+	"ref_type":             nil,
+	"master_branch":        nil,
+	"issue":                {"node_id": nil, "number": nil, "title": nil, "state": nil},
+	"pull_request":         {"node_id": nil, "number": nil, "title": nil, "state": nil, "merged": nil, "draft": nil, "head": map[string]any{"ref": nil, "sha": nil}},
+	"comment":              {"id": nil, "commit_id": nil, "path": nil, "user": map[string]any{"login": nil}, "body": nil, "html_url": nil},
+	"discussion":           {"node_id": nil, "number": nil, "title": nil, "state": nil, "category": map[string]any{"name": nil}},
+	"check_run":            {"id": nil, "name": nil, "head_sha": nil, "status": nil, "conclusion": nil, "html_url": nil},
+	"requested_action":     {"identifier": nil},
+	"before":               nil,
+	"after":                nil,
+	"created":              nil,
+	"deleted":              nil,
+	"forced":               nil,
+	"pusher":               {"name": nil},
+	"commits":              nil,
+	"repository_selection": nil,
+	"repositories_added":   nil,
+	"repositories_removed": nil,
+}
+
+// tableKeys are tableFields' keys in a fixed order, for tableJSON.
+var tableKeys = func() []string {
+	var keys []string
+	for k := range tableFields {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}()
 
 // keptKeys is tableKeys and the wrapped form's keys, for lookups.
 var keptKeys = func() map[string]bool {
 	m := map[string]bool{"headers": true, "payload": true}
-	for _, k := range tableKeys {
+	for k := range tableFields {
 		m[k] = true
 	}
 	return m
@@ -103,9 +140,9 @@ func (f *payloadFields) str(key string) string {
 	return s
 }
 
-// tableJSON writes the kept members back into one small object, under their
-// own keys, for the typed tables' decoders. The values are slices of a body
-// that was validated, so they are copied, not re-encoded.
+// tableJSON writes the kept members, cut down to tableFields, into one small
+// object for the typed tables' decoders. The values are slices of a body that
+// was validated, so they are copied, not re-encoded.
 func (f *payloadFields) tableJSON() []byte {
 	var b bytes.Buffer
 	b.WriteByte('{')
@@ -118,10 +155,37 @@ func (f *payloadFields) tableJSON() []byte {
 			b.WriteByte(',')
 		}
 		b.WriteString(`"` + k + `":`)
-		b.Write(raw)
+		writeShrunk(&b, raw, tableFields[k])
 	}
 	b.WriteByte('}')
 	return b.Bytes()
+}
+
+// writeShrunk writes raw, keeping of an object only the fields in keep
+// (recursively); nil keep, or a value that is not an object, is written whole.
+func writeShrunk(b *bytes.Buffer, raw []byte, keep map[string]any) {
+	if keep == nil || len(raw) == 0 || raw[0] != '{' {
+		b.Write(raw)
+		return
+	}
+	b.WriteByte('{')
+	first := true
+	jsonMembers(raw, func(key string, value []byte) {
+		sub, ok := keep[key]
+		if !ok {
+			return
+		}
+		if !first {
+			b.WriteByte(',')
+		}
+		first = false
+		kb, _ := json.Marshal(key)
+		b.Write(kb)
+		b.WriteByte(':')
+		nested, _ := sub.(map[string]any)
+		writeShrunk(b, value, nested)
+	})
+	b.WriteByte('}')
 }
 
 // permanentError marks a message that no retry can fix: it goes to -error.
