@@ -30,10 +30,23 @@ type Event struct {
 	Payload        []byte // the webhook's JSON, byte for byte
 	ReceivedAt     time.Time
 
-	// tableJSON is the payload cut down to the top-level keys the typed
-	// tables read (see tableKeys): decoding it costs a fraction of decoding
-	// a 25 KB payload again. Nil until DecodeEvent.
-	tableJSON []byte
+	// fields is DecodeEvent's one pass over the payload; tablePayload cuts
+	// it down for the typed tables when, and only if, they ask.
+	fields *payloadFields
+	table  []byte
+}
+
+// tablePayload is the payload cut down to tableFields: decoding it costs a
+// fraction of decoding the whole payload again. Without a pass from
+// DecodeEvent (an Event built by hand) it is the whole payload.
+func (ev *Event) tablePayload() []byte {
+	if ev.table == nil {
+		if ev.fields == nil {
+			return ev.Payload
+		}
+		ev.table = ev.fields.tableJSON()
+	}
+	return ev.table
 }
 
 // Message header names (SPEC §5).
@@ -73,7 +86,7 @@ func newPublishing(h http.Header, payload []byte, sourceIP string, now time.Time
 
 // tableFields is what the typed tables read of a payload: for each top-level
 // member, nil to keep it whole, or the fields to keep of an object (nested
-// the same way). DecodeEvent cuts the payload down to this (see tableJSON), so
+// the same way). The payload is cut down to this (see tablePayload), so
 // the tables' decoders read a few hundred bytes instead of the whole payload
 // again. A field a decoder reads must be listed here.
 var tableFields = map[string]map[string]any{
@@ -269,7 +282,7 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 	if json.Unmarshal(f.members["installation"], &small) == nil {
 		ev.InstallationID = small.ID
 	}
-	ev.tableJSON = f.tableJSON()
+	ev.fields = f
 	if ev.ReceivedAt.IsZero() {
 		ev.ReceivedAt = time.Now()
 	}

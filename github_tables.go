@@ -75,11 +75,7 @@ func login(u *jsonUser) string {
 // decodeInto unmarshals the payload into v; a payload that does not fit the
 // Event's shape is a permanent failure.
 func decodeInto(ev *Event, v any) error {
-	payload := ev.tableJSON
-	if payload == nil {
-		payload = ev.Payload
-	}
-	if err := json.Unmarshal(payload, v); err != nil {
+	if err := json.Unmarshal(ev.tablePayload(), v); err != nil {
 		return permanent("%s: payload does not have the %s shape: %v", ev.Name, ev.Name, err)
 	}
 	return nil

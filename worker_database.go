@@ -23,7 +23,7 @@ func databaseHandler(store *Store, botAppID int64, log *slog.Logger) Handler {
 		}
 		m := newRowMeta(ev)
 		done, err := store.MarkDelivery(ctx, "database-service", ev.DeliveryID, func(tx *sql.Tx) error {
-			return writeTableRows(ctx, tx, m, rows)
+			return store.writeTableRows(ctx, tx, m, rows)
 		})
 		if err != nil {
 			return err
