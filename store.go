@@ -28,6 +28,7 @@ type Store struct {
 	path    string
 	metrics *Metrics
 	stmts   sync.Map // query -> *sql.Stmt prepared on the writer (see exec)
+	wanted  sync.Map // query -> struct{}: to prepare before the next write
 }
 
 // timeFormat is how every time is stored: RFC 3339 in UTC with a fixed six
@@ -174,6 +175,7 @@ type batchKey struct{}
 // costliest part of a message. Messages stay in order: fn runs them one after
 // the other. A write that fails rolls back to its savepoint only.
 func (s *Store) Batch(ctx context.Context, fn func(ctx context.Context) error) error {
+	s.prepareWanted(ctx)
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
 	tx, err := s.w.BeginTx(ctx, nil)
@@ -207,38 +209,39 @@ func (s *Store) reader(ctx context.Context) queryer {
 
 // exec runs one statement in tx, prepared once: modernc.org/sqlite has no
 // statement cache of its own, and preparing was a twentieth of a consumer's
-// CPU. On the single writer connection, tx.StmtContext reuses the statement
-// prepared there.
+// CPU. A statement cannot be prepared inside a transaction (the transaction
+// holds the one writer connection), so the first use runs it unprepared and
+// asks for it, and the next write prepares it before it begins (prepareWanted).
 func (s *Store) exec(ctx context.Context, tx *sql.Tx, query string, args ...any) (sql.Result, error) {
-	st, err := s.prepared(ctx, query)
-	if err != nil {
-		return nil, err
+	if st, ok := s.stmts.Load(query); ok {
+		return tx.StmtContext(ctx, st.(*sql.Stmt)).ExecContext(ctx, args...)
 	}
-	return tx.StmtContext(ctx, st).ExecContext(ctx, args...)
+	s.wanted.Store(query, struct{}{})
+	return tx.ExecContext(ctx, query, args...)
 }
 
 // queryRow is exec's counterpart for one-row reads inside tx.
 func (s *Store) queryRow(ctx context.Context, tx *sql.Tx, query string, args ...any) *sql.Row {
-	st, err := s.prepared(ctx, query)
-	if err != nil {
-		return tx.QueryRowContext(ctx, query, args...)
+	if st, ok := s.stmts.Load(query); ok {
+		return tx.StmtContext(ctx, st.(*sql.Stmt)).QueryRowContext(ctx, args...)
 	}
-	return tx.StmtContext(ctx, st).QueryRowContext(ctx, args...)
+	s.wanted.Store(query, struct{}{})
+	return tx.QueryRowContext(ctx, query, args...)
 }
 
-func (s *Store) prepared(ctx context.Context, query string) (*sql.Stmt, error) {
-	if st, ok := s.stmts.Load(query); ok {
-		return st.(*sql.Stmt), nil
-	}
-	st, err := s.w.PrepareContext(ctx, query)
-	if err != nil {
-		return nil, fmt.Errorf("prepare: %w", err)
-	}
-	if prev, loaded := s.stmts.LoadOrStore(query, st); loaded {
-		st.Close()
-		return prev.(*sql.Stmt), nil
-	}
-	return st, nil
+// prepareWanted prepares the statements exec asked for. It runs outside any
+// transaction, before one begins; a statement that fails to prepare stays
+// unprepared.
+func (s *Store) prepareWanted(ctx context.Context) {
+	s.wanted.Range(func(k, _ any) bool {
+		s.wanted.Delete(k)
+		if st, err := s.w.PrepareContext(ctx, k.(string)); err == nil {
+			if _, loaded := s.stmts.LoadOrStore(k, st); loaded {
+				st.Close()
+			}
+		}
+		return true
+	})
 }
 
 // write runs fn in one immediate transaction on the writer connection, or
@@ -247,6 +250,7 @@ func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
 	if bt, ok := ctx.Value(batchKey{}).(*batchTx); ok {
 		return bt.savepoint(ctx, fn)
 	}
+	s.prepareWanted(ctx)
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
 	tx, err := s.w.BeginTx(ctx, nil)
