@@ -9,8 +9,8 @@ import (
 	"net/url"
 	"regexp"
 	"strconv"
-	"sync"
 	"strings"
+	"sync"
 	"time"
 
 	_ "modernc.org/sqlite"
@@ -250,21 +250,10 @@ func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
 	if bt, ok := ctx.Value(batchKey{}).(*batchTx); ok {
 		return bt.savepoint(ctx, fn)
 	}
-	s.prepareWanted(ctx)
-	start := time.Now()
-	defer func() { s.metrics.dbWrite(time.Since(start)) }()
-	tx, err := s.w.BeginTx(ctx, nil)
-	if err != nil {
-		return fmt.Errorf("begin: %w", err)
-	}
-	if err := fn(tx); err != nil {
-		_ = tx.Rollback()
-		return err
-	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("commit: %w", err)
-	}
-	return nil
+	// A batch of one: the same begin, rollback and commit, no savepoint.
+	return s.Batch(ctx, func(ctx context.Context) error {
+		return fn(ctx.Value(batchKey{}).(*batchTx).tx)
+	})
 }
 
 func (bt *batchTx) savepoint(ctx context.Context, fn func(tx *sql.Tx) error) error {
