@@ -205,8 +205,14 @@ func (bs *Brokers) publish(st SwitchState) {
 	bs.changed = make(chan struct{})
 }
 
-// State reads the state machine from the database.
+// State reads the state machine from the database and refreshes the cache.
+// It reads under the gate, which every change holds from its transaction to
+// its publish: otherwise a read begun just before a change could land after
+// it and put the old state back in the cache (a webhook then went to the old
+// broker while a switch was pending).
 func (bs *Brokers) State(ctx context.Context) (SwitchState, error) {
+	bs.gate.RLock()
+	defer bs.gate.RUnlock()
 	st, err := bs.read(ctx, bs.store.r)
 	if err != nil {
 		return st, err
@@ -218,13 +224,9 @@ func (bs *Brokers) State(ctx context.Context) (SwitchState, error) {
 	return st, nil
 }
 
-type rowQuerier interface {
-	QueryRowContext(context.Context, string, ...any) *sql.Row
-}
-
 // read decodes the four settings. A stored pending target that is no longer
 // configured reads as none; an active index past the end reads as 0.
-func (bs *Brokers) read(ctx context.Context, q rowQuerier) (SwitchState, error) {
+func (bs *Brokers) read(ctx context.Context, q queryer) (SwitchState, error) {
 	var st SwitchState
 	vals := map[string]string{}
 	for _, k := range []string{keyActiveIndex, keyPendingSwitch, keyLastSwitch, keyWatermark} {

@@ -374,7 +374,17 @@ func TestProducerRotation(t *testing.T) {
 	_, hiA := idRange(t, cfg.Database.Path, append(append([]string{}, onA...), retrying...))
 	loB, _ := idRange(t, cfg.Database.Path, onB)
 	if hiA >= loB {
-		t.Errorf("order broken: a message from A committed (id %d) after one from B (id %d)", hiA, loB)
+		var late string
+		_ = openDB(t, cfg.Database.Path).QueryRow("SELECT delivery_id FROM github WHERE id = ?", hiA).Scan(&late)
+		t.Errorf("order broken: a message from A (%s) committed (id %d) after one from B (id %d)", late, hiA, loB)
+		rows, _ := openDB(t, cfg.Database.Path).Query("SELECT id, delivery_id, processed_at FROM github WHERE id >= ? ORDER BY id", loB-3)
+		for rows.Next() {
+			var id int
+			var g, at string
+			rows.Scan(&id, &g, &at)
+			t.Logf("github row %d %s %s", id, g, at)
+		}
+		rows.Close()
 	}
 	code, m = apiCall(t, "GET", d.URL+"/api/v1/broker", "operator-token", "")
 	ls, _ := m["last_switch"].(map[string]any)
@@ -694,4 +704,42 @@ func regexpSpaces(s string) string {
 		s = strings.ReplaceAll(s, "   ", "  ")
 	}
 	return s
+}
+
+// The cache the webhook routes by never goes back to a state older than the
+// last change, however many workers read the state meanwhile.
+func TestCachedStateNeverGoesBack(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	p := newParts(t, cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	for i := 0; i < 4; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				_, _ = p.brokers.State(ctx)
+			}
+		}()
+	}
+	defer func() { cancel(); wg.Wait() }()
+	at := time.Now()
+	for i := 0; i < 100; i++ {
+		at = at.Add(time.Second)
+		if _, _, err := p.brokers.Notify(ctx, "127.0.0.1", b, at); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(2 * time.Millisecond) // let any stale read land
+		if p.brokers.Cached().Pending == nil {
+			t.Fatalf("round %d: the cache lost the Pending Switch just recorded", i)
+		}
+		if _, _, err := p.brokers.CancelPending(ctx); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(2 * time.Millisecond)
+		if p.brokers.Cached().Pending != nil {
+			t.Fatalf("round %d: the cache brought back a cancelled Pending Switch", i)
+		}
+	}
 }
