@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"net/http"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -149,12 +148,7 @@ func TestFaultRabbitMQRestart(t *testing.T) {
 // switchyard killed with SIGKILL 10 times during a stream and restarted:
 // every confirmed webhook ends up stored exactly once.
 func TestFaultSIGKILL(t *testing.T) {
-	vhost := newVhost(t)
-	dir := t.TempDir()
-	addr := freeAddr(t)
-	dbPath := filepath.Join(dir, "switchyard.db")
-	config := writeConfig(t, dir, addr, dbPath, amqpURL(vhost))
-
+	config, addr, dbPath := processSetup(t)
 	cmd, out := startProcess(t, config, addr)
 	done := make(chan []string)
 	go func() { done <- stream(t, func() string { return "http://" + addr }, 1500, 8, 4*time.Minute) }()

@@ -116,14 +116,21 @@ func startProcess(t *testing.T, config, addr string) (*exec.Cmd, *bytes.Buffer) 
 	return cmd, &out
 }
 
+// processSetup is a config for the real binary: a fresh vhost, a free
+// address and a database file of the test's own.
+func processSetup(t *testing.T) (config, addr, dbPath string) {
+	t.Helper()
+	vhost := newVhost(t)
+	dir := t.TempDir()
+	addr = freeAddr(t)
+	dbPath = filepath.Join(dir, "switchyard.db")
+	return writeConfig(t, dir, addr, dbPath, amqpURL(vhost)), addr, dbPath
+}
+
 // SIGTERM while webhooks flow: the process exits within 25 s, and after a
 // restart every delivery that got a 202 is stored exactly once.
 func TestSIGTERMLosesNothing(t *testing.T) {
-	vhost := newVhost(t)
-	dir := t.TempDir()
-	addr := freeAddr(t)
-	dbPath := filepath.Join(dir, "switchyard.db")
-	config := writeConfig(t, dir, addr, dbPath, amqpURL(vhost))
+	config, addr, dbPath := processSetup(t)
 	cmd, out := startProcess(t, config, addr)
 
 	body := loadFixture(t, "push", "payload.json")

@@ -284,9 +284,7 @@ func (s *Store) Writable(ctx context.Context) error {
 }
 
 // getSetting reads one settings row; a missing row reads as "".
-func getSetting(ctx context.Context, q interface {
-	QueryRowContext(context.Context, string, ...any) *sql.Row
-}, key string) (string, error) {
+func getSetting(ctx context.Context, q queryer, key string) (string, error) {
 	var v string
 	err := q.QueryRowContext(ctx, "SELECT value FROM settings WHERE key = ?", key).Scan(&v)
 	if errors.Is(err, sql.ErrNoRows) {
