@@ -34,7 +34,7 @@ func TestSystemdUnitVerifies(t *testing.T) {
 	}
 	dir := t.TempDir()
 	p := filepath.Join(dir, "switchyard.service")
-	os.WriteFile(p, []byte(strings.ReplaceAll(string(unit), "/usr/local/bin/switchyard", binary(t))), 0o644)
+	os.WriteFile(p, []byte(strings.ReplaceAll(string(unit), "/usr/local/bin/switchyard", builtBinary(t))), 0o644)
 	out, err := exec.Command("systemd-analyze", "verify", p).CombinedOutput()
 	if err != nil || len(strings.TrimSpace(string(out))) > 0 {
 		t.Errorf("systemd-analyze verify: %v\n%s", err, out)
@@ -44,7 +44,7 @@ func TestSystemdUnitVerifies(t *testing.T) {
 // `make install` puts binary, unit, example config and README under DESTDIR.
 func TestMakeInstall(t *testing.T) {
 	dest := t.TempDir()
-	cmd := exec.Command("make", "-o", "build", "install", "DESTDIR="+dest, "BINARY="+binary(t), "PREFIX=/opt/sy")
+	cmd := exec.Command("make", "-o", "build", "install", "DESTDIR="+dest, "BINARY="+builtBinary(t), "PREFIX=/opt/sy")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("make install: %v\n%s", err, out)
 	}
@@ -73,7 +73,7 @@ func TestServeNotifiesSystemd(t *testing.T) {
 	defer conn.Close()
 	addr := freeAddr(t)
 	config := writeConfig(t, dir, addr, filepath.Join(dir, "sy.db"), amqpURL(vhost))
-	cmd := exec.Command(binary(t), "serve", "-config", config)
+	cmd := exec.Command(builtBinary(t), "serve", "-config", config)
 	cmd.Env = append(os.Environ(), "NOTIFY_SOCKET="+sock)
 	var out strings.Builder
 	cmd.Stdout, cmd.Stderr = &out, &out

@@ -138,6 +138,13 @@ func FuzzValidJSON(f *testing.F) {
 		`{"a":1,}`, `[1 2]`, "\"\x01\"", `{"a" 1}`, `tru`, ` {"k": "v"} `, `"\ud800"`, "\"\xff\"", `{"a":1}{}`} {
 		f.Add([]byte(s))
 	}
+	// Strings are read eight bytes at a time: put each byte that matters
+	// inside a string at every offset of a word.
+	for off := 0; off < 17; off++ {
+		for _, c := range []string{`"`, `\n`, `\u00e9`, `\q`, "\x00", "\x1f", " ", "\x7f", "\xc3\xa9", "\xff"} {
+			f.Add([]byte(`{"k":"` + strings.Repeat("a", off) + c + strings.Repeat("b", 9) + `"}`))
+		}
+	}
 	f.Add(loadFixture(f, "push", "payload.json"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if got, want := validJSON(b), json.Valid(b); got != want {

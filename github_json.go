@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/json"
 )
 
@@ -176,6 +177,10 @@ func (r *jsonReader) array() bool {
 func (r *jsonReader) str() bool {
 	r.i++ // "
 	for r.i < len(r.b) {
+		r.i += plainRun(r.b[r.i:])
+		if r.i >= len(r.b) {
+			break
+		}
 		c := r.b[r.i]
 		switch {
 		case c == '"':
@@ -209,6 +214,30 @@ func (r *jsonReader) str() bool {
 		}
 	}
 	return false
+}
+
+// plainRun is how many leading bytes of b need no look inside a string: no
+// quote, no backslash, no control character. It tests eight bytes at a time
+// (payloads are mostly long strings), then finishes byte by byte.
+func plainRun(b []byte) int {
+	const ones, highs = 0x0101010101010101, 0x8080808080808080
+	i := 0
+	for ; i+8 <= len(b); i += 8 {
+		w := binary.LittleEndian.Uint64(b[i:])
+		quote, backslash := w^(ones*'"'), w^(ones*'\\')
+		// A byte of the word is zero, or below 0x20, exactly when the word's test
+		// sets its high bit (the classic "has zero byte" / "has less" tricks).
+		special := (quote-ones)&^quote | (backslash-ones)&^backslash | (w-ones*0x20)&^w
+		if special&highs != 0 {
+			break
+		}
+	}
+	for ; i < len(b); i++ {
+		if c := b[i]; c == '"' || c == '\\' || c < 0x20 {
+			break
+		}
+	}
+	return i
 }
 
 func isHex(c byte) bool {

@@ -57,9 +57,9 @@ var (
 	buildErr  error
 )
 
-// binary builds switchyard once for the tests that need a real process
+// builtBinary builds switchyard once for the tests that need a real process
 // (signals, SIGKILL).
-func binary(t testing.TB) string {
+func builtBinary(t testing.TB) string {
 	t.Helper()
 	buildOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "switchyard-bin")
@@ -94,7 +94,7 @@ func freeAddr(t testing.TB) string {
 func startProcess(t *testing.T, config, addr string) (*exec.Cmd, *bytes.Buffer) {
 	t.Helper()
 	var out bytes.Buffer
-	cmd := exec.Command(binary(t), "serve", "-config", config)
+	cmd := exec.Command(builtBinary(t), "serve", "-config", config)
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
