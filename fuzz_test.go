@@ -39,7 +39,7 @@ func FuzzWebhookRequest(f *testing.F) {
 		if signed {
 			r.Header.Set("X-Hub-Signature-256", sign(testSecret, body))
 		}
-		payload, err := wh.readPayload(httptest.NewRecorder(), r)
+		payload, err := wh.readPayload(httptest.NewRecorder(), r, new(bytes.Buffer))
 		if err != nil {
 			if s := statusOf(err); s < 400 || s > 499 {
 				t.Fatalf("rejection %v maps to %d, want a 4xx", err, s)

@@ -17,6 +17,7 @@ import (
 	"net/url"
 	"os"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -186,12 +187,20 @@ func (wh *Webhook) sourceIP(r *http.Request) netip.Addr {
 	return addr
 }
 
-// readPayload reads the body, checks the signature over it, and returns the
-// JSON payload (the body itself, or its payload= field when form-encoded).
-func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+// bodyBuffers holds request body buffers between webhooks: a 25 KB payload
+// would otherwise be allocated and zeroed for each one, and collected.
+var bodyBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
+
+// maxPooledBody is the largest buffer kept for reuse; a rare multi-megabyte
+// payload is left to the collector instead of being held forever.
+const maxPooledBody = 1 << 20
+
+// readPayload reads the body into buf, checks the signature over it, and
+// returns the JSON payload (the body itself, or its payload= field when
+// form-encoded), which may share buf's memory.
+func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request, buf *bytes.Buffer) ([]byte, error) {
 	// Size the buffer from Content-Length (bounded) instead of growing it
 	// by doubling: a 25 KB payload would otherwise be copied six times.
-	var buf bytes.Buffer
 	if n := r.ContentLength; n > 0 && n <= maxWebhookBody {
 		buf.Grow(int(n) + 1)
 	}
@@ -211,7 +220,7 @@ func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request) ([]byte, 
 		return nil, fmt.Errorf("%w: X-GitHub-Event and X-GitHub-Delivery are required", ErrBadRequest)
 	}
 	payload := body
-	if mt, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type")); mt == "application/x-www-form-urlencoded" {
+	if isForm(r.Header.Get("Content-Type")) {
 		form, err := url.ParseQuery(string(body))
 		if err != nil || !form.Has("payload") {
 			return nil, fmt.Errorf("%w: form body without payload=", ErrBadRequest)
@@ -222,6 +231,21 @@ func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request) ([]byte, 
 		return nil, fmt.Errorf("%w: payload is not a JSON object", ErrBadRequest)
 	}
 	return payload, nil
+}
+
+// isForm tells a form-encoded body (payload=...) from the usual JSON one.
+func isForm(contentType string) bool {
+	if contentType == "application/json" {
+		return false // GitHub's default, without parsing
+	}
+	mt, _, _ := mime.ParseMediaType(contentType)
+	return mt == "application/x-www-form-urlencoded"
+}
+
+// queued is the 202 answer.
+type queued struct {
+	Status     string `json:"status"`
+	DeliveryID string `json:"delivery_id"`
 }
 
 // rejectOutcome names a refused webhook for the metrics.
@@ -237,7 +261,16 @@ func rejectOutcome(err error) string {
 
 // ServeHTTP answers 202 only once the broker confirmed the message.
 func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	payload, err := wh.readPayload(w, r)
+	buf := bodyBuffers.Get().(*bytes.Buffer)
+	defer func() {
+		// Publish has written the body to the connection by the time it
+		// returns, whatever the outcome: nothing holds buf after this.
+		if buf.Cap() <= maxPooledBody {
+			buf.Reset()
+			bodyBuffers.Put(buf)
+		}
+	}()
+	payload, err := wh.readPayload(w, r, buf)
 	if err != nil {
 		wh.metrics.webhook(rejectOutcome(err))
 		writeError(w, r, wh.log, err)
@@ -261,15 +294,21 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		err = wh.queues.Publish(ctx, b, exchange, key, msg)
 		cancel()
 	}
-	log := wh.log.With("delivery_id", msg.MessageId, "event", msg.Type, "source_ip", srcText)
 	if err != nil {
 		wh.metrics.webhook("unavailable")
-		log.Warn("webhook not queued", "error", err)
+		wh.log.Warn("webhook not queued", "delivery_id", msg.MessageId, "event", msg.Type, "source_ip", srcText, "error", err)
 		w.Header().Set("Retry-After", "30")
 		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"error": "not queued: broker unavailable, retry later"})
 		return
 	}
-	wh.metrics.webhook(map[bool]string{true: "forbidden", false: "accepted"}[key != ""])
-	log.Debug("webhook queued", "broker", b.String(), "forbidden", key != "")
-	writeJSON(w, http.StatusAccepted, map[string]string{"status": "queued", "delivery_id": msg.MessageId})
+	outcome := "accepted"
+	if key != "" {
+		outcome = "forbidden"
+	}
+	wh.metrics.webhook(outcome)
+	if wh.log.Enabled(r.Context(), slog.LevelDebug) {
+		wh.log.Debug("webhook queued", "delivery_id", msg.MessageId, "event", msg.Type, "source_ip", srcText,
+			"broker", b.String(), "forbidden", key != "")
+	}
+	writeJSON(w, http.StatusAccepted, queued{Status: "queued", DeliveryID: msg.MessageId})
 }
