@@ -564,13 +564,23 @@ func benchSwitch(b *testing.B) (time.Duration, time.Duration) {
 }
 
 // BenchmarkValidJSON is the webhook endpoint's JSON check over the 25 KB
-// payload of the other rows (go test -bench ValidJSON).
+// payload of the other rows, and over a real unpadded one (go test -bench
+// ValidJSON).
 func BenchmarkValidJSON(b *testing.B) {
-	payload := paddedPayload(b, 25<<10)
-	b.SetBytes(int64(len(payload)))
-	for b.Loop() {
-		if !validJSON(payload) {
-			b.Fatal("not valid")
-		}
+	for _, c := range []struct {
+		name    string
+		payload []byte
+	}{
+		{"padded-25KB", paddedPayload(b, 25<<10)},
+		{"pull_request.opened", loadFixture(b, "pull_request", "opened.payload.json")},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			b.SetBytes(int64(len(c.payload)))
+			for b.Loop() {
+				if !validJSON(c.payload) {
+					b.Fatal("not valid")
+				}
+			}
+		})
 	}
 }
