@@ -150,7 +150,7 @@ func (q *Queues) dial(ctx context.Context, b *Broker) (*amqp.Connection, error) 
 	}
 	conn, err := amqp.DialConfig(b.URL, amqp.Config{
 		Heartbeat:  10 * time.Second,
-		Dial:       amqp.DefaultDial(timeout),
+		Dial:       amqpDial(b.URL, timeout),
 		Properties: amqp.Table{"connection_name": "switchyard"},
 	})
 	if err != nil {
