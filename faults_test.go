@@ -91,6 +91,7 @@ func TestFaultConnectionCuts(t *testing.T) {
 
 	stop := make(chan struct{})
 	cuts := make(chan int)
+	var lastCut time.Time
 	go func() {
 		n := 0
 		defer func() { cuts <- n }()
@@ -100,6 +101,7 @@ func TestFaultConnectionCuts(t *testing.T) {
 				return
 			case <-time.After(60 * time.Millisecond):
 				proxy.Cut()
+				lastCut = time.Now()
 				n++
 			}
 		}
@@ -112,7 +114,19 @@ func TestFaultConnectionCuts(t *testing.T) {
 	if len(accepted) != 2000 {
 		t.Fatalf("accepted %d of 2000", len(accepted))
 	}
-	storedExactlyOnce(t, cfg.Database.Path, accepted, 2*time.Minute)
+
+	// Both workers are back within their longest reconnect backoff (15 s, see
+	// Worker.Run) of the last cut, plus a margin for the stream's backlog.
+	guid := "after-cuts-" + randHex(4)
+	if code, body := do(t, webhookRequest(t, d.URL, "pull_request", guid, loadFixture(t, "pull_request", "synchronize.payload.json"))); code != http.StatusAccepted {
+		t.Fatalf("webhook after the cuts: %d %s", code, body)
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, time.Until(lastCut.Add(15*time.Second+10*time.Second)), "both workers back after the last cut", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1 &&
+			queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = ?", guid) == 1
+	})
+	storedExactlyOnce(t, cfg.Database.Path, append(accepted, guid), 2*time.Minute)
 }
 
 // RabbitMQ itself stopped and started during a stream: 503 while it is down,
