@@ -31,9 +31,11 @@ type publisher struct {
 	conn  *amqp.Connection
 	q     *Queues
 	sem   chan struct{}
-	idle  chan *lane // lanes with no publish in flight
 	next  atomic.Uint32
 	lanes [confirmLanes]lane
+
+	mu   sync.Mutex
+	idle []*lane // lanes with no publish in flight, the last used on top
 }
 
 // lane is one confirm channel and the returns (unroutable messages) it got.
@@ -45,27 +47,34 @@ type lane struct {
 }
 
 func newPublisher(conn *amqp.Connection, q *Queues) *publisher {
-	p := &publisher{conn: conn, q: q, sem: make(chan struct{}, maxInFlight), idle: make(chan *lane, confirmLanes)}
-	for i := range p.lanes {
-		p.idle <- &p.lanes[i]
+	p := &publisher{conn: conn, q: q, sem: make(chan struct{}, maxInFlight)}
+	for i := len(p.lanes) - 1; i >= 0; i-- {
+		p.idle = append(p.idle, &p.lanes[i])
 	}
 	return p
 }
 
 // take returns a lane for one publish: an idle one if there is one, else a
 // busy one to pipeline behind. put gives it back when the confirm is in.
+// Idle lanes are taken last in, first out, so a daemon that never has more
+// than a few webhooks in flight keeps using (and opening) only a few
+// channels: shared broker plans count them.
 func (p *publisher) take() (l *lane, idle bool) {
-	select {
-	case l := <-p.idle:
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if n := len(p.idle); n > 0 {
+		l = p.idle[n-1]
+		p.idle = p.idle[:n-1]
 		return l, true
-	default:
-		return &p.lanes[p.next.Add(1)%confirmLanes], false
 	}
+	return &p.lanes[p.next.Add(1)%confirmLanes], false
 }
 
 func (p *publisher) put(l *lane, idle bool) {
 	if idle {
-		p.idle <- l
+		p.mu.Lock()
+		p.idle = append(p.idle, l)
+		p.mu.Unlock()
 	}
 }
 
