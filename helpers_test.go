@@ -3,16 +3,24 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"database/sql"
 	"encoding/hex"
+	"encoding/pem"
 	"fmt"
 	"io"
 	"log/slog"
+	"math/big"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -380,6 +388,8 @@ type tcpProxy struct {
 	conns   []net.Conn
 	stalled bool
 	closed  bool
+	tls     *tls.Config // set: the proxy ends TLS (newTLSProxy)
+	caFile  string
 }
 
 func newTCPProxy(t testing.TB, target string) *tcpProxy {
@@ -394,12 +404,53 @@ func newTCPProxy(t testing.TB, target string) *tcpProxy {
 	return p
 }
 
+// newTLSProxy is a proxy that ends TLS in front of target, as a broker with
+// an amqps listener would: its certificate, for 127.0.0.1, is self-signed and
+// written to a CA file that URL names (amqp091-go's cacertfile).
+func newTLSProxy(t testing.TB, target string) *tcpProxy {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "switchyard test broker"},
+		IPAddresses:           []net.IP{net.ParseIP("127.0.0.1")},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(time.Hour),
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	caFile := filepath.Join(t.TempDir(), "ca.pem")
+	if err := os.WriteFile(caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := newTCPProxy(t, target)
+	p.mu.Lock()
+	p.tls = &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}}}
+	p.caFile = caFile
+	p.mu.Unlock()
+	return p
+}
+
 func (p *tcpProxy) serve() {
 	for {
 		c, err := p.ln.Accept()
 		if err != nil {
 			return
 		}
+		p.mu.Lock()
+		if p.tls != nil {
+			c = tls.Server(c, p.tls)
+		}
+		p.mu.Unlock()
 		up, err := net.Dial("tcp", p.target)
 		if err != nil {
 			c.Close()
@@ -485,8 +536,14 @@ func (p *tcpProxy) Reopen() {
 	go p.serve()
 }
 
-// URL is an AMQP URL to vhost through the proxy.
-func (p *tcpProxy) URL(vhost string) string { return "amqp://guest:guest@" + p.addr + "/" + vhost }
+// URL is an AMQP URL to vhost through the proxy: amqps, trusting the
+// proxy's certificate, when the proxy ends TLS.
+func (p *tcpProxy) URL(vhost string) string {
+	if p.tls != nil {
+		return "amqps://guest:guest@" + p.addr + "/" + vhost + "?cacertfile=" + url.QueryEscape(p.caFile)
+	}
+	return "amqp://guest:guest@" + p.addr + "/" + vhost
+}
 
 // parts are the daemon's pieces over cfg without the daemon: a migrated
 // store, the brokers, their queues, and a logger writing to the test. The

@@ -3,9 +3,13 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/binary"
+	"log/slog"
 	"math/rand/v2"
 	"net"
+	"net/http"
+	"strings"
 	"testing"
 	"time"
 )
@@ -137,4 +141,33 @@ func TestAMQPDialFramesPlainOnly(t *testing.T) {
 		}
 		conn.Close()
 	}
+}
+
+// TestAMQPSEndToEnd: a broker behind TLS (amqps://, its CA from cacertfile):
+// the webhook is published and both workers store it, over TLS both ways.
+func TestAMQPSEndToEnd(t *testing.T) {
+	vhost := newVhost(t)
+	proxy := newTLSProxy(t, "127.0.0.1:5672")
+	cfg := testConfig(t, proxy.URL(vhost))
+
+	// The certificate is checked: without the CA file the broker is not
+	// reachable.
+	untrusted, _, _ := strings.Cut(proxy.URL(vhost), "?")
+	q := NewQueues(cfg.Queue, mustBrokers(t, untrusted), slog.New(slog.DiscardHandler))
+	if err := q.Reachable(context.Background(), q.conns[0].broker); err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("amqps without the CA: %v, want a certificate error", err)
+	}
+	q.Close()
+
+	d := startDaemon(t, cfg)
+
+	guid := "amqps-" + randHex(4)
+	if code, body := do(t, webhookRequest(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened.payload.json"))); code != http.StatusAccepted {
+		t.Fatalf("webhook over amqps: %d %s", code, body)
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "the delivery stored by both workers", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1 &&
+			queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = ?", guid) == 1
+	})
 }
