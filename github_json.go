@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"encoding/json"
+	"unicode/utf8"
 )
 
 // A one-pass JSON reader for the hot path. encoding/json reads a payload
@@ -132,9 +133,11 @@ func (r *jsonReader) object(member func(key string, value []byte)) bool {
 	}
 }
 
-// jsonKey decodes a quoted key; keys with escapes are rare and go the slow way.
+// jsonKey decodes a quoted key as encoding/json does; keys with escapes or
+// bytes that are not UTF-8 (which it turns into U+FFFD) are rare and go the
+// slow way.
 func jsonKey(quoted []byte) string {
-	if bytes.IndexByte(quoted, '\\') < 0 {
+	if bytes.IndexByte(quoted, '\\') < 0 && utf8.Valid(quoted) {
 		return string(quoted[1 : len(quoted)-1])
 	}
 	var s string
