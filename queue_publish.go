@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -23,19 +22,18 @@ const maxInFlight = 512
 // 4,200, against 5,200 for sixteen channels used one publish at a time.
 const confirmLanes = 16
 
-// publisher is a few confirm-mode channels per broker connection, shared by
-// every concurrent publisher: confirms pipeline, each caller waiting on its
-// own deferred confirmation instead of a round trip per message on a channel
-// of its own.
+// publisher is up to confirmLanes confirm-mode channels per broker
+// connection, shared by every concurrent publisher: confirms pipeline, each
+// caller waiting on its own deferred confirmation.
 type publisher struct {
 	conn  *amqp.Connection
 	q     *Queues
 	sem   chan struct{}
-	next  atomic.Uint32
 	lanes [confirmLanes]lane
 
 	mu   sync.Mutex
 	idle []*lane // lanes with no publish in flight, the last used on top
+	next int     // the busy lane the next publish pipelines behind
 }
 
 // lane is one confirm channel and the returns (unroutable messages) it got.
@@ -67,7 +65,8 @@ func (p *publisher) take() (l *lane, idle bool) {
 		p.idle = p.idle[:n-1]
 		return l, true
 	}
-	return &p.lanes[p.next.Add(1)%confirmLanes], false
+	p.next = (p.next + 1) % confirmLanes
+	return &p.lanes[p.next], false
 }
 
 func (p *publisher) put(l *lane, idle bool) {
