@@ -100,6 +100,10 @@ type Webhook struct {
 	queues  *Queues
 	log     *slog.Logger
 	metrics *Metrics
+
+	// bodies holds request body buffers between webhooks: a 25 KB payload
+	// would otherwise be allocated and zeroed for each one, and collected.
+	bodies sync.Pool
 }
 
 // NewWebhook builds the endpoint from the config; the allow list is meta_file's
@@ -187,10 +191,6 @@ func (wh *Webhook) sourceIP(r *http.Request) netip.Addr {
 	return addr
 }
 
-// bodyBuffers holds request body buffers between webhooks: a 25 KB payload
-// would otherwise be allocated and zeroed for each one, and collected.
-var bodyBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
-
 // maxPooledBody is the largest buffer kept for reuse; a rare multi-megabyte
 // payload is left to the collector instead of being held forever.
 const maxPooledBody = 1 << 20
@@ -261,13 +261,16 @@ func rejectOutcome(err error) string {
 
 // ServeHTTP answers 202 only once the broker confirmed the message.
 func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	buf := bodyBuffers.Get().(*bytes.Buffer)
+	buf, _ := wh.bodies.Get().(*bytes.Buffer)
+	if buf == nil {
+		buf = new(bytes.Buffer)
+	}
 	defer func() {
 		// Publish has written the body to the connection by the time it
 		// returns, whatever the outcome: nothing holds buf after this.
 		if buf.Cap() <= maxPooledBody {
 			buf.Reset()
-			bodyBuffers.Put(buf)
+			wh.bodies.Put(buf)
 		}
 	}()
 	payload, err := wh.readPayload(w, r, buf)
