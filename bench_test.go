@@ -159,16 +159,9 @@ func benchIngest(b *testing.B, payload []byte) (ours, base float64) {
 	raw := func(id string) error {
 		ch := <-chans
 		defer func() { chans <- ch }()
-		msg := amqp.Publishing{ContentType: "application/json", DeliveryMode: amqp.Persistent,
-			MessageId: id, Type: "pull_request", Timestamp: time.Now(), Body: payload,
-			Headers: amqp.Table{hdrSourceIP: "127.0.0.1"}}
-		for _, k := range eventHeaders {
-			if v := signed.Header.Get(k); v != "" {
-				msg.Headers[k] = v
-			}
-		}
-		msg.Headers[hdrDelivery] = id
-		dc, err := ch.PublishWithDeferredConfirm(exchangeName, "", true, false, msg)
+		h := signed.Header.Clone()
+		h.Set("X-GitHub-Delivery", id)
+		dc, err := ch.PublishWithDeferredConfirm(exchangeName, "", true, false, newPublishing(h, payload, "127.0.0.1", time.Now()))
 		if err != nil || !dc.Wait() {
 			return fmt.Errorf("raw publish: %v", err)
 		}

@@ -121,11 +121,7 @@ func TestFaultConnectionCuts(t *testing.T) {
 	if code, body := do(t, webhookRequest(t, d.URL, "pull_request", guid, loadFixture(t, "pull_request", "synchronize.payload.json"))); code != http.StatusAccepted {
 		t.Fatalf("webhook after the cuts: %d %s", code, body)
 	}
-	db := openDB(t, cfg.Database.Path)
-	eventually(t, time.Until(lastCut.Add(15*time.Second+10*time.Second)), "both workers back after the last cut", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1 &&
-			queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = ?", guid) == 1
-	})
+	storedAll(t, cfg.Database.Path, []string{guid}, time.Until(lastCut.Add(15*time.Second+10*time.Second)))
 	storedExactlyOnce(t, cfg.Database.Path, append(accepted, guid), 2*time.Minute)
 }
 

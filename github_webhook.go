@@ -130,6 +130,7 @@ func NewWebhook(cfg *Config, brokers *Brokers, queues *Queues, log *slog.Logger)
 	}
 	wh := &Webhook{allowed: allowed, proxies: proxies, timeout: cfg.Queue.PublishTimeout,
 		brokers: brokers, queues: queues, log: log}
+	wh.bodies.New = func() any { return new(bytes.Buffer) }
 	for _, s := range append([]string{cfg.GitHub.WebhookSecret}, cfg.GitHub.PreviousWebhookSecrets...) {
 		wh.secrets = append(wh.secrets, []byte(s))
 	}
@@ -261,10 +262,7 @@ func rejectOutcome(err error) string {
 
 // ServeHTTP answers 202 only once the broker confirmed the message.
 func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	buf, _ := wh.bodies.Get().(*bytes.Buffer)
-	if buf == nil {
-		buf = new(bytes.Buffer)
-	}
+	buf := wh.bodies.Get().(*bytes.Buffer)
 	defer func() {
 		// Publish has written the body to the connection by the time it
 		// returns, whatever the outcome: nothing holds buf after this.

@@ -165,9 +165,5 @@ func TestAMQPSEndToEnd(t *testing.T) {
 	if code, body := do(t, webhookRequest(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened.payload.json"))); code != http.StatusAccepted {
 		t.Fatalf("webhook over amqps: %d %s", code, body)
 	}
-	db := openDB(t, cfg.Database.Path)
-	eventually(t, 20*time.Second, "the delivery stored by both workers", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1 &&
-			queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = ?", guid) == 1
-	})
+	storedAll(t, cfg.Database.Path, []string{guid}, 20*time.Second)
 }
