@@ -87,7 +87,7 @@ func notification(host, vhost string, at time.Time) string {
 // activeIndex reads the active broker from GET /api/v1/broker.
 func activeIndex(t testing.TB, url string) int {
 	t.Helper()
-	code, m := apiCall(t, http.MethodGet, url+"/api/v1/broker", "operator-token", "")
+	code, m := apiCall(t, http.MethodGet, url+"/api/v1/broker", "operator-token-for-tests", "")
 	if code != 200 {
 		t.Fatalf("GET /api/v1/broker: %d %v", code, m)
 	}
@@ -110,20 +110,20 @@ func TestBrokerAPI(t *testing.T) {
 	}{
 		{"no token", "GET", "", "", "", 401},
 		{"wrong token", "GET", "", "nope", "", 401},
-		{"producer on status", "GET", "", "producer-token", "", 403},
-		{"producer on switch", "POST", "/switch/1", "producer-token", "", 403},
-		{"producer on cancel", "DELETE", "/pending-switch", "producer-token", "", 403},
+		{"producer on status", "GET", "", "producer-token-for-tests", "", 403},
+		{"producer on switch", "POST", "/switch/1", "producer-token-for-tests", "", 403},
+		{"producer on cancel", "DELETE", "/pending-switch", "producer-token-for-tests", "", 403},
 		{"wrong token on notify", "POST", "/pending-switch", "nope", notification("127.0.0.1", b, t0), 401},
-		{"switch index not an integer", "POST", "/switch/one", "operator-token", "", 400},
-		{"switch index out of range", "POST", "/switch/7", "operator-token", "", 404},
-		{"switch index negative", "POST", "/switch/-1", "operator-token", "", 404},
-		{"notify malformed JSON", "POST", "/pending-switch", "producer-token", `{"host": `, 400},
-		{"notify missing switchedAt", "POST", "/pending-switch", "producer-token", `{"host": "127.0.0.1", "vhost": "x"}`, 400},
-		{"notify missing vhost", "POST", "/pending-switch", "producer-token", `{"host": "127.0.0.1", "switchedAt": "2026-11-29T10:00:00Z"}`, 400},
-		{"notify bad time", "POST", "/pending-switch", "producer-token", `{"host": "127.0.0.1", "vhost": "x", "switchedAt": "yesterday"}`, 400},
-		{"notify unknown host", "POST", "/pending-switch", "producer-token", notification("c.example.com", b, t0), 404},
-		{"notify unknown vhost", "POST", "/pending-switch", "producer-token", notification("127.0.0.1", "nope", t0), 404},
-		{"notify too large", "POST", "/pending-switch", "producer-token", `{"host": "` + strings.Repeat("a", maxAdminBody) + `"}`, 413},
+		{"switch index not an integer", "POST", "/switch/one", "operator-token-for-tests", "", 400},
+		{"switch index out of range", "POST", "/switch/7", "operator-token-for-tests", "", 404},
+		{"switch index negative", "POST", "/switch/-1", "operator-token-for-tests", "", 404},
+		{"notify malformed JSON", "POST", "/pending-switch", "producer-token-for-tests", `{"host": `, 400},
+		{"notify missing switchedAt", "POST", "/pending-switch", "producer-token-for-tests", `{"host": "127.0.0.1", "vhost": "x"}`, 400},
+		{"notify missing vhost", "POST", "/pending-switch", "producer-token-for-tests", `{"host": "127.0.0.1", "switchedAt": "2026-11-29T10:00:00Z"}`, 400},
+		{"notify bad time", "POST", "/pending-switch", "producer-token-for-tests", `{"host": "127.0.0.1", "vhost": "x", "switchedAt": "yesterday"}`, 400},
+		{"notify unknown host", "POST", "/pending-switch", "producer-token-for-tests", notification("c.example.com", b, t0), 404},
+		{"notify unknown vhost", "POST", "/pending-switch", "producer-token-for-tests", notification("127.0.0.1", "nope", t0), 404},
+		{"notify too large", "POST", "/pending-switch", "producer-token-for-tests", `{"host": "` + strings.Repeat("a", maxAdminBody) + `"}`, 413},
 	}
 	for _, tt := range auth {
 		t.Run(tt.name, func(t *testing.T) {
@@ -141,7 +141,7 @@ func TestBrokerAPI(t *testing.T) {
 	}
 
 	// GET: the shape of SPEC §7.
-	code, m := apiCall(t, "GET", base, "operator-token", "")
+	code, m := apiCall(t, "GET", base, "operator-token-for-tests", "")
 	if code != 200 || m["pending_switch"] != nil || m["last_switch"] != nil {
 		t.Fatalf("GET: %d %v", code, m)
 	}
@@ -156,7 +156,7 @@ func TestBrokerAPI(t *testing.T) {
 
 	// Accepted notification for another broker: 202 pending. The producer may
 	// send the vhost URL-encoded or not, the host in any case.
-	code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token", notification("127.0.0.1", b, t0))
+	code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, t0))
 	if code != 202 || m["status"] != "pending" {
 		t.Fatalf("notify B: %d %v", code, m)
 	}
@@ -166,22 +166,22 @@ func TestBrokerAPI(t *testing.T) {
 	}
 	// The same notification again, and an older one: stale, nothing changes.
 	for _, at := range []time.Time{t0, t0.Add(-time.Minute)} {
-		code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token", notification("127.0.0.1", b, at))
+		code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, at))
 		if code != 200 || m["status"] != "ignored" || m["reason"] != "stale" {
 			t.Errorf("stale notify at %s: %d %v", at, code, m)
 		}
 	}
 	// DELETE cancels without moving; a second DELETE has nothing to cancel.
-	code, m = apiCall(t, "DELETE", base+"/pending-switch", "operator-token", "")
+	code, m = apiCall(t, "DELETE", base+"/pending-switch", "operator-token-for-tests", "")
 	if code != 200 || m["cancelled"] != true || m["pending_switch"] != nil || m["active"].(map[string]any)["index"] != float64(0) {
 		t.Errorf("DELETE: %d %v", code, m)
 	}
-	code, m = apiCall(t, "DELETE", base+"/pending-switch", "operator-token", "")
+	code, m = apiCall(t, "DELETE", base+"/pending-switch", "operator-token-for-tests", "")
 	if code != 200 || m["cancelled"] != false {
 		t.Errorf("second DELETE: %d %v", code, m)
 	}
 	// A notification naming the active broker: 200 active.
-	code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token", notification("127.0.0.1", a, t0.Add(time.Minute)))
+	code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", notification("127.0.0.1", a, t0.Add(time.Minute)))
 	if code != 200 || m["status"] != "active" {
 		t.Errorf("notify active: %d %v", code, m)
 	}
@@ -189,13 +189,13 @@ func TestBrokerAPI(t *testing.T) {
 	// Operator switch: moves now, drops the pending switch, and a late copy
 	// of the notification that preceded it cannot undo it.
 	t1 := t0.Add(2 * time.Minute)
-	if code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token", notification("127.0.0.1", b, t1)); code != 202 {
+	if code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, t1)); code != 202 {
 		t.Fatalf("notify B again: %d %v", code, m)
 	}
 	if _, _, err := d.brokers.CancelPending(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	code, m = apiCall(t, "POST", base+"/switch/1", "operator-token", "")
+	code, m = apiCall(t, "POST", base+"/switch/1", "operator-token-for-tests", "")
 	if code != 200 || m["active"].(map[string]any)["index"] != float64(1) || m["pending_switch"] != nil {
 		t.Fatalf("switch/1: %d %v", code, m)
 	}
@@ -203,7 +203,7 @@ func TestBrokerAPI(t *testing.T) {
 	if ls["from"] != float64(0) || ls["to"] != float64(1) || ls["reason"] != "operator" {
 		t.Errorf("last_switch: %v", ls)
 	}
-	code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token", notification("127.0.0.1", a, t1))
+	code, m = apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", notification("127.0.0.1", a, t1))
 	if code != 200 || m["status"] != "ignored" {
 		t.Errorf("late notification after operator switch: %d %v", code, m)
 	}
@@ -351,7 +351,7 @@ func TestProducerRotation(t *testing.T) {
 
 	d := startDaemon(t, cfg)
 	t0 := time.Now().UTC().Truncate(time.Second)
-	code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token", notification("127.0.0.1", b, t0))
+	code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, t0))
 	if code != 202 {
 		t.Fatalf("notify: %d %v", code, m)
 	}
@@ -386,7 +386,7 @@ func TestProducerRotation(t *testing.T) {
 		}
 		rows.Close()
 	}
-	code, m = apiCall(t, "GET", d.URL+"/api/v1/broker", "operator-token", "")
+	code, m = apiCall(t, "GET", d.URL+"/api/v1/broker", "operator-token-for-tests", "")
 	ls, _ := m["last_switch"].(map[string]any)
 	if code != 200 || m["active"].(map[string]any)["index"] != float64(1) || m["pending_switch"] != nil ||
 		ls == nil || ls["reason"] != "drained" || ls["from"] != float64(0) || ls["to"] != float64(1) {
@@ -418,7 +418,7 @@ func TestDoubleRotation(t *testing.T) {
 
 	d := startDaemon(t, cfg)
 	t0 := time.Now().UTC().Truncate(time.Second)
-	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token", notification("127.0.0.1", b, t0)); code != 202 {
+	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, t0)); code != 202 {
 		t.Fatalf("notify B: %d %v", code, m)
 	}
 	// The producer publishes to B, then rotates again before A drains.
@@ -429,7 +429,7 @@ func TestDoubleRotation(t *testing.T) {
 			t.Fatalf("B's %s was read while B was the pending target: %d of %d left", q, n, len(onB))
 		}
 	}
-	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token", notification("127.0.0.1", c, t0.Add(time.Second))); code != 202 {
+	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token-for-tests", notification("127.0.0.1", c, t0.Add(time.Second))); code != 202 {
 		t.Fatalf("notify C: %d %v", code, m)
 	}
 	onC := publishN(t, c, "c", 10)
@@ -467,7 +467,7 @@ func TestOperatorSwitchMovesWorkers(t *testing.T) {
 	// Let every worker settle into its window on A.
 	time.Sleep(time.Second)
 
-	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/switch/1", "operator-token", ""); code != 200 {
+	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/switch/1", "operator-token-for-tests", ""); code != 200 {
 		t.Fatalf("switch: %d %v", code, m)
 	}
 	switched := time.Now()
@@ -514,7 +514,7 @@ func TestPendingSwitchWaitsForUnreachableActive(t *testing.T) {
 
 	proxyA.Close()
 	t0 := time.Now().UTC().Truncate(time.Second)
-	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token", notification("127.0.0.1", b, t0)); code != 202 {
+	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, t0)); code != 202 {
 		t.Fatalf("notify: %d %v", code, m)
 	}
 	eventually(t, 10*time.Second, "a warning that the switch waits", func() bool {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	_ "embed"
 	"errors"
 	"fmt"
 	"io"
@@ -10,6 +11,7 @@ import (
 	"os"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -42,6 +44,9 @@ type ServerConfig struct {
 	// MetricsListen, when set, serves /metrics on this address alone
 	// instead of on listen.
 	MetricsListen string `toml:"metrics_listen"`
+	// MaxInflightBytes bounds the webhook bodies being read at once, all
+	// together (SPEC §12.1).
+	MaxInflightBytes int64 `toml:"max_inflight_bytes"`
 }
 
 // DatabaseConfig is the SQLite file.
@@ -49,12 +54,18 @@ type DatabaseConfig struct {
 	Path        string        `toml:"path"`
 	Synchronous string        `toml:"synchronous"`
 	BusyTimeout time.Duration `toml:"busy_timeout"`
+	// RawRetention is how long rows of the raw github table are kept;
+	// zero keeps them forever. It takes days too ("90d").
+	RawRetention Duration `toml:"raw_retention"`
 }
 
 // APIConfig holds the bearer tokens of the broker admin API.
 type APIConfig struct {
 	OperatorToken string `toml:"operator_token"`
 	ProducerToken string `toml:"producer_token"`
+	// MaxClockSkew is how far in the future a notification's switchedAt
+	// may be: one further ahead would block every real one after it.
+	MaxClockSkew time.Duration `toml:"max_clock_skew"`
 }
 
 // GitHubConfig is everything switchyard knows of GitHub.
@@ -142,9 +153,11 @@ type LogConfig struct {
 // DefaultConfig returns the configuration an empty file would give.
 func DefaultConfig() *Config {
 	return &Config{
-		Server:   ServerConfig{Listen: "127.0.0.1:8080", ShutdownTimeout: 25 * time.Second},
-		Database: DatabaseConfig{Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second},
-		GitHub:   GitHubConfig{APIURL: "https://api.github.com"},
+		Server: ServerConfig{Listen: "127.0.0.1:8080", ShutdownTimeout: 25 * time.Second, MaxInflightBytes: 64 << 20},
+		Database: DatabaseConfig{Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
+			RawRetention: Duration(90 * 24 * time.Hour)},
+		API:    APIConfig{MaxClockSkew: 5 * time.Minute},
+		GitHub: GitHubConfig{APIURL: "https://api.github.com"},
 		Queue: QueueConfig{
 			RetryTTL:       10 * time.Minute,
 			MaxAttempts:    10,
@@ -222,6 +235,9 @@ func (c *Config) Validate() error {
 	if c.Server.ShutdownTimeout <= 0 {
 		bad("server.shutdown_timeout", "must be positive")
 	}
+	if c.Server.MaxInflightBytes < 1<<20 {
+		bad("server.max_inflight_bytes", "at least 1 MiB (1048576), got %d", c.Server.MaxInflightBytes)
+	}
 
 	if c.Database.Path == "" {
 		bad("database.path", "required")
@@ -232,23 +248,31 @@ func (c *Config) Validate() error {
 	if c.Database.BusyTimeout <= 0 {
 		bad("database.busy_timeout", "must be positive")
 	}
-
-	if c.API.OperatorToken == "" {
-		bad("api.operator_token", "required")
+	if c.Database.RawRetention < 0 {
+		bad("database.raw_retention", "must not be negative (0 keeps rows forever)")
 	}
-	if c.API.ProducerToken == "" {
-		bad("api.producer_token", "required")
+
+	for field, tok := range map[string]string{"api.operator_token": c.API.OperatorToken, "api.producer_token": c.API.ProducerToken} {
+		switch {
+		case strings.TrimSpace(tok) == "":
+			bad(field, "required, and more than spaces")
+		case len(tok) < minTokenLen:
+			bad(field, "at least %d characters, got %d (generate one with: openssl rand -hex 32)", minTokenLen, len(tok))
+		}
 	}
 	if c.API.OperatorToken != "" && c.API.OperatorToken == c.API.ProducerToken {
 		bad("api.producer_token", "must differ from api.operator_token")
 	}
+	if c.API.MaxClockSkew <= 0 {
+		bad("api.max_clock_skew", "must be positive")
+	}
 
-	if c.GitHub.WebhookSecret == "" {
-		bad("github.webhook_secret", "required")
+	if strings.TrimSpace(c.GitHub.WebhookSecret) == "" {
+		bad("github.webhook_secret", "required, and more than spaces")
 	}
 	for i, s := range c.GitHub.PreviousWebhookSecrets {
-		if s == "" {
-			bad(fmt.Sprintf("github.previous_webhook_secrets[%d]", i), "empty")
+		if strings.TrimSpace(s) == "" {
+			bad(fmt.Sprintf("github.previous_webhook_secrets[%d]", i), "empty or only spaces")
 		}
 	}
 	for i, p := range c.GitHub.AllowedCIDRs {
@@ -352,6 +376,79 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
+// minTokenLen is the shortest API token accepted; warnTokenLen the shortest
+// that passes without a warning.
+const (
+	minTokenLen  = 16
+	warnTokenLen = 32
+)
+
+//go:embed config.example.toml
+var exampleConfig string
+
+// Warnings are what check-config and serve point out without refusing the
+// config: short tokens, secrets still as config.example.toml has them, and a
+// file that others can read. path is the file's path, "" to skip its mode.
+func (c *Config) Warnings(path string) []string {
+	var ws []string
+	example, _ := DecodeConfig(strings.NewReader(exampleConfig))
+	for _, s := range []struct {
+		field, value, placeholder string
+		token                     bool
+	}{
+		{"api.operator_token", c.API.OperatorToken, example.API.OperatorToken, true},
+		{"api.producer_token", c.API.ProducerToken, example.API.ProducerToken, true},
+		{"github.webhook_secret", c.GitHub.WebhookSecret, example.GitHub.WebhookSecret, false},
+	} {
+		if s.value == s.placeholder {
+			ws = append(ws, fmt.Sprintf("%s: still the placeholder of config.example.toml; anyone who read it can use it", s.field))
+		} else if s.token && len(s.value) < warnTokenLen {
+			ws = append(ws, fmt.Sprintf("%s: %d characters; %d or more is safer (openssl rand -hex 32)", s.field, len(s.value), warnTokenLen))
+		}
+	}
+	if path != "" {
+		if fi, err := os.Stat(path); err == nil && fi.Mode().Perm()&0o004 != 0 {
+			ws = append(ws, fmt.Sprintf("%s: readable by every user (mode %04o), and it holds secrets: chmod 0640", path, fi.Mode().Perm()))
+		}
+	}
+	return ws
+}
+
+// Duration is a time.Duration that also takes whole days ("90d"): a
+// retention period reads better in days than in hours.
+type Duration time.Duration
+
+// UnmarshalText reads Go's duration syntax, or a whole number of days.
+func (d *Duration) UnmarshalText(b []byte) error {
+	s := string(b)
+	if days, ok := strings.CutSuffix(s, "d"); ok {
+		n, err := strconv.Atoi(days)
+		if err != nil || n < 0 || n > 100*365 {
+			return fmt.Errorf("want a duration such as \"90d\" or \"720h\", got %q", s)
+		}
+		*d = Duration(time.Duration(n) * 24 * time.Hour)
+		return nil
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return fmt.Errorf("want a duration such as \"90d\" or \"720h\", got %q", s)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// String prints whole days as "90d", anything else as Go does; 0 is "0 (forever)".
+func (d Duration) String() string {
+	v := time.Duration(d)
+	switch {
+	case v == 0:
+		return "0 (forever)"
+	case v%(24*time.Hour) == 0:
+		return fmt.Sprintf("%dd", v/(24*time.Hour))
+	}
+	return v.String()
+}
+
 // parsePrefix accepts a CIDR or a bare address (a /32 or /128).
 func parsePrefix(s string) (netip.Prefix, error) {
 	if strings.Contains(s, "/") {
@@ -400,8 +497,11 @@ func (c *Config) Summary(w io.Writer) {
 	}
 	p("database.path = %q", c.Database.Path)
 	p("database.synchronous = %q", strings.ToUpper(c.Database.Synchronous))
+	p("database.raw_retention = %s", c.Database.RawRetention)
+	p("server.max_inflight_bytes = %d", c.Server.MaxInflightBytes)
 	p("api.operator_token = %s", mask(c.API.OperatorToken))
 	p("api.producer_token = %s", mask(c.API.ProducerToken))
+	p("api.max_clock_skew = %s", c.API.MaxClockSkew)
 	p("github.webhook_secret = %s", mask(c.GitHub.WebhookSecret))
 	p("github.previous_webhook_secrets = %d set", len(c.GitHub.PreviousWebhookSecrets))
 	if c.GitHub.MetaFile != "" {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -27,7 +28,7 @@ func FuzzWebhookRequest(f *testing.F) {
 	f.Add([]byte(`not json`), "text/plain", "push", "guid-4", false)
 	cfg := DefaultConfig()
 	cfg.GitHub.WebhookSecret = testSecret
-	wh, err := NewWebhook(cfg, nil, nil, nil)
+	wh, err := NewWebhook(cfg, nil, nil, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -39,7 +40,8 @@ func FuzzWebhookRequest(f *testing.F) {
 		if signed {
 			r.Header.Set("X-Hub-Signature-256", sign(testSecret, body))
 		}
-		payload, err := wh.readPayload(httptest.NewRecorder(), r, new(bytes.Buffer))
+		payload, release, err := wh.readPayload(httptest.NewRecorder(), r, new([]byte))
+		release()
 		if err != nil {
 			if s := statusOf(err); s < 400 || s > 499 {
 				t.Fatalf("rejection %v maps to %d, want a 4xx", err, s)

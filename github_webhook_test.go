@@ -3,10 +3,18 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"os/exec"
+	"sort"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -360,7 +368,7 @@ func mustRequest(t testing.TB, method, url string) *http.Request {
 func TestVerifySignature(t *testing.T) {
 	cfg := testConfig(t, amqpURL("x"))
 	cfg.GitHub.PreviousWebhookSecrets = []string{"old-secret"}
-	wh, err := NewWebhook(cfg, nil, nil, nil)
+	wh, err := NewWebhook(cfg, nil, nil, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -390,7 +398,7 @@ func TestVerifySignature(t *testing.T) {
 func TestSourceIP(t *testing.T) {
 	cfg := testConfig(t, amqpURL("x"))
 	cfg.Server.TrustedProxies = []string{"10.0.0.0/8", "127.0.0.1"}
-	wh, err := NewWebhook(cfg, nil, nil, nil)
+	wh, err := NewWebhook(cfg, nil, nil, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -459,18 +467,190 @@ func TestOneConnectionPerBroker(t *testing.T) {
 	// Let a few cycles run their leftover drains on b too.
 	time.Sleep(3 * time.Second)
 	for _, v := range []string{a, b} {
-		out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "vhost").CombinedOutput()
-		if err != nil {
-			t.Fatalf("list_connections: %v: %s", err, out)
-		}
-		n := 0
-		for _, line := range strings.Split(string(out), "\n") {
-			if strings.TrimSpace(line) == v {
-				n++
-			}
-		}
-		if n != 1 {
+		if n := len(brokerConnections(t, v)); n != 1 {
 			t.Errorf("connections to %s: got %d, want 1", v, n)
 		}
+	}
+}
+
+// brokerConnections lists the AMQP connections open to vhost, by their
+// broker-side process id: a connection closed and dialed again has a new one.
+func brokerConnections(t testing.TB, vhost string) []string {
+	t.Helper()
+	out, err := exec.Command("rabbitmqctl", "-q", "--no-table-headers", "list_connections", "vhost", "pid").CombinedOutput()
+	if err != nil {
+		t.Fatalf("list_connections: %v: %s", err, out)
+	}
+	var pids []string
+	for _, line := range strings.Split(string(out), "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == vhost {
+			pids = append(pids, f[1])
+		}
+	}
+	sort.Strings(pids)
+	return pids
+}
+
+// Headers copied into the message are checked before anything is
+// published: each violation is a 400 naming the header, and none of them
+// reaches (and closes) the AMQP connection every worker shares.
+func TestWebhookHeaderLimits(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened.payload.json")
+	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
+		t.Fatalf("first webhook: got %d, want 202", code)
+	}
+	before := brokerConnections(t, vhost)
+	if len(before) != 1 {
+		t.Fatalf("connections before: %v, want one", before)
+	}
+
+	long := strings.Repeat("a", 300)
+	tests := []struct {
+		name, header, value string
+	}{
+		{"delivery of 300 bytes", "X-GitHub-Delivery", long},
+		{"delivery with a space", "X-GitHub-Delivery", "abc def"},
+		{"delivery not ASCII", "X-GitHub-Delivery", "d\u00e9livery"},
+		{"event of 300 bytes", "X-GitHub-Event", long},
+		{"event of 65 bytes", "X-GitHub-Event", strings.Repeat("e", 65)},
+		{"event with capitals", "X-GitHub-Event", "Issues"},
+		{"hook id of 200 KiB", "X-GitHub-Hook-ID", strings.Repeat("1", 200<<10)},
+		{"target type of 256 bytes", "X-GitHub-Hook-Installation-Target-Type", strings.Repeat("r", 256)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := webhookRequest(t, d.URL, "issues", newGUID(), body)
+			r.Header.Set(tt.header, tt.value)
+			code, answer := do(t, r)
+			if code != http.StatusBadRequest {
+				t.Fatalf("got %d %s, want 400", code, answer)
+			}
+			if !strings.Contains(answer, tt.header) {
+				t.Errorf("answer %s does not name %s", answer, tt.header)
+			}
+		})
+	}
+	// The limits are inclusive: 255 and 64 bytes still pass.
+	r := webhookRequest(t, d.URL, "issues", strings.Repeat("g", 255), body)
+	r.Header.Set("X-GitHub-Event", strings.Repeat("e", 64))
+	if code, answer := do(t, r); code != http.StatusAccepted {
+		t.Fatalf("headers at their limits: got %d %s, want 202", code, answer)
+	}
+	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
+		t.Fatalf("webhook after the bad ones: got %d, want 202", code)
+	}
+	if after := brokerConnections(t, vhost); strings.Join(after, ",") != strings.Join(before, ",") {
+		t.Errorf("AMQP connections: before %v, after %v; a request closed the shared connection", before, after)
+	}
+}
+
+// rss reads a process's resident set size and its peak (VmRSS, VmHWM) in
+// bytes from /proc.
+func rss(t testing.TB, pid int) (now, peak int64) {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) != 3 || f[2] != "kB" {
+			continue
+		}
+		n, _ := strconv.ParseInt(f[1], 10, 64)
+		switch f[0] {
+		case "VmRSS:":
+			now = n << 10
+		case "VmHWM:":
+			peak = n << 10
+		}
+	}
+	return now, peak
+}
+
+// zeros is an endless body that costs the sender no memory.
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) {
+	clear(p)
+	return len(p), nil
+}
+
+// Hostile bodies cannot make the daemon hold more than max_inflight_bytes:
+// 16 requests that claim 25 MiB and send one byte, and 8 that send 25 MiB
+// with a bad signature, at once. Meanwhile every ordinary signed webhook
+// gets 202, and the daemon's peak RSS grows by at most the budget + 32 MiB.
+func TestWebhookHostileBodiesBounded(t *testing.T) {
+	config, addr, _ := processSetup(t)
+	cmd, _ := startProcess(t, config, addr)
+	base := "http://" + addr
+	body := loadFixture(t, "issues", "opened.payload.json")
+	for i := 0; i < 20; i++ { // warm up: pools, lanes, connections
+		if code := postWebhook(t, base, "issues", newGUID(), body); code != http.StatusAccepted {
+			t.Fatalf("warm-up webhook: got %d", code)
+		}
+	}
+	startRSS, _ := rss(t, cmd.Process.Pid)
+
+	// 16 slow clients: a 25 MiB Content-Length and one byte, held open.
+	var slow []net.Conn
+	for i := 0; i < 16; i++ {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		fmt.Fprintf(c, "POST /webhooks/github HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"+
+			"X-GitHub-Event: push\r\nX-GitHub-Delivery: %s\r\nX-Hub-Signature-256: sha256=%064d\r\n"+
+			"Content-Length: %d\r\n\r\n{", addr, newGUID(), 0, maxWebhookBody)
+		slow = append(slow, c)
+	}
+
+	// 8 full 25 MiB bodies with a bad signature, at once.
+	var wg sync.WaitGroup
+	codes := make(chan int, 8)
+	for i := 0; i < 8; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, _ := http.NewRequest(http.MethodPost, base+"/webhooks/github", io.LimitReader(zeros{}, maxWebhookBody))
+			req.ContentLength = maxWebhookBody
+			req.Header.Set("X-GitHub-Event", "push")
+			req.Header.Set("X-GitHub-Delivery", newGUID())
+			req.Header.Set("X-Hub-Signature-256", sign("not-the-secret", []byte("x")))
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				codes <- 0 // the server answered early and closed: refused
+				return
+			}
+			resp.Body.Close()
+			codes <- resp.StatusCode
+		}()
+	}
+
+	// Ordinary webhooks while all of that holds.
+	for i := 0; i < 50; i++ {
+		if code := postWebhook(t, base, "issues", newGUID(), body); code != http.StatusAccepted {
+			t.Fatalf("ordinary webhook %d during the attack: got %d, want 202", i, code)
+		}
+	}
+	wg.Wait()
+	close(codes)
+	for code := range codes {
+		if code != 0 && code != http.StatusUnauthorized && code != http.StatusServiceUnavailable {
+			t.Errorf("hostile 25 MiB body: got %d, want 401, 503 or a closed connection", code)
+		}
+	}
+	_, peak := rss(t, cmd.Process.Pid)
+	limit := int64(64<<20) + 32<<20
+	t.Logf("RSS before %d MiB, peak %d MiB", startRSS>>20, peak>>20)
+	if grew := peak - startRSS; grew > limit {
+		t.Errorf("peak RSS grew by %d MiB, want at most max_inflight_bytes + 32 MiB = %d MiB", grew>>20, limit>>20)
+	}
+	for _, c := range slow {
+		c.Close()
 	}
 }

@@ -86,8 +86,8 @@ func testConfig(t testing.TB, brokerURLs ...string) *Config {
 	cfg.Server.Listen = "127.0.0.1:0"
 	cfg.Server.TrustedProxies = []string{"127.0.0.2"}
 	cfg.Database.Path = filepath.Join(t.TempDir(), "switchyard.db")
-	cfg.API.OperatorToken = "operator-token"
-	cfg.API.ProducerToken = "producer-token"
+	cfg.API.OperatorToken = "operator-token-for-tests"
+	cfg.API.ProducerToken = "producer-token-for-tests"
 	cfg.GitHub.WebhookSecret = testSecret
 	cfg.GitHub.AllowedCIDRs = []string{"127.0.0.0/8", "::1/128"}
 	cfg.Queue.DeclareTopology = true

@@ -328,12 +328,12 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		return fail(err)
 	}
 	queues := NewQueues(cfg.Queue, brokers.List(), log)
-	webhook, err := NewWebhook(cfg, brokers, queues, log)
+	metrics := NewMetrics()
+	webhook, err := NewWebhook(cfg, brokers, queues, metrics, log)
 	if err != nil {
 		return fail(err)
 	}
-	metrics := NewMetrics()
-	store.metrics, brokers.metrics, queues.metrics, webhook.metrics = metrics, metrics, metrics, metrics
+	store.metrics, brokers.metrics, queues.metrics = metrics, metrics, metrics
 	metrics.brokerState(brokers.Cached())
 	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics,
 		api: &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics, log: log}}

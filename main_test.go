@@ -25,8 +25,8 @@ listen = %q
 [database]
 path = %q
 [api]
-operator_token = "operator-token"
-producer_token = "producer-token"
+operator_token = "operator-token-for-tests"
+producer_token = "producer-token-for-tests"
 [github]
 webhook_secret = %q
 allowed_cidrs = ["127.0.0.0/8"]
