@@ -1,13 +1,18 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/julienschmidt/httprouter"
@@ -17,12 +22,21 @@ import (
 // health endpoints.
 type API struct {
 	cfg     *Config
+	tokens  atomic.Pointer[APIConfig] // a SIGHUP may change them
 	store   *Store
 	brokers *Brokers
 	queues  *Queues
 	webhook *Webhook
 	metrics *Metrics
 	log     *slog.Logger
+}
+
+// NewAPI builds the HTTP surface over the daemon's parts.
+func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, log *slog.Logger) *API {
+	a := &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics, log: log}
+	tokens := cfg.API
+	a.tokens.Store(&tokens)
+	return a
 }
 
 // Handler returns the router with every route.
@@ -34,6 +48,7 @@ func (a *API) Handler() http.Handler {
 	r.POST("/api/v1/broker/switch/:index", a.operator(a.switchBroker))
 	r.POST("/api/v1/broker/pending-switch", a.producer(a.notifySwitch))
 	r.DELETE("/api/v1/broker/pending-switch", a.operator(a.cancelSwitch))
+	r.DELETE("/api/v1/broker/watermark", a.operator(a.clearWatermark))
 
 	r.GET("/healthz", func(w http.ResponseWriter, _ *http.Request, _ httprouter.Params) {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
@@ -116,11 +131,11 @@ func tokenIs(got, want string) bool {
 // operator lets only the operator token in; the producer token gets 403.
 func (a *API) operator(h httprouter.Handle) httprouter.Handle {
 	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
-		tok := bearer(r)
+		tok, tokens := bearer(r), a.tokens.Load()
 		switch {
-		case tokenIs(tok, a.cfg.API.OperatorToken):
-			h(w, r, ps)
-		case tokenIs(tok, a.cfg.API.ProducerToken):
+		case tokenIs(tok, tokens.OperatorToken):
+			a.bounded(h)(w, r, ps)
+		case tokenIs(tok, tokens.ProducerToken):
 			writeError(w, r, a.log, ErrForbidden)
 		default:
 			writeError(w, r, a.log, ErrUnauthorized)
@@ -131,30 +146,74 @@ func (a *API) operator(h httprouter.Handle) httprouter.Handle {
 // producer lets the producer token and the operator token in.
 func (a *API) producer(h httprouter.Handle) httprouter.Handle {
 	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
-		tok := bearer(r)
-		if tokenIs(tok, a.cfg.API.ProducerToken) || tokenIs(tok, a.cfg.API.OperatorToken) {
-			h(w, r, ps)
+		tok, tokens := bearer(r), a.tokens.Load()
+		if tokenIs(tok, tokens.ProducerToken) || tokenIs(tok, tokens.OperatorToken) {
+			a.bounded(h)(w, r, ps)
 			return
 		}
 		writeError(w, r, a.log, ErrUnauthorized)
 	}
 }
 
+// bounded reads the request body, at most maxAdminBody bytes, before h
+// runs, on every admin route, whether or not h reads it: a body over the
+// limit is 413 and changes nothing (SPEC §12.1).
+func (a *API) bounded(h httprouter.Handle) httprouter.Handle {
+	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+		if r.ContentLength > maxAdminBody {
+			writeError(w, r, a.log, fmt.Errorf("%w: over %d bytes", ErrTooLarge, maxAdminBody))
+			return
+		}
+		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxAdminBody))
+		var mbe *http.MaxBytesError
+		switch {
+		case errors.As(err, &mbe):
+			writeError(w, r, a.log, fmt.Errorf("%w: over %d bytes", ErrTooLarge, maxAdminBody))
+			return
+		case err != nil:
+			writeError(w, r, a.log, fmt.Errorf("%w: read body: %v", ErrBadRequest, err))
+			return
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		h(w, r, ps)
+	}
+}
+
+// readyCheckTimeout is each /readyz check's own deadline.
+const readyCheckTimeout = 2 * time.Second
+
 // ready answers 200 when the database takes writes and the active broker is
 // reachable, else 503 naming what is not.
+// Each check runs at once beside the others, with a deadline of its own: a
+// locked database must not make the broker look unreachable too.
 func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
-	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
-	defer cancel()
+	checks := map[string]func(ctx context.Context) error{
+		"database": a.store.Writable,
+		"broker": func(ctx context.Context) error {
+			b, err := a.brokers.Get(a.brokers.Cached().Active)
+			if err != nil {
+				return err
+			}
+			return a.queues.Reachable(ctx, b)
+		},
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
 	problems := map[string]string{}
-	if err := a.store.Writable(ctx); err != nil {
-		problems["database"] = err.Error()
+	for name, check := range checks {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(r.Context(), readyCheckTimeout)
+			defer cancel()
+			if err := check(ctx); err != nil {
+				mu.Lock()
+				problems[name] = err.Error()
+				mu.Unlock()
+			}
+		}()
 	}
-	st := a.brokers.Cached()
-	if b, err := a.brokers.Get(st.Active); err != nil {
-		problems["broker"] = err.Error()
-	} else if err := a.queues.Reachable(ctx, b); err != nil {
-		problems["broker"] = err.Error()
-	}
+	wg.Wait()
 	if len(problems) > 0 {
 		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "not ready", "problems": problems})
 		return

@@ -43,6 +43,9 @@ type BrokerStatus struct {
 	Brokers       []brokerEntry `json:"brokers"`
 	PendingSwitch *pendingJSON  `json:"pending_switch"`
 	LastSwitch    *LastSwitch   `json:"last_switch"`
+	// Watermark is the switchedAt of the last accepted notification;
+	// null when there is none (never, or cleared by the operator).
+	Watermark *time.Time `json:"watermark"`
 }
 
 func (a *API) status(st SwitchState) BrokerStatus {
@@ -59,6 +62,10 @@ func (a *API) status(st SwitchState) BrokerStatus {
 		out.PendingSwitch = &pendingJSON{brokerRef{p.Index, p.Host, p.Vhost}, p.SwitchedAt.UTC(), p.RecordedAt.UTC()}
 	}
 	out.LastSwitch = st.Last
+	if !st.Watermark.IsZero() {
+		wm := st.Watermark.UTC()
+		out.Watermark = &wm
+	}
 	return out
 }
 
@@ -97,10 +104,6 @@ func decodeNotification(r io.Reader) (host, vhost string, at time.Time, err erro
 	var n switchNotification
 	dec := json.NewDecoder(r)
 	if err := dec.Decode(&n); err != nil {
-		var mbe *http.MaxBytesError
-		if errors.As(err, &mbe) {
-			return "", "", at, fmt.Errorf("%w: over %d bytes", ErrTooLarge, maxAdminBody)
-		}
 		return "", "", at, fmt.Errorf("%w: malformed JSON: %v", ErrBadRequest, err)
 	}
 	if dec.More() {
@@ -118,7 +121,12 @@ func decodeNotification(r io.Reader) (host, vhost string, at time.Time, err erro
 
 // notifySwitch takes the producer's "I now publish to host/vhost".
 func (a *API) notifySwitch(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
-	host, vhost, at, err := decodeNotification(http.MaxBytesReader(w, r.Body, maxAdminBody))
+	host, vhost, at, err := decodeNotification(r.Body)
+	if err == nil && time.Until(at) > a.cfg.API.MaxClockSkew {
+		// Accepted, it would make every real notification after it stale.
+		err = fmt.Errorf("%w: switchedAt %s is more than %s in the future (api.max_clock_skew)",
+			ErrBadRequest, at.UTC().Format(time.RFC3339Nano), a.cfg.API.MaxClockSkew)
+	}
 	if err != nil {
 		writeError(w, r, a.log, err)
 		return
@@ -157,4 +165,17 @@ func (a *API) cancelSwitch(w http.ResponseWriter, r *http.Request, _ httprouter.
 		Cancelled bool `json:"cancelled"`
 		BrokerStatus
 	}{had, a.status(st)})
+}
+
+// clearWatermark forgets the switchedAt of the last accepted notification,
+// so that the next notification is accepted whatever its time: the way out
+// of a watermark set too far ahead by a producer with a wrong clock.
+func (a *API) clearWatermark(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	st, err := a.brokers.ClearWatermark(r.Context())
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	a.log.Info("operator cleared the switch watermark")
+	writeJSON(w, http.StatusOK, a.status(st))
 }

@@ -342,7 +342,10 @@ func (bs *Brokers) Notify(ctx context.Context, host, vhost string, switchedAt ti
 		if !switchedAt.After(st.Watermark) {
 			return st, false, ErrStale
 		}
-		if err := setSetting(ctx, tx, keyWatermark, formatTime(switchedAt), now); err != nil {
+		// At full precision: stored at microseconds, a notification with
+		// nanoseconds would be newer than its own watermark, and accepted
+		// again after an operator switch.
+		if err := setSetting(ctx, tx, keyWatermark, switchedAt.UTC().Format(time.RFC3339Nano), now); err != nil {
 			return st, false, err
 		}
 		st.Watermark = switchedAt
@@ -357,6 +360,14 @@ func (bs *Brokers) Notify(ctx context.Context, host, vhost string, switchedAt ti
 		return st, true, writeJSONSetting(ctx, tx, keyPendingSwitch, st.Pending, now)
 	})
 	return result, st, err
+}
+
+// ClearWatermark forgets the last accepted notification's switchedAt.
+func (bs *Brokers) ClearWatermark(ctx context.Context) (SwitchState, error) {
+	return bs.change(ctx, func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
+		st.Watermark = time.Time{}
+		return st, true, setSetting(ctx, tx, keyWatermark, "", now)
+	})
 }
 
 // CancelPending drops the Pending Switch without moving. It reports whether

@@ -216,7 +216,7 @@ func TestBrokerAPI(t *testing.T) {
 	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.pending_switch'").Scan(&pending); err != nil || pending != "" {
 		t.Errorf("broker.pending_switch: %q %v, want \"\"", pending, err)
 	}
-	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.switch_watermark'").Scan(&watermark); err != nil || watermark != "2026-11-29T10:02:00.000000Z" {
+	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.switch_watermark'").Scan(&watermark); err != nil || watermark != "2026-11-29T10:02:00Z" {
 		t.Errorf("broker.switch_watermark: %q %v", watermark, err)
 	}
 }
@@ -740,6 +740,120 @@ func TestCachedStateNeverGoesBack(t *testing.T) {
 		time.Sleep(2 * time.Millisecond)
 		if p.brokers.Cached().Pending != nil {
 			t.Fatalf("round %d: the cache brought back a cancelled Pending Switch", i)
+		}
+	}
+}
+
+// Every admin route takes at most 1 MiB of body, whether it reads one or
+// not: over that is 413, and nothing changes.
+func TestAdminAPIBodyLimits(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	d := startAPI(t, cfg)
+	base := d.URL + "/api/v1/broker"
+	if code, m := apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, time.Now())); code != 202 {
+		t.Fatalf("notify: %d %v", code, m)
+	}
+	big := strings.Repeat("x", 2<<20)
+	for _, tt := range []struct{ method, path, token string }{
+		{"POST", "/switch/1", "operator-token-for-tests"},
+		{"DELETE", "/pending-switch", "operator-token-for-tests"},
+		{"DELETE", "/watermark", "operator-token-for-tests"},
+		{"GET", "", "operator-token-for-tests"},
+		{"POST", "/pending-switch", "producer-token-for-tests"},
+	} {
+		t.Run(tt.method+" "+tt.path, func(t *testing.T) {
+			if code, m := apiCall(t, tt.method, base+tt.path, tt.token, big); code != http.StatusRequestEntityTooLarge {
+				t.Errorf("got %d %v, want 413", code, m)
+			}
+		})
+	}
+	code, m := apiCall(t, "GET", base, "operator-token-for-tests", "")
+	if code != 200 || m["active"].(map[string]any)["index"] != float64(0) || m["pending_switch"] == nil || m["watermark"] == nil {
+		t.Errorf("after the large bodies: %d %v, want broker 0 active, the pending switch and the watermark kept", code, m)
+	}
+}
+
+// A switchedAt beyond api.max_clock_skew is refused; one within it still
+// blocks later real notifications until the operator clears the watermark.
+func TestNotifyClockSkewAndWatermark(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	d := startAPI(t, cfg)
+	base := d.URL + "/api/v1/broker"
+	far := time.Date(9999, 12, 31, 0, 0, 0, 0, time.UTC)
+	if code, m := apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, far)); code != 400 {
+		t.Fatalf("switchedAt in 9999: got %d %v, want 400", code, m)
+	}
+	// Four minutes ahead is within the default 5m skew: accepted.
+	ahead := time.Now().Add(4 * time.Minute)
+	if code, m := apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, ahead)); code != 202 {
+		t.Fatalf("switchedAt 4m ahead: got %d %v, want 202", code, m)
+	}
+	if code, m := apiCall(t, "DELETE", base+"/pending-switch", "operator-token-for-tests", ""); code != 200 {
+		t.Fatalf("cancel: %d %v", code, m)
+	}
+	if code, m := apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, time.Now())); code != 200 || m["reason"] != "stale" {
+		t.Fatalf("real notification behind the watermark: got %d %v, want 200 stale", code, m)
+	}
+	// The producer token may not clear it; the operator may.
+	if code, _ := apiCall(t, "DELETE", base+"/watermark", "producer-token-for-tests", ""); code != 403 {
+		t.Errorf("producer clearing the watermark: got %d, want 403", code)
+	}
+	code, m := apiCall(t, "DELETE", base+"/watermark", "operator-token-for-tests", "")
+	if code != 200 || m["watermark"] != nil || m["active"] == nil {
+		t.Fatalf("DELETE watermark: got %d %v, want 200 with the state and no watermark", code, m)
+	}
+	if code, m := apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, time.Now())); code != 202 {
+		t.Errorf("notification after the watermark was cleared: got %d %v, want 202", code, m)
+	}
+}
+
+// The watermark keeps nanoseconds: a notification with them, repeated after
+// an operator switch, is stale and does not move the broker back.
+func TestWatermarkNanoseconds(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	d := startAPI(t, cfg)
+	base := d.URL + "/api/v1/broker"
+	at := time.Now().Add(-time.Minute).Truncate(time.Second).Add(123456789).Format(time.RFC3339Nano)
+	body := fmt.Sprintf(`{"host": "127.0.0.1", "vhost": %q, "switchedAt": %q}`, b, at)
+	if code, m := apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", body); code != 202 {
+		t.Fatalf("notify: %d %v", code, m)
+	}
+	if code, m := apiCall(t, "POST", base+"/switch/0", "operator-token-for-tests", ""); code != 200 {
+		t.Fatalf("operator switch: %d %v", code, m)
+	}
+	if code, m := apiCall(t, "POST", base+"/pending-switch", "producer-token-for-tests", body); code != 200 || m["reason"] != "stale" {
+		t.Errorf("the same notification again: got %d %v, want 200 stale", code, m)
+	}
+	code, m := apiCall(t, "GET", base, "operator-token-for-tests", "")
+	if code != 200 || m["pending_switch"] != nil || m["active"].(map[string]any)["index"] != float64(0) {
+		t.Errorf("state: %d %v, want broker 0 and no pending switch", code, m)
+	}
+}
+
+// /readyz runs its checks apart, each with its own deadline: a locked
+// database is named, and never makes the reachable broker look down too.
+func TestReadyzChecksApart(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	d := startAPI(t, cfg)
+	if code, answer := do(t, mustRequest(t, http.MethodGet, d.URL+"/readyz")); code != 200 {
+		t.Fatalf("/readyz before: %d %s", code, answer)
+	}
+	lockDatabase(t, cfg.Database.Path)
+	for i := 0; i < 4; i++ {
+		code, answer := do(t, mustRequest(t, http.MethodGet, d.URL+"/readyz"))
+		var got struct{ Problems map[string]string }
+		if err := json.Unmarshal([]byte(answer), &got); err != nil {
+			t.Fatal(err)
+		}
+		if code != 503 || got.Problems["database"] == "" {
+			t.Errorf("/readyz with the database locked: got %d %s, want 503 naming the database", code, answer)
+		}
+		if p, ok := got.Problems["broker"]; ok {
+			t.Errorf("/readyz blames the reachable broker: %s", p)
 		}
 	}
 }

@@ -336,7 +336,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	store.metrics, brokers.metrics, queues.metrics = metrics, metrics, metrics
 	metrics.brokerState(brokers.Cached())
 	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics,
-		api: &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics, log: log}}
+		api: NewAPI(cfg, store, brokers, queues, webhook, metrics, log)}
 	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
