@@ -49,24 +49,42 @@ const handleTimeout = 2 * time.Minute
 
 // deathCount is the attempt number of a message: the count of its x-death
 // entry for queue with reason rejected, i.e. how often it was nacked there.
-func deathCount(h amqp.Table, queue string) int64 {
+// ok is false when that count is negative or not an integer: the header is
+// forged or broken, and no retry budget can be read from it.
+func deathCount(h amqp.Table, queue string) (n int64, ok bool) {
 	deaths, _ := h["x-death"].([]any)
 	for _, d := range deaths {
-		t, ok := d.(amqp.Table)
-		if !ok || tableString(t, "queue") != queue || tableString(t, "reason") != "rejected" {
+		t, isTable := d.(amqp.Table)
+		if !isTable || tableString(t, "queue") != queue || tableString(t, "reason") != "rejected" {
 			continue
 		}
-		switch n := t["count"].(type) {
+		switch c := t["count"].(type) {
 		case int64:
-			return n
+			n = c
 		case int32:
-			return int64(n)
+			n = int64(c)
+		case int16:
+			n = int64(c)
+		case int8:
+			n = int64(c)
 		case int:
-			return int64(n)
+			n = int64(c)
+		case uint8:
+			n = int64(c)
+		case uint16:
+			n = int64(c)
+		case uint32:
+			n = int64(c)
+		default:
+			return 0, false
 		}
+		return n, n >= 0
 	}
-	return 0
+	return 0, true
 }
+
+// reasonBadDeath is the x-error-reason of a message whose x-death is broken.
+const reasonBadDeath = "invalid x-death header"
 
 // Batcher runs a batch of messages' handlers in one transaction; *Store is
 // one (Store.Batch).
@@ -80,6 +98,10 @@ type Batcher interface {
 // transaction committed. Only a failed ack or nack is returned: the channel is
 // gone, and the broker will deliver the message again.
 func (q *Queues) process(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (Outcome, error) {
+	if _, ok := deathCount(d.Headers, queue); !ok {
+		// A count of -1,000,000 would otherwise buy a million retries.
+		return q.toError(ctx, b, queue, d, reasonBadDeath, 0, log.With("delivery_id", d.MessageId))
+	}
 	ev, err := DecodeEvent(d)
 	if err == nil {
 		log = log.With("delivery_id", ev.DeliveryID, "event", ev.Name)
@@ -105,7 +127,7 @@ func (q *Queues) process(ctx context.Context, b *Broker, queue string, d *amqp.D
 // queue-retry, or once it has failed max_attempts times, publish it to
 // queue-error with the reason and the attempts.
 func (q *Queues) retry(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, cause error, log *slog.Logger) (Outcome, error) {
-	attempts := deathCount(d.Headers, queue)
+	attempts, _ := deathCount(d.Headers, queue) // checked in process
 	if attempts >= int64(q.cfg.MaxAttempts) {
 		return q.toError(ctx, b, queue, d, cause.Error(), attempts+1, log)
 	}
@@ -222,7 +244,7 @@ func (q *Queues) toError(ctx context.Context, b *Broker, queue string, d *amqp.D
 		log.Error("cannot move message to error queue, it will retry", "reason", reason, "error", err)
 		return OutcomeRetry, d.Nack(false, false)
 	}
-	log.Error("message moved to error queue", "queue", errorQueue(queue), "reason", reason, "attempts", attempts)
+	log.Error("message moved to error queue", "error_queue", errorQueue(queue), "reason", reason, "attempts", attempts)
 	return OutcomeError, d.Ack(false)
 }
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -26,12 +27,18 @@ func TestDeathCount(t *testing.T) {
 		want  int64
 	}{{"github", 3}, {"github-database", 7}, {"github-hooks", 0}}
 	for _, tt := range tests {
-		if got := deathCount(h, tt.queue); got != tt.want {
-			t.Errorf("deathCount(%s): got %d, want %d", tt.queue, got, tt.want)
+		if got, ok := deathCount(h, tt.queue); got != tt.want || !ok {
+			t.Errorf("deathCount(%s): got %d %t, want %d true", tt.queue, got, ok, tt.want)
 		}
 	}
-	if got := deathCount(nil, "github"); got != 0 {
-		t.Errorf("no header: got %d, want 0", got)
+	if got, ok := deathCount(nil, "github"); got != 0 || !ok {
+		t.Errorf("no header: got %d %t, want 0 true", got, ok)
+	}
+	for _, count := range []any{int64(-1000000), int32(-1), "3", 2.5, nil} {
+		forged := amqp.Table{"x-death": []any{amqp.Table{"queue": "github", "reason": "rejected", "count": count}}}
+		if _, ok := deathCount(forged, "github"); ok {
+			t.Errorf("count %#v: read as valid", count)
+		}
 	}
 }
 
@@ -146,6 +153,8 @@ func TestMalformedMessages(t *testing.T) {
 		{"non-JSON body", eventMessage("issues", "non-json", []byte("<html>nope</html>")), "not a JSON object"},
 		{"truncated JSON", eventMessage("issues", "truncated", body[:len(body)/2]), "not valid JSON"},
 		{"empty body", eventMessage("issues", "empty", nil), "empty body"},
+		{"negative x-death count", withDeath(eventMessage("issues", "forged-death", body), int64(-1000000)), reasonBadDeath},
+		{"x-death count not an integer", withDeath(eventMessage("issues", "text-death", body), "many"), reasonBadDeath},
 	}
 	for _, b := range bad {
 		publishRaw(t, vhost, "", queueGitHub, b.msg)
@@ -169,6 +178,49 @@ func TestMalformedMessages(t *testing.T) {
 	if got := queryInt(t, db, "SELECT count(*) FROM github"); got != 1 {
 		t.Errorf("github rows: got %d, want 1", got)
 	}
+	d.stop(t)
+	if !strings.Contains(d.logs.String(), "message moved to error queue") {
+		t.Fatalf("no line says a message moved to the error queue")
+	}
+	noRepeatedKeys(t, d.logs.String())
+}
+
+// noRepeatedKeys fails for every slog text line that has a key twice (a
+// child logger's key added again): log processors keep one of them.
+func noRepeatedKeys(t *testing.T, logs string) {
+	t.Helper()
+	for _, line := range strings.Split(logs, "\n") {
+		seen := map[string]bool{}
+		for rest := line; rest != ""; {
+			key, after, ok := strings.Cut(rest, "=")
+			if !ok {
+				break
+			}
+			key = strings.TrimSpace(key)
+			if seen[key] {
+				t.Errorf("key %q twice in: %s", key, line)
+			}
+			seen[key] = true
+			if strings.HasPrefix(after, `"`) {
+				q, err := strconv.QuotedPrefix(after)
+				if err != nil {
+					break
+				}
+				after = after[len(q):]
+			} else if i := strings.IndexByte(after, ' '); i >= 0 {
+				after = after[i:]
+			} else {
+				after = ""
+			}
+			rest = after
+		}
+	}
+}
+
+// withDeath gives msg an x-death entry for github, rejected, with count.
+func withDeath(msg amqp.Publishing, count any) amqp.Publishing {
+	msg.Headers["x-death"] = []any{amqp.Table{"queue": queueGitHub, "reason": "rejected", "count": count}}
+	return msg
 }
 
 // The wrapped form {"headers": ..., "payload": ...} is read like a plain one.
@@ -300,6 +352,7 @@ func TestMessageLogLines(t *testing.T) {
 	if len(lines) < 2 {
 		t.Fatalf("expected the alert and typed-table lines, got:\n%s", strings.Join(lines, "\n"))
 	}
+	noRepeatedKeys(t, d.logs.String())
 	for _, l := range lines {
 		for _, key := range []string{"worker=", "queue=", "broker=", "delivery_id=", "event="} {
 			if !strings.Contains(l, key) {
