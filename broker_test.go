@@ -551,7 +551,9 @@ func TestConcurrentDrainChecks(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			ok, err := bs.CompleteIfDrained(ctx, q.Drained)
+			ok, err := bs.CompleteIfDrained(ctx, func(ctx context.Context, b *Broker) (bool, error) {
+				return q.Drained(ctx, b, logicalQueues)
+			})
 			if err != nil {
 				t.Error(err)
 			}
@@ -855,5 +857,25 @@ func TestReadyzChecksApart(t *testing.T) {
 		if p, ok := got.Problems["broker"]; ok {
 			t.Errorf("/readyz blames the reachable broker: %s", p)
 		}
+	}
+}
+
+// With the hooks worker off, a message on github-hooks does not hold a
+// Pending Switch: the switch completes, and a warning names the queue.
+func TestPendingSwitchIgnoresUnconsumedQueues(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b)) // github.app_id = 0
+	declareTestTopology(t, a, cfg.Queue.RetryTTL)
+	publishRaw(t, a, "", queueHooks, amqp.Publishing{ContentType: "application/json", Body: []byte(`{"delivery_id": 1, "guid": "g"}`)})
+	d := startDaemon(t, cfg)
+	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token-for-tests", notification("127.0.0.1", b, time.Now())); code != 202 {
+		t.Fatalf("notify: %d %v", code, m)
+	}
+	eventually(t, 20*time.Second, "the switch to broker 1", func() bool { return activeIndex(t, d.URL) == 1 })
+	if !strings.Contains(d.logs.String(), "unconsumed_queue=github-hooks") {
+		t.Errorf("no warning names github-hooks")
+	}
+	if n := ready(t, a, queueHooks); n != 1 {
+		t.Errorf("github-hooks on the old broker: %d messages, want the one left alone", n)
 	}
 }

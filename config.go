@@ -376,6 +376,15 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
+// ConsumedQueues are the logical queues a worker of this configuration reads:
+// all four, less github-hooks when the hooks worker is off (app_id = 0).
+func (c *Config) ConsumedQueues() []string {
+	if c.GitHub.AppID > 0 {
+		return logicalQueues
+	}
+	return []string{queueGitHub, queueDatabase, queueForbidden}
+}
+
 // minTokenLen is the shortest API token accepted; warnTokenLen the shortest
 // that passes without a warning.
 const (

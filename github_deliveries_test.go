@@ -240,6 +240,21 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 	}
 }
 
+// hooks_poll_every holds whatever the window: with a 5-minute window the
+// hooks worker still polls every 300 ms.
+func TestHooksPollEveryHoldsOverWindow(t *testing.T) {
+	gh := newFakeGitHub(t)
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.GitHub.AppID = testAppID
+	cfg.GitHub.PrivateKeyFile = gh.keyFile(t)
+	cfg.GitHub.APIURL = gh.srv.URL
+	cfg.Workers.Window = 5 * time.Minute
+	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
+	startDaemon(t, cfg)
+	eventually(t, 30*time.Second, "four polls", func() bool { l, _, _ := gh.counts(0); return l >= 4 })
+}
+
 // hooksForTest builds the hooks worker's parts over a real store and broker.
 func hooksForTest(t *testing.T, gh *fakeGitHub) (*Hooks, string, *Store, *logSink) {
 	t.Helper()

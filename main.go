@@ -358,7 +358,9 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 			return fail(err)
 		}
 		hooks := &Hooks{app: app, store: store, brokers: brokers, queues: queues, timeout: cfg.Queue.PublishTimeout, log: log.With("worker", "hooks")}
-		hw := newWorker("hooks", queueHooks, hooks.Handle, w.Window, 0, w, brokers, queues, log)
+		// The poll runs between windows: a window longer than
+		// hooks_poll_every would stretch it (SPEC §12.1).
+		hw := newWorker("hooks", queueHooks, hooks.Handle, min(w.Window, w.HooksPollEvery), 0, w, brokers, queues, log)
 		hw.Poll = func(ctx context.Context) error {
 			n, err := hooks.Poll(ctx)
 			if n > 0 {
@@ -369,6 +371,9 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		hw.PollEvery = w.HooksPollEvery
 		hw.health = hc(cfg.HealthChecks.Hooks, "hooks")
 		d.workers = append(d.workers, hw)
+	}
+	for _, w := range d.workers {
+		w.consumed = cfg.ConsumedQueues()
 	}
 	return d, nil
 }

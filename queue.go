@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -310,16 +311,20 @@ func (q *Queues) readyCount(conn *amqp.Connection, b *Broker, name string) (int,
 	return qi.Messages, nil
 }
 
-// Drained reports whether broker b holds no ready message in the 4 main and 4
-// -retry queues (-error queues are terminal and do not count), and no worker
-// of this process holds one of its messages. Ready counts miss two kinds of
-// message: one in a worker's hands (unacked, and it may yet be nacked into
-// -retry), and one that RabbitMQ is dead-lettering from -retry back to its
-// queue at that instant. So the broker must look empty twice, drainQuiet
-// apart, with nothing in hand either time.
-func (q *Queues) Drained(ctx context.Context, b *Broker) (bool, error) {
+// Drained reports whether broker b holds no ready message in the main and
+// -retry queues of the logical queues consumed (-error queues are terminal and
+// do not count), and no worker of this process holds one of its messages.
+// Ready counts miss two kinds of message: one in a worker's hands (unacked,
+// and it may yet be nacked into -retry), and one that RabbitMQ is
+// dead-lettering from -retry back to its queue at that instant. So the broker
+// must look empty twice, drainQuiet apart, with nothing in hand either time.
+//
+// A queue that no worker of this configuration consumes (github-hooks with
+// the hooks worker off) would hold the switch forever: it is left out, and a
+// warning names it while it holds messages.
+func (q *Queues) Drained(ctx context.Context, b *Broker, consumed []string) (bool, error) {
 	var names []string
-	for _, name := range logicalQueues {
+	for _, name := range consumed {
 		names = append(names, name, retryQueue(name))
 	}
 	for check := 0; check < 2; check++ {
@@ -346,7 +351,32 @@ func (q *Queues) Drained(ctx context.Context, b *Broker) (bool, error) {
 			return false, nil
 		}
 	}
+	q.warnUnconsumed(ctx, b, consumed)
 	return true, nil
+}
+
+// warnUnconsumed names the queues on b that hold messages no worker of this
+// configuration reads: they do not hold a switch back, and stay where they are.
+func (q *Queues) warnUnconsumed(ctx context.Context, b *Broker, consumed []string) {
+	var names []string
+	for _, name := range logicalQueues {
+		if !slices.Contains(consumed, name) {
+			names = append(names, name, retryQueue(name))
+		}
+	}
+	if len(names) == 0 {
+		return
+	}
+	counts, err := q.ReadyCounts(ctx, b, names)
+	if err != nil {
+		return
+	}
+	for _, name := range names {
+		if counts[name] > 0 {
+			q.log.Warn("queue holds messages that no worker of this configuration consumes; the switch does not wait for them",
+				"broker", b.String(), "unconsumed_queue", name, "messages", counts[name])
+		}
+	}
 }
 
 // Reachable dials broker b if needed, for /readyz.

@@ -30,6 +30,9 @@ type Worker struct {
 	lastPoll  time.Time
 
 	health *HealthCheck
+	// consumed are the logical queues the daemon's workers read: what a
+	// Pending Switch waits for (Config.ConsumedQueues).
+	consumed []string
 
 	cfg     WorkersConfig
 	brokers *Brokers
@@ -39,7 +42,7 @@ type Worker struct {
 
 // newWorker builds a worker over the shared brokers and queues.
 func newWorker(name, queue string, h Handler, window, every time.Duration, cfg WorkersConfig, brokers *Brokers, queues *Queues, log *slog.Logger) *Worker {
-	return &Worker{Name: name, Queue: queue, Handle: h, Window: window, Every: every,
+	return &Worker{Name: name, Queue: queue, Handle: h, Window: window, Every: every, consumed: logicalQueues,
 		cfg: cfg, brokers: brokers, queues: queues, log: log.With("worker", name, "queue", queue)}
 }
 
@@ -106,7 +109,9 @@ func (w *Worker) work(ctx context.Context) error {
 		return err
 	}
 	if st.Pending != nil {
-		flipped, err := w.brokers.CompleteIfDrained(ctx, w.queues.Drained)
+		flipped, err := w.brokers.CompleteIfDrained(ctx, func(ctx context.Context, b *Broker) (bool, error) {
+			return w.queues.Drained(ctx, b, w.consumed)
+		})
 		if err != nil {
 			w.log.Warn("pending switch waits: cannot verify the active broker is drained",
 				"active", st.Active, "target", st.Pending.Index, "error", err)
