@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	mail "github.com/wneessen/go-mail"
@@ -17,17 +18,21 @@ import (
 // Alerter sends the alerts of SPEC §9: rules select Events by "event.action"
 // patterns, and name the channels (email, push) that announce them.
 type Alerter struct {
-	cfg  AlertsConfig
+	cfg  atomic.Pointer[AlertsConfig] // a SIGHUP may change it
 	http *http.Client
 	log  *slog.Logger
 }
 
-// NewAlerter returns nil when no rule is configured: nothing to send.
+// NewAlerter returns the alerter of cfg; with no rule it sends nothing.
 func NewAlerter(cfg AlertsConfig, log *slog.Logger) *Alerter {
-	if len(cfg.Rules) == 0 {
-		return nil
-	}
-	return &Alerter{cfg: cfg, http: &http.Client{Timeout: 15 * time.Second}, log: log}
+	a := &Alerter{http: &http.Client{Timeout: 15 * time.Second}, log: log}
+	a.Reload(cfg)
+	return a
+}
+
+// Reload takes new rules and channels (SIGHUP); the next alert uses them.
+func (a *Alerter) Reload(cfg AlertsConfig) {
+	a.cfg.Store(&cfg)
 }
 
 // matchPattern matches "event.action" against a rule pattern: "*" matches
@@ -54,7 +59,7 @@ func (a *Alerter) Channels(ev *Event) []string {
 		return nil
 	}
 	var out []string
-	for _, r := range a.cfg.Rules {
+	for _, r := range a.cfg.Load().Rules {
 		matched := false
 		for _, p := range r.Events {
 			if matchPattern(p, ev.Name, ev.Action) {
@@ -81,10 +86,11 @@ func (a *Alerter) Channels(ev *Event) []string {
 
 func (a *Alerter) configured() []string {
 	var c []string
-	if a.cfg.Email.Host != "" {
+	cfg := a.cfg.Load()
+	if cfg.Email.Host != "" {
 		c = append(c, "email")
 	}
-	if a.cfg.Push.URL != "" {
+	if cfg.Push.URL != "" {
 		c = append(c, "push")
 	}
 	return c
@@ -188,7 +194,7 @@ func (a *Alerter) Send(ctx context.Context, channel string, ev *Event, forbidden
 }
 
 func (a *Alerter) sendEmail(ctx context.Context, subject, body string) error {
-	c := a.cfg.Email
+	c := a.cfg.Load().Email
 	if c.Host == "" {
 		return fmt.Errorf("email alert: alerts.email.host is not set")
 	}
@@ -227,7 +233,8 @@ func (a *Alerter) sendEmail(ctx context.Context, subject, body string) error {
 // sendPush POSTs an ntfy-style message: the body as text, the title, tags
 // and link as headers.
 func (a *Alerter) sendPush(ctx context.Context, title, body, link string, ev *Event) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, a.cfg.Push.URL, bytes.NewBufferString(body))
+	push := a.cfg.Load().Push
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, push.URL, bytes.NewBufferString(body))
 	if err != nil {
 		return fmt.Errorf("push alert: %w", err)
 	}
@@ -244,8 +251,8 @@ func (a *Alerter) sendPush(ctx context.Context, title, body, link string, ev *Ev
 	if link != "" {
 		req.Header.Set("Click", link)
 	}
-	if a.cfg.Push.Token != "" {
-		req.Header.Set("Authorization", "Bearer "+a.cfg.Push.Token)
+	if push.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+push.Token)
 	}
 	resp, err := a.http.Do(req)
 	if err != nil {

@@ -652,6 +652,9 @@ func TestQueuesAndReplayCommands(t *testing.T) {
 	}
 
 	var out bytes.Buffer
+	if err := run(context.Background(), []string{"migrate", "-config", config}, &out, &out); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
 	if err := run(context.Background(), []string{"queues", "-config", config}, &out, &out); err != nil {
 		t.Fatalf("queues: %v\n%s", err, out.String())
 	}
@@ -878,4 +881,72 @@ func TestPendingSwitchIgnoresUnconsumedQueues(t *testing.T) {
 	if n := ready(t, a, queueHooks); n != 1 {
 		t.Errorf("github-hooks on the old broker: %d messages, want the one left alone", n)
 	}
+}
+
+// replay while serve runs, with messages that fail again at once: it moves
+// what github-error held when it began, once each, and stops; it never
+// loops on them. -dry-run lists them and moves nothing; -broker N takes a
+// spare broker's stranded errors to the active broker.
+func TestReplayWhileServing(t *testing.T) {
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	dir := t.TempDir()
+	config := writeConfig(t, dir, "127.0.0.1:1", cfg.Database.Path, amqpURL(a), amqpURL(b))
+	declareTestTopology(t, a, cfg.Queue.RetryTTL)
+	declareTestTopology(t, b, cfg.Queue.RetryTTL)
+	for i := 0; i < 5; i++ {
+		msg := eventMessage("issues", fmt.Sprintf("bad-%d", i), []byte("<html>not json</html>"))
+		msg.Headers[hdrError] = "payload is not a JSON object"
+		msg.Headers[hdrAttempts] = int64(3)
+		publishRaw(t, a, "", errorQueue(queueGitHub), msg)
+	}
+	d := startDaemon(t, cfg)
+
+	var out bytes.Buffer
+	if err := run(context.Background(), []string{"replay", "-config", config, "github", "-dry-run"}, &out, &out); err != nil {
+		t.Fatalf("replay -dry-run: %v\n%s", err, out.String())
+	}
+	for i := 0; i < 5; i++ {
+		if !strings.Contains(out.String(), fmt.Sprintf("bad-%d", i)) {
+			t.Errorf("dry run does not list bad-%d:\n%s", i, out.String())
+		}
+	}
+	if !strings.Contains(regexpSpaces(out.String()), "issues  3  payload is not a JSON object") {
+		t.Errorf("dry run lacks event, attempts and reason:\n%s", out.String())
+	}
+	if n := ready(t, a, errorQueue(queueGitHub)); n != 5 {
+		t.Fatalf("github-error after the dry run: %d, want all 5 still there", n)
+	}
+
+	out.Reset()
+	if err := run(context.Background(), []string{"replay", "-config", config, "github"}, &out, &out); err != nil {
+		t.Fatalf("replay: %v\n%s", err, out.String())
+	}
+	if !strings.Contains(out.String(), "replayed 5 of 5 message(s)") {
+		t.Errorf("replay moved other than the 5 it found:\n%s", out.String())
+	}
+	// The service worker fails them again, straight back to github-error.
+	eventually(t, 20*time.Second, "the 5 back in github-error", func() bool { return ready(t, a, errorQueue(queueGitHub)) == 5 })
+
+	// Stranded on the spare broker: -broker 1 moves them to the active one.
+	body := loadFixture(t, "issues", "opened.payload.json")
+	stranded := []string{newGUID(), newGUID()}
+	for _, g := range stranded {
+		publishRaw(t, b, "", errorQueue(queueGitHub), eventMessage("issues", g, body))
+	}
+	out.Reset()
+	if err := run(context.Background(), []string{"replay", "-config", config, "-broker", "1", "github-error"}, &out, &out); err != nil {
+		t.Fatalf("replay -broker 1: %v\n%s", err, out.String())
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "the stranded deliveries stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id IN (?, ?)", stranded[0], stranded[1]) == 2
+	})
+	if n := ready(t, b, errorQueue(queueGitHub)); n != 0 {
+		t.Errorf("github-error on broker 1 after replay -broker 1: %d left", n)
+	}
+	if err := run(context.Background(), []string{"replay", "-config", config, "-broker", "7", "github"}, &out, &out); exitCode(err, &out) != 2 {
+		t.Errorf("replay -broker 7: got %v, want a usage error", err)
+	}
+	d.stop(t)
 }

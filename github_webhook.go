@@ -421,7 +421,7 @@ func rejectOutcome(err error) string {
 func (wh *Webhook) reject(w http.ResponseWriter, r *http.Request, err error, src netip.Addr) {
 	outcome := rejectOutcome(err)
 	wh.metrics.webhook(outcome)
-	if ok, suppressed := wh.rejects.allow(outcome); ok {
+	if ok, suppressed := wh.rejects.allow(outcome, time.Now()); ok {
 		args := []any{"outcome", outcome, "status", statusOf(err), "source_ip", addrText(src), "error", err}
 		if suppressed > 0 {
 			args = append(args, "suppressed", suppressed)
@@ -502,10 +502,9 @@ func newLogLimiter(every time.Duration) *logLimiter {
 	return &logLimiter{every: every, last: map[string]time.Time{}, held: map[string]int{}}
 }
 
-// allow reports whether a line for key may be logged now, and how many were
-// held back since the last one.
-func (l *logLimiter) allow(key string) (ok bool, suppressed int) {
-	now := time.Now()
+// allow reports whether a line for key may be logged at now, and how many
+// were held back since the last one.
+func (l *logLimiter) allow(key string, now time.Time) (ok bool, suppressed int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if last, seen := l.last[key]; seen && now.Sub(last) < l.every {

@@ -212,6 +212,25 @@ func TestWebhookRejectsBadRequests(t *testing.T) {
 		})
 	}
 
+	// Each kind of rejection is logged at warn with its reason and source, at
+	// most once per 10 s: three 401s above make one line.
+	logs := d.logs.String()
+	for _, outcome := range []string{"unauthorized", "bad_request", "too_large"} {
+		var lines []string
+		for _, l := range strings.Split(logs, "\n") {
+			if strings.Contains(l, `msg="webhook rejected"`) && strings.Contains(l, "outcome="+outcome+" ") {
+				lines = append(lines, l)
+			}
+		}
+		if len(lines) != 1 {
+			t.Errorf("%s: %d log lines, want 1:\n%s", outcome, len(lines), strings.Join(lines, "\n"))
+			continue
+		}
+		if !strings.Contains(lines[0], "level=WARN") || !strings.Contains(lines[0], "source_ip=127.0.0.1") || !strings.Contains(lines[0], "error=") {
+			t.Errorf("%s line lacks level, source or reason: %s", outcome, lines[0])
+		}
+	}
+
 	// A good form-encoded delivery goes through, so the endpoint is not just
 	// refusing everything; it is then the only message anywhere.
 	form := []byte("payload=" + url.QueryEscape(string(body)))
@@ -652,5 +671,31 @@ func TestWebhookHostileBodiesBounded(t *testing.T) {
 	}
 	for _, c := range slow {
 		c.Close()
+	}
+}
+
+// One line per key per period; the next one says how many were held back.
+func TestLogLimiter(t *testing.T) {
+	l := newLogLimiter(10 * time.Second)
+	t0 := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
+	steps := []struct {
+		key        string
+		at         time.Duration
+		ok         bool
+		suppressed int
+	}{
+		{"unauthorized", 0, true, 0},
+		{"unauthorized", time.Second, false, 0},
+		{"bad_request", 2 * time.Second, true, 0},
+		{"unauthorized", 9 * time.Second, false, 0},
+		{"unauthorized", 10 * time.Second, true, 2},
+		{"unauthorized", 11 * time.Second, false, 0},
+		{"unauthorized", time.Minute, true, 1},
+	}
+	for i, s := range steps {
+		ok, n := l.allow(s.key, t0.Add(s.at))
+		if ok != s.ok || n != s.suppressed {
+			t.Errorf("step %d (%s at %s): got %t %d, want %t %d", i, s.key, s.at, ok, n, s.ok, s.suppressed)
+		}
 	}
 }

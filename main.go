@@ -9,17 +9,23 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"os/signal"
+	"reflect"
+	"runtime"
+	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"text/tabwriter"
 	"time"
 
 	"github.com/coreos/go-systemd/v22/daemon"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"golang.org/x/sync/errgroup"
 )
 
@@ -47,62 +53,160 @@ func exitCode(err error, stderr io.Writer) int {
 	fmt.Fprintln(stderr, "switchyard:", err)
 	var ue *usageError
 	if errors.As(err, &ue) {
-		fmt.Fprint(stderr, usageText)
+		fmt.Fprintln(stderr, "Run 'switchyard help' for usage.")
 		return 2
 	}
 	return 1
 }
 
-const usageText = `usage:
-  switchyard serve        [-config PATH]
-  switchyard migrate      [-config PATH]
-  switchyard check-config [-config PATH]
-  switchyard backup       [-config PATH] DEST
-  switchyard queues       [-config PATH]
-  switchyard replay       [-config PATH] QUEUE [-limit N]
-  switchyard version
-PATH defaults to $SWITCHYARD_CONFIG, then ./switchyard.toml.
-`
+// command is one subcommand: its arguments, what it does, and its flags
+// beyond -config.
+type command struct {
+	name, args, summary string
+	nargs               int  // positional arguments it takes
+	noConfig            bool // takes no -config
+	flags               func(fs *flag.FlagSet, o *options)
+}
+
+// options are the flags of every command, filled by parsing.
+type options struct {
+	config string
+	replay ReplayOptions
+}
+
+var commands = []command{
+	{name: "serve", summary: "run the daemon until SIGTERM or SIGINT; SIGHUP reloads the config"},
+	{name: "migrate", summary: "create or upgrade the database, then exit"},
+	{name: "check-config", summary: "validate the config; print it with secrets masked, and any warnings"},
+	{name: "backup", args: "DEST", nargs: 1, summary: "write a consistent snapshot of the database to DEST (mode 0600) while serve runs"},
+	{name: "queues", summary: "ready-message counts of all 12 queues on every broker"},
+	{name: "replay", args: "QUEUE", nargs: 1,
+		summary: "move the messages QUEUE-error holds now back to QUEUE on the active broker",
+		flags: func(fs *flag.FlagSet, o *options) {
+			fs.IntVar(&o.replay.Limit, "limit", 0, "move at most this many messages (0: all that QUEUE-error holds now)")
+			fs.IntVar(&o.replay.From, "broker", -1, "take them from this broker's QUEUE-error (index; default: the active broker)")
+			fs.BoolVar(&o.replay.DryRun, "dry-run", false, "list delivery ID, event, x-error-reason and x-attempts; move nothing")
+		}},
+	{name: "version", noConfig: true, summary: "print the version and the Go version"},
+	{name: "help", args: "[COMMAND]", noConfig: true, summary: "print this, or a command's usage and flags"},
+}
+
+func findCommand(name string) *command {
+	for i := range commands {
+		if commands[i].name == name {
+			return &commands[i]
+		}
+	}
+	return nil
+}
+
+// flagSet is the command's flags, parsed into o.
+func (c *command) flagSet(o *options) *flag.FlagSet {
+	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	if !c.noConfig {
+		fs.StringVar(&o.config, "config", defaultConfigPath(), "config file ($SWITCHYARD_CONFIG, else ./switchyard.toml)")
+	}
+	if c.flags != nil {
+		c.flags(fs, o)
+	}
+	return fs
+}
+
+// usage writes the command's usage line, what it does and its flags.
+func (c *command) usage(w io.Writer) {
+	line := "switchyard " + c.name
+	if !c.noConfig {
+		line += " [-config PATH]"
+	}
+	if c.args != "" {
+		line += " " + c.args
+	}
+	if c.flags != nil {
+		line += " [flags]"
+	}
+	fmt.Fprintf(w, "usage: %s\n\n%s.\n", line, strings.ToUpper(c.summary[:1])+c.summary[1:])
+	fs := c.flagSet(&options{})
+	if !c.noConfig {
+		fmt.Fprintln(w, "\nflags:")
+		fs.SetOutput(w)
+		fs.PrintDefaults()
+	}
+}
+
+// usageText writes the overview of `switchyard help`.
+func usageText(w io.Writer) {
+	fmt.Fprintln(w, "usage: switchyard COMMAND [flags] [arguments]")
+	fmt.Fprintln(w, "\ncommands:")
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	for _, c := range commands {
+		fmt.Fprintf(tw, "  %s %s\t%s\n", c.name, c.args, c.summary)
+	}
+	tw.Flush()
+	fmt.Fprintln(w, "\nRun 'switchyard help COMMAND' or 'switchyard COMMAND -h' for a command's flags.")
+}
 
 // run is the whole program; the end-to-end tests call it.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
 		return usagef("no command")
 	}
-	cmd, args := args[0], args[1:]
-	fs := flag.NewFlagSet(cmd, flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	configPath := fs.String("config", defaultConfigPath(), "config file")
-	limit := fs.Int("limit", 0, "replay: at most this many messages (0: all)")
-	pos, err := parseInterleaved(fs, args)
+	name, args := args[0], args[1:]
+	switch name {
+	case "-h", "-help", "--help":
+		name = "help"
+	case "-version", "--version":
+		name = "version"
+	}
+	cmd := findCommand(name)
+	if cmd == nil {
+		return usagef("unknown command %q", name)
+	}
+	var o options
+	pos, err := parseInterleaved(cmd.flagSet(&o), args)
+	if errors.Is(err, flag.ErrHelp) {
+		cmd.usage(stdout)
+		return nil
+	}
 	if err != nil {
-		return usagef("%s: %v", cmd, err)
+		return usagef("%s: %v", cmd.name, err)
 	}
-	want := map[string]int{"serve": 0, "migrate": 0, "check-config": 0, "backup": 1, "queues": 0, "replay": 1, "version": 0}
-	n, ok := want[cmd]
-	if !ok {
-		return usagef("unknown command %q", cmd)
+	if cmd.name == "help" && len(pos) <= 1 {
+		if len(pos) == 0 {
+			usageText(stdout)
+			return nil
+		}
+		c := findCommand(pos[0])
+		if c == nil {
+			return usagef("help: unknown command %q", pos[0])
+		}
+		c.usage(stdout)
+		return nil
 	}
-	if len(pos) != n {
-		return usagef("%s takes %d argument(s), got %d", cmd, n, len(pos))
+	if len(pos) != cmd.nargs {
+		return usagef("%s takes %d argument(s), got %d", cmd.name, cmd.nargs, len(pos))
 	}
 
-	switch cmd {
+	switch cmd.name {
 	case "version":
-		fmt.Fprintln(stdout, "switchyard", version)
+		fmt.Fprintf(stdout, "switchyard %s (%s)\n", version, runtime.Version())
 		return nil
 	case "check-config":
-		return checkConfig(*configPath, stdout)
+		return checkConfig(o.config, stdout)
 	}
 
-	cfg, err := LoadConfig(*configPath)
+	cfg, err := LoadConfig(o.config)
 	if err != nil {
 		return err
 	}
-	log := newLogger(cfg.Log, stderr)
-	switch cmd {
+	level := new(slog.LevelVar)
+	log := newLogger(cfg.Log, level, stderr)
+	switch cmd.name {
 	case "serve":
-		return serve(ctx, cfg, log, func() { sdNotify(log, daemon.SdNotifyReady) })
+		for _, w := range cfg.Warnings(o.config) {
+			log.Warn("config: " + w)
+		}
+		return serve(ctx, cfg, o.config, level, log, func() { sdNotify(log, daemon.SdNotifyReady) })
 	case "migrate":
 		return migrate(ctx, cfg, stdout)
 	case "backup":
@@ -110,7 +214,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "queues":
 		return listQueues(ctx, cfg, log, stdout)
 	case "replay":
-		return replay(ctx, cfg, log, pos[0], *limit, stdout)
+		return replay(ctx, cfg, log, pos[0], o.replay, stdout)
 	}
 	return nil
 }
@@ -139,27 +243,104 @@ func defaultConfigPath() string {
 	return "switchyard.toml"
 }
 
-// newLogger sets up log/slog once. Under systemd (JOURNAL_STREAM set) the time
-// is left to journald, which stamps every line.
-func newLogger(cfg LogConfig, w io.Writer) *slog.Logger {
-	level := map[string]slog.Level{"debug": slog.LevelDebug, "info": slog.LevelInfo, "warn": slog.LevelWarn, "error": slog.LevelError}[cfg.Level]
+// newLogger sets up log/slog once, at level (which a reload may change).
+// Under systemd (JOURNAL_STREAM set) the time is left to journald, which
+// stamps every line, and each line starts with its syslog priority, so that
+// `journalctl -p warning` finds the warnings.
+func newLogger(cfg LogConfig, level *slog.LevelVar, w io.Writer) *slog.Logger {
+	level.Set(parseLevel(cfg.Level))
 	opts := &slog.HandlerOptions{Level: level}
-	if os.Getenv("JOURNAL_STREAM") != "" {
-		opts.ReplaceAttr = func(groups []string, a slog.Attr) slog.Attr {
-			if len(groups) == 0 && a.Key == slog.TimeKey {
-				return slog.Attr{}
-			}
-			return a
+	newHandler := func(w io.Writer) slog.Handler {
+		if cfg.Format == "json" {
+			return slog.NewJSONHandler(w, opts)
 		}
+		return slog.NewTextHandler(w, opts)
 	}
-	if cfg.Format == "json" {
-		return slog.New(slog.NewJSONHandler(w, opts))
+	if os.Getenv("JOURNAL_STREAM") == "" {
+		return slog.New(newHandler(w))
 	}
-	return slog.New(slog.NewTextHandler(w, opts))
+	opts.ReplaceAttr = func(groups []string, a slog.Attr) slog.Attr {
+		if len(groups) == 0 && a.Key == slog.TimeKey {
+			return slog.Attr{}
+		}
+		return a
+	}
+	lw := &lockedWriter{w: w}
+	var h journalHandler
+	for i, prio := range journalPriorities {
+		h.levels[i] = newHandler(&prefixWriter{w: lw, prefix: prio})
+	}
+	return slog.New(h)
 }
 
-// checkConfig validates the file and prints a summary with secrets masked, or
-// every problem, one per line.
+func parseLevel(s string) slog.Level {
+	return map[string]slog.Level{"debug": slog.LevelDebug, "info": slog.LevelInfo, "warn": slog.LevelWarn, "error": slog.LevelError}[s]
+}
+
+// journalPriorities are the sd-daemon prefixes of debug, info, warn, error.
+var journalPriorities = [4]string{"<7>", "<6>", "<4>", "<3>"}
+
+// journalHandler writes each record through the handler of its level, whose
+// lines carry that level's priority prefix.
+type journalHandler struct{ levels [4]slog.Handler }
+
+func (h journalHandler) index(l slog.Level) int {
+	switch {
+	case l >= slog.LevelError:
+		return 3
+	case l >= slog.LevelWarn:
+		return 2
+	case l >= slog.LevelInfo:
+		return 1
+	}
+	return 0
+}
+
+func (h journalHandler) Enabled(ctx context.Context, l slog.Level) bool {
+	return h.levels[h.index(l)].Enabled(ctx, l)
+}
+
+func (h journalHandler) Handle(ctx context.Context, r slog.Record) error {
+	return h.levels[h.index(r.Level)].Handle(ctx, r)
+}
+
+func (h journalHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	for i := range h.levels {
+		h.levels[i] = h.levels[i].WithAttrs(as)
+	}
+	return h
+}
+
+func (h journalHandler) WithGroup(name string) slog.Handler {
+	for i := range h.levels {
+		h.levels[i] = h.levels[i].WithGroup(name)
+	}
+	return h
+}
+
+// lockedWriter serializes the writes of the four level handlers.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+// prefixWriter writes each line (slog writes one per call) behind prefix.
+type prefixWriter struct {
+	w      *lockedWriter
+	prefix string
+}
+
+func (p *prefixWriter) Write(b []byte) (int, error) {
+	p.w.mu.Lock()
+	defer p.w.mu.Unlock()
+	if _, err := p.w.w.Write(append([]byte(p.prefix), b...)); err != nil {
+		return 0, err
+	}
+	return len(b), nil
+}
+
+// checkConfig validates the file and prints a summary with secrets masked and
+// any warnings, or every problem, one per line.
 func checkConfig(path string, stdout io.Writer) error {
 	f, err := os.Open(path)
 	if err != nil {
@@ -175,6 +356,9 @@ func checkConfig(path string, stdout io.Writer) error {
 	}
 	fmt.Fprintf(stdout, "%s is valid\n", path)
 	cfg.Summary(stdout)
+	for _, w := range cfg.Warnings(path) {
+		fmt.Fprintln(stdout, "warning:", w)
+	}
 	return nil
 }
 
@@ -192,19 +376,43 @@ func migrate(ctx context.Context, cfg *Config, stdout io.Writer) error {
 	return nil
 }
 
-func backup(ctx context.Context, cfg *Config, dest string, stdout io.Writer) error {
-	if _, err := os.Stat(dest); err == nil {
-		return fmt.Errorf("backup: %s exists; refusing to overwrite it", dest)
+// openExisting opens the database for a command that must not create one:
+// run from another directory, a relative database.path would otherwise be a
+// new, empty database, backed up or read as if it were the real one.
+func openExisting(ctx context.Context, cfg DatabaseConfig) (*Store, error) {
+	if _, err := os.Stat(cfg.Path); errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("database %s does not exist (only serve and migrate create one; a relative database.path is read from the current directory)", cfg.Path)
 	}
-	store, err := OpenStore(ctx, cfg.Database)
+	return OpenStore(ctx, cfg)
+}
+
+func backup(ctx context.Context, cfg *Config, dest string, stdout io.Writer) error {
+	store, err := openExisting(ctx, cfg.Database)
 	if err != nil {
 		return err
 	}
 	defer store.Close()
+	start := time.Now()
+	// Created empty first, so the copy is never readable by others, not even
+	// while it is written; VACUUM INTO writes into an empty file.
+	f, err := os.OpenFile(dest, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if errors.Is(err, fs.ErrExist) {
+		return fmt.Errorf("backup: %s exists; refusing to overwrite it", dest)
+	}
+	if err != nil {
+		return fmt.Errorf("backup: %w", err)
+	}
+	f.Close()
 	if err := store.Backup(ctx, dest); err != nil {
+		os.Remove(dest)
 		return err
 	}
-	fmt.Fprintf(stdout, "backup of %s written to %s; integrity_check ok\n", cfg.Database.Path, dest)
+	fi, err := os.Stat(dest)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "backup of %s written to %s: %d bytes in %s; integrity_check ok\n",
+		cfg.Database.Path, dest, fi.Size(), time.Since(start).Round(time.Millisecond))
 	return nil
 }
 
@@ -252,27 +460,28 @@ func operatorQueues(cfg *Config, brokers []*Broker, log *slog.Logger) *Queues {
 	return NewQueues(qcfg, brokers, log)
 }
 
+// ReplayOptions are the replay command's flags.
+type ReplayOptions struct {
+	Limit  int  // at most this many; 0: all that QUEUE-error held at the start
+	From   int  // the broker whose QUEUE-error is read; -1: the active one
+	DryRun bool // list, move nothing
+}
+
 // replay moves messages from QUEUE-error back to QUEUE on the active broker:
 // each is published with a confirm before it is acked, so stopping half way
 // loses nothing (at worst a message is in both, and the workers' duplicate
-// check takes care of it).
-func replay(ctx context.Context, cfg *Config, log *slog.Logger, queue string, limit int, stdout io.Writer) error {
+// check takes care of it). It moves at most what QUEUE-error held when it
+// began: a message that fails again while it runs is left for the next run.
+func replay(ctx context.Context, cfg *Config, log *slog.Logger, queue string, opts ReplayOptions, stdout io.Writer) error {
 	queue = strings.TrimSuffix(queue, "-error")
-	known := false
-	for _, q := range logicalQueues {
-		known = known || q == queue
-	}
-	if !known {
+	if !slices.Contains(logicalQueues, queue) {
 		return usagef("replay: unknown queue %q (want one of %s)", queue, strings.Join(logicalQueues, ", "))
 	}
-	store, err := OpenStore(ctx, cfg.Database)
+	store, err := openExisting(ctx, cfg.Database)
 	if err != nil {
 		return err
 	}
 	defer store.Close()
-	if _, _, err := store.Migrate(ctx); err != nil {
-		return err
-	}
 	brokers, err := NewBrokers(ctx, cfg.Brokers, store, log)
 	if err != nil {
 		return err
@@ -281,14 +490,38 @@ func replay(ctx context.Context, cfg *Config, log *slog.Logger, queue string, li
 	if err != nil {
 		return err
 	}
-	b, err := brokers.Get(st.Active)
+	to, err := brokers.Get(st.Active)
 	if err != nil {
 		return err
 	}
+	from := to
+	if opts.From >= 0 {
+		if from, err = brokers.Get(opts.From); err != nil {
+			return usagef("replay -broker: %v", err)
+		}
+	}
 	queues := operatorQueues(cfg, brokers.List(), log)
 	defer queues.Close()
-	n, err := queues.Replay(ctx, b, queue, limit)
-	fmt.Fprintf(stdout, "replayed %d message(s) from %s to %s on %s\n", n, errorQueue(queue), queue, b)
+
+	if opts.DryRun {
+		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "DELIVERY\tEVENT\tATTEMPTS\tREASON")
+		n, err := queues.PeekErrors(ctx, from, queue, opts.Limit, func(d *amqp.Delivery) {
+			attempts := "-"
+			if v, ok := d.Headers[hdrAttempts]; ok {
+				attempts = fmt.Sprint(v)
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", d.MessageId, d.Type, attempts, tableString(d.Headers, hdrError))
+		})
+		tw.Flush()
+		fmt.Fprintf(stdout, "dry run: %d message(s) in %s on %s; nothing moved\n", n, errorQueue(queue), from)
+		return err
+	}
+	progress := func(done, total int) {
+		fmt.Fprintf(stdout, "replayed %d of %d\n", done, total)
+	}
+	n, total, err := queues.Replay(ctx, from, to, queue, opts.Limit, progress)
+	fmt.Fprintf(stdout, "replayed %d of %d message(s) from %s on %s to %s on %s\n", n, total, errorQueue(queue), from, queue, to)
 	return err
 }
 
@@ -302,6 +535,7 @@ type Daemon struct {
 	queues  *Queues
 	metrics *Metrics
 	api     *API
+	alerter *Alerter
 	workers []*Worker
 }
 
@@ -339,6 +573,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		api: NewAPI(cfg, store, brokers, queues, webhook, metrics, log)}
 	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
+	d.alerter = alerter
 	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
 	service := newWorker("service", queueGitHub, serviceHandler(store, alerter, false, log), w.Window, 0, w, brokers, queues, log)
 	service.health = hc(cfg.HealthChecks.Service, "service")
@@ -484,7 +719,8 @@ func sdNotify(log *slog.Logger, state string) {
 }
 
 // serve is the serve command: listen, then run until SIGTERM or SIGINT.
-func serve(ctx context.Context, cfg *Config, log *slog.Logger, ready func()) error {
+// SIGHUP reloads the config file at path.
+func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, log *slog.Logger, ready func()) error {
 	d, err := NewDaemon(ctx, cfg, log)
 	if err != nil {
 		return err
@@ -495,7 +731,102 @@ func serve(ctx context.Context, cfg *Config, log *slog.Logger, ready func()) err
 		d.store.Close()
 		return fmt.Errorf("listen %s: %w", cfg.Server.Listen, err)
 	}
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	reloads := make(chan struct{})
+	reloaded := make(chan struct{})
+	go func() {
+		defer close(reloaded)
+		for {
+			select {
+			case <-reloads:
+				return
+			case <-hup:
+				d.ReloadFile(path, level)
+			}
+		}
+	}()
 	err = d.Run(ctx, ln, ready)
+	close(reloads)
+	<-reloaded
 	log.Info("stopped", "error", err)
 	return err
+}
+
+// reloadable are the config keys a SIGHUP applies at once (SPEC §12.2);
+// a key ending in "." stands for its whole section.
+var reloadable = []string{"log.level", "github.webhook_secret", "github.previous_webhook_secrets",
+	"github.allowed_cidrs", "github.meta_file", "server.trusted_proxies", "api.operator_token",
+	"api.producer_token", "alerts.", "healthchecks."}
+
+// ReloadFile reads the config file again and applies what may change while
+// running: log level, webhook secrets, allow list and meta file, trusted
+// proxies, API tokens, alerts and HealthChecks. Any other changed key is
+// logged as needing a restart. A file that does not validate changes
+// nothing, and every bad field is logged.
+func (d *Daemon) ReloadFile(path string, level *slog.LevelVar) {
+	cfg, err := LoadConfig(path)
+	if err != nil {
+		for _, line := range strings.Split(err.Error(), "\n") {
+			d.log.Error("config reload refused, the running config stays", "problem", line)
+		}
+		return
+	}
+	if err := d.webhook().Reload(cfg); err != nil {
+		d.log.Error("config reload refused, the running config stays", "problem", err)
+		return
+	}
+	level.Set(parseLevel(cfg.Log.Level))
+	tokens := cfg.API
+	d.api.tokens.Store(&tokens)
+	d.alerter.Reload(cfg.Alerts)
+	urls := map[string]string{"service": cfg.HealthChecks.Service, "database-service": cfg.HealthChecks.DatabaseService,
+		"hooks": cfg.HealthChecks.Hooks, "cleanup": cfg.HealthChecks.Cleanup}
+	for _, w := range d.workers {
+		w.health.SetURL(urls[w.Name])
+	}
+	var restart []string
+	for _, key := range changedKeys(d.cfg, cfg) {
+		if !slices.ContainsFunc(reloadable, func(r string) bool { return key == r || strings.HasSuffix(r, ".") && strings.HasPrefix(key, r) }) {
+			restart = append(restart, key)
+		}
+	}
+	for _, w := range cfg.Warnings(path) {
+		d.log.Warn("config: " + w)
+	}
+	d.log.Info("config reloaded", "path", path)
+	for _, key := range restart {
+		d.log.Warn("config key changed; it takes effect after a restart", "key", key)
+	}
+}
+
+func (d *Daemon) webhook() *Webhook { return d.api.webhook }
+
+// changedKeys names the config keys ("section.key", as in the file) whose
+// values differ between a and b.
+func changedKeys(a, b *Config) []string {
+	var keys []string
+	var walk func(prefix string, va, vb reflect.Value)
+	walk = func(prefix string, va, vb reflect.Value) {
+		if va.Kind() == reflect.Struct && va.Type() != reflect.TypeOf(time.Time{}) {
+			for i := 0; i < va.NumField(); i++ {
+				tag, _, _ := strings.Cut(va.Type().Field(i).Tag.Get("toml"), ",")
+				if tag == "" || tag == "-" {
+					continue
+				}
+				name := tag
+				if prefix != "" {
+					name = prefix + "." + tag
+				}
+				walk(name, va.Field(i), vb.Field(i))
+			}
+			return
+		}
+		if !reflect.DeepEqual(va.Interface(), vb.Interface()) {
+			keys = append(keys, prefix)
+		}
+	}
+	walk("", reflect.ValueOf(*a), reflect.ValueOf(*b))
+	return keys
 }

@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -91,11 +93,11 @@ func freeAddr(t testing.TB) string {
 }
 
 // startProcess runs `switchyard serve` and waits until /healthz answers.
-func startProcess(t *testing.T, config, addr string) (*exec.Cmd, *bytes.Buffer) {
+func startProcess(t *testing.T, config, addr string) (*exec.Cmd, *syncBuffer) {
 	t.Helper()
-	var out bytes.Buffer
+	out := &syncBuffer{}
 	cmd := exec.Command(builtBinary(t), "serve", "-config", config)
-	cmd.Stdout, cmd.Stderr = &out, &out
+	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -113,7 +115,25 @@ func startProcess(t *testing.T, config, addr string) (*exec.Cmd, *bytes.Buffer) 
 		resp.Body.Close()
 		return resp.StatusCode == http.StatusOK
 	})
-	return cmd, &out
+	return cmd, out
+}
+
+// syncBuffer is a process's output, safe to read while the process writes it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
 
 // processSetup is a config for the real binary: a fresh vhost, a free
@@ -274,6 +294,8 @@ func TestUsage(t *testing.T) {
 		{[]string{"serve", "-nope"}, 2},
 		{[]string{"version"}, 0},
 		{[]string{"serve", "-config", "/does/not/exist.toml"}, 1},
+		{[]string{"help", "nope"}, 2},
+		{[]string{"help", "replay", "backup"}, 2},
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
@@ -283,6 +305,158 @@ func TestUsage(t *testing.T) {
 				t.Errorf("got exit %d (%v), want %d", got, err, tt.code)
 			}
 		})
+	}
+}
+
+// help, -h and --help print usage and exit 0: the overview, or one
+// command's usage and flags; --version is version, with the Go version.
+func TestHelp(t *testing.T) {
+	tests := []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"help"}, []string{"usage: switchyard COMMAND", "replay QUEUE", "check-config"}},
+		{[]string{"-h"}, []string{"usage: switchyard COMMAND"}},
+		{[]string{"--help"}, []string{"usage: switchyard COMMAND"}},
+		{[]string{"help", "replay"}, []string{"usage: switchyard replay [-config PATH] QUEUE", "-dry-run", "-broker", "-limit"}},
+		{[]string{"replay", "-h"}, []string{"usage: switchyard replay", "-dry-run"}},
+		{[]string{"replay", "--help"}, []string{"usage: switchyard replay", "-dry-run"}},
+		{[]string{"serve", "-h"}, []string{"usage: switchyard serve [-config PATH]", "-config", "SIGHUP"}},
+		{[]string{"backup", "-help"}, []string{"usage: switchyard backup [-config PATH] DEST"}},
+		{[]string{"--version"}, []string{"switchyard ", runtime.Version()}},
+		{[]string{"version"}, []string{runtime.Version()}},
+	}
+	for _, tt := range tests {
+		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			err := run(context.Background(), tt.args, &stdout, &stderr)
+			if code := exitCode(err, &stderr); code != 0 {
+				t.Fatalf("exit %d: %v\n%s", code, err, stderr.String())
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(stdout.String(), w) {
+					t.Errorf("output lacks %q:\n%s", w, stdout.String())
+				}
+			}
+			if strings.Contains(stdout.String()+stderr.String(), "help requested") {
+				t.Errorf("output says 'help requested':\n%s%s", stdout.String(), stderr.String())
+			}
+		})
+	}
+}
+
+// Only serve and migrate create a database: backup and replay on a path
+// that does not exist (a relative database.path read from another
+// directory) fail, saying so, and create nothing.
+func TestCommandsNeedExistingDatabase(t *testing.T) {
+	vhost := newVhost(t)
+	dir := t.TempDir()
+	dbPath := filepath.Join(dir, "switchyard.db")
+	config := writeConfig(t, dir, freeAddr(t), dbPath, amqpURL(vhost))
+	dest := filepath.Join(dir, "backup.db")
+	for _, args := range [][]string{{"backup", "-config", config, dest}, {"replay", "-config", config, "github"}} {
+		var out bytes.Buffer
+		err := run(context.Background(), args, &out, &out)
+		if code := exitCode(err, &out); code != 1 || !strings.Contains(fmt.Sprint(err), "database "+dbPath+" does not exist") {
+			t.Errorf("%s: exit %d, %v; want 1 and \"database %s does not exist\"", args[0], code, err, dbPath)
+		}
+	}
+	for _, p := range []string{dbPath, dest} {
+		if _, err := os.Stat(p); err == nil {
+			t.Errorf("%s was created", p)
+		}
+	}
+	var out bytes.Buffer
+	if err := run(context.Background(), []string{"migrate", "-config", config}, &out, &out); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	if err := run(context.Background(), []string{"backup", "-config", config, dest}, &out, &out); err != nil {
+		t.Errorf("backup after migrate: %v\n%s", err, out.String())
+	}
+}
+
+// Under journald each line starts with its syslog priority, so that
+// `journalctl -p warning` finds warnings, child loggers included.
+func TestJournalPriorities(t *testing.T) {
+	t.Setenv("JOURNAL_STREAM", "8:12345")
+	var buf bytes.Buffer
+	log := newLogger(LogConfig{Level: "debug", Format: "text"}, new(slog.LevelVar), &buf)
+	child := log.With("worker", "service")
+	log.Debug("d")
+	log.Info("i")
+	child.Warn("w")
+	child.Error("e")
+	lines := strings.Split(strings.TrimSpace(buf.String()), "\n")
+	want := []string{"<7>level=DEBUG msg=d", "<6>level=INFO msg=i", "<4>level=WARN msg=w worker=service", "<3>level=ERROR msg=e worker=service"}
+	if len(lines) != len(want) {
+		t.Fatalf("got %d lines, want %d:\n%s", len(lines), len(want), buf.String())
+	}
+	for i := range want {
+		if lines[i] != want[i] {
+			t.Errorf("line %d: got %q, want %q (no time under journald)", i, lines[i], want[i])
+		}
+	}
+}
+
+// SIGHUP reloads the config file: a rotated webhook secret and a new log
+// level take effect at once; a changed key that needs a restart is named; a
+// file that does not validate changes nothing and names its bad fields. The
+// daemon keeps running throughout.
+func TestSIGHUPReloads(t *testing.T) {
+	config, addr, _ := processSetup(t)
+	cmd, out := startProcess(t, config, addr)
+	base := "http://" + addr
+	body := loadFixture(t, "issues", "opened.payload.json")
+	if code := postWebhook(t, base, "issues", newGUID(), body); code != http.StatusAccepted {
+		t.Fatalf("before reload: got %d", code)
+	}
+	orig, err := os.ReadFile(config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const rotated = "rotated-webhook-secret"
+	changed := strings.Replace(string(orig), testSecret, rotated, 1)
+	changed = strings.Replace(changed, `window = "2s"`, `window = "3s"`, 1)
+	changed = strings.Replace(changed, `level = "info"`, `level = "debug"`, 1)
+	if err := os.WriteFile(config, []byte(changed), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	signedWith := func(secret string) int {
+		r := webhookRequest(t, base, "issues", newGUID(), body)
+		r.Header.Set("X-Hub-Signature-256", sign(secret, body))
+		code, _ := do(t, r)
+		return code
+	}
+	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the rotated secret accepted", func() bool { return signedWith(rotated) == http.StatusAccepted })
+	if code := signedWith(testSecret); code != http.StatusUnauthorized {
+		t.Errorf("old secret after reload: got %d, want 401", code)
+	}
+	eventually(t, 10*time.Second, "reload logged", func() bool {
+		s := out.String()
+		return strings.Contains(s, "config reloaded") && strings.Contains(s, "key=workers.window") &&
+			strings.Contains(s, "level=DEBUG") // the new level is in force
+	})
+	if strings.Contains(out.String(), "key=github.webhook_secret") {
+		t.Errorf("the webhook secret is reported as needing a restart")
+	}
+
+	// An invalid file: refused, every bad field named, nothing changes.
+	bad := strings.Replace(changed, `cleanup_window = "500ms"`, `cleanup_window = "-1s"`, 1)
+	bad = strings.Replace(bad, `level = "debug"`, `level = "loud"`, 1)
+	if err := os.WriteFile(config, []byte(bad), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the refusal logged", func() bool {
+		return strings.Contains(out.String(), "config reload refused") && strings.Contains(out.String(), "log.level") && strings.Contains(out.String(), "workers.cleanup_window")
+	})
+	if code := signedWith(rotated); code != http.StatusAccepted {
+		t.Errorf("after a refused reload: got %d, want 202 with the running secret (the daemon must still run)", code)
 	}
 }
 

@@ -2,24 +2,36 @@ package main
 
 import (
 	"context"
+	"fmt"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// Replay is the replay command's work on one broker: basic_get from
-// queue-error, publish to queue through the default exchange with a confirm,
-// then ack. The retry history goes, so the message gets its attempts anew.
-func (q *Queues) Replay(ctx context.Context, b *Broker, queue string, limit int) (int, error) {
-	conn, ch, err := q.openChannel(ctx, b)
+// replayProgressEvery is how many moved messages Replay reports at a time.
+const replayProgressEvery = 1000
+
+// Replay is the replay command's work: basic_get from queue-error on broker
+// from, publish to queue on broker to through the default exchange with a
+// confirm, then ack. The retry history goes, so the message gets its attempts
+// anew. It moves at most what queue-error held when it began (and at most
+// limit, when positive): a replayed message that fails again is back in
+// queue-error before long, and must not be taken again in the same run.
+func (q *Queues) Replay(ctx context.Context, from, to *Broker, queue string, limit int, progress func(done, total int)) (moved, total int, err error) {
+	conn, ch, err := q.openChannel(ctx, from)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	defer q.closeChannel(conn, ch)
-	n := 0
-	for (limit <= 0 || n < limit) && ctx.Err() == nil {
+	if total, err = q.readyCount(conn, from, errorQueue(queue)); err != nil {
+		return 0, 0, err
+	}
+	if limit > 0 {
+		total = min(total, limit)
+	}
+	for moved < total && ctx.Err() == nil {
 		d, ok, err := q.get(conn, ch, errorQueue(queue))
 		if err != nil || !ok {
-			return n, err
+			return moved, total, err
 		}
 		headers := amqp.Table{}
 		for k, v := range d.Headers {
@@ -30,16 +42,50 @@ func (q *Queues) Replay(ctx context.Context, b *Broker, queue string, limit int)
 			delete(headers, k)
 		}
 		pctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
-		err = q.Publish(pctx, b, "", queue, amqp.Publishing{Headers: headers, ContentType: d.ContentType,
+		err = q.Publish(pctx, to, "", queue, amqp.Publishing{Headers: headers, ContentType: d.ContentType,
 			DeliveryMode: amqp.Persistent, MessageId: d.MessageId, Timestamp: d.Timestamp, Type: d.Type, Body: d.Body})
 		cancel()
 		if err != nil {
 			_ = d.Nack(false, true)
-			return n, err
+			return moved, total, err
 		}
 		if err := d.Ack(false); err != nil {
-			return n, err
+			return moved, total, err
 		}
+		moved++
+		if moved%replayProgressEvery == 0 && moved < total {
+			progress(moved, total)
+		}
+	}
+	return moved, total, ctx.Err()
+}
+
+// PeekErrors shows fn the messages queue-error on broker b holds (at most
+// limit, when positive) and moves none: they are taken unacknowledged, and
+// closing the channel puts them all back where they were.
+func (q *Queues) PeekErrors(ctx context.Context, b *Broker, queue string, limit int, fn func(d *amqp.Delivery)) (int, error) {
+	conn, ch, err := q.openChannel(ctx, b)
+	if err != nil {
+		return 0, err
+	}
+	defer q.closeChannel(conn, ch)
+	total, err := q.readyCount(conn, b, errorQueue(queue))
+	if err != nil {
+		return 0, err
+	}
+	if limit > 0 {
+		total = min(total, limit)
+	}
+	n := 0
+	for n < total && ctx.Err() == nil {
+		d, ok, err := q.get(conn, ch, errorQueue(queue))
+		if err != nil {
+			return n, fmt.Errorf("get %s on %s: %w", errorQueue(queue), b, err)
+		}
+		if !ok {
+			break
+		}
+		fn(&d)
 		n++
 	}
 	return n, ctx.Err()

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -72,8 +73,11 @@ func TestBackupWhileServing(t *testing.T) {
 	if err := run(context.Background(), []string{"backup", "-config", config, dest}, &out, &out); err != nil {
 		t.Fatalf("backup: %v\n%s", err, out.String())
 	}
-	if !strings.Contains(out.String(), "integrity_check ok") {
-		t.Errorf("backup output: %s", out.String())
+	if !strings.Contains(out.String(), "integrity_check ok") || !regexp.MustCompile(`\d+ bytes in \d`).MatchString(out.String()) {
+		t.Errorf("backup output lacks the check, the size or the duration: %s", out.String())
+	}
+	if fi, err := os.Stat(dest); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("backup file mode: %v %v, want 0600", fi.Mode().Perm(), err)
 	}
 	wg.Wait()
 

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -13,20 +14,25 @@ import (
 // fails. A ping that fails is logged and changes nothing else. A nil
 // *HealthCheck pings nothing.
 type HealthCheck struct {
-	url     string
+	url     atomic.Pointer[string] // "" pings nothing; a SIGHUP may change it
 	worker  string
 	http    *http.Client
 	log     *slog.Logger
 	metrics *Metrics
 }
 
-// NewHealthCheck returns nil for an empty URL.
+// NewHealthCheck pings url for worker; an empty url pings nothing.
 func NewHealthCheck(url, worker string, metrics *Metrics, log *slog.Logger) *HealthCheck {
-	if url == "" {
-		return nil
-	}
-	return &HealthCheck{url: strings.TrimRight(url, "/"), worker: worker, http: &http.Client{Timeout: 10 * time.Second},
+	h := &HealthCheck{worker: worker, http: &http.Client{Timeout: 10 * time.Second},
 		log: log.With("worker", worker), metrics: metrics}
+	h.SetURL(url)
+	return h
+}
+
+// SetURL changes the ping URL (SIGHUP); "" stops the pings.
+func (h *HealthCheck) SetURL(url string) {
+	url = strings.TrimRight(url, "/")
+	h.url.Store(&url)
 }
 
 // Start, Success and Fail are the three pings of a cycle.
@@ -40,10 +46,10 @@ func (h *HealthCheck) Fail(ctx context.Context, reason string) {
 }
 
 func (h *HealthCheck) ping(ctx context.Context, suffix, body string) {
-	if h == nil || ctx.Err() != nil {
+	if h == nil || ctx.Err() != nil || *h.url.Load() == "" {
 		return
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, h.url+suffix, strings.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, *h.url.Load()+suffix, strings.NewReader(body))
 	if err != nil {
 		h.log.Warn("healthchecks ping not sent", "error", err)
 		return
