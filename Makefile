@@ -40,7 +40,10 @@ bench: ensure-rabbitmq
 
 # Binary, unit, example config and README, DESTDIR-aware. The live config is
 # never overwritten: copy the example to /etc/switchyard/switchyard.toml.
-install: build
+# It installs the binary `make build` made and never runs Go, so that
+# `make build && sudo make install` works under sudo's PATH.
+install:
+	@test -f $(BINARY) || { echo "make install: no $(BINARY) to install; run 'make build' first (as your user)"; exit 1; }
 	install -D -m 0755 $(BINARY) $(DESTDIR)$(PREFIX)/bin/switchyard
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
 	sed 's|/usr/local/bin/switchyard|$(PREFIX)/bin/switchyard|g' deploy/switchyard.service > $(DESTDIR)$(UNITDIR)/switchyard.service

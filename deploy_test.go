@@ -41,12 +41,21 @@ func TestSystemdUnitVerifies(t *testing.T) {
 	}
 }
 
-// `make install` puts binary, unit, example config and README under DESTDIR.
+// `make install` puts binary, unit, example config and README under DESTDIR,
+// with no Go on the PATH (as under sudo): it installs what `make build` made.
+// Without a built binary it fails, saying to build first.
 func TestMakeInstall(t *testing.T) {
 	dest := t.TempDir()
-	cmd := exec.Command("make", "-o", "build", "install", "DESTDIR="+dest, "BINARY="+builtBinary(t), "PREFIX=/opt/sy")
+	noGo := append(os.Environ(), "PATH=/usr/sbin:/usr/bin:/sbin:/bin")
+	cmd := exec.Command("make", "install", "DESTDIR="+dest, "BINARY="+builtBinary(t), "PREFIX=/opt/sy")
+	cmd.Env = noGo
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("make install: %v\n%s", err, out)
+	}
+	missing := exec.Command("make", "install", "DESTDIR="+t.TempDir(), "BINARY="+filepath.Join(dest, "nothing-here"))
+	missing.Env = noGo
+	if out, err := missing.CombinedOutput(); err == nil || !strings.Contains(string(out), "run 'make build' first") {
+		t.Errorf("make install without a binary: %v\n%s", err, out)
 	}
 	for _, f := range []string{"opt/sy/bin/switchyard", "etc/systemd/system/switchyard.service",
 		"etc/switchyard/switchyard.toml.example", "opt/sy/share/doc/switchyard/README.md"} {
