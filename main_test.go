@@ -283,6 +283,84 @@ url = "http://user:hunter2@example.com/"
 	}
 }
 
+// Secrets of only spaces and short tokens are errors; tokens under 32
+// characters, the example's placeholders and a file others can read are
+// warnings, from check-config and from serve.
+func TestConfigSecretRules(t *testing.T) {
+	base := func() *Config {
+		cfg := DefaultConfig()
+		cfg.API.OperatorToken = strings.Repeat("o", 40)
+		cfg.API.ProducerToken = strings.Repeat("p", 40)
+		cfg.GitHub.WebhookSecret = "a-real-secret"
+		cfg.Brokers = []BrokerConfig{{URL: "amqp://guest:guest@127.0.0.1:5672/"}}
+		return cfg
+	}
+	errs := []struct {
+		name, field string
+		mutate      func(c *Config)
+	}{
+		{"secret of spaces", "github.webhook_secret", func(c *Config) { c.GitHub.WebhookSecret = "   \t " }},
+		{"previous secret of spaces", "github.previous_webhook_secrets[0]", func(c *Config) { c.GitHub.PreviousWebhookSecrets = []string{" "} }},
+		{"one-character operator token", "api.operator_token", func(c *Config) { c.API.OperatorToken = "x" }},
+		{"15-character producer token", "api.producer_token", func(c *Config) { c.API.ProducerToken = strings.Repeat("p", 15) }},
+		{"token of spaces", "api.operator_token", func(c *Config) { c.API.OperatorToken = strings.Repeat(" ", 20) }},
+		{"inflight budget under 1 MiB", "server.max_inflight_bytes", func(c *Config) { c.Server.MaxInflightBytes = 1000 }},
+		{"negative retention", "database.raw_retention", func(c *Config) { c.Database.RawRetention = -1 }},
+		{"no clock skew", "api.max_clock_skew", func(c *Config) { c.API.MaxClockSkew = 0 }},
+	}
+	if err := base().Validate(); err != nil {
+		t.Fatalf("base config: %v", err)
+	}
+	for _, tt := range errs {
+		t.Run(tt.name, func(t *testing.T) {
+			c := base()
+			tt.mutate(c)
+			if err := c.Validate(); err == nil || !strings.Contains(err.Error(), tt.field+":") {
+				t.Errorf("got %v, want an error naming %s", err, tt.field)
+			}
+		})
+	}
+
+	c := base()
+	c.API.OperatorToken = strings.Repeat("o", 20)
+	example, err := DecodeConfig(strings.NewReader(exampleConfig))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.API.ProducerToken = example.API.ProducerToken
+	if err := c.Validate(); err != nil {
+		t.Fatalf("warnings are not errors: %v", err)
+	}
+	path := filepath.Join(t.TempDir(), "switchyard.toml")
+	os.WriteFile(path, nil, 0o644)
+	os.Chmod(path, 0o644)
+	warnings := strings.Join(c.Warnings(path), "\n")
+	for _, want := range []string{"api.operator_token: 20 characters", "api.producer_token: still the placeholder", "readable by every user (mode 0644)"} {
+		if !strings.Contains(warnings, want) {
+			t.Errorf("warnings lack %q:\n%s", want, warnings)
+		}
+	}
+	os.Chmod(path, 0o640)
+	if w := base().Warnings(path); len(w) != 0 {
+		t.Errorf("a good config at mode 0640 warns: %v", w)
+	}
+
+	// check-config prints them; config.example.toml starts, with warnings.
+	example640 := filepath.Join(t.TempDir(), "example.toml")
+	b, _ := os.ReadFile("config.example.toml")
+	os.WriteFile(example640, b, 0o644)
+	os.Chmod(example640, 0o644)
+	var out bytes.Buffer
+	if err := run(context.Background(), []string{"check-config", "-config", example640}, &out, &out); err != nil {
+		t.Fatalf("check-config config.example.toml: %v", err)
+	}
+	for _, want := range []string{"warning: api.operator_token: still the placeholder", "warning: github.webhook_secret: still the placeholder", "warning: " + example640 + ": readable by every user"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("check-config output lacks %q:\n%s", want, out.String())
+		}
+	}
+}
+
 func TestUsage(t *testing.T) {
 	tests := []struct {
 		args []string
@@ -439,6 +517,9 @@ func TestSIGHUPReloads(t *testing.T) {
 		return strings.Contains(s, "config reloaded") && strings.Contains(s, "key=workers.window") &&
 			strings.Contains(s, "level=DEBUG") // the new level is in force
 	})
+	if !strings.Contains(out.String(), "api.operator_token: 24 characters") {
+		t.Errorf("serve does not warn of the short operator token:\n%s", out.String())
+	}
 	if strings.Contains(out.String(), "key=github.webhook_secret") {
 		t.Errorf("the webhook secret is reported as needing a restart")
 	}
