@@ -581,6 +581,12 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	database.health = hc(cfg.HealthChecks.DatabaseService, "database-service")
 	cleanup := newWorker("cleanup", queueForbidden, serviceHandler(store, alerter, true, log), w.CleanupWindow, w.CleanupEvery, w, brokers, queues, log)
 	cleanup.health = hc(cfg.HealthChecks.Cleanup, "cleanup")
+	retention := &Retention{store: store, keep: time.Duration(cfg.Database.RawRetention), log: log.With("worker", "cleanup")}
+	cleanup.Poll = func(ctx context.Context) error {
+		_, err := retention.Prune(ctx)
+		return err
+	}
+	cleanup.PollEvery = w.CleanupEvery
 	// The hooks worker talks to GitHub per message: it is not batched.
 	for _, w := range []*Worker{service, database, cleanup} {
 		w.Batch = store

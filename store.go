@@ -440,3 +440,24 @@ func (s *Store) RecordAlertSend(ctx context.Context, deliveryID, channel string,
 		return nil
 	})
 }
+
+// retentionBatch is the most raw rows one retention transaction deletes, so
+// that writers never wait long behind it.
+const retentionBatch = 1000
+
+// DeleteRawBefore deletes at most retentionBatch rows of the raw github table
+// received before cutoff, in one transaction, and returns how many it
+// deleted. Statistics, typed tables and the idempotency records stay.
+func (s *Store) DeleteRawBefore(ctx context.Context, cutoff time.Time) (int64, error) {
+	var n int64
+	err := s.write(ctx, func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, `DELETE FROM github WHERE id IN
+			(SELECT id FROM github WHERE received_at < ? ORDER BY received_at LIMIT ?)`, formatTime(cutoff), retentionBatch)
+		if err != nil {
+			return fmt.Errorf("delete raw rows: %w", err)
+		}
+		n, err = res.RowsAffected()
+		return err
+	})
+	return n, err
+}

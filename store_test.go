@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
@@ -195,5 +196,54 @@ url = "`+brokerURL+`"
 	}
 	if !strings.Contains(d.logs.String(), "webhook not queued") {
 		t.Errorf("the broker failure was not logged, so the test saw no error path")
+	}
+}
+
+// Raw rows older than database.raw_retention go, in transactions of at most
+// 1,000 rows, run by the cleanup worker; newer rows, statistics and the
+// idempotency records stay.
+func TestRawRetention(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Database.RawRetention = Duration(90 * 24 * time.Hour)
+	ctx := context.Background()
+	p := newParts(t, cfg)
+	old := time.Now().Add(-100 * 24 * time.Hour)
+	body := loadFixture(t, "issues", "opened.payload.json")
+	err := p.store.Batch(ctx, func(ctx context.Context) error {
+		for i := 0; i < 2500; i++ {
+			if _, err := p.store.InsertEvent(ctx, &Event{DeliveryID: fmt.Sprintf("old-%d", i), Name: "issues", Action: "opened",
+				Payload: body, ReceivedAt: old}, false); err != nil {
+				return err
+			}
+		}
+		_, err := p.store.InsertEvent(ctx, &Event{DeliveryID: "recent", Name: "issues", Action: "opened", Payload: body, ReceivedAt: time.Now()}, false)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.store.MarkDelivery(ctx, "database-service", "old-1", nil); err != nil {
+		t.Fatal(err)
+	}
+	// One call deletes one batch.
+	if n, err := p.store.DeleteRawBefore(ctx, time.Now().Add(-90*24*time.Hour)); err != nil || n != retentionBatch {
+		t.Fatalf("one batch: deleted %d, %v; want %d", n, err, retentionBatch)
+	}
+	p.store.Close()
+
+	startDaemon(t, cfg)
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "old rows deleted by cleanup", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id LIKE 'old-%'") == 0
+	})
+	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = 'recent'"); n != 1 {
+		t.Errorf("the recent row: %d, want kept", n)
+	}
+	if n := queryInt(t, db, "SELECT coalesce(sum(count), 0) FROM github_statistics_6h"); n != 2501 {
+		t.Errorf("statistics: %d, want all 2,501 kept", n)
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = 'old-1'"); n != 1 {
+		t.Errorf("idempotency record of a deleted row: %d, want kept", n)
 	}
 }
