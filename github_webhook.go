@@ -346,8 +346,10 @@ func checkHeaders(h http.Header) error {
 	if len(delivery) > maxDeliveryLen || strings.IndexFunc(delivery, func(c rune) bool { return c <= ' ' || c > '~' }) >= 0 {
 		return fmt.Errorf("%w: X-GitHub-Delivery: want 1 to %d bytes of printable ASCII without spaces", ErrBadRequest, maxDeliveryLen)
 	}
-	if len(event) > maxEventLen || strings.IndexFunc(event, func(c rune) bool { return (c < 'a' || c > 'z') && c != '_' }) >= 0 {
-		return fmt.Errorf("%w: X-GitHub-Event: want 1 to %d bytes of a-z and _", ErrBadRequest, maxEventLen)
+	// SPEC §12.1 says [a-z_]; GitHub's own event names have digits too
+	// (projects_v2_item), and refusing them would lose real deliveries.
+	if len(event) > maxEventLen || strings.IndexFunc(event, func(c rune) bool { return (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '_' }) >= 0 {
+		return fmt.Errorf("%w: X-GitHub-Event: want 1 to %d bytes of a-z, 0-9 and _", ErrBadRequest, maxEventLen)
 	}
 	for _, k := range []string{"X-GitHub-Hook-ID", "X-GitHub-Hook-Installation-Target-ID", "X-GitHub-Hook-Installation-Target-Type"} {
 		for _, v := range h.Values(k) {

@@ -390,6 +390,7 @@ type tcpProxy struct {
 	closed  bool
 	tls     *tls.Config // set: the proxy ends TLS (newTLSProxy)
 	caFile  string
+	delay   time.Duration // set: each direction is this late (newWANProxy)
 }
 
 func newTCPProxy(t testing.TB, target string) *tcpProxy {
@@ -465,6 +466,10 @@ func (p *tcpProxy) serve() {
 }
 
 func (p *tcpProxy) pipe(dst, src net.Conn) {
+	if p.delay > 0 {
+		p.delayedPipe(dst, src)
+		return
+	}
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
@@ -482,6 +487,53 @@ func (p *tcpProxy) pipe(dst, src net.Conn) {
 	}
 	dst.Close()
 	src.Close()
+}
+
+// delayedPipe forwards src to dst, each chunk delay after it arrived, in
+// order, with no limit on bandwidth: a WAN link's latency, one way.
+func (p *tcpProxy) delayedPipe(dst, src net.Conn) {
+	type chunk struct {
+		b  []byte
+		at time.Time
+	}
+	q := make(chan chunk, 1<<14)
+	go func() {
+		defer close(q)
+		for {
+			buf := make([]byte, 32<<10)
+			n, err := src.Read(buf)
+			if n > 0 {
+				q <- chunk{buf[:n], time.Now().Add(p.delay)}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	for c := range q {
+		if wait := time.Until(c.at); wait > 0 {
+			time.Sleep(wait)
+		}
+		if _, err := dst.Write(c.b); err != nil {
+			break
+		}
+	}
+	dst.Close()
+	src.Close()
+	for range q {
+	}
+}
+
+// newWANProxy is a broker across a WAN link: TLS ended at the proxy (the
+// client dials amqps and trusts the proxy's CA) and each direction delayed
+// by half of rtt.
+func newWANProxy(t testing.TB, target string, rtt time.Duration) *tcpProxy {
+	t.Helper()
+	p := newTLSProxy(t, target)
+	p.mu.Lock()
+	p.delay = rtt / 2
+	p.mu.Unlock()
+	return p
 }
 
 func (p *tcpProxy) isStalled() bool {

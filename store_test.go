@@ -194,7 +194,7 @@ url = "`+brokerURL+`"
 			}
 		}
 	}
-	if !strings.Contains(d.logs.String(), "webhook not queued") {
+	if !strings.Contains(d.logs.String(), "not queued: broker unreachable") {
 		t.Errorf("the broker failure was not logged, so the test saw no error path")
 	}
 }
