@@ -27,7 +27,7 @@ func TestSystemdUnitVerifies(t *testing.T) {
 	for _, want := range []string{"Type=notify", "User=switchyard", "StateDirectory=switchyard", "ConfigurationDirectory=switchyard",
 		"ExecStart=/usr/local/bin/switchyard serve -config /etc/switchyard/switchyard.toml", "Restart=on-failure",
 		"TimeoutStopSec=30", "ProtectSystem=strict", "ProtectHome=yes", "NoNewPrivileges=yes", "PrivateTmp=yes",
-		"RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX"} {
+		"RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX", "ExecReload=/bin/kill -HUP $MAINPID"} {
 		if !strings.Contains(string(unit), want+"\n") {
 			t.Errorf("unit lacks %q", want)
 		}
