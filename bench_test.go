@@ -42,7 +42,9 @@ func BenchmarkSwitchyard(b *testing.B) {
 	}
 	payload := paddedPayload(b, 25<<10)
 
-	// BENCH_ROWS=ingest,consume,drain,e2e,switch picks rows (all by default).
+	// BENCH_ROWS picks rows by name (all by default): ingest, consume,
+	// drain, e2e, switch (localhost); wan-ingest, wan-e2e, burst, wan-drain
+	// (over the WAN proxy, at each BENCH_RTT); dbsize, bigtable, rss, cpu.
 	want := func(row string) bool {
 		rows := os.Getenv("BENCH_ROWS")
 		return rows == "" || strings.Contains(","+rows+",", ","+row+",")
@@ -50,25 +52,60 @@ func BenchmarkSwitchyard(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		if want("ingest") {
 			ours, base := benchIngest(b, payload)
-			add("ingest (16 clients, 25 KB)", ours, base, "msg/s", "ratio >= 0.7")
+			add("ingest (16 clients, 25 KB, localhost)", ours, base, "msg/s", "ratio >= 0.7")
 		}
 		if want("consume") {
 			ours, base := benchConsume(b, payload)
-			add("consume github-database (FULL)", ours, base, "msg/s", "ratio >= 0.7")
+			add("consume github-database, equal window and batches (localhost)", ours, base, "msg/s", "ratio >= 0.8")
 		}
 		if want("drain") {
 			ours, base := benchDrain(b, payload)
-			add("leftover drain 10,000", ours, base, "msg/s", "ratio >= 0.7")
+			add("leftover drain 10,000, equal window and batches (localhost)", ours, base, "msg/s", "ratio >= 0.7")
 		}
 		if want("e2e") {
 			e2e := benchEndToEnd(b, payload)
-			add("end to end, sustained 60 s", e2e.rate, 0, "webhooks/s", ">= 1,000/s")
+			add("end to end, sustained 60 s (localhost, prefetch 64)", e2e.rate, 0, "webhooks/s", ">= 1,000/s")
 			rows = append(rows, row{name: "end to end at 200/s: p50 / p99", ours: fmt.Sprintf("%.1f / %.1f ms", e2e.p50, e2e.p99), aim: "p99 < 100 ms"})
 			rows = append(rows, row{name: "peak RSS during end to end", ours: fmt.Sprintf("%.0f MB", e2e.rssMB), aim: "< 100 MB"})
 		}
 		if want("switch") {
 			sw, pci := benchSwitch(b)
 			rows = append(rows, row{name: "last ack on old broker -> flip", ours: fmt.Sprintf("%.2f s", sw.Seconds()), aim: fmt.Sprintf("< %s + 1 s", pci)})
+		}
+		for _, rtt := range benchRTTs(b) {
+			if want("wan-ingest") {
+				ours, base := benchWANIngest(b, payload, rtt)
+				add(fmt.Sprintf("ingest over amqps at %s, 64 clients", rtt), ours, base, "msg/s", "ratio >= 0.9")
+			}
+			if want("wan-e2e") {
+				add(fmt.Sprintf("end to end over amqps at %s, default config, 64 clients", rtt), benchWANEndToEnd(b, payload, rtt), 0, "webhooks/s", ">= 1,000/s")
+			}
+		}
+		if want("burst") {
+			p50, p99 := benchBurst(b, payload, 50*time.Millisecond)
+			rows = append(rows, row{name: "burst: 2,000 from 200 connections at 50ms: p50 / p99", ours: fmt.Sprintf("%.0f / %.0f ms, all 202", p50, p99), aim: "all 202, p99 < 250 ms"})
+		}
+		if want("wan-drain") {
+			ours, base := benchWANDrain(b, payload, 50*time.Millisecond)
+			add("leftover drain of 5,000 at 50ms (baseline: basic_get loop)", ours, base, "msg/s", ">= 500 msg/s")
+		}
+		if want("dbsize") {
+			total, payloads := benchDatabaseBytes(b)
+			rows = append(rows, row{name: "database bytes per 10,000 webhooks (fixtures)",
+				ours: fmt.Sprintf("%.1f MB, raw payload %.0f%%", float64(total)/1e6, 100*float64(payloads)/float64(total)), aim: "printed"})
+		}
+		if want("bigtable") {
+			big, empty := benchBigTable(b, payload)
+			add("end to end, 1,000,000 rows in github vs empty (localhost)", big, empty, "webhooks/s", "ratio >= 0.9")
+		}
+		if want("rss") {
+			rows = append(rows, row{name: "peak RSS, 1 MB payloads, default config", ours: fmt.Sprintf("%.0f MB", benchPeakRSS(b)), aim: "< 100 MB"})
+			rows = append(rows, row{name: "peak RSS, 1 MB payloads, prefetch 64", ours: fmt.Sprintf("%.0f MB", benchPeakRSS(b, "queue.prefetch = 64")), aim: "< 100 MB"})
+		}
+		if want("cpu") {
+			ours, raw := benchCPU(b, payload)
+			rows = append(rows, row{name: "daemon CPU per accepted webhook (localhost, 202 + both rows)",
+				ours: fmt.Sprintf("%d us", ours.Microseconds()), base: fmt.Sprintf("%d us (raw publisher)", raw.Microseconds()), aim: "printed"})
 		}
 	}
 
@@ -105,10 +142,16 @@ func withNode(payload []byte, node string) []byte {
 // rounds (ours, raw, raw, ours, ...) so that neither is measured only on an
 // emptier broker or a quieter machine.
 func benchIngest(b *testing.B, payload []byte) (ours, base float64) {
-	const rounds, perRound, clients = 4, 2000, 16
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 200*time.Millisecond)
 	cfg := testConfig(b, amqpURL(vhost))
+	return ingestRounds(b, cfg, vhost, amqpURL(vhost), payload, 16, 4, 2000)
+}
+
+// ingestRounds is the ingest row over any link: the daemon's handler with
+// cfg against a raw confirm-publisher dialing rawURL, `clients` at once each,
+// in alternating rounds of perRound on purged queues of vhost.
+func ingestRounds(b *testing.B, cfg *Config, vhost, rawURL string, payload []byte, clients, rounds, perRound int) (ours, base float64) {
 	cfg.Log.Level = "warn"
 	log := slog.New(slog.DiscardHandler)
 	d, err := NewDaemon(context.Background(), cfg, log)
@@ -142,7 +185,7 @@ func benchIngest(b *testing.B, payload []byte) (ours, base float64) {
 		return nil
 	}
 
-	conn, err := amqp.Dial(amqpURL(vhost))
+	conn, err := amqp.Dial(rawURL)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -260,14 +303,15 @@ func fillQueue(b testing.TB, vhost, queue string, payload []byte, n int) {
 	}
 }
 
-// benchPrefetch is the prefetch (and so the largest batch) the switchyard
-// side of the consume, drain and end-to-end rows runs with.
+// benchPrefetch is the prefetch the localhost end-to-end row runs with, as
+// in the first round's table.
 const benchPrefetch = 64
 
-// benchStore opens a fresh migrated store with the default pragmas.
+// benchStore opens a fresh migrated store with the default pragmas; its
+// config has the default queue settings, which the consume and drain rows
+// and their baselines share.
 func benchStore(b testing.TB) (*Store, *Config) {
 	cfg := testConfig(b, amqpURL("x"))
-	cfg.Queue.Prefetch = benchPrefetch
 	store, err := OpenStore(context.Background(), cfg.Database)
 	if err != nil {
 		b.Fatal(err)
@@ -324,24 +368,7 @@ func benchConsume(b *testing.B, payload []byte) (ours, base float64) {
 	cancel()
 
 	fillQueue(b, vhost, queueDatabase, payload, n)
-	conn, err := amqp.Dial(amqpURL(vhost))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer conn.Close()
-	ch, _ := conn.Channel()
-	_ = ch.Qos(1, 0, false)
-	deliveries, err := ch.Consume(queueDatabase, "", false, false, false, false, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
-	start = time.Now()
-	for i := 0; i < n; i++ {
-		d := <-deliveries
-		rawInsert(b, store.w, d.MessageId, d.Body[:64])
-		_ = d.Ack(false)
-	}
-	base = n / time.Since(start).Seconds()
+	base = rawBatchedConsume(b, amqpURL(vhost), queueDatabase, n, cfg.Queue.Prefetch, store.w, func(d *amqp.Delivery) []byte { return d.Body[:64] })
 	return ours, base
 }
 
@@ -366,22 +393,7 @@ func benchDrain(b *testing.B, payload []byte) (ours, base float64) {
 	ours = n / time.Since(start).Seconds()
 
 	fillQueue(b, vhost, queueGitHub, payload, n)
-	conn, err := amqp.Dial(amqpURL(vhost))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer conn.Close()
-	ch, _ := conn.Channel()
-	start = time.Now()
-	for i := 0; i < n; i++ {
-		d, ok, err := ch.Get(queueGitHub, false)
-		if err != nil || !ok {
-			b.Fatalf("raw get: %v %v", ok, err)
-		}
-		rawInsert(b, store.w, d.MessageId, d.Body)
-		_ = d.Ack(false)
-	}
-	base = n / time.Since(start).Seconds()
+	base = rawBatchedConsume(b, amqpURL(vhost), queueGitHub, n, cfg.Queue.Prefetch, store.w, func(d *amqp.Delivery) []byte { return d.Body })
 	return ours, base
 }
 

@@ -89,6 +89,10 @@ type QueueConfig struct {
 	PublishTimeout  time.Duration `toml:"publish_timeout"`
 	// CallTimeout bounds every other AMQP call (dial, declare, get, ack).
 	CallTimeout time.Duration `toml:"call_timeout"`
+	// MaxBatchBytes bounds the message bytes one consumer holds: its window
+	// is at most this many bytes of messages by the sizes seen, and a batch
+	// at most half of it.
+	MaxBatchBytes int64 `toml:"max_batch_bytes"`
 }
 
 // WorkersConfig sets the cadence of the four workers.
@@ -159,11 +163,15 @@ func DefaultConfig() *Config {
 		API:    APIConfig{MaxClockSkew: 5 * time.Minute},
 		GitHub: GitHubConfig{APIURL: "https://api.github.com"},
 		Queue: QueueConfig{
-			RetryTTL:       10 * time.Minute,
-			MaxAttempts:    10,
-			Prefetch:       1,
+			RetryTTL:    10 * time.Minute,
+			MaxAttempts: 10,
+			// 4 consumers share a connection: 800 unacked, within CloudAMQP's
+			// 1,000 per connection on free plans. Over a 50 ms link a window of
+			// 1 is 20 messages a second (SPEC §12.7, BENCHMARKS.md).
+			Prefetch:       200,
 			PublishTimeout: 5 * time.Second,
 			CallTimeout:    10 * time.Second,
+			MaxBatchBytes:  16 << 20,
 		},
 		Workers: WorkersConfig{
 			Window:               5 * time.Minute,
@@ -313,6 +321,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Queue.CallTimeout <= 0 {
 		bad("queue.call_timeout", "must be positive")
+	}
+	if c.Queue.MaxBatchBytes < 1<<20 {
+		bad("queue.max_batch_bytes", "at least 1 MiB (1048576), got %d", c.Queue.MaxBatchBytes)
 	}
 
 	for name, d := range map[string]time.Duration{

@@ -63,6 +63,8 @@ type Queues struct {
 	// drainQuiet is how long a broker must stay empty, with no message in
 	// a worker's hands, before Drained says so (see Drained).
 	drainQuiet time.Duration
+	// sizes are the message sizes seen per queue, for the windows.
+	sizes messageSizes
 }
 
 // brokerConn is the one connection to one broker, and its publisher.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -152,10 +153,79 @@ func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, lo
 // batch; it bounds the latency a batch adds to its first message.
 const batchLinger = 2 * time.Millisecond
 
-// batchSize is the most messages one transaction takes: half the prefetch
-// window, so that the broker sends the next half while this one commits.
-func (q *Queues) batchSize() int {
-	return max(1, q.cfg.Prefetch/2)
+// firstMessageSize is what a queue's messages are taken to weigh before
+// one was seen: pessimistic, so that a first window of 1 MB payloads stays
+// within max_batch_bytes; it adapts after the first batch.
+const firstMessageSize = 1 << 20
+
+// window is a consumer's prefetch for queue: at most queue.prefetch unacked
+// messages, and no more than queue.max_batch_bytes of them by the sizes seen
+// so far. RabbitMQ's prefetch counts messages, not bytes, and amqp091-go
+// holds every message the broker sent in memory: with 1 MB payloads a count
+// alone would hold prefetch megabytes per consumer.
+func (q *Queues) window(queue string) int {
+	avg := q.sizes.get(queue)
+	return max(1, min(q.cfg.Prefetch, int(q.cfg.MaxBatchBytes/avg)))
+}
+
+// batchFull tells when a batch of n messages and size bytes is complete:
+// half the window, so that the broker sends the next half while this one
+// commits, or half of max_batch_bytes.
+func (q *Queues) batchFull(win, n int, size int64) bool {
+	return n >= max(1, win/2) || size >= q.cfg.MaxBatchBytes/2
+}
+
+// messageSizes keeps, per queue, a moving average of message sizes.
+type messageSizes struct {
+	mu  sync.Mutex
+	avg map[string]int64
+}
+
+func (m *messageSizes) get(queue string) int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if v, ok := m.avg[queue]; ok {
+		return max(v, 1)
+	}
+	return firstMessageSize
+}
+
+// observe folds a batch of n messages of size bytes in total into the
+// average; the first batch replaces the pessimistic guess.
+func (m *messageSizes) observe(queue string, n int, size int64) {
+	if n == 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.avg == nil {
+		m.avg = map[string]int64{}
+	}
+	mean := size / int64(n)
+	if v, ok := m.avg[queue]; ok {
+		mean = (3*v + mean) / 4
+	}
+	m.avg[queue] = mean
+}
+
+// batchBytes is the bodies' total size.
+func batchBytes(ds []amqp.Delivery) int64 {
+	var n int64
+	for i := range ds {
+		n += int64(len(ds[i].Body))
+	}
+	return n
+}
+
+// setWindow applies the window the sizes call for, when it differs enough
+// from the current one to be worth a round trip to the broker.
+func (q *Queues) setWindow(conn *amqp.Connection, ch *amqp.Channel, queue string, cur int) (int, error) {
+	win := q.window(queue)
+	if win == cur || (win > cur && win < cur*5/4) {
+		return cur, nil
+	}
+	_, err := call(q, conn, "qos "+queue, func() (struct{}, error) { return struct{}{}, ch.Qos(win, 0, false) })
+	return win, err
 }
 
 // settleBatch handles deliveries, in order, in one transaction, then acks the
@@ -260,8 +330,9 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window ti
 
 	timer := time.NewTimer(window)
 	defer timer.Stop()
+	win := q.window(queue)
 	deliveries, err := call(q, conn, "consume "+queue, func() (<-chan amqp.Delivery, error) {
-		if err := ch.Qos(q.cfg.Prefetch, 0, false); err != nil {
+		if err := ch.Qos(win, 0, false); err != nil {
 			return nil, err
 		}
 		return ch.Consume(queue, "", false, false, false, false, nil)
@@ -298,27 +369,24 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window ti
 			// deliveries over one at a time from its own goroutine, so wait
 			// a moment (batchLinger) for the next rather than none at all.
 			ds := []amqp.Delivery{d}
-			if batch != nil && q.batchSize() > 1 {
-				linger := time.NewTimer(batchLinger)
-			more:
-				for len(ds) < q.batchSize() {
-					select {
-					case d, ok := <-deliveries:
-						if !ok {
-							break more
-						}
-						q.conns[b.Index].inHand.Add(1)
-						ds = append(ds, d)
-					case <-linger.C:
-						break more
-					}
+			size := int64(len(d.Body))
+			for batch != nil && !q.batchFull(win, len(ds), size) {
+				d, ok := receive(ctx, deliveries, batchLinger)
+				if !ok {
+					break
 				}
-				linger.Stop()
+				q.conns[b.Index].inHand.Add(1)
+				ds = append(ds, d)
+				size += int64(len(d.Body))
 			}
 			if err := q.settleBatch(b, queue, ds, h, batch, log); err != nil {
 				return n, fmt.Errorf("settle on %s: %w", b, err)
 			}
 			n += len(ds)
+			q.sizes.observe(queue, len(ds), size)
+			if win, err = q.setWindow(conn, ch, queue, win); err != nil {
+				return n, fmt.Errorf("consume %s on %s: %w", queue, b, err)
+			}
 		}
 	}
 }
@@ -336,11 +404,36 @@ func (q *Queues) get(conn *amqp.Connection, ch *amqp.Channel, queue string) (amq
 	return g.d, g.ok, err
 }
 
-// Drain takes up to limit messages from queue on broker b with basic_get and
-// handles each like a consumed one, returning as soon as the queue is empty
-// instead of waiting out a window. It is the Leftover Drain of SPEC §8. Each
-// basic_get runs inside guard; when guard declines (the broker state changed),
-// the drain stops.
+// receive waits up to wait for the next delivery; ok is false when none
+// came, the channel closed, or ctx ended.
+func receive(ctx context.Context, deliveries <-chan amqp.Delivery, wait time.Duration) (amqp.Delivery, bool) {
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case d, ok := <-deliveries:
+		return d, ok
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return amqp.Delivery{}, false
+}
+
+// drainIdle is the shortest a Leftover Drain waits for a delivery before it
+// takes the queue to be empty; the wait is longer on a slower link.
+const drainIdle = 100 * time.Millisecond
+
+// Drain takes up to limit messages from queue on broker b and handles each
+// like a consumed one: the Leftover Drain of SPEC §8. It takes at most what
+// the queue held when it began and returns as soon as it has them, or when
+// none came for a while (another consumer took them), instead of waiting out
+// a window. Messages come through a consumer with the worker's window, not a
+// basic_get each: over a WAN link a basic_get is a round trip per message
+// (20 a second at 50 ms), a window is many at once.
+//
+// Each delivery is taken only while guard says the broker state is still the
+// one the drain began on: once it changed (the broker was named a Pending
+// Switch's target, say), nothing more is handled, and closing the channel
+// puts every message not yet acked back in the queue, in order.
 func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, guard func(func()) bool, h Handler, batch Batcher, log *slog.Logger) (int, error) {
 	if limit <= 0 {
 		return 0, nil
@@ -349,52 +442,66 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, 
 	if err != nil {
 		return 0, err
 	}
-	if ready, err := q.readyCount(conn, b, queue); err != nil || ready == 0 {
+	ready, err := q.readyCount(conn, b, queue)
+	if err != nil || ready == 0 {
 		return 0, err
 	}
+	want := min(limit, ready)
 	ch, err := q.channel(conn)
 	if err != nil {
 		return 0, err
 	}
 	defer q.closeChannel(conn, ch)
-	// basic_get has no window to keep full: a batch takes a whole prefetch.
-	size := 1
-	if batch != nil {
-		size = q.cfg.Prefetch
+	win := min(q.window(queue), want)
+	if batch == nil {
+		win = 1
 	}
+	start := time.Now()
+	deliveries, err := call(q, conn, "consume "+queue, func() (<-chan amqp.Delivery, error) {
+		if err := ch.Qos(win, 0, false); err != nil {
+			return nil, err
+		}
+		return ch.Consume(queue, "", false, false, false, false, nil)
+	})
+	if isNotFound(err) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("consume %s on %s: %w", queue, b, err)
+	}
+	idle := max(drainIdle, 3*time.Since(start))
+
+	inHand := &q.conns[b.Index].inHand
 	n := 0
-	for n < limit && ctx.Err() == nil {
-		var ds []amqp.Delivery
-		var getErr error
-		stop := false
-		for len(ds) < min(size, limit-n) {
-			var d amqp.Delivery
-			var ok bool
-			if !guard(func() { d, ok, getErr = q.get(conn, ch, queue) }) {
-				stop = true // the state changed: take no more, finish what was taken
+	for n < want && ctx.Err() == nil {
+		d, ok := receive(ctx, deliveries, idle)
+		if !ok || !guard(func() {}) {
+			break // empty for a while, the channel closed, or the state changed
+		}
+		inHand.Add(1)
+		ds := []amqp.Delivery{d}
+		size := int64(len(d.Body))
+		changed := false
+		for len(ds) < want-n && !q.batchFull(win, len(ds), size) {
+			d, ok := receive(ctx, deliveries, batchLinger)
+			if !ok {
 				break
 			}
-			if isNotFound(getErr) {
-				getErr = nil
-			}
-			if getErr != nil || !ok {
-				stop = true
+			if !guard(func() {}) {
+				changed = true // this one is not handled: it goes back
 				break
 			}
-			q.conns[b.Index].inHand.Add(1)
+			inHand.Add(1)
 			ds = append(ds, d)
+			size += int64(len(d.Body))
 		}
-		if len(ds) > 0 {
-			if err := q.settleBatch(b, queue, ds, h, batch, log); err != nil {
-				return n, fmt.Errorf("settle on %s: %w", b, err)
-			}
-			n += len(ds)
+		if err := q.settleBatch(b, queue, ds, h, batch, log); err != nil {
+			return n, fmt.Errorf("settle on %s: %w", b, err)
 		}
-		if getErr != nil {
-			return n, fmt.Errorf("get %s on %s: %w", queue, b, getErr)
-		}
-		if stop {
-			return n, nil
+		n += len(ds)
+		q.sizes.observe(queue, len(ds), size)
+		if changed {
+			break
 		}
 	}
 	return n, nil

@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -433,4 +435,65 @@ func TestBatchedCommits(t *testing.T) {
 	if n := p.queues.conns[0].inHand.Load(); n != 0 {
 		t.Errorf("in-hand count after the run: %d, want 0", n)
 	}
+}
+
+// unacked is the broker's count of messages delivered on queue and not yet
+// acknowledged.
+func unacked(t testing.TB, vhost, queue string) int {
+	t.Helper()
+	out, err := exec.Command("rabbitmqctl", "-q", "--no-table-headers", "list_queues", "-p", vhost, "name", "messages_unacknowledged").CombinedOutput()
+	if err != nil {
+		t.Fatalf("list_queues: %v: %s", err, out)
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == queue {
+			n, _ := strconv.Atoi(f[1])
+			return n
+		}
+	}
+	t.Fatalf("queue %s not listed on %s", queue, vhost)
+	return 0
+}
+
+// A consumer holds at most queue.max_batch_bytes of messages, whatever the
+// prefetch: 1 MB payloads at prefetch 200 and a 4 MiB bound are delivered
+// four at a time, and payloads of a few KB then fill the whole window.
+func TestConsumerWindowBoundedByBytes(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.Prefetch = 200
+	cfg.Queue.MaxBatchBytes = 4 << 20
+	declareTestTopology(t, vhost, cfg.Queue.RetryTTL)
+	big := paddedPayload(t, 1<<20)
+	for i := 0; i < 40; i++ {
+		publishRaw(t, vhost, "", queueGitHub, eventMessage("pull_request", fmt.Sprintf("big-%d", i), big))
+	}
+	p := newParts(t, cfg)
+	release := make(chan struct{})
+	var handled atomic.Int64
+	h := func(ctx context.Context, ev *Event) error {
+		if handled.Add(1) == 1 {
+			<-release // hold the first batch until the broker's count is read
+		}
+		return nil
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go consumeUntil(ctx, p.queues, p.brokers.List()[0], queueGitHub, h, p.store, p.log)
+	eventually(t, 10*time.Second, "the first delivery handled", func() bool { return handled.Load() == 1 })
+	if n := unacked(t, vhost, queueGitHub); n > 4 {
+		t.Errorf("unacked 1 MB messages with a 4 MiB bound: %d, want at most 4", n)
+	}
+	close(release)
+	eventually(t, 30*time.Second, "all 40 handled", func() bool { return handled.Load() == 40 })
+	if got := p.queues.window(queueGitHub); got != 4 {
+		t.Errorf("window after 1 MB messages: %d, want 4", got)
+	}
+	small := loadFixture(t, "issues", "opened.payload.json")
+	for i := 0; i < 20; i++ {
+		publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", fmt.Sprintf("small-%d", i), small))
+	}
+	eventually(t, 30*time.Second, "the window grown for small messages", func() bool {
+		return handled.Load() == 60 && p.queues.window(queueGitHub) == 200
+	})
 }

@@ -1,0 +1,496 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// The field rows of SPEC §12.7: switchyard as its users run it, against a
+// broker across a WAN link over amqps, with the default config. Each raw
+// baseline goes through the same proxy at the same concurrency.
+
+// benchRTTs are the round-trip times of the WAN rows: BENCH_RTT, else
+// 20 ms and 50 ms.
+func benchRTTs(b testing.TB) []time.Duration {
+	spec := os.Getenv("BENCH_RTT")
+	if spec == "" {
+		spec = "20ms,50ms"
+	}
+	var out []time.Duration
+	for _, s := range strings.Split(spec, ",") {
+		d, err := time.ParseDuration(strings.TrimSpace(s))
+		if err != nil {
+			b.Fatalf("BENCH_RTT: %v", err)
+		}
+		out = append(out, d)
+	}
+	return out
+}
+
+// benchProcess is the real binary, serving with a config of defaults but
+// for what a bench must set.
+type benchProcess struct {
+	cmd    *exec.Cmd
+	addr   string
+	dbPath string
+	url    string
+}
+
+// startBenchProcess runs `switchyard serve` over brokerURL with the default
+// config (topology declared beforehand, as production brokers are), plus
+// extra TOML lines in their sections ("queue.prefetch = 64").
+func startBenchProcess(b testing.TB, brokerURL, dbPath string, extra ...string) *benchProcess {
+	b.Helper()
+	dir := b.TempDir()
+	if dbPath == "" {
+		dbPath = filepath.Join(dir, "bench.db")
+	}
+	addr := freeAddr(b)
+	sections := map[string][]string{
+		"server":   {fmt.Sprintf("listen = %q", addr)},
+		"database": {fmt.Sprintf("path = %q", dbPath)},
+		"api":      {`operator_token = "bench-operator-token-0123456789abcdef"`, `producer_token = "bench-producer-token-0123456789abcdef"`},
+		"github":   {fmt.Sprintf("webhook_secret = %q", testSecret), `allowed_cidrs = ["127.0.0.0/8"]`, fmt.Sprintf("bot_app_id = %d", testBotAppID)},
+		"log":      {`level = "warn"`},
+	}
+	for _, e := range extra {
+		key, line, _ := strings.Cut(e, ".")
+		sections[key] = append(sections[key], line)
+	}
+	var text strings.Builder
+	for _, s := range []string{"server", "database", "api", "github", "queue", "workers", "log"} {
+		fmt.Fprintf(&text, "[%s]\n%s\n", s, strings.Join(sections[s], "\n"))
+	}
+	fmt.Fprintf(&text, "[[brokers]]\nurl = %q\n", brokerURL)
+	config := filepath.Join(dir, "bench.toml")
+	if err := os.WriteFile(config, []byte(text.String()), 0o600); err != nil {
+		b.Fatal(err)
+	}
+	cmd := exec.Command(builtBinary(b), "serve", "-config", config)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	p := &benchProcess{cmd: cmd, addr: addr, dbPath: dbPath, url: "http://" + addr}
+	eventually(b, 30*time.Second, "daemon up", func() bool {
+		resp, err := http.Get(p.url + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+		}
+		return err == nil && resp.StatusCode == http.StatusOK
+	})
+	return p
+}
+
+// peakRSS is the process's VmHWM in MB.
+func (p *benchProcess) peakRSS(b testing.TB) float64 {
+	_, peak := rss(b, p.cmd.Process.Pid)
+	return float64(peak) / (1 << 20)
+}
+
+// cpu is the process's user + system CPU time so far.
+func (p *benchProcess) cpu(b testing.TB) time.Duration {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	// Fields after the command name (which may hold spaces): utime is the
+	// 14th field of the line, stime the 15th, in clock ticks (100 a second).
+	rest := string(stat[bytes.LastIndexByte(stat, ')')+2:])
+	f := strings.Fields(rest)
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(ut+st) * 10 * time.Millisecond
+}
+
+// selfCPU is this process's user + system CPU time so far.
+func selfCPU() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// botPost sends one signed bot pull_request webhook with its own node id, so
+// that it writes its own typed row; it returns the latency and an error
+// unless the answer is 202.
+func botPost(b testing.TB, client *http.Client, base, guid string, payload []byte) (time.Duration, error) {
+	body := withNode(payload, "node-"+guid)
+	req, err := http.NewRequest(http.MethodPost, base+"/webhooks/github", bytes.NewReader(body))
+	if err != nil {
+		return 0, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-GitHub-Event", "pull_request")
+	req.Header.Set("X-GitHub-Delivery", guid)
+	req.Header.Set("X-GitHub-Hook-ID", "123456")
+	req.Header.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
+	req.Header.Set("X-GitHub-Hook-Installation-Target-ID", strconv.Itoa(testBotAppID))
+	req.Header.Set("X-Hub-Signature-256", sign(testSecret, body))
+	start := time.Now()
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusAccepted {
+		return 0, fmt.Errorf("POST: %d", resp.StatusCode)
+	}
+	return time.Since(start), nil
+}
+
+// sustained posts from `clients` goroutines for d, then waits until github
+// and github_pull_requests both hold every webhook posted; the rate is
+// webhooks per second from the first POST to the last row.
+func sustained(b testing.TB, p *benchProcess, payload []byte, clients int, d time.Duration) float64 {
+	client := loadClient(clients)
+	db := openDB(b, p.dbPath)
+	prefix := "sus-" + randHex(3) + "-"
+	var posted atomic.Int64
+	var failed atomic.Value
+	var wg sync.WaitGroup
+	deadline := time.Now().Add(d)
+	start := time.Now()
+	for c := 0; c < clients; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(deadline) && failed.Load() == nil {
+				if _, err := botPost(b, client, p.url, fmt.Sprintf("%s%d", prefix, posted.Add(1)), payload); err != nil {
+					failed.CompareAndSwap(nil, err)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if err := failed.Load(); err != nil {
+		b.Fatal(err)
+	}
+	want := int(posted.Load())
+	eventually(b, 10*time.Minute, "every webhook in github and github_pull_requests", func() bool {
+		return queryInt(b, db, "SELECT count(*) FROM github WHERE delivery_id LIKE ?", prefix+"%") == want &&
+			queryInt(b, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id LIKE ?", prefix+"%") == want
+	})
+	return float64(want) / time.Since(start).Seconds()
+}
+
+// benchWANIngest: 64 clients POST through the daemon to a broker behind the
+// WAN proxy, against 64 goroutines publishing the same message with a
+// confirm each over one amqps connection through the same proxy. Rounds
+// alternate, on purged queues.
+func benchWANIngest(b *testing.B, payload []byte, rtt time.Duration) (ours, base float64) {
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, 10*time.Minute)
+	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
+	cfg := testConfig(b, proxy.URL(vhost))
+	cfg.Queue.DeclareTopology = false
+	return ingestRounds(b, cfg, vhost, proxy.URL(vhost), payload, 64, 4, 1000)
+}
+
+// benchWANEndToEnd: the real binary with the default config over amqps to a
+// broker behind the WAN proxy, 64 clients for 30 s.
+func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) float64 {
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, 10*time.Minute)
+	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
+	p := startBenchProcess(b, proxy.URL(vhost), "")
+	return sustained(b, p, payload, 64, 30*time.Second)
+}
+
+// benchBurst: 2,000 webhooks at once from 200 connections, through a daemon
+// whose broker is behind the WAN proxy; every answer must be 202.
+func benchBurst(b *testing.B, payload []byte, rtt time.Duration) (p50, p99 float64) {
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, 10*time.Minute)
+	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
+	p := startBenchProcess(b, proxy.URL(vhost), "")
+	const n, conns = 2000, 200
+	client := loadClient(conns)
+	lat := make([]float64, n)
+	var next atomic.Int64
+	var failed atomic.Value
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for c := 0; c < conns; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			for i := int(next.Add(1)) - 1; i < n; i = int(next.Add(1)) - 1 {
+				d, err := botPost(b, client, p.url, fmt.Sprintf("burst-%d-%s", i, randHex(3)), payload)
+				if err != nil {
+					failed.CompareAndSwap(nil, err)
+				}
+				lat[i] = float64(d.Microseconds()) / 1000
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	if err := failed.Load(); err != nil {
+		b.Fatalf("burst: not every answer was 202: %v", err)
+	}
+	sort.Float64s(lat)
+	return lat[n/2], lat[n*99/100]
+}
+
+// benchWANDrain: the Leftover Drain of 5,000 messages from a broker behind
+// the WAN proxy, against a basic_get loop through the same proxy (over 200
+// messages: at one round trip each, 5,000 would take minutes).
+func benchWANDrain(b *testing.B, payload []byte, rtt time.Duration) (ours, base float64) {
+	const n, baseN = 5000, 200
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, 10*time.Minute)
+	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
+	fillQueue(b, vhost, queueGitHub, payload, n)
+	store, cfg := benchStore(b)
+	defer store.Close()
+	cfg.Queue = DefaultConfig().Queue
+	log := slog.New(slog.DiscardHandler)
+	q := NewQueues(cfg.Queue, mustBrokers(b, proxy.URL(vhost)), log)
+	defer q.Close()
+	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
+		b.Fatal(err)
+	}
+	always := func(fn func()) bool { fn(); return true }
+	start := time.Now()
+	got, err := q.Drain(context.Background(), q.conns[0].broker, queueGitHub, n, always, serviceHandler(store, nil, false, log), store, log)
+	if err != nil || got != n {
+		b.Fatalf("drain: %d, %v", got, err)
+	}
+	ours = n / time.Since(start).Seconds()
+
+	fillQueue(b, vhost, queueGitHub, payload, baseN)
+	conn, err := amqp.Dial(proxy.URL(vhost))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	ch, _ := conn.Channel()
+	start = time.Now()
+	for i := 0; i < baseN; i++ {
+		d, ok, err := ch.Get(queueGitHub, false)
+		if err != nil || !ok {
+			b.Fatalf("raw get: %v %v", ok, err)
+		}
+		rawInsert(b, store.w, d.MessageId, d.Body)
+		_ = d.Ack(false)
+	}
+	return ours, baseN / time.Since(start).Seconds()
+}
+
+// benchDatabaseBytes: 10,000 webhooks of the real fixtures through the
+// service and database-service handlers into a fresh database; its size
+// per 10,000, and the share of it that is raw payload.
+func benchDatabaseBytes(b *testing.B) (total, payloads int64) {
+	store, _ := benchStore(b)
+	defer store.Close()
+	log := slog.New(slog.DiscardHandler)
+	svc, dbh := serviceHandler(store, nil, false, log), databaseHandler(store, testBotAppID, log)
+	fixtures := loadFixtures(b)
+	ctx := context.Background()
+	for i := 0; i < 10000; i += 100 {
+		err := store.Batch(ctx, func(ctx context.Context) error {
+			for j := i; j < i+100; j++ {
+				f := fixtures[j%len(fixtures)]
+				msg := eventMessage(f.Event, fmt.Sprintf("size-%d", j), f.Body)
+				msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
+				ev, err := DecodeEvent(&amqp.Delivery{Headers: msg.Headers, MessageId: msg.MessageId, Type: msg.Type,
+					Timestamp: msg.Timestamp, Body: msg.Body})
+				if err != nil {
+					continue // a fixture the workers refuse is not stored either
+				}
+				payloads += int64(len(ev.Payload))
+				if err := svc(ctx, ev); err != nil {
+					return err
+				}
+				var perm *permanentError
+				if err := dbh(ctx, ev); err != nil && !errors.As(err, &perm) && !errors.Is(err, ErrDuplicate) {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	if _, err := store.w.Exec("PRAGMA wal_checkpoint(TRUNCATE)"); err != nil {
+		b.Fatal(err)
+	}
+	fi, err := os.Stat(store.path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return fi.Size(), payloads
+}
+
+// benchBigTable: end to end (localhost, default config, 64 clients, 20 s)
+// with 1,000,000 rows already in github, against an empty database.
+func benchBigTable(b *testing.B, payload []byte) (big, empty float64) {
+	dir := b.TempDir()
+	full := filepath.Join(dir, "full.db")
+	store, err := OpenStore(context.Background(), DatabaseConfig{Path: full, Synchronous: "NORMAL", BusyTimeout: 5 * time.Second})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, _, err := store.Migrate(context.Background()); err != nil {
+		b.Fatal(err)
+	}
+	// A million rows of a year of deliveries, with a payload of 2 KB each.
+	_, err = store.w.Exec(`WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1000000)
+		INSERT INTO github (delivery_id, event, action, repository, sender, payload, received_at, processed_at)
+		SELECT printf('old-%07d', i), 'pull_request', 'opened', 'octo/repo', 'octocat', printf('{"n":%d,"pad":"%s"}', i, hex(zeroblob(1000))),
+			strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('-%d seconds', (1000000 - i) * 30)),
+			strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('-%d seconds', (1000000 - i) * 30))
+		FROM n`)
+	if err != nil {
+		b.Fatal(err)
+	}
+	store.Close()
+	for _, c := range []struct {
+		path string
+		rate *float64
+	}{{full, &big}, {"", &empty}} {
+		vhost := newVhost(b)
+		declareTestTopology(b, vhost, 10*time.Minute)
+		p := startBenchProcess(b, amqpURL(vhost), c.path)
+		*c.rate = sustained(b, p, payload, 64, 20*time.Second)
+		p.cmd.Process.Kill()
+	}
+	return big, empty
+}
+
+// benchPeakRSS: 400 webhooks of 1 MB from 16 clients, until both tables hold
+// them, with extra config lines; the daemon's peak RSS in MB.
+func benchPeakRSS(b *testing.B, extra ...string) float64 {
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, 10*time.Minute)
+	p := startBenchProcess(b, amqpURL(vhost), "", extra...)
+	payload := paddedPayload(b, 1<<20)
+	client := loadClient(16)
+	db := openDB(b, p.dbPath)
+	parallelRate(b, 16, 400, func(i int) error {
+		_, err := botPost(b, client, p.url, fmt.Sprintf("mb-%d", i), payload)
+		return err
+	})
+	eventually(b, 5*time.Minute, "400 large webhooks stored", func() bool {
+		return queryInt(b, db, "SELECT count(*) FROM github_pull_requests") == 400 && queryInt(b, db, "SELECT count(*) FROM github") == 400
+	})
+	return p.peakRSS(b)
+}
+
+// benchCPU: the daemon's CPU time per accepted webhook (localhost, 16
+// clients, 4,000 webhooks: the 202 path and storing both rows), and the raw
+// confirm-publisher's CPU per message for the same messages.
+func benchCPU(b *testing.B, payload []byte) (ours, raw time.Duration) {
+	const n = 4000
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, 10*time.Minute)
+	p := startBenchProcess(b, amqpURL(vhost), "")
+	client := loadClient(16)
+	db := openDB(b, p.dbPath)
+	before := p.cpu(b)
+	parallelRate(b, 16, n, func(i int) error {
+		_, err := botPost(b, client, p.url, fmt.Sprintf("cpu-%d", i), payload)
+		return err
+	})
+	eventually(b, 5*time.Minute, "stored", func() bool {
+		return queryInt(b, db, "SELECT count(*) FROM github_pull_requests") == n && queryInt(b, db, "SELECT count(*) FROM github") == n
+	})
+	ours = (p.cpu(b) - before) / n
+
+	conn, err := amqp.Dial(amqpURL(vhost))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	chans := make(chan *amqp.Channel, 16)
+	for i := 0; i < 16; i++ {
+		ch, _ := conn.Channel()
+		_ = ch.Confirm(false)
+		chans <- ch
+	}
+	h := http.Header{}
+	h.Set("X-GitHub-Event", "pull_request")
+	before = selfCPU()
+	parallelRate(b, 16, n, func(i int) error {
+		ch := <-chans
+		defer func() { chans <- ch }()
+		h := h.Clone()
+		h.Set("X-GitHub-Delivery", fmt.Sprintf("raw-cpu-%d", i))
+		dc, err := ch.PublishWithDeferredConfirm(exchangeName, "", true, false, newPublishing(h, payload, "127.0.0.1", time.Now()))
+		if err != nil || !dc.Wait() {
+			return fmt.Errorf("raw publish: %v", err)
+		}
+		return nil
+	})
+	raw = (selfCPU() - before) / n
+	return ours, raw
+}
+
+// rawBatchedConsume is the baseline of a batched switchyard consumer: the
+// same window (prefetch), the same batches (half a window, the same
+// linger), one transaction and one multiple ack per batch, a row per
+// message holding value(d).
+func rawBatchedConsume(b testing.TB, url, queue string, n, window int, db *sql.DB, value func(d *amqp.Delivery) []byte) float64 {
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	ch, _ := conn.Channel()
+	_ = ch.Qos(window, 0, false)
+	deliveries, err := ch.Consume(queue, "", false, false, false, false, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	start := time.Now()
+	for done := 0; done < n; {
+		ds := []amqp.Delivery{<-deliveries}
+		for len(ds) < max(1, window/2) && done+len(ds) < n {
+			d, ok := receive(ctx, deliveries, batchLinger)
+			if !ok {
+				break
+			}
+			ds = append(ds, d)
+		}
+		tx, err := db.Begin()
+		if err != nil {
+			b.Fatal(err)
+		}
+		for i := range ds {
+			if _, err := tx.Exec("INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('raw', ?, ?)",
+				ds[i].MessageId, string(value(&ds[i]))); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if err := tx.Commit(); err != nil {
+			b.Fatal(err)
+		}
+		_ = ds[len(ds)-1].Ack(true)
+		done += len(ds)
+	}
+	return float64(n) / time.Since(start).Seconds()
+}
