@@ -191,7 +191,9 @@ func (m *messageSizes) get(queue string) int64 {
 }
 
 // observe folds a batch of n messages of size bytes in total into the
-// average; the first batch replaces the pessimistic guess.
+// average. The first batch replaces the pessimistic guess, and so does any
+// batch of 8 or more (a fair sample of what the queue holds now); a smaller
+// one moves the average half way.
 func (m *messageSizes) observe(queue string, n int, size int64) {
 	if n == 0 {
 		return
@@ -202,8 +204,8 @@ func (m *messageSizes) observe(queue string, n int, size int64) {
 		m.avg = map[string]int64{}
 	}
 	mean := size / int64(n)
-	if v, ok := m.avg[queue]; ok {
-		mean = (3*v + mean) / 4
+	if v, ok := m.avg[queue]; ok && n < 8 {
+		mean = (v + mean) / 2
 	}
 	m.avg[queue] = mean
 }
@@ -217,15 +219,61 @@ func batchBytes(ds []amqp.Delivery) int64 {
 	return n
 }
 
-// setWindow applies the window the sizes call for, when it differs enough
-// from the current one to be worth a round trip to the broker.
-func (q *Queues) setWindow(conn *amqp.Connection, ch *amqp.Channel, queue string, cur int) (int, error) {
-	win := q.window(queue)
-	if win == cur || (win > cur && win < cur*5/4) {
-		return cur, nil
+// consumer is one basic.consume of a queue, on a channel of its own, with
+// a window (its prefetch).
+type consumer struct {
+	q          *Queues
+	conn       *amqp.Connection
+	ch         *amqp.Channel
+	queue      string
+	win        int
+	deliveries <-chan amqp.Delivery
+}
+
+// consume starts a consumer of queue on conn with window win. A queue that
+// does not exist is an error isNotFound tells.
+func (q *Queues) consume(conn *amqp.Connection, queue string, win int) (*consumer, error) {
+	ch, err := q.channel(conn)
+	if err != nil {
+		return nil, err
 	}
-	_, err := call(q, conn, "qos "+queue, func() (struct{}, error) { return struct{}{}, ch.Qos(win, 0, false) })
-	return win, err
+	deliveries, err := call(q, conn, "consume "+queue, func() (<-chan amqp.Delivery, error) {
+		if err := ch.Qos(win, 0, false); err != nil {
+			return nil, err
+		}
+		return ch.Consume(queue, "", false, false, false, false, nil)
+	})
+	if err != nil {
+		if !isNotFound(err) {
+			q.closeChannel(conn, ch) // a 404 has closed it already
+		}
+		return nil, err
+	}
+	return &consumer{q: q, conn: conn, ch: ch, queue: queue, win: win, deliveries: deliveries}, nil
+}
+
+// close ends the consumer; what the broker sent it and it did not settle goes
+// back to the queue.
+func (c *consumer) close() { c.q.closeChannel(c.conn, c.ch) }
+
+// resize starts the consumer again with the window the message sizes call
+// for (at most limit), when it is at least twice or at most half the current
+// one. RabbitMQ applies a basic.qos only to consumers started after it, so
+// the channel is closed (the messages it was sent and had not handed over go
+// back to the queue, in order) and another opened: a few round trips, paid
+// when the sizes change, not per batch. Call it with nothing in hand.
+func (c *consumer) resize(limit int) error {
+	win := min(c.q.window(c.queue), limit)
+	if win < c.win*2 && win > c.win/2 {
+		return nil
+	}
+	c.close()
+	next, err := c.q.consume(c.conn, c.queue, win)
+	if err != nil {
+		return err
+	}
+	*c = *next
+	return nil
 }
 
 // settleBatch handles deliveries, in order, in one transaction, then acks the
@@ -322,21 +370,13 @@ func (q *Queues) toError(ctx context.Context, b *Broker, queue string, d *amqp.D
 // is done, handling each message with h. A queue that does not exist is
 // treated as empty for the window. The message in hand is always finished.
 func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window time.Duration, stop <-chan struct{}, h Handler, batch Batcher, log *slog.Logger) (int, error) {
-	conn, ch, err := q.openChannel(ctx, b)
+	conn, _, err := q.conn(ctx, b)
 	if err != nil {
 		return 0, err
 	}
-	defer q.closeChannel(conn, ch)
-
 	timer := time.NewTimer(window)
 	defer timer.Stop()
-	win := q.window(queue)
-	deliveries, err := call(q, conn, "consume "+queue, func() (<-chan amqp.Delivery, error) {
-		if err := ch.Qos(win, 0, false); err != nil {
-			return nil, err
-		}
-		return ch.Consume(queue, "", false, false, false, false, nil)
-	})
+	c, err := q.consume(conn, queue, q.window(queue))
 	if isNotFound(err) {
 		log.Warn("queue does not exist on broker, treating it as empty", "queue", queue)
 		select {
@@ -349,6 +389,7 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window ti
 	if err != nil {
 		return 0, fmt.Errorf("consume %s on %s: %w", queue, b, err)
 	}
+	defer func() { c.close() }()
 
 	n := 0
 	for {
@@ -359,7 +400,7 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window ti
 			return n, nil
 		case <-stop:
 			return n, nil
-		case d, ok := <-deliveries:
+		case d, ok := <-c.deliveries:
 			if !ok {
 				return n, fmt.Errorf("consume %s on %s: %w: channel closed", queue, b, ErrBrokerUnreachable)
 			}
@@ -370,8 +411,8 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window ti
 			// a moment (batchLinger) for the next rather than none at all.
 			ds := []amqp.Delivery{d}
 			size := int64(len(d.Body))
-			for batch != nil && !q.batchFull(win, len(ds), size) {
-				d, ok := receive(ctx, deliveries, batchLinger)
+			for batch != nil && !q.batchFull(c.win, len(ds), size) {
+				d, ok := receive(ctx, c.deliveries, batchLinger)
 				if !ok {
 					break
 				}
@@ -384,7 +425,7 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window ti
 			}
 			n += len(ds)
 			q.sizes.observe(queue, len(ds), size)
-			if win, err = q.setWindow(conn, ch, queue, win); err != nil {
+			if err := c.resize(q.cfg.Prefetch); err != nil {
 				return n, fmt.Errorf("consume %s on %s: %w", queue, b, err)
 			}
 		}
@@ -447,34 +488,25 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, 
 		return 0, err
 	}
 	want := min(limit, ready)
-	ch, err := q.channel(conn)
-	if err != nil {
-		return 0, err
-	}
-	defer q.closeChannel(conn, ch)
 	win := min(q.window(queue), want)
 	if batch == nil {
 		win = 1
 	}
 	start := time.Now()
-	deliveries, err := call(q, conn, "consume "+queue, func() (<-chan amqp.Delivery, error) {
-		if err := ch.Qos(win, 0, false); err != nil {
-			return nil, err
-		}
-		return ch.Consume(queue, "", false, false, false, false, nil)
-	})
+	c, err := q.consume(conn, queue, win)
 	if isNotFound(err) {
 		return 0, nil
 	}
 	if err != nil {
 		return 0, fmt.Errorf("consume %s on %s: %w", queue, b, err)
 	}
+	defer func() { c.close() }()
 	idle := max(drainIdle, 3*time.Since(start))
 
 	inHand := &q.conns[b.Index].inHand
 	n := 0
 	for n < want && ctx.Err() == nil {
-		d, ok := receive(ctx, deliveries, idle)
+		d, ok := receive(ctx, c.deliveries, idle)
 		if !ok || !guard(func() {}) {
 			break // empty for a while, the channel closed, or the state changed
 		}
@@ -482,8 +514,8 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, 
 		ds := []amqp.Delivery{d}
 		size := int64(len(d.Body))
 		changed := false
-		for len(ds) < want-n && !q.batchFull(win, len(ds), size) {
-			d, ok := receive(ctx, deliveries, batchLinger)
+		for len(ds) < want-n && !q.batchFull(c.win, len(ds), size) {
+			d, ok := receive(ctx, c.deliveries, batchLinger)
 			if !ok {
 				break
 			}
@@ -502,6 +534,11 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, 
 		q.sizes.observe(queue, len(ds), size)
 		if changed {
 			break
+		}
+		if batch != nil && n < want {
+			if err := c.resize(want); err != nil {
+				return n, fmt.Errorf("drain %s on %s: %w", queue, b, err)
+			}
 		}
 	}
 	return n, nil
