@@ -47,6 +47,9 @@ type ServerConfig struct {
 	// MaxInflightBytes bounds the webhook bodies being read at once, all
 	// together (SPEC §12.1).
 	MaxInflightBytes int64 `toml:"max_inflight_bytes"`
+	// MemoryLimit is the Go runtime's soft memory limit in bytes (0: none);
+	// GOMEMLIMIT in the environment wins over it.
+	MemoryLimit int64 `toml:"memory_limit"`
 }
 
 // DatabaseConfig is the SQLite file.
@@ -157,7 +160,8 @@ type LogConfig struct {
 // DefaultConfig returns the configuration an empty file would give.
 func DefaultConfig() *Config {
 	return &Config{
-		Server: ServerConfig{Listen: "127.0.0.1:8080", ShutdownTimeout: 25 * time.Second, MaxInflightBytes: 64 << 20},
+		Server: ServerConfig{Listen: "127.0.0.1:8080", ShutdownTimeout: 25 * time.Second, MaxInflightBytes: 64 << 20,
+			MemoryLimit: 64 << 20},
 		Database: DatabaseConfig{Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
 			RawRetention: Duration(90 * 24 * time.Hour)},
 		API:    APIConfig{MaxClockSkew: 5 * time.Minute},
@@ -171,7 +175,7 @@ func DefaultConfig() *Config {
 			Prefetch:       200,
 			PublishTimeout: 5 * time.Second,
 			CallTimeout:    10 * time.Second,
-			MaxBatchBytes:  16 << 20,
+			MaxBatchBytes:  8 << 20,
 		},
 		Workers: WorkersConfig{
 			Window:               5 * time.Minute,
@@ -242,6 +246,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Server.ShutdownTimeout <= 0 {
 		bad("server.shutdown_timeout", "must be positive")
+	}
+	if c.Server.MemoryLimit < 0 {
+		bad("server.memory_limit", "must not be negative (0: no limit)")
 	}
 	if c.Server.MaxInflightBytes < 1<<20 {
 		bad("server.max_inflight_bytes", "at least 1 MiB (1048576), got %d", c.Server.MaxInflightBytes)
@@ -518,7 +525,7 @@ func (c *Config) Summary(w io.Writer) {
 	p("database.path = %q", c.Database.Path)
 	p("database.synchronous = %q", strings.ToUpper(c.Database.Synchronous))
 	p("database.raw_retention = %s", c.Database.RawRetention)
-	p("server.max_inflight_bytes = %d", c.Server.MaxInflightBytes)
+	p("server.max_inflight_bytes = %d, memory_limit = %d", c.Server.MaxInflightBytes, c.Server.MemoryLimit)
 	p("api.operator_token = %s", mask(c.API.OperatorToken))
 	p("api.producer_token = %s", mask(c.API.ProducerToken))
 	p("api.max_clock_skew = %s", c.API.MaxClockSkew)

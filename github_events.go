@@ -264,24 +264,13 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 	}
 	ev.HookID, _ = strconv.ParseInt(get(hdrHookID), 10, 64)
 	ev.TargetID, _ = strconv.ParseInt(get(hdrTargetID), 10, 64)
-	var small struct {
-		FullName string `json:"full_name"`
-		Login    string `json:"login"`
-		ID       int64  `json:"id"`
-	}
-	// Each of these is a small object; a value of another type (a payload
-	// of an unexpected shape) just leaves the column empty.
-	if json.Unmarshal(f.members["repository"], &small) == nil {
-		ev.Repository = small.FullName
-	}
-	small.Login = ""
-	if json.Unmarshal(f.members["sender"], &small) == nil {
-		ev.Sender = small.Login
-	}
-	small.ID = 0
-	if json.Unmarshal(f.members["installation"], &small) == nil {
-		ev.InstallationID = small.ID
-	}
+	// Each of these is one field of a larger object (repository alone is
+	// kilobytes): the one-pass reader finds it, encoding/json decodes only
+	// it. A value of another type (a payload of an unexpected shape) just
+	// leaves the column empty.
+	_ = json.Unmarshal(jsonField(f.members["repository"], "full_name"), &ev.Repository)
+	_ = json.Unmarshal(jsonField(f.members["sender"], "login"), &ev.Sender)
+	_ = json.Unmarshal(jsonField(f.members["installation"], "id"), &ev.InstallationID)
 	ev.fields = f
 	if ev.ReceivedAt.IsZero() {
 		ev.ReceivedAt = time.Now()

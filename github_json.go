@@ -40,6 +40,11 @@ func validJSON(b []byte) bool {
 // called member for some members perhaps, when b is not one valid JSON
 // object.
 func jsonMembers(b []byte, member func(key string, value []byte)) bool {
+	return jsonRawMembers(b, func(quoted, value []byte) { member(jsonKey(quoted), value) })
+}
+
+// jsonRawMembers is jsonMembers with each key as it stands, quoted.
+func jsonRawMembers(b []byte, member func(quoted, value []byte)) bool {
 	r := jsonReader{b: b}
 	r.space()
 	if r.i >= len(r.b) || r.b[r.i] != '{' || !r.object(member) {
@@ -47,6 +52,25 @@ func jsonMembers(b []byte, member func(key string, value []byte)) bool {
 	}
 	r.space()
 	return r.i == len(r.b)
+}
+
+// jsonField returns the raw value of key in the JSON object obj (the last
+// one, as encoding/json takes), or nil when obj is not an object or has no
+// such key.
+func jsonField(obj []byte, key string) []byte {
+	if len(obj) == 0 || obj[0] != '{' {
+		return nil
+	}
+	var v []byte
+	jsonRawMembers(obj, func(quoted, value []byte) {
+		// Most keys are plain: compare them as they stand, without
+		// decoding (and allocating) each.
+		if len(quoted) == len(key)+2 && string(quoted[1:len(quoted)-1]) == key ||
+			bytes.IndexByte(quoted, '\\') >= 0 && jsonKey(quoted) == key {
+			v = value
+		}
+	})
+	return v
 }
 
 func (r *jsonReader) space() {
@@ -83,7 +107,7 @@ func (r *jsonReader) value() bool {
 	return false
 }
 
-func (r *jsonReader) object(member func(key string, value []byte)) bool {
+func (r *jsonReader) object(member func(quoted, value []byte)) bool {
 	if r.depth++; r.depth > maxJSONDepth {
 		return false
 	}
@@ -114,7 +138,7 @@ func (r *jsonReader) object(member func(key string, value []byte)) bool {
 			return false
 		}
 		if member != nil {
-			member(jsonKey(key), r.b[vstart:r.i])
+			member(key, r.b[vstart:r.i])
 		}
 		r.space()
 		if r.i >= len(r.b) {

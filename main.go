@@ -17,6 +17,7 @@ import (
 	"os/signal"
 	"reflect"
 	"runtime"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
@@ -727,6 +728,12 @@ func sdNotify(log *slog.Logger, state string) {
 // serve is the serve command: listen, then run until SIGTERM or SIGINT.
 // SIGHUP reloads the config file at path.
 func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, log *slog.Logger, ready func()) error {
+	// A soft limit: the collector works harder as the heap nears it, so that
+	// garbage from large payloads does not double the footprint (GOGC lets
+	// the heap grow to twice what is live) on a small VPS.
+	if os.Getenv("GOMEMLIMIT") == "" && cfg.Server.MemoryLimit > 0 {
+		debug.SetMemoryLimit(cfg.Server.MemoryLimit)
+	}
 	d, err := NewDaemon(ctx, cfg, log)
 	if err != nil {
 		return err
