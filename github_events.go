@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -183,8 +184,19 @@ func writeShrunk(b *bytes.Buffer, raw []byte, keep map[string]any) {
 	}
 	b.WriteByte('{')
 	first := true
-	jsonMembers(raw, func(key string, value []byte) {
-		sub, ok := keep[key]
+	jsonRawMembers(raw, func(quoted, value []byte) {
+		// A plain key is looked up and written as it stands; one with
+		// escapes (or not UTF-8) is decoded first, as encoding/json would.
+		plain := bytes.IndexByte(quoted, '\\') < 0 && utf8.Valid(quoted)
+		var sub any
+		var ok bool
+		if plain {
+			sub, ok = keep[string(quoted[1:len(quoted)-1])]
+		} else {
+			key := jsonKey(quoted)
+			sub, ok = keep[key]
+			quoted, _ = json.Marshal(key)
+		}
 		if !ok {
 			return
 		}
@@ -192,8 +204,7 @@ func writeShrunk(b *bytes.Buffer, raw []byte, keep map[string]any) {
 			b.WriteByte(',')
 		}
 		first = false
-		kb, _ := json.Marshal(key)
-		b.Write(kb)
+		b.Write(quoted)
 		b.WriteByte(':')
 		nested, _ := sub.(map[string]any)
 		writeShrunk(b, value, nested)

@@ -163,8 +163,7 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 
 // batchTx is the transaction a batch of messages shares (see Batch).
 type batchTx struct {
-	tx         *sql.Tx
-	savepoints int
+	tx *sql.Tx
 }
 
 type batchKey struct{}
@@ -248,7 +247,7 @@ func (s *Store) prepareWanted(ctx context.Context) {
 // in a savepoint of the batch in ctx.
 func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
 	if bt, ok := ctx.Value(batchKey{}).(*batchTx); ok {
-		return bt.savepoint(ctx, fn)
+		return s.savepoint(ctx, bt, fn)
 	}
 	// A batch of one: the same begin, rollback and commit, no savepoint.
 	return s.Batch(ctx, func(ctx context.Context) error {
@@ -256,20 +255,21 @@ func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
 	})
 }
 
-func (bt *batchTx) savepoint(ctx context.Context, fn func(tx *sql.Tx) error) error {
-	bt.savepoints++
-	name := fmt.Sprintf("msg%d", bt.savepoints)
-	if _, err := bt.tx.ExecContext(ctx, "SAVEPOINT "+name); err != nil {
+// savepoint runs fn inside one savepoint of the batch: a failure rolls back
+// fn's writes only. Savepoints are released before the next begins, so one
+// name serves them all, and its three statements are prepared once.
+func (s *Store) savepoint(ctx context.Context, bt *batchTx, fn func(tx *sql.Tx) error) error {
+	if _, err := s.exec(ctx, bt.tx, "SAVEPOINT msg"); err != nil {
 		return fmt.Errorf("savepoint: %w", err)
 	}
 	if err := fn(bt.tx); err != nil {
-		if _, rerr := bt.tx.ExecContext(ctx, "ROLLBACK TO "+name); rerr != nil {
+		if _, rerr := s.exec(ctx, bt.tx, "ROLLBACK TO msg"); rerr != nil {
 			return errors.Join(err, fmt.Errorf("rollback to savepoint: %w", rerr))
 		}
-		_, _ = bt.tx.ExecContext(ctx, "RELEASE "+name)
+		_, _ = s.exec(ctx, bt.tx, "RELEASE msg")
 		return err
 	}
-	if _, err := bt.tx.ExecContext(ctx, "RELEASE "+name); err != nil {
+	if _, err := s.exec(ctx, bt.tx, "RELEASE msg"); err != nil {
 		return fmt.Errorf("release savepoint: %w", err)
 	}
 	return nil
