@@ -161,7 +161,7 @@ type LogConfig struct {
 func DefaultConfig() *Config {
 	return &Config{
 		Server: ServerConfig{Listen: "127.0.0.1:8080", ShutdownTimeout: 25 * time.Second, MaxInflightBytes: 64 << 20,
-			MemoryLimit: 64 << 20},
+			MemoryLimit: 48 << 20},
 		Database: DatabaseConfig{Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
 			RawRetention: Duration(90 * 24 * time.Hour)},
 		API:    APIConfig{MaxClockSkew: 5 * time.Minute},
