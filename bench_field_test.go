@@ -265,20 +265,7 @@ func benchWANDrain(b *testing.B, payload []byte, rtt time.Duration) (ours, base 
 	fillQueue(b, vhost, queueGitHub, payload, n)
 	store, cfg := benchStore(b)
 	defer store.Close()
-	cfg.Queue = DefaultConfig().Queue
-	log := slog.New(slog.DiscardHandler)
-	q := NewQueues(cfg.Queue, mustBrokers(b, proxy.URL(vhost)), log)
-	defer q.Close()
-	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
-		b.Fatal(err)
-	}
-	always := func(fn func()) bool { fn(); return true }
-	start := time.Now()
-	got, err := q.Drain(context.Background(), q.conns[0].broker, queueGitHub, n, always, serviceHandler(store, nil, false, log), store, log)
-	if err != nil || got != n {
-		b.Fatalf("drain: %d, %v", got, err)
-	}
-	ours = n / time.Since(start).Seconds()
+	ours = drainRate(b, store, cfg, proxy.URL(vhost), n)
 
 	fillQueue(b, vhost, queueGitHub, payload, baseN)
 	conn, err := amqp.Dial(proxy.URL(vhost))
@@ -287,7 +274,7 @@ func benchWANDrain(b *testing.B, payload []byte, rtt time.Duration) (ours, base 
 	}
 	defer conn.Close()
 	ch, _ := conn.Channel()
-	start = time.Now()
+	start := time.Now()
 	for i := 0; i < baseN; i++ {
 		d, ok, err := ch.Get(queueGitHub, false)
 		if err != nil || !ok {

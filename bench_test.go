@@ -381,20 +381,28 @@ func benchDrain(b *testing.B, payload []byte) (ours, base float64) {
 	fillQueue(b, vhost, queueGitHub, payload, n)
 	store, cfg := benchStore(b)
 	defer store.Close()
+	ours = drainRate(b, store, cfg, amqpURL(vhost), n)
+	fillQueue(b, vhost, queueGitHub, payload, n)
+	base = rawBatchedConsume(b, amqpURL(vhost), queueGitHub, n, cfg.Queue.Prefetch, store.w, func(d *amqp.Delivery) []byte { return d.Body })
+	return ours, base
+}
+
+// drainRate is the Leftover Drain of the n messages in github on the
+// broker at brokerURL, with the service handler, in messages a second.
+func drainRate(b testing.TB, store *Store, cfg *Config, brokerURL string, n int) float64 {
 	log := slog.New(slog.DiscardHandler)
-	q := NewQueues(cfg.Queue, mustBrokers(b, amqpURL(vhost)), log)
+	q := NewQueues(cfg.Queue, mustBrokers(b, brokerURL), log)
 	defer q.Close()
+	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
+		b.Fatal(err)
+	}
 	always := func(fn func()) bool { fn(); return true }
 	start := time.Now()
 	got, err := q.Drain(context.Background(), q.conns[0].broker, queueGitHub, n, always, serviceHandler(store, nil, false, log), store, log)
 	if err != nil || got != n {
 		b.Fatalf("drain: %d, %v", got, err)
 	}
-	ours = n / time.Since(start).Seconds()
-
-	fillQueue(b, vhost, queueGitHub, payload, n)
-	base = rawBatchedConsume(b, amqpURL(vhost), queueGitHub, n, cfg.Queue.Prefetch, store.w, func(d *amqp.Delivery) []byte { return d.Body })
-	return ours, base
+	return float64(n) / time.Since(start).Seconds()
 }
 
 type e2eResult struct{ rate, p50, p99, rssMB float64 }

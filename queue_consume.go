@@ -210,15 +210,6 @@ func (m *messageSizes) observe(queue string, n int, size int64) {
 	m.avg[queue] = mean
 }
 
-// batchBytes is the bodies' total size.
-func batchBytes(ds []amqp.Delivery) int64 {
-	var n int64
-	for i := range ds {
-		n += int64(len(ds[i].Body))
-	}
-	return n
-}
-
 // consumer is one basic.consume of a queue, on a channel of its own, with
 // a window (its prefetch).
 type consumer struct {
