@@ -391,7 +391,9 @@ func benchDrain(b *testing.B, payload []byte) (ours, base float64) {
 // broker at brokerURL, with the service handler, in messages a second.
 func drainRate(b testing.TB, store *Store, cfg *Config, brokerURL string, n int) float64 {
 	log := slog.New(slog.DiscardHandler)
-	q := NewQueues(cfg.Queue, mustBrokers(b, brokerURL), log)
+	qcfg := cfg.Queue
+	qcfg.DeclareTopology = false // the bench declared it, with its own retry_ttl
+	q := NewQueues(qcfg, mustBrokers(b, brokerURL), log)
 	defer q.Close()
 	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
 		b.Fatal(err)
