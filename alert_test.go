@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -9,12 +10,39 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
 
+// gate holds a sink's answers while it stalls (hold), until released.
+type gate struct {
+	mu sync.Mutex
+	ch chan struct{}
+}
+
+// hold makes every answer wait until the returned release is called.
+func (g *gate) hold() (release func()) {
+	ch := make(chan struct{})
+	g.mu.Lock()
+	g.ch = ch
+	g.mu.Unlock()
+	var once sync.Once
+	return func() { once.Do(func() { close(ch) }) }
+}
+
+func (g *gate) wait() {
+	g.mu.Lock()
+	ch := g.ch
+	g.mu.Unlock()
+	if ch != nil {
+		<-ch
+	}
+}
+
 // smtpSink is a minimal SMTP server that keeps every message it is given.
 type smtpSink struct {
+	gate
 	ln   net.Listener
 	addr string
 	mu   sync.Mutex
@@ -70,6 +98,7 @@ func (s *smtpSink) serve() {
 
 func (s *smtpSink) session(c net.Conn) {
 	defer c.Close()
+	s.wait()
 	r := bufio.NewReader(c)
 	say := func(line string) { io.WriteString(c, line+"\r\n") }
 	say("220 sink ESMTP")
@@ -117,6 +146,7 @@ func (s *smtpSink) messages() []string {
 
 // pushSink records ntfy-style POSTs.
 type pushSink struct {
+	gate
 	srv  *httptest.Server
 	mu   sync.Mutex
 	reqs []pushReq
@@ -130,6 +160,7 @@ func newPushSink(t testing.TB) *pushSink {
 	t.Helper()
 	p := &pushSink{}
 	p.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.wait()
 		b, _ := io.ReadAll(r.Body)
 		p.mu.Lock()
 		p.reqs = append(p.reqs, pushReq{r.Header.Get("Title"), r.Header.Get("Tags"), r.Header.Get("Click"), r.Header.Get("Authorization"), string(b)})
@@ -226,26 +257,32 @@ func TestAlertsSent(t *testing.T) {
 	}
 }
 
-// The SMTP server down: the alert retries, the push is not sent twice, and the
-// row and its count are written once; once SMTP is back, the email goes out.
+// The SMTP server down: the message is stored and acked at once, the email
+// alert retries from the outbox, the push is not sent twice, and the row and
+// its count are written once; once SMTP is back, the email goes out.
 func TestAlertRetriesOnlyTheAlert(t *testing.T) {
 	addr := reserveAddr(t)
 	push := newPushSink(t)
 	cfg := alertConfig(t, addr, push.srv.URL, "pull_request.*")
-	cfg.Queue.MaxAttempts = 1000
 	d := startDaemon(t, cfg)
 	guid := newGUID()
 	postWebhook(t, d.URL, "pull_request", guid, loadFixture(t, "pull_request", "opened.payload.json"))
 
-	eventually(t, 20*time.Second, "a retry of the alert", func() bool {
-		return strings.Count(d.logs.String(), "transient failure, message will retry") >= 2
+	eventually(t, 20*time.Second, "a retry of the email alert", func() bool {
+		return strings.Count(d.logs.String(), "alert not sent, will retry") >= 2
 	})
 	db := openDB(t, cfg.Database.Path)
 	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NULL", guid); n != 1 {
 		t.Fatalf("row while the alert fails: %d, want stored once and not alerted", n)
 	}
+	if strings.Contains(d.logs.String(), "transient failure, message will retry") {
+		t.Errorf("the message was retried for its alert; it should be acked once stored")
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id = ? AND channel = 'email' AND sent_at IS NULL AND attempts >= 2 AND last_error != ''", guid); n != 1 {
+		t.Errorf("email outbox row: %d, want one unsent with its failures recorded", n)
+	}
 	smtp := newSMTPSinkAt(t, addr)
-	eventually(t, 20*time.Second, "alert sent once SMTP is back", func() bool {
+	eventually(t, 30*time.Second, "alert sent once SMTP is back", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NOT NULL", guid) == 1
 	})
 	d.stop(t)
@@ -284,5 +321,76 @@ func TestForbiddenAlert(t *testing.T) {
 	reqs := push.requests()
 	if len(reqs) != 1 || !strings.HasPrefix(reqs[0].title, "[Forbidden] ") || !strings.Contains(reqs[0].tags, "warning") {
 		t.Errorf("pushes: %+v", reqs)
+	}
+}
+
+// deliveriesIn are the delivery IDs that alert texts name ("Delivery: ID").
+func deliveriesIn(texts []string) map[string]bool {
+	ids := map[string]bool{}
+	for _, text := range texts {
+		for _, line := range strings.Split(text, "\n") {
+			if id, ok := strings.CutPrefix(strings.TrimSpace(line), "Delivery:"); ok {
+				ids[strings.TrimSpace(id)] = true
+			}
+		}
+	}
+	return ids
+}
+
+// SPEC §12.3: with the SMTP and push servers stalled, 1,000 webhooks at
+// prefetch 64 are all stored while the stall still holds, /readyz answers 200
+// and an operator switch is carried out; once the servers answer, every
+// alert goes out.
+func TestStalledAlertsNeverSlowStoring(t *testing.T) {
+	smtp, push := newSMTPSink(t), newPushSink(t)
+	cfg := alertConfig(t, smtp.addr, push.srv.URL, "*")
+	cfg.Queue.Prefetch = 64
+	releaseSMTP, releasePush := smtp.hold(), push.hold()
+	defer releaseSMTP()
+	defer releasePush()
+	d := startDaemon(t, cfg)
+	const n = 1000
+	body := loadFixture(t, "issues", "opened.payload.json")
+	var wg sync.WaitGroup
+	var next atomic.Int64
+	for c := 0; c < 16; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := next.Add(1); i <= n; i = next.Add(1) {
+				if code := postWebhook(t, d.URL, "issues", fmt.Sprintf("stall-%04d", i), body); code != http.StatusAccepted {
+					t.Errorf("webhook %d: %d", i, code)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 60*time.Second, "every Event stored while the alert servers stall", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github") == n
+	})
+	if code, answer := do(t, mustRequest(t, http.MethodGet, d.URL+"/readyz")); code != http.StatusOK {
+		t.Errorf("/readyz while alerts stall: %d %s", code, answer)
+	}
+	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/switch/0", "operator-token-for-tests", ""); code != http.StatusOK {
+		t.Errorf("operator switch while alerts stall: %d %v", code, m)
+	}
+	if got := scrape(t, d.URL+"/metrics")["switchyard_alerts_pending"]; got != 2*n {
+		t.Errorf("switchyard_alerts_pending while the servers stall: %v, want %d", got, 2*n)
+	}
+	releaseSMTP()
+	releasePush()
+	eventually(t, 3*time.Minute, "every alert sent once the servers answer", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE alerted_at IS NOT NULL") == n
+	})
+	if got := len(deliveriesIn(smtp.messages())); got != n {
+		t.Errorf("deliveries emailed: %d, want %d", got, n)
+	}
+	var pushed []string
+	for _, r := range push.requests() {
+		pushed = append(pushed, r.body)
+	}
+	if got := len(deliveriesIn(pushed)); got != n {
+		t.Errorf("deliveries pushed: %d, want %d", got, n)
 	}
 }

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+	"math"
 	"net/http"
 	"strconv"
 	"time"
@@ -140,4 +142,20 @@ func (m *Metrics) healthCheckFailed(worker string) {
 	if m != nil {
 		m.hcFailures.WithLabelValues(worker).Inc()
 	}
+}
+
+// countAlertsPending registers switchyard_alerts_pending, read from count at
+// each scrape: the sender may be stuck on a stalled server exactly when the
+// number matters.
+func (m *Metrics) countAlertsPending(count func(ctx context.Context) (int, error)) {
+	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "switchyard_alerts_pending",
+		Help: "Alerts queued in alert_outbox and not sent yet."}, func() float64 {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		n, err := count(ctx)
+		if err != nil {
+			return math.NaN()
+		}
+		return float64(n)
+	}))
 }

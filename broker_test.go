@@ -597,7 +597,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 	publishRaw(t, b, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened.payload.json")))
 	var mu sync.Mutex
 	calls := 0
-	service := serviceHandler(store, nil, false, log)
+	service := serviceHandler(store, nil, false)
 	h := func(ctx context.Context, ev *Event) error {
 		mu.Lock()
 		calls++

@@ -537,6 +537,7 @@ type Daemon struct {
 	metrics *Metrics
 	api     *API
 	alerter *Alerter
+	alerts  *AlertSender
 	workers []*Worker
 }
 
@@ -574,13 +575,14 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		api: NewAPI(cfg, store, brokers, queues, webhook, metrics, log)}
 	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
-	d.alerter = alerter
+	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
+	metrics.countAlertsPending(store.AlertsPending)
 	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
-	service := newWorker("service", queueGitHub, serviceHandler(store, alerter, false, log), w.Window, 0, w, brokers, queues, log)
+	service := newWorker("service", queueGitHub, serviceHandler(store, alerter, false), w.Window, 0, w, brokers, queues, log)
 	service.health = hc(cfg.HealthChecks.Service, "service")
 	database := newWorker("database-service", queueDatabase, databaseHandler(store, cfg.GitHub.BotAppID, log.With("worker", "database-service")), w.Window, 0, w, brokers, queues, log)
 	database.health = hc(cfg.HealthChecks.DatabaseService, "database-service")
-	cleanup := newWorker("cleanup", queueForbidden, serviceHandler(store, alerter, true, log), w.CleanupWindow, w.CleanupEvery, w, brokers, queues, log)
+	cleanup := newWorker("cleanup", queueForbidden, serviceHandler(store, alerter, true), w.CleanupWindow, w.CleanupEvery, w, brokers, queues, log)
 	cleanup.health = hc(cfg.HealthChecks.Cleanup, "cleanup")
 	retention := &Retention{store: store, keep: time.Duration(cfg.Database.RawRetention), log: log.With("worker", "cleanup")}
 	cleanup.Poll = func(ctx context.Context) error {
@@ -659,6 +661,7 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	for _, w := range d.workers {
 		g.Go(func() error { return w.Run(gctx) })
 	}
+	g.Go(func() error { return d.alerts.Run(gctx) })
 	d.log.Info("switchyard serving", "version", version, "listen", ln.Addr().String(),
 		"database", d.cfg.Database.Path, "brokers", len(d.brokers.List()))
 	if ready != nil {

@@ -342,3 +342,23 @@ CREATE TABLE alert_sends (
     sent_at     TEXT NOT NULL,
     PRIMARY KEY (delivery_id, channel)
 ) STRICT, WITHOUT ROWID;
+
+-- migration 4: alerts sent after the commit
+-- alert_outbox: an alert to send, written in the Event's own transaction and
+-- sent by the alert sender after the commit (SPEC §12.3), so that no network
+-- I/O happens while a transaction is open and a stalled SMTP or push server
+-- never slows storing. One row per delivery and channel; github.alerted_at is
+-- set when the last of a delivery's rows is sent. alert_sends (migration 3)
+-- is no longer written.
+CREATE TABLE alert_outbox (
+    id          INTEGER PRIMARY KEY,
+    delivery_id TEXT NOT NULL,                -- the github row it announces
+    channel     TEXT NOT NULL,                -- email or push
+    created_at  TEXT NOT NULL,
+    attempts    INTEGER NOT NULL DEFAULT 0,   -- failed sends so far
+    last_error  TEXT NOT NULL DEFAULT '',     -- why the last send failed
+    next_at     TEXT NOT NULL,                -- not tried again before this (backoff)
+    sent_at     TEXT,                         -- NULL until sent
+    UNIQUE (delivery_id, channel)
+) STRICT;
+CREATE INDEX alert_outbox_due ON alert_outbox (channel, next_at) WHERE sent_at IS NULL;

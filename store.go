@@ -325,10 +325,11 @@ func nullInt(v int64) any {
 	return v
 }
 
-// InsertEvent writes the raw Event and counts it in its 6-hour bucket, in one
-// transaction. It reports false, and changes nothing, when the delivery is
-// already stored: a retried or redelivered message must not count twice.
-func (s *Store) InsertEvent(ctx context.Context, ev *Event, forbidden bool) (inserted bool, err error) {
+// InsertEvent writes the raw Event, counts it in its 6-hour bucket and
+// queues its alert on each of channels (alert_outbox), in one transaction. It
+// reports false, and changes nothing, when the delivery is already stored: a
+// retried or redelivered message must not count or alert twice.
+func (s *Store) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channels ...string) (inserted bool, err error) {
 	err = s.write(ctx, func(tx *sql.Tx) error {
 		res, err := s.exec(ctx, tx, `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
 			target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at)
@@ -349,7 +350,7 @@ func (s *Store) InsertEvent(ctx context.Context, ev *Event, forbidden bool) (ins
 		if err != nil {
 			return fmt.Errorf("count statistics: %w", err)
 		}
-		return nil
+		return s.queueAlerts(ctx, tx, ev.DeliveryID, channels)
 	})
 	return inserted, err
 }
@@ -398,51 +399,6 @@ func (s *Store) Backup(ctx context.Context, dest string) error {
 		return fmt.Errorf("integrity_check %s: %s", dest, res)
 	}
 	return nil
-}
-
-// AlertProgress reads how far a delivery's alert got: the channels that have
-// sent it, and whether github.alerted_at is set.
-func (s *Store) AlertProgress(ctx context.Context, deliveryID string) (sent []string, alerted bool, err error) {
-	var at sql.NullString
-	r := s.reader(ctx)
-	if err := r.QueryRowContext(ctx, "SELECT alerted_at FROM github WHERE delivery_id = ?", deliveryID).Scan(&at); err != nil {
-		return nil, false, fmt.Errorf("read alerted_at: %w", err)
-	}
-	if at.Valid {
-		return nil, true, nil
-	}
-	rows, err := r.QueryContext(ctx, "SELECT channel FROM alert_sends WHERE delivery_id = ?", deliveryID)
-	if err != nil {
-		return nil, false, fmt.Errorf("read alert sends: %w", err)
-	}
-	defer rows.Close()
-	for rows.Next() {
-		var c string
-		if err := rows.Scan(&c); err != nil {
-			return nil, false, err
-		}
-		sent = append(sent, c)
-	}
-	return sent, false, rows.Err()
-}
-
-// RecordAlertSend notes that channel sent the delivery's alert; with last set,
-// it also sets github.alerted_at.
-func (s *Store) RecordAlertSend(ctx context.Context, deliveryID, channel string, last bool) error {
-	return s.write(ctx, func(tx *sql.Tx) error {
-		now := formatTime(time.Now())
-		if _, err := tx.ExecContext(ctx, `INSERT INTO alert_sends (delivery_id, channel, sent_at) VALUES (?, ?, ?)
-			ON CONFLICT DO NOTHING`, deliveryID, channel, now); err != nil {
-			return fmt.Errorf("record alert send: %w", err)
-		}
-		if !last {
-			return nil
-		}
-		if _, err := tx.ExecContext(ctx, "UPDATE github SET alerted_at = ? WHERE delivery_id = ?", now, deliveryID); err != nil {
-			return fmt.Errorf("set alerted_at: %w", err)
-		}
-		return nil
-	})
 }
 
 // retentionBatch is the most raw rows one retention transaction deletes, so

@@ -45,7 +45,7 @@ func runWorker(t *testing.T, brokerURL, pingURL string) (*Store, *logSink) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := newParts(t, cfg)
 	store, brokers, queues, log, sink := p.store, p.brokers, p.queues, p.log, p.logs
-	w := newWorker("service", queueGitHub, serviceHandler(store, nil, false, log), 200*time.Millisecond, 0, cfg.Workers, brokers, queues, log)
+	w := newWorker("service", queueGitHub, serviceHandler(store, nil, false), 200*time.Millisecond, 0, cfg.Workers, brokers, queues, log)
 	w.health = NewHealthCheck(pingURL, "service", nil, log)
 	done := make(chan struct{})
 	go func() { _ = w.Run(ctx); close(done) }()

@@ -1,0 +1,96 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"time"
+)
+
+// queueAlerts writes one alert_outbox row per channel for a delivery, inside
+// the transaction that stores it.
+func (s *Store) queueAlerts(ctx context.Context, tx *sql.Tx, deliveryID string, channels []string) error {
+	now := formatTime(time.Now())
+	for _, c := range channels {
+		if _, err := s.exec(ctx, tx, `INSERT INTO alert_outbox (delivery_id, channel, created_at, next_at)
+			VALUES (?, ?, ?, ?) ON CONFLICT (delivery_id, channel) DO NOTHING`, deliveryID, c, now, now); err != nil {
+			return fmt.Errorf("queue alert: %w", err)
+		}
+	}
+	return nil
+}
+
+// outboxAlert is an alert due to be sent: its row and the Event it announces.
+type outboxAlert struct {
+	ID        int64
+	Attempts  int
+	Forbidden bool
+	Event     *Event
+}
+
+// DueAlerts reads up to limit unsent alerts of channel whose time has come,
+// oldest first, with their Events.
+func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, limit int) ([]outboxAlert, error) {
+	rows, err := s.r.QueryContext(ctx, `SELECT o.id, o.attempts, g.forbidden, g.delivery_id, g.event, g.action,
+			g.repository, g.sender, g.source_ip, g.payload, g.received_at
+		FROM alert_outbox o JOIN github g ON g.delivery_id = o.delivery_id
+		WHERE o.channel = ? AND o.sent_at IS NULL AND o.next_at <= ? ORDER BY o.next_at, o.id LIMIT ?`,
+		channel, formatTime(now), limit)
+	if err != nil {
+		return nil, fmt.Errorf("read due alerts: %w", err)
+	}
+	defer rows.Close()
+	var out []outboxAlert
+	for rows.Next() {
+		var a outboxAlert
+		var ev Event
+		var payload, received string
+		if err := rows.Scan(&a.ID, &a.Attempts, &a.Forbidden, &ev.DeliveryID, &ev.Name, &ev.Action,
+			&ev.Repository, &ev.Sender, &ev.SourceIP, &payload, &received); err != nil {
+			return nil, fmt.Errorf("read due alerts: %w", err)
+		}
+		ev.Payload = []byte(payload)
+		ev.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
+		a.Event = &ev
+		out = append(out, a)
+	}
+	return out, rows.Err()
+}
+
+// AlertSent marks an alert sent, and the delivery alerted once none of its
+// alerts waits any more.
+func (s *Store) AlertSent(ctx context.Context, id int64, deliveryID string) error {
+	return s.write(ctx, func(tx *sql.Tx) error {
+		now := formatTime(time.Now())
+		if _, err := tx.ExecContext(ctx, "UPDATE alert_outbox SET sent_at = ? WHERE id = ?", now, id); err != nil {
+			return fmt.Errorf("mark alert sent: %w", err)
+		}
+		_, err := tx.ExecContext(ctx, `UPDATE github SET alerted_at = ? WHERE delivery_id = ? AND alerted_at IS NULL
+			AND NOT EXISTS (SELECT 1 FROM alert_outbox WHERE delivery_id = ? AND sent_at IS NULL)`, now, deliveryID, deliveryID)
+		if err != nil {
+			return fmt.Errorf("set alerted_at: %w", err)
+		}
+		return nil
+	})
+}
+
+// AlertFailed records a failed send and when to try again.
+func (s *Store) AlertFailed(ctx context.Context, id int64, cause error, next time.Time) error {
+	return s.write(ctx, func(tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, "UPDATE alert_outbox SET attempts = attempts + 1, last_error = ?, next_at = ? WHERE id = ?",
+			cause.Error(), formatTime(next), id)
+		if err != nil {
+			return fmt.Errorf("record alert failure: %w", err)
+		}
+		return nil
+	})
+}
+
+// AlertsPending counts the alerts not sent yet, for the metric.
+func (s *Store) AlertsPending(ctx context.Context) (int, error) {
+	var n int
+	if err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM alert_outbox WHERE sent_at IS NULL").Scan(&n); err != nil {
+		return 0, fmt.Errorf("count pending alerts: %w", err)
+	}
+	return n, nil
+}
