@@ -201,15 +201,6 @@ type queryer interface {
 	QueryContext(context.Context, string, ...any) (*sql.Rows, error)
 }
 
-// reader reads inside the batch when there is one, so a handler sees what the
-// batch wrote before it; else from the read-only pool.
-func (s *Store) reader(ctx context.Context) queryer {
-	if bt, ok := ctx.Value(batchKey{}).(*batchTx); ok {
-		return bt.tx
-	}
-	return s.r
-}
-
 // exec runs one statement in tx, prepared once: modernc.org/sqlite has no
 // statement cache of its own, and preparing was a twentieth of a consumer's
 // CPU. A statement cannot be prepared inside a transaction (the transaction
