@@ -4,7 +4,10 @@ import (
 	"database/sql"
 	"encoding/json"
 	"fmt"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"net/http"
+	"reflect"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -520,5 +523,36 @@ func TestDatabaseServiceMissingField(t *testing.T) {
 	})
 	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", badGUID); n != 0 {
 		t.Errorf("the broken delivery was marked done")
+	}
+}
+
+// The typed tables decode a payload cut down to tableFields: over every
+// fixture, as a bot Event, the cut-down payload gives the same rows (or the
+// same refusal) as the whole one. A field a decoder reads that tableFields
+// leaves out would decode as zero, silently; this finds it.
+func TestTablePayloadDecodesLikeWholePayload(t *testing.T) {
+	compared := 0
+	for _, f := range loadFixtures(t) {
+		msg := eventMessage(f.Event, "fixture-"+f.Event+"-"+f.Name, f.Body)
+		msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
+		ev, err := DecodeEvent(&amqp.Delivery{Headers: msg.Headers, MessageId: msg.MessageId, Type: msg.Type, Body: msg.Body})
+		if err != nil {
+			continue // a payload the workers refuse reaches no table
+		}
+		whole := *ev
+		whole.fields, whole.table = nil, nil // tablePayload is then the whole payload
+		cut, cutErr := decodeTableRows(ev, testBotAppID)
+		full, fullErr := decodeTableRows(&whole, testBotAppID)
+		if (cutErr == nil) != (fullErr == nil) {
+			t.Errorf("%s/%s: cut-down %v, whole %v", f.Event, f.Name, cutErr, fullErr)
+			continue
+		}
+		if !reflect.DeepEqual(cut, full) {
+			t.Errorf("%s/%s: rows from the cut-down payload differ:\n got %+v\nwant %+v", f.Event, f.Name, cut, full)
+		}
+		compared++
+	}
+	if compared < 200 {
+		t.Errorf("compared %d fixtures, want most of them", compared)
 	}
 }
