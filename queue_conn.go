@@ -1,92 +1,140 @@
 package main
 
 import (
-	"encoding/binary"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
 	"net"
-	"net/url"
-	"sync"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// amqpProtocolHeader opens every AMQP 0-9-1 connection; it is not a frame.
-const amqpProtocolHeader = "AMQP\x00\x00\x09\x01"
+// The connections of SPEC §8: one per broker, shared by the webhook endpoint
+// and every worker, dialed on demand with backoff and jitter; channels per
+// use; every AMQP call bounded by call_timeout.
 
-// frameConn writes whole AMQP frames. amqp091-go writes through a 4 KB
-// buffer, so a 25 KB publish leaves it as three writes: the buffer's 4 KB,
-// the rest of the body, then the body frame's one end byte. That is three
-// syscalls here and three segments for the broker to read. frameConn holds
-// bytes that stop inside a frame and sends them with the rest of it, which
-// amqp091-go always writes next (a frame is written whole under its send
-// lock, and flushed before the lock is let go): one write per publish.
-// Measured: the ingest row went from 0.65-0.72 to 0.69-0.76 of the raw
-// baseline (BENCHMARKS.md).
-type frameConn struct {
-	net.Conn
-	mu   sync.Mutex
-	buf  []byte // held bytes: the stream so far stops inside a frame
-	hdr  []byte // a frame header split across writes
-	left int    // bytes still to come of the current frame (or protocol header)
+// conn returns the live connection to broker b, dialing it when there is none
+// and the backoff since the last failure has passed. Within the backoff it
+// fails at once, so a dead broker costs callers nothing.
+func (q *Queues) conn(ctx context.Context, b *Broker) (*amqp.Connection, *publisher, error) {
+	bc := q.conns[b.Index]
+	select {
+	case bc.lock <- struct{}{}:
+	case <-ctx.Done():
+		return nil, nil, ctx.Err()
+	}
+	defer func() { <-bc.lock }()
+
+	if bc.conn != nil && !bc.conn.IsClosed() {
+		return bc.conn, bc.pub, nil
+	}
+	if now := time.Now(); now.Before(bc.retryAt) {
+		return nil, nil, fmt.Errorf("%w: %s: %v (next try in %s)", ErrBrokerUnreachable, b, bc.lastErr, bc.retryAt.Sub(now).Round(time.Millisecond))
+	}
+	conn, err := q.dial(ctx, b)
+	if err != nil {
+		bc.failures++
+		backoff := min(q.minBackoff<<min(bc.failures-1, 16), q.maxBackoff)
+		backoff = backoff/2 + rand.N(backoff/2+1) // jitter: brokers restarting see no thundering herd
+		bc.retryAt, bc.lastErr = time.Now().Add(backoff), err
+		return nil, nil, fmt.Errorf("%w: %s: %v", ErrBrokerUnreachable, b, err)
+	}
+	if bc.failures > 0 {
+		q.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
+	}
+	bc.conn, bc.pub, bc.failures, bc.lastErr = conn, newPublisher(conn, q), 0, nil
+	return conn, bc.pub, nil
 }
 
-func newFrameConn(conn net.Conn) *frameConn {
-	return &frameConn{Conn: conn, left: len(amqpProtocolHeader), hdr: make([]byte, 0, 7)}
-}
-
-func (c *frameConn) Write(p []byte) (int, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.follow(p)
-	if c.left != 0 || len(c.hdr) != 0 {
-		c.buf = append(c.buf, p...) // copied: the caller reuses p
-		return len(p), nil
+// dial opens one connection, bounded by call_timeout and ctx, and declares the
+// topology on it when configured to.
+func (q *Queues) dial(ctx context.Context, b *Broker) (*amqp.Connection, error) {
+	timeout := q.cfg.CallTimeout
+	if dl, ok := ctx.Deadline(); ok {
+		timeout = min(timeout, time.Until(dl))
 	}
-	if len(c.buf) == 0 {
-		return c.Conn.Write(p)
+	if timeout <= 0 {
+		return nil, context.DeadlineExceeded
 	}
-	c.buf = append(c.buf, p...)
-	_, err := c.Conn.Write(c.buf)
-	c.buf = c.buf[:0]
-	if cap(c.buf) > 1<<20 {
-		c.buf = nil // a rare large message: do not hold its memory
+	conn, err := amqp.DialConfig(b.URL, amqp.Config{
+		Heartbeat:  10 * time.Second,
+		Dial:       amqp.DefaultDial(timeout),
+		Properties: amqp.Table{"connection_name": "switchyard"},
+	})
+	if err != nil {
+		return nil, redactDialError(err)
 	}
-	return len(p), err
-}
-
-// follow moves the frame boundaries along p. A frame is its type (1 byte),
-// channel (2), payload size (4), the payload, and the end byte.
-func (c *frameConn) follow(p []byte) {
-	for len(p) > 0 {
-		if c.left > 0 {
-			k := min(c.left, len(p))
-			c.left -= k
-			p = p[k:]
-			continue
+	if q.cfg.DeclareTopology {
+		if err := q.declareTopology(conn); err != nil {
+			_ = conn.CloseDeadline(time.Now().Add(time.Second))
+			return nil, fmt.Errorf("declare topology: %w", err)
 		}
-		k := min(cap(c.hdr)-len(c.hdr), len(p))
-		c.hdr = append(c.hdr, p[:k]...)
-		p = p[k:]
-		if len(c.hdr) == cap(c.hdr) {
-			c.left = int(binary.BigEndian.Uint32(c.hdr[3:])) + 1
-			c.hdr = c.hdr[:0]
-		}
+	}
+	return conn, nil
+}
+
+// redactDialError keeps the error's meaning but never the URL (and so never
+// the password) that some dial errors quote.
+func redactDialError(err error) error {
+	var aerr *amqp.Error
+	var nerr net.Error
+	switch {
+	case errors.As(err, &aerr):
+		return fmt.Errorf("%s (code %d)", aerr.Reason, aerr.Code)
+	case errors.As(err, &nerr):
+		return nerr
+	default:
+		return errors.New(err.Error())
 	}
 }
 
-// amqpDial is amqp091-go's dialer with frameConn over plain TCP. An amqps
-// connection is left as it is: amqp091-go puts TLS over what the dialer
-// returns, so frameConn would see records, not frames.
-func amqpDial(brokerURL string, timeout time.Duration) func(network, addr string) (net.Conn, error) {
-	dial := amqp.DefaultDial(timeout)
-	if u, err := url.Parse(brokerURL); err != nil || u.Scheme != "amqp" {
-		return dial
+// call runs one blocking AMQP call with call_timeout. amqp091-go's calls take
+// no context, and a broker that stops answering would hold them forever (the
+// heartbeat notices only after 30 s), so on timeout the connection is closed,
+// which fails every call waiting on it; the next use dials anew.
+func call[T any](q *Queues, conn *amqp.Connection, what string, fn func() (T, error)) (T, error) {
+	type result struct {
+		v   T
+		err error
 	}
-	return func(network, addr string) (net.Conn, error) {
-		conn, err := dial(network, addr)
-		if err != nil {
-			return nil, err
-		}
-		return newFrameConn(conn), nil
+	done := make(chan result, 1)
+	go func() {
+		v, err := fn()
+		done <- result{v, err}
+	}()
+	t := time.NewTimer(q.cfg.CallTimeout)
+	defer t.Stop()
+	select {
+	case r := <-done:
+		return r.v, r.err
+	case <-t.C:
+		go func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
+		var zero T
+		return zero, fmt.Errorf("%s: %w after %s", what, ErrCallTimeout, q.cfg.CallTimeout)
 	}
+}
+
+// channel opens a channel on conn with call_timeout.
+func (q *Queues) channel(conn *amqp.Connection) (*amqp.Channel, error) {
+	return call(q, conn, "open channel", conn.Channel)
+}
+
+// openChannel opens a channel on broker b's connection, dialing it if needed.
+func (q *Queues) openChannel(ctx context.Context, b *Broker) (*amqp.Connection, *amqp.Channel, error) {
+	conn, _, err := q.conn(ctx, b)
+	if err != nil {
+		return nil, nil, err
+	}
+	ch, err := q.channel(conn)
+	if err != nil {
+		return nil, nil, err
+	}
+	return conn, ch, nil
+}
+
+// closeChannel closes ch without waiting on a broker that does not answer.
+func (q *Queues) closeChannel(conn *amqp.Connection, ch *amqp.Channel) {
+	_, _ = call(q, conn, "close channel", func() (struct{}, error) { return struct{}{}, ch.Close() })
 }
