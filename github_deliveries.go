@@ -348,6 +348,11 @@ func (h *Hooks) Handle(ctx context.Context, ev *Event) error {
 	if hdr.Get(hdrEvent) == "" {
 		hdr.Set(hdrEvent, d.Event)
 	}
+	// The headers become the message's, as a webhook's do: checked first,
+	// so that nothing in them can close the shared connection.
+	if err := checkHeaders(hdr); err != nil {
+		return permanent("delivery %d: %v", m.DeliveryID, err)
+	}
 	payload := unwrapPayload(d.Request.Payload)
 	if _, err := decodePayload(payload); err != nil {
 		return permanent("delivery %d: %v", m.DeliveryID, err)
