@@ -7,17 +7,17 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"os"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/golang-jwt/jwt/v5"
+	"github.com/google/go-github/v75/github"
 )
 
 // GitHub keeps hook deliveries for 3 days; older ones cannot be fetched.
@@ -27,21 +27,26 @@ const deliveryRetention = 72 * time.Hour
 // GitHub records late must not fall between two polls.
 const checkpointOverlap = 2 * time.Minute
 
-// GitHubApp is the client of the App's own REST endpoints, authenticated with
-// the App JWT.
+// GitHubApp is the client of the App's own REST endpoints (go-github),
+// authenticated with the App JWT. go-github honours GitHub's rate limits: once
+// an answer said the limit is spent (X-RateLimit-Remaining: 0 until
+// X-RateLimit-Reset) or asked to slow down (a secondary limit, Retry-After),
+// it refuses further calls until then without sending them, and those
+// refusals are errors the callers retry later.
 type GitHubApp struct {
 	appID  int64
 	key    *rsa.PrivateKey
-	apiURL string
-	http   *http.Client
+	client *github.Client
 	log    *slog.Logger
 
-	mu       sync.Mutex
-	token    string
-	tokenExp time.Time
+	mu         sync.Mutex
+	token      string
+	tokenExp   time.Time
+	pauseUntil time.Time // a 429's Retry-After: nothing is sent before it
 }
 
-// NewGitHubApp reads the App's PEM key.
+// NewGitHubApp reads the App's PEM key and points a go-github client at
+// api_url.
 func NewGitHubApp(cfg GitHubConfig, log *slog.Logger) (*GitHubApp, error) {
 	pem, err := os.ReadFile(cfg.PrivateKeyFile)
 	if err != nil {
@@ -51,8 +56,33 @@ func NewGitHubApp(cfg GitHubConfig, log *slog.Logger) (*GitHubApp, error) {
 	if err != nil {
 		return nil, fmt.Errorf("github.private_key_file: not an RSA private key in PEM: %w", err)
 	}
-	return &GitHubApp{appID: cfg.AppID, key: key, apiURL: strings.TrimRight(cfg.APIURL, "/"),
-		http: &http.Client{Timeout: 30 * time.Second}, log: log}, nil
+	a := &GitHubApp{appID: cfg.AppID, key: key, log: log}
+	a.client = github.NewClient(&http.Client{Timeout: 30 * time.Second, Transport: appTransport{app: a}})
+	if a.client.BaseURL, err = url.Parse(strings.TrimRight(cfg.APIURL, "/") + "/"); err != nil {
+		return nil, fmt.Errorf("github.api_url: %w", err)
+	}
+	a.client.UserAgent = "switchyard/" + version
+	return a, nil
+}
+
+// appTransport signs every request with the App JWT.
+type appTransport struct{ app *GitHubApp }
+
+func (t appTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	t.app.mu.Lock()
+	until := t.app.pauseUntil
+	t.app.mu.Unlock()
+	if time.Now().Before(until) {
+		return nil, fmt.Errorf("%w: told to retry after %s, not sending", ErrGitHubRateLimited, until.UTC().Format(time.RFC3339))
+	}
+	tok, err := t.app.jwt()
+	if err != nil {
+		return nil, err
+	}
+	r = r.Clone(r.Context())
+	r.Header.Set("Authorization", "Bearer "+tok)
+	r.Header.Set("X-GitHub-Api-Version", "2022-11-28")
+	return http.DefaultTransport.RoundTrip(r)
 }
 
 // jwt returns the App JWT: RS256, issued 60 s in the past against clock
@@ -91,50 +121,45 @@ func (e *githubStatusError) Error() string {
 // ErrGitHubUnauthorized is a 401: the App id or key is wrong.
 var ErrGitHubUnauthorized = errors.New("GitHub rejected the App JWT (401): check github.app_id and github.private_key_file")
 
-// get fetches rawURL (a path under api_url or a full URL from a Link header)
-// into v. 5xx, 429 and rate-limited 403 answers are transient; a 401 is
-// ErrGitHubUnauthorized, logged as the configuration error it is; a 404 is a
-// githubStatusError the caller may take as permanent.
-func (a *GitHubApp) get(ctx context.Context, rawURL string, v any) (http.Header, error) {
-	if strings.HasPrefix(rawURL, "/") {
-		rawURL = a.apiURL + rawURL
-	}
-	tok, err := a.jwt()
-	if err != nil {
-		return nil, err
-	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, rawURL, nil)
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Authorization", "Bearer "+tok)
-	req.Header.Set("Accept", "application/vnd.github+json")
-	req.Header.Set("X-GitHub-Api-Version", "2022-11-28")
-	req.Header.Set("User-Agent", "switchyard/"+version)
-	resp, err := a.http.Do(req)
-	if err != nil {
-		return nil, fmt.Errorf("GitHub API: %w", err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
-	if err != nil {
-		return nil, fmt.Errorf("GitHub API: read answer: %w", err)
-	}
-	if resp.StatusCode == http.StatusUnauthorized {
-		a.log.Error("GitHub API configuration error", "error", ErrGitHubUnauthorized, "url", req.URL.Path)
-		return nil, ErrGitHubUnauthorized
-	}
-	if resp.StatusCode/100 != 2 {
-		var msg struct {
-			Message string `json:"message"`
+// ErrGitHubRateLimited is GitHub's rate limit, primary or secondary: nothing
+// is sent to GitHub until the time the error names.
+var ErrGitHubRateLimited = errors.New("GitHub API rate limit")
+
+// apiError says what a go-github error means here: a 401 is
+// ErrGitHubUnauthorized, logged as the configuration error it is; a rate
+// limit is ErrGitHubRateLimited with the time it ends; any other answer a
+// githubStatusError (a 404 the caller may take as permanent); all of them,
+// but a 404, are transient for the callers.
+func (a *GitHubApp) apiError(err error) error {
+	var rl *github.RateLimitError
+	var abuse *github.AbuseRateLimitError
+	var er *github.ErrorResponse
+	switch {
+	case errors.As(err, &rl):
+		return fmt.Errorf("%w: spent until %s", ErrGitHubRateLimited, rl.Rate.Reset.Time.UTC().Format(time.RFC3339))
+	case errors.As(err, &abuse):
+		wait := "a while"
+		if abuse.RetryAfter != nil {
+			wait = abuse.RetryAfter.String()
 		}
-		_ = json.Unmarshal(body, &msg)
-		return nil, &githubStatusError{Status: resp.StatusCode, Msg: msg.Message}
+		return fmt.Errorf("%w: secondary limit, retry after %s", ErrGitHubRateLimited, wait)
+	case errors.As(err, &er) && er.Response != nil && er.Response.StatusCode == http.StatusTooManyRequests:
+		// go-github leaves 429 to its callers: honour its Retry-After here.
+		wait := time.Minute
+		if secs, err := strconv.Atoi(er.Response.Header.Get("Retry-After")); err == nil && secs >= 0 {
+			wait = time.Duration(secs) * time.Second
+		}
+		a.mu.Lock()
+		a.pauseUntil = time.Now().Add(wait)
+		a.mu.Unlock()
+		return fmt.Errorf("%w: 429, retry after %s", ErrGitHubRateLimited, wait)
+	case errors.As(err, &er) && er.Response != nil && er.Response.StatusCode == http.StatusUnauthorized:
+		a.log.Error("GitHub API configuration error", "error", ErrGitHubUnauthorized, "url", er.Response.Request.URL.Path)
+		return ErrGitHubUnauthorized
+	case errors.As(err, &er) && er.Response != nil:
+		return &githubStatusError{Status: er.Response.StatusCode, Msg: er.Message}
 	}
-	if err := json.Unmarshal(body, v); err != nil {
-		return nil, fmt.Errorf("GitHub API: answer of %s is not the expected JSON: %w", req.URL.Path, err)
-	}
-	return resp.Header, nil
+	return fmt.Errorf("GitHub API: %w", err)
 }
 
 // hookDelivery is one attempt in GET /app/hook/deliveries.
@@ -154,46 +179,57 @@ type hookDelivery struct {
 type hookDeliveryDetail struct {
 	hookDelivery
 	Request struct {
-		Headers map[string]string `json:"headers"`
-		Payload json.RawMessage   `json:"payload"`
-	} `json:"request"`
+		Headers map[string]string
+		Payload json.RawMessage
+	}
 }
 
-var linkNext = regexp.MustCompile(`<([^>]+)>;\s*rel="next"`)
+// fromGitHub reads go-github's delivery into switchyard's.
+func fromGitHub(d *github.HookDelivery) hookDelivery {
+	return hookDelivery{ID: d.GetID(), GUID: d.GetGUID(), DeliveredAt: d.GetDeliveredAt().Time, Redelivery: d.GetRedelivery(),
+		Status: d.GetStatus(), StatusCode: d.GetStatusCode(), Event: d.GetEvent(), Action: d.Action}
+}
 
 // ListDeliveries pages through the App's deliveries, newest first, back to
 // since, and returns the attempts delivered at or after it.
 func (a *GitHubApp) ListDeliveries(ctx context.Context, since time.Time) ([]hookDelivery, error) {
 	var all []hookDelivery
-	next := "/app/hook/deliveries?per_page=100"
-	for next != "" {
-		var page []hookDelivery
-		h, err := a.get(ctx, next, &page)
+	opts := &github.ListCursorOptions{PerPage: 100}
+	for {
+		page, resp, err := a.client.Apps.ListHookDeliveries(ctx, opts)
 		if err != nil {
-			return nil, err
+			return nil, a.apiError(err)
 		}
-		next = ""
-		if m := linkNext.FindStringSubmatch(h.Get("Link")); m != nil {
-			next = m[1]
-		}
+		older := false
 		for _, d := range page {
-			if d.DeliveredAt.Before(since) {
-				next = "" // older than the checkpoint: this page is the last one needed
+			hd := fromGitHub(d)
+			if hd.DeliveredAt.Before(since) {
+				older = true // older than the checkpoint: this page is the last one needed
 				continue
 			}
-			all = append(all, d)
+			all = append(all, hd)
 		}
+		if older || resp.Cursor == "" {
+			return all, nil
+		}
+		opts.Cursor = resp.Cursor
 	}
-	return all, nil
 }
 
 // Delivery fetches one attempt with its original headers and payload.
 func (a *GitHubApp) Delivery(ctx context.Context, id int64) (*hookDeliveryDetail, error) {
-	var d hookDeliveryDetail
-	if _, err := a.get(ctx, "/app/hook/deliveries/"+strconv.FormatInt(id, 10), &d); err != nil {
-		return nil, err
+	d, _, err := a.client.Apps.GetHookDelivery(ctx, id)
+	if err != nil {
+		return nil, a.apiError(err)
 	}
-	return &d, nil
+	out := &hookDeliveryDetail{hookDelivery: fromGitHub(d)}
+	if r := d.Request; r != nil {
+		out.Request.Headers = r.Headers
+		if r.RawPayload != nil {
+			out.Request.Payload = *r.RawPayload
+		}
+	}
+	return out, nil
 }
 
 // Hooks is the hooks worker's work: poll GitHub for deliveries that never got

@@ -7,6 +7,7 @@ import (
 	"crypto/x509"
 	"encoding/json"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -39,6 +40,8 @@ type fakeGitHub struct {
 	fetches    map[int64]int
 	failNext   []int // statuses to answer the next detail fetches with
 	always401  bool
+	limitNext  []func(w http.ResponseWriter) // answers for the next list requests
+	listTimes  []time.Time                   // when each list request came
 }
 
 func newFakeGitHub(t testing.TB) *fakeGitHub {
@@ -98,6 +101,13 @@ func (g *fakeGitHub) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Content-Type", "application/json; charset=utf-8")
 	if r.URL.Path == "/app/hook/deliveries" {
+		g.listTimes = append(g.listTimes, time.Now())
+		if len(g.limitNext) > 0 {
+			answer := g.limitNext[0]
+			g.limitNext = g.limitNext[1:]
+			answer(w)
+			return
+		}
 		g.pageCalls++
 		if r.URL.Query().Get("cursor") == "" {
 			g.listCalls++
@@ -366,4 +376,70 @@ func TestHooksGitHubErrors(t *testing.T) {
 	eventually(t, 10*time.Second, "a retry after the 401", func() bool {
 		return strings.Count(sink.String(), "transient failure, message will retry") >= 3
 	})
+}
+
+// GitHub's rate limits are honoured: after a spent primary limit
+// (X-RateLimit-Reset), a secondary limit (Retry-After) or a 429 (Retry-After),
+// no request reaches GitHub before the time it named, and polls resume after.
+func TestHooksRateLimits(t *testing.T) {
+	gh := newFakeGitHub(t)
+	hooks, _, _, _ := hooksForTest(t, gh)
+	limits := []struct {
+		name   string
+		answer func(until time.Time) func(w http.ResponseWriter)
+	}{
+		{"primary", func(until time.Time) func(w http.ResponseWriter) {
+			return func(w http.ResponseWriter) {
+				w.Header().Set("X-RateLimit-Limit", "5000")
+				w.Header().Set("X-RateLimit-Remaining", "0")
+				w.Header().Set("X-RateLimit-Reset", strconv.FormatInt(until.Unix(), 10))
+				w.WriteHeader(http.StatusForbidden)
+				fmt.Fprint(w, `{"message":"API rate limit exceeded","documentation_url":"https://docs.github.com/rest/overview/resources-in-the-rest-api#rate-limiting"}`)
+			}
+		}},
+		{"secondary", func(until time.Time) func(w http.ResponseWriter) {
+			return func(w http.ResponseWriter) {
+				w.Header().Set("Retry-After", strconv.Itoa(int(time.Until(until).Seconds()+0.999)))
+				w.WriteHeader(http.StatusForbidden)
+				fmt.Fprint(w, `{"message":"You have exceeded a secondary rate limit.","documentation_url":"https://docs.github.com/rest/overview/rate-limits-for-the-rest-api#about-secondary-rate-limits"}`)
+			}
+		}},
+		{"429", func(until time.Time) func(w http.ResponseWriter) {
+			return func(w http.ResponseWriter) {
+				w.Header().Set("Retry-After", strconv.Itoa(int(time.Until(until).Seconds()+0.999)))
+				w.WriteHeader(http.StatusTooManyRequests)
+				fmt.Fprint(w, `{"message":"Too many requests"}`)
+			}
+		}},
+	}
+	for _, l := range limits {
+		t.Run(l.name, func(t *testing.T) {
+			until := time.Now().Add(2 * time.Second).Truncate(time.Second).Add(time.Second)
+			gh.mu.Lock()
+			gh.limitNext = []func(http.ResponseWriter){l.answer(until)}
+			before := len(gh.listTimes)
+			gh.mu.Unlock()
+			if _, err := hooks.Poll(context.Background()); !errors.Is(err, ErrGitHubRateLimited) {
+				t.Fatalf("poll on a rate limit: got %v, want ErrGitHubRateLimited", err)
+			}
+			if _, err := hooks.Poll(context.Background()); !errors.Is(err, ErrGitHubRateLimited) {
+				t.Errorf("poll again at once: got %v, want ErrGitHubRateLimited", err)
+			}
+			eventually(t, 15*time.Second, "a poll that succeeds after the limit", func() bool {
+				_, err := hooks.Poll(context.Background())
+				return err == nil
+			})
+			gh.mu.Lock()
+			defer gh.mu.Unlock()
+			times := gh.listTimes[before:]
+			if len(times) < 2 {
+				t.Fatalf("list requests: %d, want the limited one and the one after", len(times))
+			}
+			for _, at := range times[1:] {
+				if at.Before(until) {
+					t.Errorf("a request reached GitHub at %s, before the limit's end %s", at.Format(time.RFC3339Nano), until.Format(time.RFC3339Nano))
+				}
+			}
+		})
+	}
 }
