@@ -159,7 +159,7 @@ func ingestRounds(b *testing.B, cfg *Config, vhost, rawURL string, payload []byt
 		b.Fatal(err)
 	}
 	srv := httptest.NewServer(d.api.Handler())
-	defer func() { srv.Close(); d.queues.Close(); d.store.Close() }()
+	defer func() { srv.Close(); d.Close() }()
 	client := loadClient(clients)
 
 	// GitHub signs, not this machine: the body is the same each time, so the
@@ -550,7 +550,7 @@ func benchSwitch(b *testing.B) (time.Duration, time.Duration) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	go func() { _ = d.Run(ctx, ln, nil); close(done) }()
+	go func() { _ = d.Run(ctx, ln, nil); d.Close(); close(done) }()
 	defer func() { cancel(); <-done }()
 	time.Sleep(time.Second)
 	if _, _, err := d.brokers.Notify(ctx, "127.0.0.1", c, time.Now()); err != nil {

@@ -232,8 +232,7 @@ func startAPI(t *testing.T, cfg *Config) *testDaemon {
 	srv := httptest.NewServer(d.api.Handler())
 	t.Cleanup(func() {
 		srv.Close()
-		d.queues.Close()
-		d.store.Close()
+		d.Close()
 	})
 	return &testDaemon{Daemon: d, URL: srv.URL}
 }

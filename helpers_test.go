@@ -14,6 +14,7 @@ import (
 	"database/sql"
 	"encoding/hex"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -156,7 +157,7 @@ func startDaemon(t *testing.T, cfg *Config) *testDaemon {
 		t.Fatal(err)
 	}
 	td := &testDaemon{Daemon: d, URL: "http://" + ln.Addr().String(), logs: sink, cancel: cancel, done: make(chan error, 1)}
-	go func() { td.done <- d.Run(ctx, ln, nil) }()
+	go func() { td.done <- errors.Join(d.Run(ctx, ln, nil), d.Close()) }()
 	t.Cleanup(func() { td.stop(t) })
 	return td
 }

@@ -622,102 +622,114 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	return d, nil
 }
 
-// Run serves HTTP on ln and runs the workers until ctx ends, then shuts down:
-// stop accepting HTTP, cancel the consumers (each finishes and acks the message
-// in hand), close channels, connections and the database, within
-// shutdown_timeout. ready, if set, is called once the listener accepts.
+// Close closes what NewDaemon opened: the broker connections, then the
+// database. Call it once Run has returned.
+func (d *Daemon) Close() error {
+	return errors.Join(d.queues.Close(), d.store.Close())
+}
+
+// Run serves HTTP on ln and runs the workers until ctx ends (or a server or a
+// worker fails), then shuts down in order, within shutdown_timeout: stop
+// taking webhooks, then stop the workers, each of which finishes and acks the
+// message in hand. ready, if set, is called once the listener accepts. The
+// Daemon stays open: Close closes it.
 func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
-	srv := &http.Server{
-		Handler:           d.api.Handler(),
-		ReadHeaderTimeout: 10 * time.Second,
-		ReadTimeout:       2 * time.Minute,
-		IdleTimeout:       2 * time.Minute,
-		ErrorLog:          slog.NewLogLogger(d.log.Handler(), slog.LevelWarn),
+	servers, listeners, err := d.httpServers(ln)
+	if err != nil {
+		return err
 	}
-	servers := []*http.Server{srv}
-	listeners := []net.Listener{ln}
-	if addr := d.cfg.Server.MetricsListen; addr != "" {
-		mln, err := net.Listen("tcp", addr)
-		if err != nil {
-			ln.Close()
-			return errors.Join(fmt.Errorf("listen %s (server.metrics_listen): %w", addr, err), d.queues.Close(), d.store.Close())
-		}
-		servers = append(servers, &http.Server{Handler: d.metrics.Handler(), ReadHeaderTimeout: 10 * time.Second})
-		listeners = append(listeners, mln)
-	}
-	// The workers' context does not follow ctx: they stop only after the HTTP
-	// server has stopped taking webhooks.
-	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancelWork()
-	g, gctx := errgroup.WithContext(workCtx)
-	for i, s := range servers {
-		g.Go(func() error {
-			if err := s.Serve(listeners[i]); !errors.Is(err, http.ErrServerClosed) {
-				return fmt.Errorf("http %s: %w", listeners[i].Addr(), err)
-			}
-			return nil
-		})
-	}
+
+	// The workers' context does not follow ctx: they stop only after the
+	// HTTP servers have stopped taking webhooks.
+	workCtx, stopWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopWork()
+	work, wctx := errgroup.WithContext(workCtx)
 	for _, w := range d.workers {
-		g.Go(func() error { return w.Run(gctx) })
+		work.Go(func() error { return w.Run(wctx) })
 	}
-	g.Go(func() error { return d.alerts.Run(gctx) })
+	work.Go(func() error { return d.alerts.Run(wctx) })
+	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
+		work.Go(func() error { d.watchdog(wctx, interval); return nil })
+	}
+	served := make(chan error, len(servers))
+	for i, s := range servers {
+		go func() { served <- s.Serve(listeners[i]) }()
+	}
 	d.log.Info("switchyard serving", "version", version, "listen", ln.Addr().String(),
 		"database", d.cfg.Database.Path, "brokers", len(d.brokers.List()))
 	if ready != nil {
 		ready()
 	}
 
-	// Under systemd with WatchdogSec, prove the process is alive.
-	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
-		g.Go(func() error {
-			t := time.NewTicker(interval / 2)
-			defer t.Stop()
-			for {
-				select {
-				case <-gctx.Done():
-					return nil
-				case <-t.C:
-					sdNotify(d.log, daemon.SdNotifyWatchdog)
-				}
-			}
-		})
+	// Until a signal, or a server or a worker fails.
+	var errs []error
+	select {
+	case <-ctx.Done():
+	case err := <-served:
+		errs = append(errs, fmt.Errorf("http: %w", err))
+	case <-wctx.Done():
 	}
+	d.log.Info("shutting down")
+	sdNotify(d.log, daemon.SdNotifyStopping)
+	deadline := time.Now().Add(d.cfg.Server.ShutdownTimeout)
 
-	stopped := make(chan struct{})
-	g.Go(func() error {
+	// 1. Stop taking webhooks: every one answered 202 is on a broker.
+	sctx, cancel := context.WithDeadline(context.Background(), deadline.Add(-d.cfg.Server.ShutdownTimeout/4))
+	for _, s := range servers {
+		if err := s.Shutdown(sctx); err != nil {
+			errs = append(errs, fmt.Errorf("http shutdown: %w", err))
+		}
+	}
+	cancel()
+
+	// 2. Stop the workers; each finishes and acks the message in hand.
+	stopWork()
+	finished := make(chan error, 1)
+	go func() { finished <- work.Wait() }()
+	select {
+	case err := <-finished:
+		errs = append(errs, err)
+	case <-time.After(time.Until(deadline)):
+		errs = append(errs, fmt.Errorf("shutdown took longer than %s", d.cfg.Server.ShutdownTimeout))
+	}
+	return errors.Join(errs...)
+}
+
+// httpServers are the API server on ln and, with server.metrics_listen,
+// the metrics server on its own listener.
+func (d *Daemon) httpServers(ln net.Listener) ([]*http.Server, []net.Listener, error) {
+	servers := []*http.Server{{
+		Handler:           d.api.Handler(),
+		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       2 * time.Minute,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(d.log.Handler(), slog.LevelWarn),
+	}}
+	listeners := []net.Listener{ln}
+	if addr := d.cfg.Server.MetricsListen; addr != "" {
+		mln, err := net.Listen("tcp", addr)
+		if err != nil {
+			ln.Close()
+			return nil, nil, fmt.Errorf("listen %s (server.metrics_listen): %w", addr, err)
+		}
+		servers = append(servers, &http.Server{Handler: d.metrics.Handler(), ReadHeaderTimeout: 10 * time.Second})
+		listeners = append(listeners, mln)
+	}
+	return servers, listeners, nil
+}
+
+// watchdog proves to systemd (WatchdogSec) that the process is alive.
+func (d *Daemon) watchdog(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval / 2)
+	defer t.Stop()
+	for {
 		select {
 		case <-ctx.Done():
-		case <-gctx.Done():
-		}
-		close(stopped)
-		d.log.Info("shutting down")
-		sdNotify(d.log, daemon.SdNotifyStopping)
-		sctx, cancel := context.WithTimeout(context.Background(), d.cfg.Server.ShutdownTimeout*3/4)
-		defer cancel()
-		var errs []error
-		for _, s := range servers {
-			if err := s.Shutdown(sctx); err != nil {
-				errs = append(errs, fmt.Errorf("http shutdown: %w", err))
-			}
-		}
-		cancelWork()
-		return errors.Join(errs...)
-	})
-
-	done := make(chan error, 1)
-	go func() { done <- g.Wait() }()
-	var err error
-	select {
-	case err = <-done:
-	case <-stopped:
-		select {
-		case err = <-done:
-		case <-time.After(d.cfg.Server.ShutdownTimeout):
-			err = fmt.Errorf("shutdown took longer than %s", d.cfg.Server.ShutdownTimeout)
+			return
+		case <-t.C:
+			sdNotify(d.log, daemon.SdNotifyWatchdog)
 		}
 	}
-	return errors.Join(err, d.queues.Close(), d.store.Close())
 }
 
 // sdNotify tells systemd the daemon's state when NOTIFY_SOCKET is set
@@ -743,9 +755,7 @@ func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, 
 	}
 	ln, err := net.Listen("tcp", cfg.Server.Listen)
 	if err != nil {
-		d.queues.Close()
-		d.store.Close()
-		return fmt.Errorf("listen %s: %w", cfg.Server.Listen, err)
+		return errors.Join(fmt.Errorf("listen %s: %w", cfg.Server.Listen, err), d.Close())
 	}
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
@@ -766,6 +776,7 @@ func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, 
 	err = d.Run(ctx, ln, ready)
 	close(reloads)
 	<-reloaded
+	err = errors.Join(err, d.Close())
 	log.Info("stopped", "error", err)
 	return err
 }
