@@ -607,7 +607,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 		}
 		return service(ctx, ev)
 	}
-	w := newWorker("service", queueGitHub, h, 300*time.Millisecond, 0, cfg.Workers, bs, q, log)
+	w := NewWorker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: h, Window: 300 * time.Millisecond}, cfg.Workers, bs, q, log)
 	done := make(chan struct{})
 	go func() { _ = w.Run(ctx); close(done) }()
 	defer func() { cancel(); <-done }()

@@ -578,23 +578,22 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
 	metrics.countAlertsPending(store.AlertsPending)
 	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
-	service := newWorker("service", queueGitHub, serviceHandler(store, alerter, false), w.Window, 0, w, brokers, queues, log)
-	service.health = hc(cfg.HealthChecks.Service, "service")
-	database := newWorker("database-service", queueDatabase, databaseHandler(store, cfg.GitHub.BotAppID, log.With("worker", "database-service")), w.Window, 0, w, brokers, queues, log)
-	database.health = hc(cfg.HealthChecks.DatabaseService, "database-service")
-	cleanup := newWorker("cleanup", queueForbidden, serviceHandler(store, alerter, true), w.CleanupWindow, w.CleanupEvery, w, brokers, queues, log)
-	cleanup.health = hc(cfg.HealthChecks.Cleanup, "cleanup")
+	consumed := cfg.ConsumedQueues()
+	worker := func(o WorkerOptions) *Worker {
+		o.Consumed = consumed
+		return NewWorker(o, w, brokers, queues, log)
+	}
 	retention := &Retention{store: store, keep: time.Duration(cfg.Database.RawRetention), log: log.With("worker", "cleanup")}
-	cleanup.Poll = func(ctx context.Context) error {
-		_, err := retention.Prune(ctx)
-		return err
+	d.workers = []*Worker{
+		worker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(store, alerter, false),
+			Batch: store, Window: w.Window, Health: hc(cfg.HealthChecks.Service, "service")}),
+		worker(WorkerOptions{Name: "database-service", Queue: queueDatabase,
+			Handle: databaseHandler(store, cfg.GitHub.BotAppID, log.With("worker", "database-service")),
+			Batch:  store, Window: w.Window, Health: hc(cfg.HealthChecks.DatabaseService, "database-service")}),
+		worker(WorkerOptions{Name: "cleanup", Queue: queueForbidden, Handle: serviceHandler(store, alerter, true),
+			Batch: store, Window: w.CleanupWindow, Every: w.CleanupEvery, Health: hc(cfg.HealthChecks.Cleanup, "cleanup"),
+			Poll: func(ctx context.Context) error { _, err := retention.Prune(ctx); return err }, PollEvery: w.CleanupEvery}),
 	}
-	cleanup.PollEvery = w.CleanupEvery
-	// The hooks worker talks to GitHub per message: it is not batched.
-	for _, w := range []*Worker{service, database, cleanup} {
-		w.Batch = store
-	}
-	d.workers = []*Worker{service, database, cleanup}
 	if cfg.GitHub.AppID > 0 {
 		app, err := NewGitHubApp(cfg.GitHub, log.With("component", "github"))
 		if err != nil {
@@ -602,22 +601,18 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 			return fail(err)
 		}
 		hooks := &Hooks{app: app, store: store, brokers: brokers, queues: queues, timeout: cfg.Queue.PublishTimeout, log: log.With("worker", "hooks")}
-		// The poll runs between windows: a window longer than
-		// hooks_poll_every would stretch it (SPEC §12.1).
-		hw := newWorker("hooks", queueHooks, hooks.Handle, min(w.Window, w.HooksPollEvery), 0, w, brokers, queues, log)
-		hw.Poll = func(ctx context.Context) error {
-			n, err := hooks.Poll(ctx)
-			if n > 0 {
-				log.Info("hooks poll queued failed deliveries", "worker", "hooks", "queued", n)
-			}
-			return err
-		}
-		hw.PollEvery = w.HooksPollEvery
-		hw.health = hc(cfg.HealthChecks.Hooks, "hooks")
-		d.workers = append(d.workers, hw)
-	}
-	for _, w := range d.workers {
-		w.consumed = cfg.ConsumedQueues()
+		// The hooks worker talks to GitHub per message: it is not batched
+		// (no network I/O inside a transaction). Its poll runs between
+		// windows: a window longer than hooks_poll_every would stretch it.
+		d.workers = append(d.workers, worker(WorkerOptions{Name: "hooks", Queue: queueHooks, Handle: hooks.Handle,
+			Window: min(w.Window, w.HooksPollEvery), Health: hc(cfg.HealthChecks.Hooks, "hooks"), PollEvery: w.HooksPollEvery,
+			Poll: func(ctx context.Context) error {
+				n, err := hooks.Poll(ctx)
+				if n > 0 {
+					log.Info("hooks poll queued failed deliveries", "worker", "hooks", "queued", n)
+				}
+				return err
+			}}))
 	}
 	return d, nil
 }
@@ -811,7 +806,7 @@ func (d *Daemon) ReloadFile(path string, level *slog.LevelVar) {
 	urls := map[string]string{"service": cfg.HealthChecks.Service, "database-service": cfg.HealthChecks.DatabaseService,
 		"hooks": cfg.HealthChecks.Hooks, "cleanup": cfg.HealthChecks.Cleanup}
 	for _, w := range d.workers {
-		w.health.SetURL(urls[w.Name])
+		w.Health.SetURL(urls[w.Name])
 	}
 	var restart []string
 	for _, key := range changedKeys(d.cfg, cfg) {

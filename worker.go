@@ -8,15 +8,14 @@ import (
 	"time"
 )
 
-// Worker runs the cycle of SPEC §8 for one queue: complete a drained Pending
-// Switch, drain leftovers from the other brokers, then consume the queue on the
-// active broker for one window.
-type Worker struct {
+// WorkerOptions make one worker: its queue and handler, its cadence, and
+// what it does besides consuming.
+type WorkerOptions struct {
 	Name   string
 	Queue  string
 	Handle Handler
-	// Batch, when set, lets a cycle commit several messages at once
-	// (up to queue.prefetch); nil handles each on its own.
+	// Batch, when set, lets a cycle commit several messages at once (a
+	// window's half); nil handles each on its own.
 	Batch Batcher
 	// Window is how long one cycle consumes the active broker.
 	Window time.Duration
@@ -24,15 +23,22 @@ type Worker struct {
 	// zero runs cycles back to back.
 	Every time.Duration
 	// Poll, when set, runs at the start of a cycle once PollEvery has passed
-	// since it last ran (the hooks worker asks GitHub for failed deliveries).
+	// since it last ran (hooks: ask GitHub; cleanup: raw retention).
 	Poll      func(ctx context.Context) error
 	PollEvery time.Duration
-	lastPoll  time.Time
+	// Health pings the worker's HealthChecks URL; nil pings nothing.
+	Health *HealthCheck
+	// Consumed are the logical queues the daemon's workers read, what a
+	// Pending Switch waits for (Config.ConsumedQueues); nil means all four.
+	Consumed []string
+}
 
-	health *HealthCheck
-	// consumed are the logical queues the daemon's workers read: what a
-	// Pending Switch waits for (Config.ConsumedQueues).
-	consumed []string
+// Worker runs the cycle of SPEC §8 for one queue: complete a drained Pending
+// Switch, drain leftovers from the other brokers, then consume the queue on the
+// active broker for one window.
+type Worker struct {
+	WorkerOptions
+	lastPoll time.Time
 
 	cfg     WorkersConfig
 	brokers *Brokers
@@ -40,10 +46,12 @@ type Worker struct {
 	log     *slog.Logger
 }
 
-// newWorker builds a worker over the shared brokers and queues.
-func newWorker(name, queue string, h Handler, window, every time.Duration, cfg WorkersConfig, brokers *Brokers, queues *Queues, log *slog.Logger) *Worker {
-	return &Worker{Name: name, Queue: queue, Handle: h, Window: window, Every: every, consumed: logicalQueues,
-		cfg: cfg, brokers: brokers, queues: queues, log: log.With("worker", name, "queue", queue)}
+// NewWorker builds a worker over the shared brokers and queues.
+func NewWorker(o WorkerOptions, cfg WorkersConfig, brokers *Brokers, queues *Queues, log *slog.Logger) *Worker {
+	if o.Consumed == nil {
+		o.Consumed = logicalQueues
+	}
+	return &Worker{WorkerOptions: o, cfg: cfg, brokers: brokers, queues: queues, log: log.With("worker", o.Name, "queue", o.Queue)}
 }
 
 // Run repeats the cycle until ctx is done. A failed cycle is logged and tried
@@ -52,13 +60,13 @@ func (w *Worker) Run(ctx context.Context) error {
 	failures := 0
 	for ctx.Err() == nil {
 		watch := w.brokers.Watch()
-		w.health.Start(ctx)
+		w.Health.Start(ctx)
 		err := w.cycle(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
 		if err != nil {
-			w.health.Fail(ctx, err.Error())
+			w.Health.Fail(ctx, err.Error())
 			failures++
 			backoff := min(500*time.Millisecond<<min(failures-1, 10), 15*time.Second)
 			backoff = backoff/2 + rand.N(backoff/2+1)
@@ -66,7 +74,7 @@ func (w *Worker) Run(ctx context.Context) error {
 			w.sleep(ctx, backoff, watch)
 			continue
 		}
-		w.health.Success(ctx)
+		w.Health.Success(ctx)
 		failures = 0
 		if w.Every > 0 {
 			pause := w.Every
@@ -110,7 +118,7 @@ func (w *Worker) work(ctx context.Context) error {
 	}
 	if st.Pending != nil {
 		flipped, err := w.brokers.CompleteIfDrained(ctx, func(ctx context.Context, b *Broker) (bool, error) {
-			return w.queues.Drained(ctx, b, w.consumed)
+			return w.queues.Drained(ctx, b, w.Consumed)
 		})
 		if err != nil {
 			w.log.Warn("pending switch waits: cannot verify the active broker is drained",

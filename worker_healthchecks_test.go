@@ -45,8 +45,8 @@ func runWorker(t *testing.T, brokerURL, pingURL string) (*Store, *logSink) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := newParts(t, cfg)
 	store, brokers, queues, log, sink := p.store, p.brokers, p.queues, p.log, p.logs
-	w := newWorker("service", queueGitHub, serviceHandler(store, nil, false), 200*time.Millisecond, 0, cfg.Workers, brokers, queues, log)
-	w.health = NewHealthCheck(pingURL, "service", nil, log)
+	w := NewWorker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(store, nil, false),
+		Window: 200 * time.Millisecond, Health: NewHealthCheck(pingURL, "service", nil, log)}, cfg.Workers, brokers, queues, log)
 	done := make(chan struct{})
 	go func() { _ = w.Run(ctx); close(done) }()
 	t.Cleanup(func() { cancel(); <-done })
