@@ -400,7 +400,8 @@ func drainRate(b testing.TB, store *Store, cfg *Config, brokerURL string, n int)
 	}
 	always := func(fn func()) bool { fn(); return true }
 	start := time.Now()
-	got, err := q.Drain(context.Background(), q.conns[0].broker, queueGitHub, n, always, serviceHandler(store, nil, false), store, log)
+	got, err := q.Drain(context.Background(), q.conns[0].broker,
+		ConsumeOptions{Queue: queueGitHub, Handle: serviceHandler(store, nil, false), Batch: store, Log: log}, n, always)
 	if err != nil || got != n {
 		b.Fatalf("drain: %d, %v", got, err)
 	}

@@ -128,10 +128,22 @@ func (c *consumer) resize(limit int) error {
 	return nil
 }
 
-// Consume reads queue on broker b until the window ends, stop is closed, or ctx
-// is done, handling each message with h. A queue that does not exist is
-// treated as empty for the window. The message in hand is always finished.
-func (q *Queues) Consume(ctx context.Context, b *Broker, queue string, window time.Duration, stop <-chan struct{}, h Handler, batch Batcher, log *slog.Logger) (int, error) {
+// ConsumeOptions say what a consumer does with a queue's messages.
+type ConsumeOptions struct {
+	Queue  string
+	Handle Handler
+	// Batch, when set, commits a window's half at once; nil handles each
+	// message on its own.
+	Batch Batcher
+	Log   *slog.Logger
+}
+
+// Consume reads the queue on broker b until the window ends, stop is closed,
+// or ctx is done, handling each message with o.Handle. A queue that does not
+// exist is treated as empty for the window. The message in hand is always
+// finished.
+func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, window time.Duration, stop <-chan struct{}) (int, error) {
+	queue, h, batch, log := o.Queue, o.Handle, o.Batch, o.Log
 	conn, _, err := q.conn(ctx, b)
 	if err != nil {
 		return 0, err
@@ -237,7 +249,8 @@ const drainIdle = 100 * time.Millisecond
 // one the drain began on: once it changed (the broker was named a Pending
 // Switch's target, say), nothing more is handled, and closing the channel
 // puts every message not yet acked back in the queue, in order.
-func (q *Queues) Drain(ctx context.Context, b *Broker, queue string, limit int, guard func(func()) bool, h Handler, batch Batcher, log *slog.Logger) (int, error) {
+func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit int, guard func(func()) bool) (int, error) {
+	queue, h, batch, log := o.Queue, o.Handle, o.Batch, o.Log
 	if limit <= 0 {
 		return 0, nil
 	}

@@ -47,7 +47,7 @@ func TestDeathCount(t *testing.T) {
 // consumeUntil runs Consume windows on b until ctx ends.
 func consumeUntil(ctx context.Context, q *Queues, b *Broker, queue string, h Handler, batch Batcher, log *slog.Logger) {
 	for ctx.Err() == nil {
-		if _, err := q.Consume(ctx, b, queue, time.Second, nil, h, batch, log); err != nil {
+		if _, err := q.Consume(ctx, b, ConsumeOptions{Queue: queue, Handle: h, Batch: batch, Log: log}, time.Second, nil); err != nil {
 			time.Sleep(100 * time.Millisecond)
 		}
 	}

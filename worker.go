@@ -142,7 +142,7 @@ func (w *Worker) work(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	_, err = w.queues.Consume(ctx, active, w.Queue, window, watch, w.Handle, w.Batch, w.log.With("broker", active.String()))
+	_, err = w.queues.Consume(ctx, active, w.consumeOptions(w.log.With("broker", active.String())), window, watch)
 	return err
 }
 
@@ -163,7 +163,7 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 			continue
 		}
 		log := w.log.With("broker", b.String())
-		n, err := w.queues.Drain(ctx, b, w.Queue, remaining, guard, w.Handle, w.Batch, log)
+		n, err := w.queues.Drain(ctx, b, w.consumeOptions(log), remaining, guard)
 		remaining -= n
 		w.queues.metrics.leftover(w.Queue, n)
 		if n > 0 {
@@ -173,4 +173,10 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 			log.Warn("leftover drain skipped broker", "error", err)
 		}
 	}
+}
+
+// consumeOptions are what the worker's consumers and drains do with its
+// queue's messages.
+func (w *Worker) consumeOptions(log *slog.Logger) ConsumeOptions {
+	return ConsumeOptions{Queue: w.Queue, Handle: w.Handle, Batch: w.Batch, Log: log}
 }
