@@ -113,10 +113,12 @@ type Brokers struct {
 	mu      sync.Mutex
 	changed chan struct{} // closed, and replaced, on every change
 	cached  SwitchState   // the state after the last read or change
+	version uint64        // counts changes: a read begun before one is not cached
 
-	// gate orders changes against Leftover Drain takes: a change holds it
-	// for writing, a take for reading (see WhileUnchanged).
-	gate sync.RWMutex
+	// changes serializes changes from their transaction to their publish, so
+	// that they are published in the order they committed. No network I/O
+	// happens under it, and reads never wait for it.
+	changes sync.Mutex
 }
 
 // NewBrokers parses the configured brokers and reads the stored state.
@@ -170,19 +172,17 @@ func (bs *Brokers) Watch() <-chan struct{} {
 	return bs.changed
 }
 
-// WhileUnchanged runs fn only if no change happened since watch was taken,
-// and holds every change back until fn returns. The Leftover Drain takes each
-// message this way: once a notification has been answered, no worker still
-// acting on the state before it can take a message from the new target, so a
-// producer that publishes to a broker after naming it is never drained early.
-func (bs *Brokers) WhileUnchanged(watch <-chan struct{}, fn func()) bool {
-	bs.gate.RLock()
-	defer bs.gate.RUnlock()
+// Unchanged reports whether no change happened since watch was taken. The
+// Leftover Drain asks it for each message it takes: a change is published
+// (watch closed) before the request that made it is answered, so once a
+// notification has been answered no worker still acting on the state before
+// it takes a message from the new target, and a producer that publishes to a
+// broker after naming it is never drained early.
+func Unchanged(watch <-chan struct{}) bool {
 	select {
 	case <-watch:
 		return false
 	default:
-		fn()
 		return true
 	}
 }
@@ -200,27 +200,31 @@ func (bs *Brokers) publish(st SwitchState) {
 	bs.metrics.brokerState(st)
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
+	bs.version++
 	bs.cached = st
 	close(bs.changed)
 	bs.changed = make(chan struct{})
 }
 
-// State reads the state machine from the database and refreshes the cache.
-// It reads under the gate, which every change holds from its transaction to
-// its publish: otherwise a read begun just before a change could land after
-// it and put the old state back in the cache (a webhook then went to the old
-// broker while a switch was pending).
+// State reads the state machine from the database and refreshes the cache,
+// unless a change was published while it read: a read begun just before a
+// change could otherwise land after it and put the old state back in the
+// cache (a webhook then went to the old broker while a switch was pending).
+// The version number says so without a lock held across the read.
 func (bs *Brokers) State(ctx context.Context) (SwitchState, error) {
-	bs.gate.RLock()
-	defer bs.gate.RUnlock()
+	bs.mu.Lock()
+	version := bs.version
+	bs.mu.Unlock()
 	st, err := bs.read(ctx, bs.store.r)
 	if err != nil {
 		return st, err
 	}
-	bs.metrics.brokerState(st)
 	bs.mu.Lock()
-	bs.cached = st
-	bs.mu.Unlock()
+	defer bs.mu.Unlock()
+	if bs.version == version {
+		bs.cached = st
+		bs.metrics.brokerState(st)
+	}
 	return st, nil
 }
 
@@ -272,8 +276,8 @@ func (bs *Brokers) read(ctx context.Context, q queryer) (SwitchState, error) {
 // change runs fn over the current state inside one write transaction, then
 // publishes the result. fn returns the new state and whether it changed.
 func (bs *Brokers) change(ctx context.Context, fn func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error)) (SwitchState, error) {
-	bs.gate.Lock()
-	defer bs.gate.Unlock()
+	bs.changes.Lock()
+	defer bs.changes.Unlock()
 	var out SwitchState
 	var changed bool
 	err := bs.store.write(ctx, func(tx *sql.Tx) error {

@@ -245,11 +245,11 @@ const drainIdle = 100 * time.Millisecond
 // basic_get each: over a WAN link a basic_get is a round trip per message
 // (20 a second at 50 ms), a window is many at once.
 //
-// Each delivery is taken only while guard says the broker state is still the
+// Each delivery is taken only while unchanged says the broker state is still the
 // one the drain began on: once it changed (the broker was named a Pending
 // Switch's target, say), nothing more is handled, and closing the channel
 // puts every message not yet acked back in the queue, in order.
-func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit int, guard func(func()) bool) (int, error) {
+func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit int, unchanged func() bool) (int, error) {
 	queue, h, batch, log := o.Queue, o.Handle, o.Batch, o.Log
 	if limit <= 0 {
 		return 0, nil
@@ -282,7 +282,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 	n := 0
 	for n < want && ctx.Err() == nil {
 		d, ok := receive(ctx, c.deliveries, idle)
-		if !ok || !guard(func() {}) {
+		if !ok || !unchanged() {
 			break // empty for a while, the channel closed, or the state changed
 		}
 		inHand.Add(1)
@@ -294,7 +294,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 			if !ok {
 				break
 			}
-			if !guard(func() {}) {
+			if !unchanged() {
 				changed = true // this one is not handled: it goes back
 				break
 			}

@@ -153,7 +153,7 @@ func (w *Worker) work(ctx context.Context) error {
 // The drain stops when the state changes under it (watch), so that it never
 // acts on a state that is no longer true.
 func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-chan struct{}) {
-	guard := func(fn func()) bool { return w.brokers.WhileUnchanged(watch, fn) }
+	unchanged := func() bool { return Unchanged(watch) }
 	remaining := w.cfg.LeftoverDrainLimit
 	for _, b := range w.brokers.List() {
 		if remaining <= 0 || ctx.Err() != nil {
@@ -163,7 +163,7 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 			continue
 		}
 		log := w.log.With("broker", b.String())
-		n, err := w.queues.Drain(ctx, b, w.consumeOptions(log), remaining, guard)
+		n, err := w.queues.Drain(ctx, b, w.consumeOptions(log), remaining, unchanged)
 		remaining -= n
 		w.queues.metrics.leftover(w.Queue, n)
 		if n > 0 {
