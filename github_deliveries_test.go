@@ -186,11 +186,7 @@ func ptr[T any](v T) *T { return &v }
 // Event in github and through github-database.
 func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 	gh := newFakeGitHub(t)
-	vhost := newVhost(t)
-	cfg := testConfig(t, amqpURL(vhost))
-	cfg.GitHub.AppID = testAppID
-	cfg.GitHub.PrivateKeyFile = gh.keyFile(t)
-	cfg.GitHub.APIURL = gh.srv.URL
+	cfg, _ := hooksConfig(t, gh)
 	cfg.GitHub.BotAppID = testAppID
 	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
 	cfg.Workers.Window = 300 * time.Millisecond
@@ -254,25 +250,29 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 // hooks worker still polls every 300 ms.
 func TestHooksPollEveryHoldsOverWindow(t *testing.T) {
 	gh := newFakeGitHub(t)
-	vhost := newVhost(t)
-	cfg := testConfig(t, amqpURL(vhost))
-	cfg.GitHub.AppID = testAppID
-	cfg.GitHub.PrivateKeyFile = gh.keyFile(t)
-	cfg.GitHub.APIURL = gh.srv.URL
+	cfg, _ := hooksConfig(t, gh)
 	cfg.Workers.Window = 5 * time.Minute
 	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
 	startDaemon(t, cfg)
 	eventually(t, 30*time.Second, "four polls", func() bool { l, _, _ := gh.counts(0); return l >= 4 })
 }
 
-// hooksForTest builds the hooks worker's parts over a real store and broker.
-func hooksForTest(t *testing.T, gh *fakeGitHub) (*Hooks, string, *Store, *logSink) {
+// hooksConfig is a test config on a vhost of its own with the hooks worker
+// on, its App served by gh.
+func hooksConfig(t *testing.T, gh *fakeGitHub) (*Config, string) {
 	t.Helper()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.GitHub.AppID = testAppID
 	cfg.GitHub.PrivateKeyFile = gh.keyFile(t)
 	cfg.GitHub.APIURL = gh.srv.URL
+	return cfg, vhost
+}
+
+// hooksForTest builds the hooks worker's parts over a real store and broker.
+func hooksForTest(t *testing.T, gh *fakeGitHub) (*Hooks, string, *Store, *logSink) {
+	t.Helper()
+	cfg, vhost := hooksConfig(t, gh)
 	p := newParts(t, cfg)
 	app, err := NewGitHubApp(cfg.GitHub, p.log)
 	if err != nil {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"math"
+	"reflect"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -62,23 +64,12 @@ func deathCount(h amqp.Table, queue string) (n int64, ok bool) {
 		if !isTable || tableString(t, "queue") != queue || tableString(t, "reason") != "rejected" {
 			continue
 		}
-		switch c := t["count"].(type) {
-		case int64:
-			n = c
-		case int32:
-			n = int64(c)
-		case int16:
-			n = int64(c)
-		case int8:
-			n = int64(c)
-		case int:
-			n = int64(c)
-		case uint8:
-			n = int64(c)
-		case uint16:
-			n = int64(c)
-		case uint32:
-			n = int64(c)
+		// RabbitMQ writes a long; a forged header may carry any type.
+		switch c := reflect.ValueOf(t["count"]); {
+		case c.CanInt():
+			n = c.Int()
+		case c.CanUint() && c.Uint() <= math.MaxInt64:
+			n = int64(c.Uint())
 		default:
 			return 0, false
 		}
