@@ -321,6 +321,18 @@ func storedAll(t testing.TB, dbPath string, guids []string, timeout time.Duratio
 	})
 }
 
+// afterChecks waits until the workers have checked a Pending Switch n more
+// times and declined to flip, so that an assertion that nothing happened
+// follows checks that ran, not a guess at how long they take.
+func afterChecks(t testing.TB, logs *logSink, n int) {
+	t.Helper()
+	const line = "pending switch waits"
+	start := strings.Count(logs.String(), line)
+	eventually(t, 30*time.Second, fmt.Sprintf("%d more drain checks", n), func() bool {
+		return strings.Count(logs.String(), line) >= start+n
+	})
+}
+
 // Producer rotates A -> B: everything on A, including what waits in
 // github-retry, is processed before anything published to B, and the flip
 // waits for A's main and retry queues but not for its -error queues.
@@ -362,8 +374,9 @@ func TestProducerRotation(t *testing.T) {
 	}
 	onB = append(onB, viaWebhook)
 
-	// While A's retry queues hold messages, the switch stays pending.
-	time.Sleep(time.Second)
+	// While A's retry queues hold messages, the switch stays pending: checks
+	// run and decline.
+	afterChecks(t, d.logs, 4)
 	if got := activeIndex(t, d.URL); got != 0 {
 		t.Fatalf("flipped to %d while A's retry queues were not empty", got)
 	}
@@ -422,7 +435,7 @@ func TestDoubleRotation(t *testing.T) {
 	}
 	// The producer publishes to B, then rotates again before A drains.
 	onB := publishN(t, b, "b", 10)
-	time.Sleep(time.Second)
+	afterChecks(t, d.logs, 4) // cycles ran, with their leftover drains
 	for _, q := range []string{queueGitHub, queueDatabase} {
 		if n := ready(t, b, q); n != len(onB) {
 			t.Fatalf("B's %s was read while B was the pending target: %d of %d left", q, n, len(onB))
@@ -519,7 +532,7 @@ func TestPendingSwitchWaitsForUnreachableActive(t *testing.T) {
 	eventually(t, 10*time.Second, "a warning that the switch waits", func() bool {
 		return strings.Contains(d.logs.String(), "pending switch waits")
 	})
-	time.Sleep(time.Second)
+	afterChecks(t, d.logs, 3)
 	if got := activeIndex(t, d.URL); got != 0 {
 		t.Fatalf("flipped to %d while the active broker was unreachable", got)
 	}

@@ -123,6 +123,9 @@ func (w *Worker) work(ctx context.Context) error {
 		if err != nil {
 			w.log.Warn("pending switch waits: cannot verify the active broker is drained",
 				"active", st.Active, "target", st.Pending.Index, "error", err)
+		} else if !flipped {
+			w.log.Debug("pending switch waits: the active broker is not drained yet",
+				"active", st.Active, "target", st.Pending.Index)
 		}
 		if flipped {
 			watch = w.brokers.Watch()
