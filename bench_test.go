@@ -520,13 +520,8 @@ func benchEndToEnd(b *testing.B, payload []byte) e2eResult {
 		return queryInt(b, db, "SELECT count(*) FROM github_pull_requests")-before == want
 	})
 	res.rate = float64(want) / time.Since(start).Seconds()
-	status, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", cmd.Process.Pid))
-	for _, line := range strings.Split(string(status), "\n") {
-		if strings.HasPrefix(line, "VmHWM:") {
-			kb, _ := strconv.Atoi(strings.Fields(line)[1])
-			res.rssMB = float64(kb) / 1024
-		}
-	}
+	_, peak := rss(b, cmd.Process.Pid)
+	res.rssMB = float64(peak) / (1 << 20)
 	return res
 }
 
