@@ -85,39 +85,6 @@ func newPublishing(h http.Header, payload []byte, sourceIP string, now time.Time
 	}
 }
 
-// tableFields is what the typed tables read of a payload: for each top-level
-// member, nil to keep it whole, or the fields to keep of an object (nested
-// the same way). The payload is cut down to this (see tablePayload), so
-// the tables' decoders read a few hundred bytes instead of the whole payload
-// again. A field a decoder reads must be listed here.
-var tableFields = map[string]map[string]any{
-	"action":               nil,
-	"repository":           {"full_name": nil, "id": nil, "private": nil},
-	"sender":               {"login": nil},
-	"installation":         {"id": nil, "app_id": nil, "repository_selection": nil, "suspended_at": nil, "account": map[string]any{"login": nil, "type": nil}},
-	"release":              {"id": nil, "tag_name": nil, "name": nil, "draft": nil, "prerelease": nil, "author": map[string]any{"login": nil}, "html_url": nil, "created_at": nil, "published_at": nil, "updated_at": nil},
-	"workflow_run":         {"id": nil, "name": nil, "head_branch": nil, "head_sha": nil, "event": nil, "status": nil, "conclusion": nil, "run_number": nil, "run_attempt": nil, "html_url": nil, "updated_at": nil},
-	"ref":                  nil,
-	"ref_type":             nil,
-	"master_branch":        nil,
-	"issue":                {"node_id": nil, "number": nil, "title": nil, "state": nil},
-	"pull_request":         {"node_id": nil, "number": nil, "title": nil, "state": nil, "merged": nil, "draft": nil, "head": map[string]any{"ref": nil, "sha": nil}},
-	"comment":              {"id": nil, "commit_id": nil, "path": nil, "user": map[string]any{"login": nil}, "body": nil, "html_url": nil},
-	"discussion":           {"node_id": nil, "number": nil, "title": nil, "state": nil, "category": map[string]any{"name": nil}},
-	"check_run":            {"id": nil, "name": nil, "head_sha": nil, "status": nil, "conclusion": nil, "html_url": nil},
-	"requested_action":     {"identifier": nil},
-	"before":               nil,
-	"after":                nil,
-	"created":              nil,
-	"deleted":              nil,
-	"forced":               nil,
-	"pusher":               {"name": nil},
-	"commits":              nil,
-	"repository_selection": nil,
-	"repositories_added":   nil,
-	"repositories_removed": nil,
-}
-
 // tableKeys are tableFields' keys in a fixed order, for tableJSON.
 var tableKeys = func() []string {
 	var keys []string
@@ -128,9 +95,17 @@ var tableKeys = func() []string {
 	return keys
 }()
 
-// keptKeys is tableKeys and the wrapped form's keys, for lookups.
+// eventKeys are the members DecodeEvent itself reads: the wrapped form's
+// two, and those the Event's columns come from.
+var eventKeys = []string{"headers", "payload", "action", "repository", "sender", "installation"}
+
+// keptKeys are the members one pass over a payload keeps: tableKeys and
+// eventKeys.
 var keptKeys = func() map[string]bool {
-	m := map[string]bool{"headers": true, "payload": true}
+	m := map[string]bool{}
+	for _, k := range eventKeys {
+		m[k] = true
+	}
 	for k := range tableFields {
 		m[k] = true
 	}

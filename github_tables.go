@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 )
@@ -70,6 +71,74 @@ func login(u *jsonUser) string {
 		return ""
 	}
 	return u.Login
+}
+
+// tablePayloads are the payload types the decoders below read: what the
+// typed tables take of a payload is derived from them alone (tableFields).
+var tablePayloads = []any{releasePayload{}, workflowRunPayload{}, branchPayload{}, issuePayload{},
+	pullRequestPayload{}, commentPayload{}, discussionPayload{}, checkRunPayload{}, pushPayload{},
+	installationPayload{}, repositoryPayload{}}
+
+// tableFields is what the typed tables read of a payload, taken from the
+// json tags of tablePayloads: for each top-level member, nil to keep it
+// whole, or the fields to keep of an object (nested the same way). The
+// payload is cut down to it (Event.tablePayload), so the decoders read a few
+// hundred bytes instead of the whole payload again, and a field a decoder's
+// type gains is kept without a second list to update.
+var tableFields = func() map[string]map[string]any {
+	all := map[string]any{}
+	for _, p := range tablePayloads {
+		mergeFields(all, jsonFields(reflect.TypeOf(p)))
+	}
+	out := make(map[string]map[string]any, len(all))
+	for k, v := range all {
+		sub, _ := v.(map[string]any)
+		out[k] = sub
+	}
+	return out
+}()
+
+// jsonFields is the tree of members a struct type decodes: nil for one kept
+// whole (a scalar, an array), a subtree for an object. Every field must have
+// a json tag: encoding/json would match an untagged one case-insensitively,
+// which the cut-down payload does not.
+func jsonFields(t reflect.Type) map[string]any {
+	m := map[string]any{}
+	for f := range t.Fields() {
+		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+		if !f.IsExported() || name == "-" {
+			continue
+		}
+		if name == "" {
+			panic("github_tables.go: " + t.String() + "." + f.Name + " has no json tag")
+		}
+		ft := f.Type
+		for ft.Kind() == reflect.Pointer {
+			ft = ft.Elem()
+		}
+		if ft.Kind() == reflect.Struct {
+			m[name] = jsonFields(ft)
+		} else {
+			m[name] = nil
+		}
+	}
+	return m
+}
+
+// mergeFields adds src's tree to dst's; a member kept whole by either stays
+// whole.
+func mergeFields(dst, src map[string]any) {
+	for k, v := range src {
+		cur, seen := dst[k]
+		switch {
+		case !seen:
+			dst[k] = v
+		case cur == nil || v == nil:
+			dst[k] = nil
+		default:
+			mergeFields(cur.(map[string]any), v.(map[string]any))
+		}
+	}
 }
 
 // decodeInto unmarshals the payload into v; a payload that does not fit the
@@ -157,23 +226,26 @@ type releaseRow struct {
 	CreatedAt, PublishedAt, GitHubUpdated *string
 }
 
+// releasePayload is what decodeRelease reads of a payload.
+type releasePayload struct {
+	Action  string `json:"action"`
+	Release *struct {
+		ID          int64     `json:"id"`
+		TagName     string    `json:"tag_name"`
+		Name        *string   `json:"name"`
+		Draft       bool      `json:"draft"`
+		Prerelease  bool      `json:"prerelease"`
+		Author      *jsonUser `json:"author"`
+		HTMLURL     string    `json:"html_url"`
+		CreatedAt   *string   `json:"created_at"`
+		PublishedAt *string   `json:"published_at"`
+		UpdatedAt   *string   `json:"updated_at"`
+	} `json:"release"`
+	Repository *jsonRepo `json:"repository"`
+}
+
 func decodeRelease(ev *Event) (*releaseRow, error) {
-	var p struct {
-		Action  string `json:"action"`
-		Release *struct {
-			ID          int64     `json:"id"`
-			TagName     string    `json:"tag_name"`
-			Name        *string   `json:"name"`
-			Draft       bool      `json:"draft"`
-			Prerelease  bool      `json:"prerelease"`
-			Author      *jsonUser `json:"author"`
-			HTMLURL     string    `json:"html_url"`
-			CreatedAt   *string   `json:"created_at"`
-			PublishedAt *string   `json:"published_at"`
-			UpdatedAt   *string   `json:"updated_at"`
-		} `json:"release"`
-		Repository *jsonRepo `json:"repository"`
-	}
+	var p releasePayload
 	if err := decodeInto(ev, &p); err != nil {
 		return nil, err
 	}
@@ -219,23 +291,26 @@ type workflowRunRow struct {
 	RunNumber, RunAttempt                            int64
 }
 
+// workflowRunPayload is what decodeWorkflowRun reads of a payload.
+type workflowRunPayload struct {
+	WorkflowRun *struct {
+		ID         int64   `json:"id"`
+		Name       string  `json:"name"`
+		HeadBranch *string `json:"head_branch"`
+		HeadSHA    string  `json:"head_sha"`
+		Event      string  `json:"event"`
+		Status     string  `json:"status"`
+		Conclusion *string `json:"conclusion"`
+		RunNumber  int64   `json:"run_number"`
+		RunAttempt int64   `json:"run_attempt"`
+		HTMLURL    string  `json:"html_url"`
+		UpdatedAt  string  `json:"updated_at"`
+	} `json:"workflow_run"`
+	Repository *jsonRepo `json:"repository"`
+}
+
 func decodeWorkflowRun(ev *Event) (*workflowRunRow, error) {
-	var p struct {
-		WorkflowRun *struct {
-			ID         int64   `json:"id"`
-			Name       string  `json:"name"`
-			HeadBranch *string `json:"head_branch"`
-			HeadSHA    string  `json:"head_sha"`
-			Event      string  `json:"event"`
-			Status     string  `json:"status"`
-			Conclusion *string `json:"conclusion"`
-			RunNumber  int64   `json:"run_number"`
-			RunAttempt int64   `json:"run_attempt"`
-			HTMLURL    string  `json:"html_url"`
-			UpdatedAt  string  `json:"updated_at"`
-		} `json:"workflow_run"`
-		Repository *jsonRepo `json:"repository"`
-	}
+	var p workflowRunPayload
 	if err := decodeInto(ev, &p); err != nil {
 		return nil, err
 	}
@@ -267,14 +342,17 @@ type branchRow struct {
 	Event, Repository, Ref, RefType, MasterBranch, Sender string
 }
 
+// branchPayload is what decodeBranch reads of a payload.
+type branchPayload struct {
+	Ref          string    `json:"ref"`
+	RefType      string    `json:"ref_type"`
+	MasterBranch string    `json:"master_branch"`
+	Repository   *jsonRepo `json:"repository"`
+	Sender       *jsonUser `json:"sender"`
+}
+
 func decodeBranch(ev *Event) (*branchRow, error) {
-	var p struct {
-		Ref          string    `json:"ref"`
-		RefType      string    `json:"ref_type"`
-		MasterBranch string    `json:"master_branch"`
-		Repository   *jsonRepo `json:"repository"`
-		Sender       *jsonUser `json:"sender"`
-	}
+	var p branchPayload
 	if err := decodeInto(ev, &p); err != nil {
 		return nil, err
 	}
@@ -299,20 +377,23 @@ type issueRow struct {
 	Merged, Draft         bool
 }
 
+// issuePayload is what decodeIssue reads of a payload.
+type issuePayload struct {
+	Issue *struct {
+		NodeID string `json:"node_id"`
+		Number int64  `json:"number"`
+		Title  string `json:"title"`
+		State  string `json:"state"`
+	} `json:"issue"`
+	Repository *jsonRepo `json:"repository"`
+	Sender     *jsonUser `json:"sender"`
+}
+
 func decodeIssue(ev *Event) (*issueRow, error) {
 	if !slices.Contains(issueActions, ev.Action) {
 		return nil, nil
 	}
-	var p struct {
-		Issue *struct {
-			NodeID string `json:"node_id"`
-			Number int64  `json:"number"`
-			Title  string `json:"title"`
-			State  string `json:"state"`
-		} `json:"issue"`
-		Repository *jsonRepo `json:"repository"`
-		Sender     *jsonUser `json:"sender"`
-	}
+	var p issuePayload
 	if err := decodeInto(ev, &p); err != nil {
 		return nil, err
 	}
@@ -327,26 +408,29 @@ func decodeIssue(ev *Event) (*issueRow, error) {
 		Sender: login(p.Sender), Action: ev.Action, State: strings.ToUpper(p.Issue.State)}, nil
 }
 
+// pullRequestPayload is what decodePullRequest reads of a payload.
+type pullRequestPayload struct {
+	PullRequest *struct {
+		NodeID string `json:"node_id"`
+		Number int64  `json:"number"`
+		Title  string `json:"title"`
+		State  string `json:"state"`
+		Merged bool   `json:"merged"`
+		Draft  bool   `json:"draft"`
+		Head   *struct {
+			Ref string `json:"ref"`
+			SHA string `json:"sha"`
+		} `json:"head"`
+	} `json:"pull_request"`
+	Repository *jsonRepo `json:"repository"`
+	Sender     *jsonUser `json:"sender"`
+}
+
 func decodePullRequest(ev *Event) (*issueRow, error) {
 	if !slices.Contains(pullActions, ev.Action) {
 		return nil, nil
 	}
-	var p struct {
-		PullRequest *struct {
-			NodeID string `json:"node_id"`
-			Number int64  `json:"number"`
-			Title  string `json:"title"`
-			State  string `json:"state"`
-			Merged bool   `json:"merged"`
-			Draft  bool   `json:"draft"`
-			Head   *struct {
-				Ref string `json:"ref"`
-				SHA string `json:"sha"`
-			} `json:"head"`
-		} `json:"pull_request"`
-		Repository *jsonRepo `json:"repository"`
-		Sender     *jsonUser `json:"sender"`
-	}
+	var p pullRequestPayload
 	if err := decodeInto(ev, &p); err != nil {
 		return nil, err
 	}
@@ -371,27 +455,30 @@ type commentRow struct {
 	CommitID, Path, Author, Body, HTMLURL string
 }
 
+// commentPayload is what decodeComment reads of a payload.
+type commentPayload struct {
+	Comment *struct {
+		ID       int64     `json:"id"`
+		CommitID string    `json:"commit_id"`
+		Path     *string   `json:"path"`
+		User     *jsonUser `json:"user"`
+		Body     string    `json:"body"`
+		HTMLURL  string    `json:"html_url"`
+	} `json:"comment"`
+	Issue *struct {
+		Number int64 `json:"number"`
+	} `json:"issue"`
+	PullRequest *struct {
+		Number int64 `json:"number"`
+	} `json:"pull_request"`
+	Repository *jsonRepo `json:"repository"`
+}
+
 func decodeComment(ev *Event) (*commentRow, error) {
 	if !slices.Contains(commentActions, ev.Action) {
 		return nil, nil
 	}
-	var p struct {
-		Comment *struct {
-			ID       int64     `json:"id"`
-			CommitID string    `json:"commit_id"`
-			Path     *string   `json:"path"`
-			User     *jsonUser `json:"user"`
-			Body     string    `json:"body"`
-			HTMLURL  string    `json:"html_url"`
-		} `json:"comment"`
-		Issue *struct {
-			Number int64 `json:"number"`
-		} `json:"issue"`
-		PullRequest *struct {
-			Number int64 `json:"number"`
-		} `json:"pull_request"`
-		Repository *jsonRepo `json:"repository"`
-	}
+	var p commentPayload
 	if err := decodeInto(ev, &p); err != nil {
 		return nil, err
 	}
@@ -424,6 +511,24 @@ type discussionRow struct {
 	CommentID                                          *int64
 }
 
+// discussionPayload is what decodeDiscussion reads of a payload.
+type discussionPayload struct {
+	Discussion *struct {
+		NodeID   string `json:"node_id"`
+		Number   int64  `json:"number"`
+		Title    string `json:"title"`
+		State    string `json:"state"`
+		Category *struct {
+			Name string `json:"name"`
+		} `json:"category"`
+	} `json:"discussion"`
+	Comment *struct {
+		ID int64 `json:"id"`
+	} `json:"comment"`
+	Repository *jsonRepo `json:"repository"`
+	Sender     *jsonUser `json:"sender"`
+}
+
 func decodeDiscussion(ev *Event) (*discussionRow, error) {
 	actions := discussionActions
 	if ev.Name == "discussion_comment" {
@@ -432,22 +537,7 @@ func decodeDiscussion(ev *Event) (*discussionRow, error) {
 	if !slices.Contains(actions, ev.Action) {
 		return nil, nil
 	}
-	var p struct {
-		Discussion *struct {
-			NodeID   string `json:"node_id"`
-			Number   int64  `json:"number"`
-			Title    string `json:"title"`
-			State    string `json:"state"`
-			Category *struct {
-				Name string `json:"name"`
-			} `json:"category"`
-		} `json:"discussion"`
-		Comment *struct {
-			ID int64 `json:"id"`
-		} `json:"comment"`
-		Repository *jsonRepo `json:"repository"`
-		Sender     *jsonUser `json:"sender"`
-	}
+	var p discussionPayload
 	if err := decodeInto(ev, &p); err != nil {
 		return nil, err
 	}
@@ -479,24 +569,27 @@ type checkRunRow struct {
 	HTMLURL, RequestedAction, Action              string
 }
 
+// checkRunPayload is what decodeCheckRun reads of a payload.
+type checkRunPayload struct {
+	CheckRun *struct {
+		ID         int64   `json:"id"`
+		Name       string  `json:"name"`
+		HeadSHA    string  `json:"head_sha"`
+		Status     string  `json:"status"`
+		Conclusion *string `json:"conclusion"`
+		HTMLURL    string  `json:"html_url"`
+	} `json:"check_run"`
+	RequestedAction *struct {
+		Identifier string `json:"identifier"`
+	} `json:"requested_action"`
+	Repository *jsonRepo `json:"repository"`
+}
+
 func decodeCheckRun(ev *Event) (*checkRunRow, error) {
 	if !slices.Contains(checkRunActions, ev.Action) {
 		return nil, nil
 	}
-	var p struct {
-		CheckRun *struct {
-			ID         int64   `json:"id"`
-			Name       string  `json:"name"`
-			HeadSHA    string  `json:"head_sha"`
-			Status     string  `json:"status"`
-			Conclusion *string `json:"conclusion"`
-			HTMLURL    string  `json:"html_url"`
-		} `json:"check_run"`
-		RequestedAction *struct {
-			Identifier string `json:"identifier"`
-		} `json:"requested_action"`
-		Repository *jsonRepo `json:"repository"`
-	}
+	var p checkRunPayload
 	if err := decodeInto(ev, &p); err != nil {
 		return nil, err
 	}
@@ -525,20 +618,23 @@ type pushRow struct {
 	Created, Deleted, Forced                    bool
 }
 
+// pushPayload is what decodePush reads of a payload.
+type pushPayload struct {
+	Ref     string `json:"ref"`
+	Before  string `json:"before"`
+	After   string `json:"after"`
+	Created bool   `json:"created"`
+	Deleted bool   `json:"deleted"`
+	Forced  bool   `json:"forced"`
+	Pusher  *struct {
+		Name string `json:"name"`
+	} `json:"pusher"`
+	Commits    []json.RawMessage `json:"commits"`
+	Repository *jsonRepo         `json:"repository"`
+}
+
 func decodePush(ev *Event) (*pushRow, error) {
-	var p struct {
-		Ref     string `json:"ref"`
-		Before  string `json:"before"`
-		After   string `json:"after"`
-		Created bool   `json:"created"`
-		Deleted bool   `json:"deleted"`
-		Forced  bool   `json:"forced"`
-		Pusher  *struct {
-			Name string `json:"name"`
-		} `json:"pusher"`
-		Commits    []json.RawMessage `json:"commits"`
-		Repository *jsonRepo         `json:"repository"`
-	}
+	var p pushPayload
 	if err := decodeInto(ev, &p); err != nil {
 		return nil, err
 	}
@@ -572,26 +668,29 @@ type repositoryRow struct {
 	Private                           *bool
 }
 
+// installationPayload is what decodeInstallation reads of a payload.
+type installationPayload struct {
+	Installation *struct {
+		ID                  int64   `json:"id"`
+		AppID               int64   `json:"app_id"`
+		RepositorySelection string  `json:"repository_selection"`
+		SuspendedAt         *string `json:"suspended_at"`
+		Account             *struct {
+			Login string `json:"login"`
+			Type  string `json:"type"`
+		} `json:"account"`
+	} `json:"installation"`
+	RepositorySelection string     `json:"repository_selection"`
+	Added               []jsonRepo `json:"repositories_added"`
+	Removed             []jsonRepo `json:"repositories_removed"`
+	Sender              *jsonUser  `json:"sender"`
+}
+
 func decodeInstallation(ev *Event) (*installationRow, []repositoryRow, error) {
 	if ev.Name == "installation" && !slices.Contains(installationActions, ev.Action) {
 		return nil, nil, nil
 	}
-	var p struct {
-		Installation *struct {
-			ID                  int64   `json:"id"`
-			AppID               int64   `json:"app_id"`
-			RepositorySelection string  `json:"repository_selection"`
-			SuspendedAt         *string `json:"suspended_at"`
-			Account             *struct {
-				Login string `json:"login"`
-				Type  string `json:"type"`
-			} `json:"account"`
-		} `json:"installation"`
-		RepositorySelection string     `json:"repository_selection"`
-		Added               []jsonRepo `json:"repositories_added"`
-		Removed             []jsonRepo `json:"repositories_removed"`
-		Sender              *jsonUser  `json:"sender"`
-	}
+	var p installationPayload
 	if err := decodeInto(ev, &p); err != nil {
 		return nil, nil, err
 	}
@@ -626,11 +725,14 @@ func decodeInstallation(ev *Event) (*installationRow, []repositoryRow, error) {
 	return row, repos, nil
 }
 
+// repositoryPayload is what decodeRepository reads of a payload.
+type repositoryPayload struct {
+	Repository *jsonRepo `json:"repository"`
+	Sender     *jsonUser `json:"sender"`
+}
+
 func decodeRepository(ev *Event) (repositoryRow, error) {
-	var p struct {
-		Repository *jsonRepo `json:"repository"`
-		Sender     *jsonUser `json:"sender"`
-	}
+	var p repositoryPayload
 	if err := decodeInto(ev, &p); err != nil {
 		return repositoryRow{}, err
 	}
