@@ -297,7 +297,7 @@ func benchDatabaseBytes(b *testing.B) (total, payloads int64) {
 	fixtures := loadFixtures(b)
 	ctx := context.Background()
 	for i := 0; i < 10000; i += 100 {
-		err := store.Batch(ctx, func(ctx context.Context) error {
+		err := store.Batch(ctx, func(tx *Tx) error {
 			for j := i; j < i+100; j++ {
 				f := fixtures[j%len(fixtures)]
 				msg := eventMessage(f.Event, fmt.Sprintf("size-%d", j), f.Body)
@@ -308,11 +308,11 @@ func benchDatabaseBytes(b *testing.B) (total, payloads int64) {
 					continue // a fixture the workers refuse is not stored either
 				}
 				payloads += int64(len(ev.Payload))
-				if err := svc(ctx, ev); err != nil {
+				if err := svc(ctx, tx, ev); err != nil {
 					return err
 				}
 				var perm *permanentError
-				if err := dbh(ctx, ev); err != nil && !errors.As(err, &perm) && !errors.Is(err, ErrDuplicate) {
+				if err := dbh(ctx, tx, ev); err != nil && !errors.As(err, &perm) && !errors.Is(err, ErrDuplicate) {
 					return err
 				}
 			}

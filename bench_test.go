@@ -353,8 +353,8 @@ func benchConsume(b *testing.B, payload []byte) (ours, base float64) {
 	defer q.Close()
 	h := databaseHandler(store, testBotAppID, log)
 	var done atomic.Int64
-	counted := func(ctx context.Context, ev *Event) error {
-		err := h(ctx, ev)
+	counted := func(ctx context.Context, tx *Tx, ev *Event) error {
+		err := h(ctx, tx, ev)
 		done.Add(1)
 		return err
 	}

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -215,7 +214,7 @@ func (bs *Brokers) State(ctx context.Context) (SwitchState, error) {
 	bs.mu.Lock()
 	version := bs.version
 	bs.mu.Unlock()
-	st, err := bs.read(ctx, bs.store.r)
+	st, err := bs.read(ctx, bs.store.Setting)
 	if err != nil {
 		return st, err
 	}
@@ -230,11 +229,11 @@ func (bs *Brokers) State(ctx context.Context) (SwitchState, error) {
 
 // read decodes the four settings. A stored pending target that is no longer
 // configured reads as none; an active index past the end reads as 0.
-func (bs *Brokers) read(ctx context.Context, q queryer) (SwitchState, error) {
+func (bs *Brokers) read(ctx context.Context, setting func(context.Context, string) (string, error)) (SwitchState, error) {
 	var st SwitchState
 	vals := map[string]string{}
 	for _, k := range []string{keyActiveIndex, keyPendingSwitch, keyLastSwitch, keyWatermark} {
-		v, err := getSetting(ctx, q, k)
+		v, err := setting(ctx, k)
 		if err != nil {
 			return st, err
 		}
@@ -275,13 +274,13 @@ func (bs *Brokers) read(ctx context.Context, q queryer) (SwitchState, error) {
 
 // change runs fn over the current state inside one write transaction, then
 // publishes the result. fn returns the new state and whether it changed.
-func (bs *Brokers) change(ctx context.Context, fn func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error)) (SwitchState, error) {
+func (bs *Brokers) change(ctx context.Context, fn func(tx *Tx, st SwitchState, now time.Time) (SwitchState, bool, error)) (SwitchState, error) {
 	bs.changes.Lock()
 	defer bs.changes.Unlock()
 	var out SwitchState
 	var changed bool
-	err := bs.store.write(ctx, func(tx *sql.Tx) error {
-		st, err := bs.read(ctx, tx)
+	err := bs.store.Batch(ctx, func(tx *Tx) error {
+		st, err := bs.read(ctx, tx.Setting)
 		if err != nil {
 			return err
 		}
@@ -297,7 +296,7 @@ func (bs *Brokers) change(ctx context.Context, fn func(tx *sql.Tx, st SwitchStat
 	return out, nil
 }
 
-func writeJSONSetting(ctx context.Context, tx *sql.Tx, key string, v any, now time.Time) error {
+func writeJSONSetting(ctx context.Context, tx *Tx, key string, v any, now time.Time) error {
 	s := ""
 	if v != nil {
 		b, err := json.Marshal(v)
@@ -306,7 +305,7 @@ func writeJSONSetting(ctx context.Context, tx *sql.Tx, key string, v any, now ti
 		}
 		s = string(b)
 	}
-	return setSetting(ctx, tx, key, s, now)
+	return tx.SetSetting(ctx, key, s, now)
 }
 
 // SwitchTo is the operator's switch: it moves now and drops any Pending Switch.
@@ -315,12 +314,12 @@ func (bs *Brokers) SwitchTo(ctx context.Context, index int) (SwitchState, error)
 	if _, err := bs.Get(index); err != nil {
 		return SwitchState{}, err
 	}
-	return bs.change(ctx, func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
+	return bs.change(ctx, func(tx *Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
 		last := &LastSwitch{From: st.Active, To: index, Reason: "operator", SwitchedAt: now, CompletedAt: now}
-		if err := setSetting(ctx, tx, keyActiveIndex, strconv.Itoa(index), now); err != nil {
+		if err := tx.SetSetting(ctx, keyActiveIndex, strconv.Itoa(index), now); err != nil {
 			return st, false, err
 		}
-		if err := setSetting(ctx, tx, keyPendingSwitch, "", now); err != nil {
+		if err := tx.SetSetting(ctx, keyPendingSwitch, "", now); err != nil {
 			return st, false, err
 		}
 		if err := writeJSONSetting(ctx, tx, keyLastSwitch, last, now); err != nil {
@@ -342,21 +341,21 @@ func (bs *Brokers) Notify(ctx context.Context, host, vhost string, switchedAt ti
 		return "", SwitchState{}, err
 	}
 	var result string
-	st, err := bs.change(ctx, func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
+	st, err := bs.change(ctx, func(tx *Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
 		if !switchedAt.After(st.Watermark) {
 			return st, false, ErrStale
 		}
 		// At full precision: stored at microseconds, a notification with
 		// nanoseconds would be newer than its own watermark, and accepted
 		// again after an operator switch.
-		if err := setSetting(ctx, tx, keyWatermark, switchedAt.UTC().Format(time.RFC3339Nano), now); err != nil {
+		if err := tx.SetSetting(ctx, keyWatermark, switchedAt.UTC().Format(time.RFC3339Nano), now); err != nil {
 			return st, false, err
 		}
 		st.Watermark = switchedAt
 		if target.Index == st.Active {
 			result = "active"
 			st.Pending = nil
-			return st, true, setSetting(ctx, tx, keyPendingSwitch, "", now)
+			return st, true, tx.SetSetting(ctx, keyPendingSwitch, "", now)
 		}
 		result = "pending"
 		st.Pending = &PendingSwitch{Index: target.Index, Host: target.Host, Vhost: target.Vhost,
@@ -368,9 +367,9 @@ func (bs *Brokers) Notify(ctx context.Context, host, vhost string, switchedAt ti
 
 // ClearWatermark forgets the last accepted notification's switchedAt.
 func (bs *Brokers) ClearWatermark(ctx context.Context) (SwitchState, error) {
-	return bs.change(ctx, func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
+	return bs.change(ctx, func(tx *Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
 		st.Watermark = time.Time{}
-		return st, true, setSetting(ctx, tx, keyWatermark, "", now)
+		return st, true, tx.SetSetting(ctx, keyWatermark, "", now)
 	})
 }
 
@@ -378,13 +377,13 @@ func (bs *Brokers) ClearWatermark(ctx context.Context) (SwitchState, error) {
 // there was one.
 func (bs *Brokers) CancelPending(ctx context.Context) (bool, SwitchState, error) {
 	var had bool
-	st, err := bs.change(ctx, func(tx *sql.Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
+	st, err := bs.change(ctx, func(tx *Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
 		if st.Pending == nil {
 			return st, false, nil
 		}
 		had = true
 		st.Pending = nil
-		return st, true, setSetting(ctx, tx, keyPendingSwitch, "", now)
+		return st, true, tx.SetSetting(ctx, keyPendingSwitch, "", now)
 	})
 	return had, st, err
 }
@@ -408,17 +407,17 @@ func (bs *Brokers) CompleteIfDrained(ctx context.Context, drained func(ctx conte
 		return false, err
 	}
 	flipped := false
-	_, err = bs.change(ctx, func(tx *sql.Tx, cur SwitchState, now time.Time) (SwitchState, bool, error) {
+	_, err = bs.change(ctx, func(tx *Tx, cur SwitchState, now time.Time) (SwitchState, bool, error) {
 		if cur.Pending == nil || cur.Active != st.Active || cur.Pending.Index != st.Pending.Index ||
 			!cur.Pending.SwitchedAt.Equal(st.Pending.SwitchedAt) {
 			return cur, false, nil
 		}
 		last := &LastSwitch{From: cur.Active, To: cur.Pending.Index, Reason: "drained",
 			SwitchedAt: cur.Pending.SwitchedAt, CompletedAt: now}
-		if err := setSetting(ctx, tx, keyActiveIndex, strconv.Itoa(last.To), now); err != nil {
+		if err := tx.SetSetting(ctx, keyActiveIndex, strconv.Itoa(last.To), now); err != nil {
 			return cur, false, err
 		}
-		if err := setSetting(ctx, tx, keyPendingSwitch, "", now); err != nil {
+		if err := tx.SetSetting(ctx, keyPendingSwitch, "", now); err != nil {
 			return cur, false, err
 		}
 		if err := writeJSONSetting(ctx, tx, keyLastSwitch, last, now); err != nil {

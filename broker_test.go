@@ -610,7 +610,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 	var mu sync.Mutex
 	calls := 0
 	service := serviceHandler(store, nil, false)
-	h := func(ctx context.Context, ev *Event) error {
+	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		calls++
 		n := calls
@@ -618,7 +618,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 		if n == 1 {
 			return fmt.Errorf("transient (simulated)")
 		}
-		return service(ctx, ev)
+		return service(ctx, tx, ev)
 	}
 	w := NewWorker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: h, Window: 300 * time.Millisecond}, cfg.Workers, bs, q, log)
 	done := make(chan struct{})

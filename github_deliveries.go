@@ -1,9 +1,9 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"crypto/rsa"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -258,7 +258,7 @@ type hookMessage struct {
 func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 	now := time.Now().UTC()
 	since := now.Add(-deliveryRetention)
-	cp, err := getSetting(ctx, h.store.r, keyHooksCheckpoint)
+	cp, err := h.store.Setting(ctx, keyHooksCheckpoint)
 	if err != nil {
 		return 0, err
 	}
@@ -298,7 +298,7 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 		if a.ok {
 			continue
 		}
-		known, err := h.known(ctx, guid)
+		known, err := h.store.HookKnown(ctx, guid)
 		if err != nil {
 			return queued, err
 		}
@@ -310,20 +310,10 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 		}
 		queued++
 	}
-	if err := h.store.write(ctx, func(tx *sql.Tx) error {
-		return setSetting(ctx, tx, keyHooksCheckpoint, formatTime(now), now)
-	}); err != nil {
+	if err := h.store.SetSetting(ctx, keyHooksCheckpoint, formatTime(now)); err != nil {
 		return queued, err
 	}
 	return queued, nil
-}
-
-// known reports whether a GUID is stored in github or queued already.
-func (h *Hooks) known(ctx context.Context, guid string) (bool, error) {
-	var n int
-	err := h.store.r.QueryRowContext(ctx, `SELECT (SELECT count(*) FROM github WHERE delivery_id = ?) +
-		(SELECT count(*) FROM hook_redeliveries WHERE guid = ?)`, guid, guid).Scan(&n)
-	return n > 0, err
 }
 
 // queue publishes one github-hooks message, then remembers it.
@@ -343,28 +333,21 @@ func (h *Hooks) queue(ctx context.Context, d hookDelivery) error {
 		return fmt.Errorf("queue redelivery of %s: %w", d.GUID, err)
 	}
 	h.log.Info("queued a failed delivery for redelivery", "delivery_id", d.GUID, "event", d.Event, "github_delivery", d.ID)
-	return h.store.write(ctx, func(tx *sql.Tx) error {
-		_, err := tx.ExecContext(ctx, `INSERT INTO hook_redeliveries (guid, delivery_id, event, queued_at)
-			VALUES (?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`, d.GUID, d.ID, d.Event, formatTime(time.Now()))
-		return err
-	})
+	return h.store.HookQueued(ctx, d.GUID, d.ID, d.Event)
 }
 
 // Handle is the github-hooks consumer: fetch the original request of the
 // delivery and republish it through github-exchange, so that both the raw log
-// and the typed tables get the Event.
-func (h *Hooks) Handle(ctx context.Context, ev *Event) error {
+// and the typed tables get the Event. It talks to GitHub and the broker, so
+// its worker never batches: it is never handed a transaction, and opens its
+// own once the network is done with.
+func (h *Hooks) Handle(ctx context.Context, _ *Tx, ev *Event) error {
 	var m hookMessage
 	if err := json.Unmarshal(ev.Payload, &m); err != nil || m.DeliveryID == 0 {
 		return permanent("github-hooks message without delivery_id")
 	}
-	var done int
-	if err := h.store.r.QueryRowContext(ctx, `SELECT count(*) FROM worker_deliveries WHERE worker = 'hooks' AND delivery_id = ?`,
-		ev.DeliveryID).Scan(&done); err != nil {
-		return err
-	}
-	if done > 0 {
-		return ErrDuplicate
+	if done, err := h.store.Finished(ctx, "hooks", ev.DeliveryID); err != nil || done {
+		return cmp.Or(err, ErrDuplicate)
 	}
 	d, err := h.app.Delivery(ctx, m.DeliveryID)
 	var se *githubStatusError
@@ -403,10 +386,8 @@ func (h *Hooks) Handle(ctx context.Context, ev *Event) error {
 	if err := h.queues.Publish(pctx, b, exchangeName, "", msg); err != nil {
 		return fmt.Errorf("republish %s: %w", d.GUID, err)
 	}
-	_, err = h.store.MarkDelivery(ctx, "hooks", ev.DeliveryID, func(tx *sql.Tx) error {
-		_, err := tx.ExecContext(ctx, `UPDATE hook_redeliveries SET republished_at = ? WHERE guid = ?`,
-			formatTime(time.Now()), ev.DeliveryID)
-		return err
+	_, err = h.store.MarkDelivery(ctx, nil, "hooks", ev.DeliveryID, func(tx *Tx) error {
+		return tx.hookRepublished(ctx, ev.DeliveryID)
 	})
 	return err
 }

@@ -209,7 +209,7 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 	if _, _, err := store.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := store.InsertEvent(ctx, &Event{DeliveryID: stored, Name: "issues", Payload: loadFixture(t, "issues", "opened.payload.json"), ReceivedAt: time.Now()}, false); err != nil {
+	if _, err := store.InsertEvent(ctx, nil, &Event{DeliveryID: stored, Name: "issues", Payload: loadFixture(t, "issues", "opened.payload.json"), ReceivedAt: time.Now()}, false); err != nil {
 		t.Fatal(err)
 	}
 	store.Close()

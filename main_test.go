@@ -593,7 +593,7 @@ func TestMigrateUpgradesInPlace(t *testing.T) {
 		t.Fatal(err)
 	}
 	ev := &Event{DeliveryID: "old-row", Name: "ping", Payload: []byte("{}"), ReceivedAt: time.Now()}
-	if _, err := store.InsertEvent(ctx, ev, false); err != nil {
+	if _, err := store.InsertEvent(ctx, nil, ev, false); err != nil {
 		t.Fatal(err)
 	}
 	from, to, err := store.Migrate(ctx)

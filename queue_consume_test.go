@@ -67,7 +67,7 @@ func TestRetryCycle(t *testing.T) {
 	var mu sync.Mutex
 	calls := map[string]int{}
 	service := serviceHandler(store, nil, false)
-	h := func(ctx context.Context, ev *Event) error {
+	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		calls[ev.DeliveryID]++
 		n := calls[ev.DeliveryID]
@@ -78,7 +78,7 @@ func TestRetryCycle(t *testing.T) {
 		case ev.DeliveryID == flaky && n <= 2:
 			return errors.New("disk I/O error (simulated)")
 		}
-		return service(ctx, ev)
+		return service(ctx, tx, ev)
 	}
 	if err := q.Reachable(context.Background(), brokers[0]); err != nil {
 		t.Fatal(err)
@@ -397,7 +397,7 @@ func TestBatchedCommits(t *testing.T) {
 	failOnce := map[string]bool{guids[10]: true, guids[111]: true}
 	var mu sync.Mutex
 	service := serviceHandler(p.store, nil, false)
-	h := func(ctx context.Context, ev *Event) error {
+	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		fail := failOnce[ev.DeliveryID]
 		delete(failOnce, ev.DeliveryID)
@@ -405,7 +405,7 @@ func TestBatchedCommits(t *testing.T) {
 		if fail {
 			return errors.New("transient (simulated)")
 		}
-		return service(ctx, ev)
+		return service(ctx, tx, ev)
 	}
 
 	// The database is locked while the first batches arrive.
@@ -477,7 +477,7 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	p := newParts(t, cfg)
 	release := make(chan struct{})
 	var handled atomic.Int64
-	h := func(ctx context.Context, ev *Event) error {
+	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		if handled.Add(1) == 1 {
 			<-release // hold the first batch until the broker's count is read
 		}

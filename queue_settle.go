@@ -18,9 +18,11 @@ import (
 
 // Handler processes one Event. It returns nil when done, ErrDuplicate when the
 // worker already finished this delivery, a permanentError when no retry can
-// help, and any other error for a transient failure. It must commit before it
-// returns nil: the message is acked right after.
-type Handler func(ctx context.Context, ev *Event) error
+// help, and any other error for a transient failure. tx is the batch's
+// transaction, which the message is acked after; when tx is nil (a worker
+// that does not batch) the handler commits its own before it returns nil.
+// A handler handed a tx must not touch the network.
+type Handler func(ctx context.Context, tx *Tx, ev *Event) error
 
 // Outcome is how consuming one message ended (SPEC §5).
 type Outcome string
@@ -84,45 +86,63 @@ const reasonBadDeath = "invalid x-death header"
 // Batcher runs a batch of messages' handlers in one transaction; *Store is
 // one (Store.Batch).
 type Batcher interface {
-	Batch(ctx context.Context, fn func(ctx context.Context) error) error
+	Batch(ctx context.Context, fn func(tx *Tx) error) error
 }
 
-// process decodes and handles one delivery taken from queue on broker b. A
-// retry or an error is settled here (nack, or publish to -error and ack); done
-// and duplicate are left to the caller, which acks them once their
-// transaction committed. Only a failed ack or nack is returned: the channel is
-// gone, and the broker will deliver the message again.
-func (q *Queues) process(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (Outcome, error) {
+// handle decodes one delivery taken from queue and runs h on it, in tx when
+// one is given (inside a savepoint, so a failure undoes this message only).
+// It talks to nobody but the database: what the broker hears of the result is
+// finish's job, once any transaction is over. It returns the message's logger
+// and h's verdict.
+func handle(ctx context.Context, tx *Tx, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (*slog.Logger, error) {
 	if _, ok := deathCount(d.Headers, queue); !ok {
 		// A count of -1,000,000 would otherwise buy a million retries.
-		return q.toError(ctx, b, queue, d, reasonBadDeath, 0, log.With("delivery_id", d.MessageId))
+		return log.With("delivery_id", d.MessageId), permanent("%s", reasonBadDeath)
 	}
 	ev, err := DecodeEvent(d)
-	if err == nil {
-		log = log.With("delivery_id", ev.DeliveryID, "event", ev.Name)
-		err = h(withLogger(ctx, log), ev)
-	} else if d.MessageId != "" {
-		log = log.With("delivery_id", d.MessageId)
+	if err != nil {
+		if d.MessageId != "" {
+			log = log.With("delivery_id", d.MessageId)
+		}
+		return log, err
 	}
+	log = log.With("delivery_id", ev.DeliveryID, "event", ev.Name)
+	ctx = withLogger(ctx, log)
+	if tx == nil {
+		return log, h(ctx, nil, ev)
+	}
+	return log, tx.Savepoint(ctx, func() error { return h(ctx, tx, ev) })
+}
 
-	var perm *permanentError
+// settled reports whether a verdict is one the caller acks: done or
+// duplicate, whose writes (if any) commit with the transaction.
+func settled(verdict error) (Outcome, bool) {
 	switch {
-	case err == nil:
-		return OutcomeDone, nil
-	case errors.Is(err, ErrDuplicate):
-		log.Debug("duplicate delivery")
-		return OutcomeDuplicate, nil
-	case errors.As(err, &perm):
+	case verdict == nil:
+		return OutcomeDone, true
+	case errors.Is(verdict, ErrDuplicate):
+		return OutcomeDuplicate, true
+	}
+	return "", false
+}
+
+// finish tells the broker how a failed delivery ended: a permanent failure
+// goes to -error, any other to the retry cycle. Only a failed ack or nack is
+// returned: the channel is gone, and the broker will deliver the message
+// again.
+func (q *Queues) finish(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, verdict error, log *slog.Logger) (Outcome, error) {
+	var perm *permanentError
+	if errors.As(verdict, &perm) {
 		return q.toError(ctx, b, queue, d, perm.reason, 0, log)
 	}
-	return q.retry(ctx, b, queue, d, err, log)
+	return q.retry(ctx, b, queue, d, verdict, log)
 }
 
 // retry ends a transient failure: nack, so the message waits retry_ttl in
 // queue-retry, or once it has failed max_attempts times, publish it to
 // queue-error with the reason and the attempts.
 func (q *Queues) retry(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, cause error, log *slog.Logger) (Outcome, error) {
-	attempts, _ := deathCount(d.Headers, queue) // checked in process
+	attempts, _ := deathCount(d.Headers, queue) // checked in handle
 	if attempts >= int64(q.cfg.MaxAttempts) {
 		return q.toError(ctx, b, queue, d, cause.Error(), attempts+1, log)
 	}
@@ -130,24 +150,33 @@ func (q *Queues) retry(ctx context.Context, b *Broker, queue string, d *amqp.Del
 	return OutcomeRetry, d.Nack(false, false)
 }
 
-// settle handles one delivery in its own transaction(s) and acks it.
+// settle handles one delivery with the handler's own transaction, then acks,
+// nacks or moves it.
 func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (Outcome, error) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
 	defer cancel()
-	outcome, err := q.process(ctx, b, queue, d, h, log)
-	if err == nil && (outcome == OutcomeDone || outcome == OutcomeDuplicate) {
+	log, verdict := handle(ctx, nil, queue, d, h, log)
+	outcome, ok := settled(verdict)
+	var err error
+	if ok {
+		if outcome == OutcomeDuplicate {
+			log.Debug("duplicate delivery")
+		}
 		err = d.Ack(false)
+	} else {
+		outcome, err = q.finish(ctx, b, queue, d, verdict, log)
 	}
 	q.metrics.consume(queue, outcome, time.Since(start))
 	return outcome, err
 }
 
-// settleBatch handles deliveries, in order, in one transaction, then acks the
-// done and duplicate ones with a single multiple ack: every other delivery of
-// the batch was settled on its own before, so the multiple ack covers exactly
-// these. If the commit fails, none of them was stored, and each goes through
-// the retry rules.
+// settleBatch handles deliveries, in order, in one transaction. Once it is
+// over, and only then, the broker hears of them: each failed one is nacked or
+// moved to -error on its own, then the done and duplicate ones are acked with
+// a single multiple ack, which covers exactly these (every other delivery up
+// to the last of them was settled before). If the commit fails, none of them
+// was stored, and each goes through the retry rules.
 func (q *Queues) settleBatch(b *Broker, queue string, ds []amqp.Delivery, h Handler, batch Batcher, log *slog.Logger) error {
 	inHand := &q.conns[b.Index].inHand
 	defer inHand.Add(-int64(len(ds)))
@@ -162,48 +191,48 @@ func (q *Queues) settleBatch(b *Broker, queue string, ds []amqp.Delivery, h Hand
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
 	defer cancel()
-	var pending []*amqp.Delivery // handled, waiting for the commit
-	var outcomes []Outcome
-	processed := 0
-	err := batch.Batch(ctx, func(ctx context.Context) error {
+	logs := make([]*slog.Logger, len(ds))
+	verdicts := make([]error, len(ds))
+	err := batch.Batch(ctx, func(tx *Tx) error {
 		for i := range ds {
-			outcome, err := q.process(ctx, b, queue, &ds[i], h, log)
-			if err != nil {
-				return err
-			}
-			processed++
-			if outcome == OutcomeDone || outcome == OutcomeDuplicate {
-				pending = append(pending, &ds[i])
-				outcomes = append(outcomes, outcome)
-			} else {
-				q.metrics.consume(queue, outcome, time.Since(start))
-			}
+			logs[i], verdicts[i] = handle(ctx, tx, queue, &ds[i], h, log)
 		}
-		return nil
+		return ctx.Err()
 	})
 	if err != nil {
-		// Nothing of the batch was stored: what was handled, and what the
-		// batch never reached (a BEGIN that found the database locked), retry.
-		for i := processed; i < len(ds); i++ {
-			pending = append(pending, &ds[i])
-		}
-		log.Warn("batch not committed, its messages will retry", "messages", len(pending), "error", err)
-		for _, d := range pending {
-			outcome, rerr := q.retry(ctx, b, queue, d, err, log)
-			q.metrics.consume(queue, outcome, time.Since(start))
-			if rerr != nil {
-				return rerr
+		// Nothing of the batch was stored: what would have been acked
+		// retries, and so does what the batch never reached (a BEGIN that
+		// found the database locked).
+		log.Warn("batch not committed, its messages will retry", "messages", len(ds), "error", err)
+		for i := range ds {
+			if _, ok := settled(verdicts[i]); ok || logs[i] == nil {
+				verdicts[i] = err
+			}
+			if logs[i] == nil {
+				logs[i] = log.With("delivery_id", ds[i].MessageId)
 			}
 		}
+	}
+	last := -1
+	for i := range ds {
+		outcome, ok := settled(verdicts[i])
+		if !ok {
+			var ferr error
+			if outcome, ferr = q.finish(ctx, b, queue, &ds[i], verdicts[i], logs[i]); ferr != nil {
+				return ferr
+			}
+		} else {
+			if outcome == OutcomeDuplicate {
+				logs[i].Debug("duplicate delivery")
+			}
+			last = i
+		}
+		q.metrics.consume(queue, outcome, time.Since(start))
+	}
+	if last < 0 {
 		return nil
 	}
-	if len(pending) == 0 {
-		return nil
-	}
-	for _, o := range outcomes {
-		q.metrics.consume(queue, o, time.Since(start))
-	}
-	return pending[len(pending)-1].Ack(true)
+	return ds[last].Ack(true)
 }
 
 // toError publishes the delivery to queue-error on the broker it came from,

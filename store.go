@@ -150,11 +150,11 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 	}
 	to = from
 	for _, m := range ms[from:] {
-		err := s.write(ctx, func(tx *sql.Tx) error {
-			if _, err := tx.ExecContext(ctx, m.sql); err != nil {
+		err := s.Batch(ctx, func(tx *Tx) error {
+			if _, err := tx.tx.ExecContext(ctx, m.sql); err != nil {
 				return err
 			}
-			_, err := tx.ExecContext(ctx, fmt.Sprintf("PRAGMA user_version = %d", m.version))
+			_, err := tx.tx.ExecContext(ctx, fmt.Sprintf("PRAGMA user_version = %d", m.version))
 			return err
 		})
 		if err != nil {
@@ -165,19 +165,21 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 	return from, to, nil
 }
 
-// batchTx is the transaction a batch of messages shares (see Batch).
-type batchTx struct {
+// Tx is one write transaction on the writer connection. Store methods that
+// write take one, or open their own when given nil; nothing else reaches the
+// writer. It is a value passed along, never carried in a context, so that a
+// callee writes inside a transaction only when its caller hands it one. No
+// network I/O may happen while one is open.
+type Tx struct {
+	s  *Store
 	tx *sql.Tx
 }
 
-type batchKey struct{}
-
-// Batch runs fn with one transaction in its context: every write made with
-// that context joins it as a savepoint, and the whole batch commits once.
-// One fsync then covers many messages, which synchronous=FULL makes the
-// costliest part of a message. Messages stay in order: fn runs them one after
-// the other. A write that fails rolls back to its savepoint only.
-func (s *Store) Batch(ctx context.Context, fn func(ctx context.Context) error) error {
+// Batch runs fn in one transaction and commits once, or rolls back when fn
+// fails. One fsync then covers every message fn handles, which
+// synchronous=FULL makes the costliest part of a message. Messages stay in
+// order: fn handles them one after the other, each in a Savepoint.
+func (s *Store) Batch(ctx context.Context, fn func(tx *Tx) error) error {
 	s.prepareWanted(ctx)
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
@@ -185,7 +187,7 @@ func (s *Store) Batch(ctx context.Context, fn func(ctx context.Context) error) e
 	if err != nil {
 		return fmt.Errorf("begin: %w", err)
 	}
-	if err := fn(context.WithValue(ctx, batchKey{}, &batchTx{tx: tx})); err != nil {
+	if err := fn(&Tx{s: s, tx: tx}); err != nil {
 		_ = tx.Rollback()
 		return err
 	}
@@ -193,6 +195,14 @@ func (s *Store) Batch(ctx context.Context, fn func(ctx context.Context) error) e
 		return fmt.Errorf("commit: %w", err)
 	}
 	return nil
+}
+
+// inTx runs fn in tx, or in a transaction of its own when tx is nil.
+func (s *Store) inTx(ctx context.Context, tx *Tx, fn func(tx *Tx) error) error {
+	if tx != nil {
+		return fn(tx)
+	}
+	return s.Batch(ctx, fn)
 }
 
 // queryer is what reads need: a pool or a transaction.
@@ -205,22 +215,23 @@ type queryer interface {
 // statement cache of its own, and preparing was a twentieth of a consumer's
 // CPU. A statement cannot be prepared inside a transaction (the transaction
 // holds the one writer connection), so the first use runs it unprepared and
-// asks for it, and the next write prepares it before it begins (prepareWanted).
-func (s *Store) exec(ctx context.Context, tx *sql.Tx, query string, args ...any) (sql.Result, error) {
-	if st, ok := s.stmts.Load(query); ok {
-		return tx.StmtContext(ctx, st.(*sql.Stmt)).ExecContext(ctx, args...)
+// asks for it, and the next transaction prepares it before it begins
+// (prepareWanted).
+func (t *Tx) exec(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	if st, ok := t.s.stmts.Load(query); ok {
+		return t.tx.StmtContext(ctx, st.(*sql.Stmt)).ExecContext(ctx, args...)
 	}
-	s.wanted.Store(query, struct{}{})
-	return tx.ExecContext(ctx, query, args...)
+	t.s.wanted.Store(query, struct{}{})
+	return t.tx.ExecContext(ctx, query, args...)
 }
 
 // queryRow is exec's counterpart for one-row reads inside tx.
-func (s *Store) queryRow(ctx context.Context, tx *sql.Tx, query string, args ...any) *sql.Row {
-	if st, ok := s.stmts.Load(query); ok {
-		return tx.StmtContext(ctx, st.(*sql.Stmt)).QueryRowContext(ctx, args...)
+func (t *Tx) queryRow(ctx context.Context, query string, args ...any) *sql.Row {
+	if st, ok := t.s.stmts.Load(query); ok {
+		return t.tx.StmtContext(ctx, st.(*sql.Stmt)).QueryRowContext(ctx, args...)
 	}
-	s.wanted.Store(query, struct{}{})
-	return tx.QueryRowContext(ctx, query, args...)
+	t.s.wanted.Store(query, struct{}{})
+	return t.tx.QueryRowContext(ctx, query, args...)
 }
 
 // prepareWanted prepares the statements exec asked for. It runs outside any
@@ -238,33 +249,22 @@ func (s *Store) prepareWanted(ctx context.Context) {
 	})
 }
 
-// write runs fn in one immediate transaction on the writer connection, or
-// in a savepoint of the batch in ctx.
-func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
-	if bt, ok := ctx.Value(batchKey{}).(*batchTx); ok {
-		return s.savepoint(ctx, bt, fn)
-	}
-	// A batch of one: the same begin, rollback and commit, no savepoint.
-	return s.Batch(ctx, func(ctx context.Context) error {
-		return fn(ctx.Value(batchKey{}).(*batchTx).tx)
-	})
-}
-
-// savepoint runs fn inside one savepoint of the batch: a failure rolls back
-// fn's writes only. Savepoints are released before the next begins, so one
-// name serves them all, and its three statements are prepared once.
-func (s *Store) savepoint(ctx context.Context, bt *batchTx, fn func(tx *sql.Tx) error) error {
-	if _, err := s.exec(ctx, bt.tx, "SAVEPOINT msg"); err != nil {
+// Savepoint runs fn inside one savepoint of tx: a failure rolls back fn's
+// writes only, so one message of a batch that fails leaves the others.
+// Savepoints are released before the next begins, so one name serves them
+// all, and its three statements are prepared once.
+func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
+	if _, err := t.exec(ctx, "SAVEPOINT msg"); err != nil {
 		return fmt.Errorf("savepoint: %w", err)
 	}
-	if err := fn(bt.tx); err != nil {
-		if _, rerr := s.exec(ctx, bt.tx, "ROLLBACK TO msg"); rerr != nil {
+	if err := fn(); err != nil {
+		if _, rerr := t.exec(ctx, "ROLLBACK TO msg"); rerr != nil {
 			return errors.Join(err, fmt.Errorf("rollback to savepoint: %w", rerr))
 		}
-		_, _ = s.exec(ctx, bt.tx, "RELEASE msg")
+		_, _ = t.exec(ctx, "RELEASE msg")
 		return err
 	}
-	if _, err := s.exec(ctx, bt.tx, "RELEASE msg"); err != nil {
+	if _, err := t.exec(ctx, "RELEASE msg"); err != nil {
 		return fmt.Errorf("release savepoint: %w", err)
 	}
 	return nil
@@ -272,13 +272,22 @@ func (s *Store) savepoint(ctx context.Context, bt *batchTx, fn func(tx *sql.Tx) 
 
 // Writable proves the database takes a write lock, for /readyz.
 func (s *Store) Writable(ctx context.Context) error {
-	return s.write(ctx, func(tx *sql.Tx) error {
-		_, err := tx.ExecContext(ctx, "UPDATE settings SET value = value WHERE 0")
+	return s.Batch(ctx, func(tx *Tx) error {
+		_, err := tx.tx.ExecContext(ctx, "UPDATE settings SET value = value WHERE 0")
 		return err
 	})
 }
 
-// getSetting reads one settings row; a missing row reads as "".
+// Setting reads one settings row from a reader; a missing row reads as "".
+func (s *Store) Setting(ctx context.Context, key string) (string, error) {
+	return getSetting(ctx, s.r, key)
+}
+
+// Setting reads one settings row inside tx.
+func (t *Tx) Setting(ctx context.Context, key string) (string, error) {
+	return getSetting(ctx, t.tx, key)
+}
+
 func getSetting(ctx context.Context, q queryer, key string) (string, error) {
 	var v string
 	err := q.QueryRowContext(ctx, "SELECT value FROM settings WHERE key = ?", key).Scan(&v)
@@ -291,9 +300,9 @@ func getSetting(ctx context.Context, q queryer, key string) (string, error) {
 	return v, nil
 }
 
-// setSetting writes one settings row inside tx.
-func setSetting(ctx context.Context, tx *sql.Tx, key, value string, now time.Time) error {
-	_, err := tx.ExecContext(ctx, `INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)
+// SetSetting writes one settings row inside tx.
+func (t *Tx) SetSetting(ctx context.Context, key, value string, now time.Time) error {
+	_, err := t.exec(ctx, `INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)
 		ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at`,
 		key, value, formatTime(now))
 	if err != nil {
@@ -320,9 +329,9 @@ func nullInt(v int64) any {
 // queues its alert on each of channels (alert_outbox), in one transaction. It
 // reports false, and changes nothing, when the delivery is already stored: a
 // retried or redelivered message must not count or alert twice.
-func (s *Store) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channels ...string) (inserted bool, err error) {
-	err = s.write(ctx, func(tx *sql.Tx) error {
-		res, err := s.exec(ctx, tx, `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
+func (s *Store) InsertEvent(ctx context.Context, tx *Tx, ev *Event, forbidden bool, channels ...string) (inserted bool, err error) {
+	err = s.inTx(ctx, tx, func(tx *Tx) error {
+		res, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
 			target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at)
 			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (delivery_id) DO NOTHING`,
 			ev.DeliveryID, ev.Name, ev.Action, nullInt(ev.HookID), ev.TargetType, nullInt(ev.TargetID),
@@ -335,23 +344,23 @@ func (s *Store) InsertEvent(ctx context.Context, ev *Event, forbidden bool, chan
 			return nil
 		}
 		inserted = true
-		_, err = s.exec(ctx, tx, `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES (?, ?, ?, 1)
+		_, err = tx.exec(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES (?, ?, ?, 1)
 			ON CONFLICT (bucket, event, action) DO UPDATE SET count = count + 1`,
 			statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action)
 		if err != nil {
 			return fmt.Errorf("count statistics: %w", err)
 		}
-		return s.queueAlerts(ctx, tx, ev.DeliveryID, channels)
+		return tx.queueAlerts(ctx, ev.DeliveryID, channels)
 	})
 	return inserted, err
 }
 
-// MarkDelivery runs fn and records that worker finished the delivery, in one
-// transaction. It reports false, without running fn, when the worker already
-// finished it.
-func (s *Store) MarkDelivery(ctx context.Context, worker, deliveryID string, fn func(tx *sql.Tx) error) (done bool, err error) {
-	err = s.write(ctx, func(tx *sql.Tx) error {
-		res, err := s.exec(ctx, tx, `INSERT INTO worker_deliveries (worker, delivery_id, processed_at)
+// MarkDelivery runs fn and records that worker finished the delivery, in tx
+// or a transaction of its own. It reports false, without running fn, when
+// the worker already finished it.
+func (s *Store) MarkDelivery(ctx context.Context, tx *Tx, worker, deliveryID string, fn func(tx *Tx) error) (done bool, err error) {
+	err = s.inTx(ctx, tx, func(tx *Tx) error {
+		res, err := tx.exec(ctx, `INSERT INTO worker_deliveries (worker, delivery_id, processed_at)
 			VALUES (?, ?, ?) ON CONFLICT DO NOTHING`, worker, deliveryID, formatTime(time.Now()))
 		if err != nil {
 			return fmt.Errorf("mark delivery: %w", err)
@@ -366,6 +375,17 @@ func (s *Store) MarkDelivery(ctx context.Context, worker, deliveryID string, fn 
 		return nil
 	})
 	return done, err
+}
+
+// Finished reports whether worker finished the delivery (MarkDelivery).
+func (s *Store) Finished(ctx context.Context, worker, deliveryID string) (bool, error) {
+	var n int
+	err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM worker_deliveries WHERE worker = ? AND delivery_id = ?",
+		worker, deliveryID).Scan(&n)
+	if err != nil {
+		return false, fmt.Errorf("read worker_deliveries: %w", err)
+	}
+	return n > 0, nil
 }
 
 // Backup writes a consistent snapshot of the live database to dest with
@@ -401,8 +421,8 @@ const retentionBatch = 1000
 // deleted. Statistics, typed tables and the idempotency records stay.
 func (s *Store) DeleteRawBefore(ctx context.Context, cutoff time.Time) (int64, error) {
 	var n int64
-	err := s.write(ctx, func(tx *sql.Tx) error {
-		res, err := tx.ExecContext(ctx, `DELETE FROM github WHERE id IN
+	err := s.Batch(ctx, func(tx *Tx) error {
+		res, err := tx.tx.ExecContext(ctx, `DELETE FROM github WHERE id IN
 			(SELECT id FROM github WHERE received_at < ? ORDER BY received_at LIMIT ?)`, formatTime(cutoff), retentionBatch)
 		if err != nil {
 			return fmt.Errorf("delete raw rows: %w", err)

@@ -2,17 +2,16 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"time"
 )
 
 // queueAlerts writes one alert_outbox row per channel for a delivery, inside
 // the transaction that stores it.
-func (s *Store) queueAlerts(ctx context.Context, tx *sql.Tx, deliveryID string, channels []string) error {
+func (t *Tx) queueAlerts(ctx context.Context, deliveryID string, channels []string) error {
 	now := formatTime(time.Now())
 	for _, c := range channels {
-		if _, err := s.exec(ctx, tx, `INSERT INTO alert_outbox (delivery_id, channel, created_at, next_at)
+		if _, err := t.exec(ctx, `INSERT INTO alert_outbox (delivery_id, channel, created_at, next_at)
 			VALUES (?, ?, ?, ?) ON CONFLICT (delivery_id, channel) DO NOTHING`, deliveryID, c, now, now); err != nil {
 			return fmt.Errorf("queue alert: %w", err)
 		}
@@ -60,12 +59,12 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 // AlertSent marks an alert sent, and the delivery alerted once none of its
 // alerts waits any more.
 func (s *Store) AlertSent(ctx context.Context, id int64, deliveryID string) error {
-	return s.write(ctx, func(tx *sql.Tx) error {
+	return s.Batch(ctx, func(tx *Tx) error {
 		now := formatTime(time.Now())
-		if _, err := tx.ExecContext(ctx, "UPDATE alert_outbox SET sent_at = ? WHERE id = ?", now, id); err != nil {
+		if _, err := tx.exec(ctx, "UPDATE alert_outbox SET sent_at = ? WHERE id = ?", now, id); err != nil {
 			return fmt.Errorf("mark alert sent: %w", err)
 		}
-		_, err := tx.ExecContext(ctx, `UPDATE github SET alerted_at = ? WHERE delivery_id = ? AND alerted_at IS NULL
+		_, err := tx.exec(ctx, `UPDATE github SET alerted_at = ? WHERE delivery_id = ? AND alerted_at IS NULL
 			AND NOT EXISTS (SELECT 1 FROM alert_outbox WHERE delivery_id = ? AND sent_at IS NULL)`, now, deliveryID, deliveryID)
 		if err != nil {
 			return fmt.Errorf("set alerted_at: %w", err)
@@ -76,8 +75,8 @@ func (s *Store) AlertSent(ctx context.Context, id int64, deliveryID string) erro
 
 // AlertFailed records a failed send and when to try again.
 func (s *Store) AlertFailed(ctx context.Context, id int64, cause error, next time.Time) error {
-	return s.write(ctx, func(tx *sql.Tx) error {
-		_, err := tx.ExecContext(ctx, "UPDATE alert_outbox SET attempts = attempts + 1, last_error = ?, next_at = ? WHERE id = ?",
+	return s.Batch(ctx, func(tx *Tx) error {
+		_, err := tx.exec(ctx, "UPDATE alert_outbox SET attempts = attempts + 1, last_error = ?, next_at = ? WHERE id = ?",
 			cause.Error(), formatTime(next), id)
 		if err != nil {
 			return fmt.Errorf("record alert failure: %w", err)

@@ -25,22 +25,22 @@ func newRowMeta(ev *Event) rowMeta {
 }
 
 // writeTableRows writes everything one Event maps to, inside tx.
-func (s *Store) writeTableRows(ctx context.Context, tx *sql.Tx, m rowMeta, r *tableRows) error {
+func (tx *Tx) writeTableRows(ctx context.Context, m rowMeta, r *tableRows) error {
 	steps := []struct {
 		table string
 		skip  bool
 		write func() error
 	}{
-		{"github_releases", r.Release == nil, func() error { return s.writeRelease(ctx, tx, m, r.Release) }},
-		{"github_release_workflow_runs", r.WorkflowRun == nil, func() error { return s.writeWorkflowRun(ctx, tx, m, r.WorkflowRun) }},
-		{"github_branches", r.Branch == nil, func() error { return s.writeBranch(ctx, tx, m, r.Branch) }},
-		{"github_issues", r.Issue == nil, func() error { return s.writeIssue(ctx, tx, m, r.Issue) }},
-		{"github_comments", r.Comment == nil, func() error { return s.writeComment(ctx, tx, m, r.Comment) }},
-		{"github_discussions", r.Discussion == nil, func() error { return s.writeDiscussion(ctx, tx, m, r.Discussion) }},
-		{"github_check_runs", r.CheckRun == nil, func() error { return s.writeCheckRun(ctx, tx, m, r.CheckRun) }},
-		{"github_pushes", r.Push == nil, func() error { return s.writePush(ctx, tx, m, r.Push) }},
-		{"github_installations", r.Installation == nil, func() error { return s.writeInstallation(ctx, tx, m, r.Installation) }},
-		{"github_repositories", len(r.Repositories) == 0, func() error { return s.writeRepositories(ctx, tx, m, r.Repositories) }},
+		{"github_releases", r.Release == nil, func() error { return tx.writeRelease(ctx, m, r.Release) }},
+		{"github_release_workflow_runs", r.WorkflowRun == nil, func() error { return tx.writeWorkflowRun(ctx, m, r.WorkflowRun) }},
+		{"github_branches", r.Branch == nil, func() error { return tx.writeBranch(ctx, m, r.Branch) }},
+		{"github_issues", r.Issue == nil, func() error { return tx.writeIssue(ctx, m, r.Issue) }},
+		{"github_comments", r.Comment == nil, func() error { return tx.writeComment(ctx, m, r.Comment) }},
+		{"github_discussions", r.Discussion == nil, func() error { return tx.writeDiscussion(ctx, m, r.Discussion) }},
+		{"github_check_runs", r.CheckRun == nil, func() error { return tx.writeCheckRun(ctx, m, r.CheckRun) }},
+		{"github_pushes", r.Push == nil, func() error { return tx.writePush(ctx, m, r.Push) }},
+		{"github_installations", r.Installation == nil, func() error { return tx.writeInstallation(ctx, m, r.Installation) }},
+		{"github_repositories", len(r.Repositories) == 0, func() error { return tx.writeRepositories(ctx, m, r.Repositories) }},
 	}
 	for _, s := range steps {
 		if s.skip {
@@ -54,8 +54,8 @@ func (s *Store) writeTableRows(ctx context.Context, tx *sql.Tx, m rowMeta, r *ta
 }
 
 // writeRelease upserts a release unless the stored row is newer.
-func (s *Store) writeRelease(ctx context.Context, tx *sql.Tx, m rowMeta, r *releaseRow) error {
-	_, err := s.exec(ctx, tx, `INSERT INTO github_releases (release_id, repository, tag_name, name, draft,
+func (tx *Tx) writeRelease(ctx context.Context, m rowMeta, r *releaseRow) error {
+	_, err := tx.exec(ctx, `INSERT INTO github_releases (release_id, repository, tag_name, name, draft,
 		prerelease, author, html_url, last_action, created_at, published_at, deleted, github_updated_at, delivery_id, updated_at)
 		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 		ON CONFLICT (release_id) DO UPDATE SET repository = excluded.repository, tag_name = excluded.tag_name,
@@ -72,13 +72,13 @@ func (s *Store) writeRelease(ctx context.Context, tx *sql.Tx, m rowMeta, r *rele
 // writeWorkflowRun upserts a run unless the stored row is newer, linking it
 // to its release tag: the head branch of a run triggered by a release, or a
 // head branch that is a known release tag of the repository.
-func (s *Store) writeWorkflowRun(ctx context.Context, tx *sql.Tx, m rowMeta, r *workflowRunRow) error {
+func (tx *Tx) writeWorkflowRun(ctx context.Context, m rowMeta, r *workflowRunRow) error {
 	var tag any
 	if r.EventName == "release" && r.HeadBranch != "" {
 		tag = r.HeadBranch
 	} else if r.HeadBranch != "" {
 		var t string
-		err := s.queryRow(ctx, tx, `SELECT tag_name FROM github_releases WHERE repository = ? AND tag_name = ? LIMIT 1`,
+		err := tx.queryRow(ctx, `SELECT tag_name FROM github_releases WHERE repository = ? AND tag_name = ? LIMIT 1`,
 			r.Repository, r.HeadBranch).Scan(&t)
 		if err != nil && !errors.Is(err, sql.ErrNoRows) {
 			return err
@@ -87,7 +87,7 @@ func (s *Store) writeWorkflowRun(ctx context.Context, tx *sql.Tx, m rowMeta, r *
 			tag = t
 		}
 	}
-	_, err := s.exec(ctx, tx, `INSERT INTO github_release_workflow_runs (run_id, repository, workflow_name,
+	_, err := tx.exec(ctx, `INSERT INTO github_release_workflow_runs (run_id, repository, workflow_name,
 		head_branch, head_sha, event, status, conclusion, run_number, run_attempt, html_url, github_updated_at,
 		release_tag, delivery_id, updated_at)
 		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
@@ -104,8 +104,8 @@ func (s *Store) writeWorkflowRun(ctx context.Context, tx *sql.Tx, m rowMeta, r *
 	return err
 }
 
-func (s *Store) writeBranch(ctx context.Context, tx *sql.Tx, m rowMeta, r *branchRow) error {
-	_, err := s.exec(ctx, tx, `INSERT INTO github_branches (delivery_id, hook_id, target_type, target_id,
+func (tx *Tx) writeBranch(ctx context.Context, m rowMeta, r *branchRow) error {
+	_, err := tx.exec(ctx, `INSERT INTO github_branches (delivery_id, hook_id, target_type, target_id,
 		installation_id, event, repository, ref, ref_type, master_branch, sender, processing_state, processing_date,
 		created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
 		ON CONFLICT (delivery_id) DO NOTHING`,
@@ -143,13 +143,13 @@ func issueTransition(action, cur string) (state, processing string, change bool)
 	}
 }
 
-func (s *Store) writeIssue(ctx context.Context, tx *sql.Tx, m rowMeta, r *issueRow) error {
+func (tx *Tx) writeIssue(ctx context.Context, m rowMeta, r *issueRow) error {
 	table := "github_issues"
 	if r.Pull {
 		table = "github_pull_requests"
 	}
 	var cur string
-	err := s.queryRow(ctx, tx, "SELECT state FROM "+table+" WHERE node_id = ?", r.NodeID).Scan(&cur)
+	err := tx.queryRow(ctx, "SELECT state FROM "+table+" WHERE node_id = ?", r.NodeID).Scan(&cur)
 	if err != nil && !errors.Is(err, sql.ErrNoRows) {
 		return err
 	}
@@ -168,17 +168,17 @@ func (s *Store) writeIssue(ctx context.Context, tx *sql.Tx, m rowMeta, r *issueR
 	if cur == "" {
 		cols = append(cols, "node_id", "created_at")
 		vals = append(vals, r.NodeID, m.Now)
-		_, err = s.exec(ctx, tx, "INSERT INTO "+table+" ("+strings.Join(cols, ", ")+") VALUES (?"+
+		_, err = tx.exec(ctx, "INSERT INTO "+table+" ("+strings.Join(cols, ", ")+") VALUES (?"+
 			strings.Repeat(", ?", len(cols)-1)+")", vals...)
 		return err
 	}
-	_, err = s.exec(ctx, tx, "UPDATE "+table+" SET "+strings.Join(cols, " = ?, ")+" = ? WHERE node_id = ?",
+	_, err = tx.exec(ctx, "UPDATE "+table+" SET "+strings.Join(cols, " = ?, ")+" = ? WHERE node_id = ?",
 		append(vals, r.NodeID)...)
 	return err
 }
 
-func (s *Store) writeComment(ctx context.Context, tx *sql.Tx, m rowMeta, r *commentRow) error {
-	_, err := s.exec(ctx, tx, `INSERT INTO github_comments (comment_id, delivery_id, hook_id, target_type,
+func (tx *Tx) writeComment(ctx context.Context, m rowMeta, r *commentRow) error {
+	_, err := tx.exec(ctx, `INSERT INTO github_comments (comment_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, event, repository, number, commit_id, path, author, body, html_url, deleted,
 		last_action, processing_state, processing_date, created_at, updated_at)
 		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
@@ -193,13 +193,13 @@ func (s *Store) writeComment(ctx context.Context, tx *sql.Tx, m rowMeta, r *comm
 	return err
 }
 
-func (s *Store) writeDiscussion(ctx context.Context, tx *sql.Tx, m rowMeta, r *discussionRow) error {
+func (tx *Tx) writeDiscussion(ctx context.Context, m rowMeta, r *discussionRow) error {
 	// A comment is an update of its discussion, never a repeated creation.
 	state := entityState(r.Action)
 	if r.Event == "discussion_comment" {
 		state = "UPDATED"
 	}
-	_, err := s.exec(ctx, tx, `INSERT INTO github_discussions (node_id, delivery_id, hook_id, target_type,
+	_, err := tx.exec(ctx, `INSERT INTO github_discussions (node_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, repository, number, title, category, state, sender, last_event, last_action,
 		last_comment_id, processing_state, processing_date, created_at, updated_at)
 		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
@@ -215,8 +215,8 @@ func (s *Store) writeDiscussion(ctx context.Context, tx *sql.Tx, m rowMeta, r *d
 	return err
 }
 
-func (s *Store) writeCheckRun(ctx context.Context, tx *sql.Tx, m rowMeta, r *checkRunRow) error {
-	_, err := s.exec(ctx, tx, `INSERT INTO github_check_runs (check_run_id, delivery_id, hook_id, target_type,
+func (tx *Tx) writeCheckRun(ctx context.Context, m rowMeta, r *checkRunRow) error {
+	_, err := tx.exec(ctx, `INSERT INTO github_check_runs (check_run_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, repository, name, head_sha, status, conclusion, html_url, requested_action,
 		last_action, processing_state, processing_date, created_at, updated_at)
 		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
@@ -233,8 +233,8 @@ func (s *Store) writeCheckRun(ctx context.Context, tx *sql.Tx, m rowMeta, r *che
 
 // writePush inserts a push; the same head pushed again asks for the work
 // again (RE_REQUESTED).
-func (s *Store) writePush(ctx context.Context, tx *sql.Tx, m rowMeta, r *pushRow) error {
-	_, err := s.exec(ctx, tx, `INSERT INTO github_pushes (delivery_id, hook_id, target_type, target_id,
+func (tx *Tx) writePush(ctx context.Context, m rowMeta, r *pushRow) error {
+	_, err := tx.exec(ctx, `INSERT INTO github_pushes (delivery_id, hook_id, target_type, target_id,
 		installation_id, repository, head_commit, ref, before, pusher, commits, created, deleted, forced,
 		processing_state, processing_date, created_at, updated_at)
 		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
@@ -249,12 +249,12 @@ func (s *Store) writePush(ctx context.Context, tx *sql.Tx, m rowMeta, r *pushRow
 	return err
 }
 
-func (s *Store) writeInstallation(ctx context.Context, tx *sql.Tx, m rowMeta, r *installationRow) error {
+func (tx *Tx) writeInstallation(ctx context.Context, m rowMeta, r *installationRow) error {
 	state := entityState(r.Action)
 	if r.Event == "installation_repositories" {
 		state = "UPDATED"
 	}
-	_, err := s.exec(ctx, tx, `INSERT INTO github_installations (installation_id, delivery_id, hook_id,
+	_, err := tx.exec(ctx, `INSERT INTO github_installations (installation_id, delivery_id, hook_id,
 		target_type, target_id, account, account_type, repository_selection, app_id, suspended, deleted,
 		last_event, last_action, processing_state, processing_date, created_at, updated_at)
 		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
@@ -272,9 +272,9 @@ func (s *Store) writeInstallation(ctx context.Context, tx *sql.Tx, m rowMeta, r 
 	return err
 }
 
-func (s *Store) writeRepositories(ctx context.Context, tx *sql.Tx, m rowMeta, rs []repositoryRow) error {
+func (tx *Tx) writeRepositories(ctx context.Context, m rowMeta, rs []repositoryRow) error {
 	for _, r := range rs {
-		_, err := s.exec(ctx, tx, `INSERT INTO github_repositories (delivery_id, hook_id, target_type, target_id,
+		_, err := tx.exec(ctx, `INSERT INTO github_repositories (delivery_id, hook_id, target_type, target_id,
 			installation_id, event, action, repository, repository_id, private, sender, processing_state,
 			processing_date, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
 			ON CONFLICT (delivery_id, repository) DO NOTHING`,

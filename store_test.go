@@ -210,20 +210,20 @@ func TestRawRetention(t *testing.T) {
 	p := newParts(t, cfg)
 	old := time.Now().Add(-100 * 24 * time.Hour)
 	body := loadFixture(t, "issues", "opened.payload.json")
-	err := p.store.Batch(ctx, func(ctx context.Context) error {
+	err := p.store.Batch(ctx, func(tx *Tx) error {
 		for i := 0; i < 2500; i++ {
-			if _, err := p.store.InsertEvent(ctx, &Event{DeliveryID: fmt.Sprintf("old-%d", i), Name: "issues", Action: "opened",
+			if _, err := p.store.InsertEvent(ctx, tx, &Event{DeliveryID: fmt.Sprintf("old-%d", i), Name: "issues", Action: "opened",
 				Payload: body, ReceivedAt: old}, false); err != nil {
 				return err
 			}
 		}
-		_, err := p.store.InsertEvent(ctx, &Event{DeliveryID: "recent", Name: "issues", Action: "opened", Payload: body, ReceivedAt: time.Now()}, false)
+		_, err := p.store.InsertEvent(ctx, tx, &Event{DeliveryID: "recent", Name: "issues", Action: "opened", Payload: body, ReceivedAt: time.Now()}, false)
 		return err
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.store.MarkDelivery(ctx, "database-service", "old-1", nil); err != nil {
+	if _, err := p.store.MarkDelivery(ctx, nil, "database-service", "old-1", nil); err != nil {
 		t.Fatal(err)
 	}
 	// One call deletes one batch.

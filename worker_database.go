@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"log/slog"
 )
 
@@ -13,7 +12,7 @@ import (
 // second time. The payload is decoded before the transaction: a payload that
 // lacks a field the tables need is a permanent failure and holds no lock.
 func databaseHandler(store *Store, botAppID int64, log *slog.Logger) Handler {
-	return func(ctx context.Context, ev *Event) error {
+	return func(ctx context.Context, tx *Tx, ev *Event) error {
 		rows, err := decodeTableRows(ev, botAppID)
 		if err != nil {
 			return err
@@ -22,8 +21,8 @@ func databaseHandler(store *Store, botAppID int64, log *slog.Logger) Handler {
 			loggerFrom(ctx, log).Debug("event not used by the typed tables", "reason", rows.SkippedReason)
 		}
 		m := newRowMeta(ev)
-		done, err := store.MarkDelivery(ctx, "database-service", ev.DeliveryID, func(tx *sql.Tx) error {
-			return store.writeTableRows(ctx, tx, m, rows)
+		done, err := store.MarkDelivery(ctx, tx, "database-service", ev.DeliveryID, func(tx *Tx) error {
+			return tx.writeTableRows(ctx, m, rows)
 		})
 		if err != nil {
 			return err

@@ -11,8 +11,8 @@ import (
 // (AlertSender): nothing here waits on the network while the transaction is
 // open, and a retried or redelivered message changes nothing the second time.
 func serviceHandler(store *Store, alerter *Alerter, forbidden bool) Handler {
-	return func(ctx context.Context, ev *Event) error {
-		inserted, err := store.InsertEvent(ctx, ev, forbidden, alerter.Channels(ev)...)
+	return func(ctx context.Context, tx *Tx, ev *Event) error {
+		inserted, err := store.InsertEvent(ctx, tx, ev, forbidden, alerter.Channels(ev)...)
 		if err != nil {
 			return err
 		}
