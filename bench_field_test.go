@@ -337,7 +337,7 @@ func benchDatabaseBytes(b *testing.B) (total, payloads int64) {
 func benchBigTable(b *testing.B, payload []byte) (big, empty float64) {
 	dir := b.TempDir()
 	full := filepath.Join(dir, "full.db")
-	store, err := OpenStore(context.Background(), DatabaseConfig{Path: full, Synchronous: "NORMAL", BusyTimeout: 5 * time.Second})
+	store, err := OpenStore(context.Background(), DatabaseConfig{Path: full, Synchronous: "NORMAL", BusyTimeout: 5 * time.Second}, nil)
 	if err != nil {
 		b.Fatal(err)
 	}

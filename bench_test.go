@@ -312,7 +312,7 @@ const benchPrefetch = 64
 // and their baselines share.
 func benchStore(b testing.TB) (*Store, *Config) {
 	cfg := testConfig(b, amqpURL("x"))
-	store, err := OpenStore(context.Background(), cfg.Database)
+	store, err := OpenStore(context.Background(), cfg.Database, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -349,7 +349,7 @@ func benchConsume(b *testing.B, payload []byte) (ours, base float64) {
 	store, cfg := benchStore(b)
 	defer store.Close()
 	log := slog.New(slog.DiscardHandler)
-	q := NewQueues(cfg.Queue, mustBrokers(b, amqpURL(vhost)), log)
+	q := NewQueues(cfg.Queue, mustBrokers(b, amqpURL(vhost)), nil, log)
 	defer q.Close()
 	h := databaseHandler(store, testBotAppID, log)
 	var done atomic.Int64
@@ -393,7 +393,7 @@ func drainRate(b testing.TB, store *Store, cfg *Config, brokerURL string, n int)
 	log := slog.New(slog.DiscardHandler)
 	qcfg := cfg.Queue
 	qcfg.DeclareTopology = false // the bench declared it, with its own retry_ttl
-	q := NewQueues(qcfg, mustBrokers(b, brokerURL), log)
+	q := NewQueues(qcfg, mustBrokers(b, brokerURL), nil, log)
 	defer q.Close()
 	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
 		b.Fatal(err)

@@ -121,8 +121,9 @@ type Brokers struct {
 }
 
 // NewBrokers parses the configured brokers and reads the stored state.
-func NewBrokers(ctx context.Context, cfgs []BrokerConfig, store *Store, log *slog.Logger) (*Brokers, error) {
-	bs := &Brokers{store: store, log: log, changed: make(chan struct{})}
+// metrics may be nil (the commands that record none).
+func NewBrokers(ctx context.Context, cfgs []BrokerConfig, store *Store, metrics *Metrics, log *slog.Logger) (*Brokers, error) {
+	bs := &Brokers{store: store, metrics: metrics, log: log, changed: make(chan struct{})}
 	for i, c := range cfgs {
 		b, err := ParseBroker(i, c.URL)
 		if err != nil {

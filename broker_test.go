@@ -247,7 +247,7 @@ func TestPendingTargetNoLongerConfigured(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Broker b is dropped from the config.
-	bs2, err := NewBrokers(ctx, cfg.Brokers[:1], p.store, p.log)
+	bs2, err := NewBrokers(ctx, cfg.Brokers[:1], p.store, nil, p.log)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -202,7 +202,7 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 
 	// The "stored" one reached us after all (GitHub timed out on the answer).
 	ctx := context.Background()
-	store, err := OpenStore(ctx, cfg.Database)
+	store, err := OpenStore(ctx, cfg.Database, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

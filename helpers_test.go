@@ -308,7 +308,7 @@ func amqpChannel(t testing.TB, vhost string) *amqp.Channel {
 func declareTestTopology(t testing.TB, vhost string, retryTTL time.Duration) {
 	t.Helper()
 	q := NewQueues(QueueConfig{DeclareTopology: true, RetryTTL: retryTTL, CallTimeout: 5 * time.Second,
-		PublishTimeout: 5 * time.Second, Prefetch: 1, MaxAttempts: 10}, mustBrokers(t, amqpURL(vhost)), slog.New(slog.DiscardHandler))
+		PublishTimeout: 5 * time.Second, Prefetch: 1, MaxAttempts: 10}, mustBrokers(t, amqpURL(vhost)), nil, slog.New(slog.DiscardHandler))
 	defer q.Close()
 	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
 		t.Fatal(err)
@@ -612,7 +612,7 @@ type parts struct {
 func newParts(t testing.TB, cfg *Config) *parts {
 	t.Helper()
 	ctx := context.Background()
-	store, err := OpenStore(ctx, cfg.Database)
+	store, err := OpenStore(ctx, cfg.Database, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -622,11 +622,11 @@ func newParts(t testing.TB, cfg *Config) *parts {
 	}
 	sink := &logSink{t: t}
 	log := slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	brokers, err := NewBrokers(ctx, cfg.Brokers, store, log)
+	brokers, err := NewBrokers(ctx, cfg.Brokers, store, nil, log)
 	if err != nil {
 		t.Fatal(err)
 	}
-	queues := NewQueues(cfg.Queue, brokers.List(), log)
+	queues := NewQueues(cfg.Queue, brokers.List(), nil, log)
 	t.Cleanup(func() { queues.Close() })
 	return &parts{store: store, brokers: brokers, queues: queues, log: log, logs: sink}
 }

@@ -364,7 +364,7 @@ func checkConfig(path string, stdout io.Writer) error {
 }
 
 func migrate(ctx context.Context, cfg *Config, stdout io.Writer) error {
-	store, err := OpenStore(ctx, cfg.Database)
+	store, err := OpenStore(ctx, cfg.Database, nil)
 	if err != nil {
 		return err
 	}
@@ -384,7 +384,7 @@ func openExisting(ctx context.Context, cfg DatabaseConfig) (*Store, error) {
 	if _, err := os.Stat(cfg.Path); errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("database %s does not exist (only serve and migrate create one; a relative database.path is read from the current directory)", cfg.Path)
 	}
-	return OpenStore(ctx, cfg)
+	return OpenStore(ctx, cfg, nil)
 }
 
 func backup(ctx context.Context, cfg *Config, dest string, stdout io.Writer) error {
@@ -458,7 +458,7 @@ func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, stdout io.Wr
 func operatorQueues(cfg *Config, brokers []*Broker, log *slog.Logger) *Queues {
 	qcfg := cfg.Queue
 	qcfg.DeclareTopology = false
-	return NewQueues(qcfg, brokers, log)
+	return NewQueues(qcfg, brokers, nil, log)
 }
 
 // ReplayOptions are the replay command's flags.
@@ -483,7 +483,7 @@ func replay(ctx context.Context, cfg *Config, log *slog.Logger, queue string, op
 		return err
 	}
 	defer store.Close()
-	brokers, err := NewBrokers(ctx, cfg.Brokers, store, log)
+	brokers, err := NewBrokers(ctx, cfg.Brokers, store, nil, log)
 	if err != nil {
 		return err
 	}
@@ -544,7 +544,8 @@ type Daemon struct {
 // NewDaemon opens and migrates the database and wires everything; nothing runs
 // until Run.
 func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, error) {
-	store, err := OpenStore(ctx, cfg.Database)
+	metrics := NewMetrics()
+	store, err := OpenStore(ctx, cfg.Database, metrics)
 	if err != nil {
 		return nil, err
 	}
@@ -559,18 +560,15 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	if from != to {
 		log.Info("database migrated", "path", cfg.Database.Path, "from", from, "to", to)
 	}
-	brokers, err := NewBrokers(ctx, cfg.Brokers, store, log)
+	brokers, err := NewBrokers(ctx, cfg.Brokers, store, metrics, log)
 	if err != nil {
 		return fail(err)
 	}
-	queues := NewQueues(cfg.Queue, brokers.List(), log)
-	metrics := NewMetrics()
+	queues := NewQueues(cfg.Queue, brokers.List(), metrics, log)
 	webhook, err := NewWebhook(cfg, brokers, queues, metrics, log)
 	if err != nil {
 		return fail(err)
 	}
-	store.metrics, brokers.metrics, queues.metrics = metrics, metrics, metrics
-	metrics.brokerState(brokers.Cached())
 	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics,
 		api: NewAPI(cfg, store, brokers, queues, webhook, metrics, log)}
 	w := cfg.Workers

@@ -579,7 +579,7 @@ func TestMigrateUpgradesInPlace(t *testing.T) {
 	ctx := context.Background()
 	cfg := DefaultConfig().Database
 	cfg.Path = filepath.Join(t.TempDir(), "old.db")
-	store, err := OpenStore(ctx, cfg)
+	store, err := OpenStore(ctx, cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

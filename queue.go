@@ -82,8 +82,9 @@ type brokerConn struct {
 }
 
 // NewQueues prepares connections to the brokers; nothing is dialed yet.
-func NewQueues(cfg QueueConfig, brokers []*Broker, log *slog.Logger) *Queues {
-	q := &Queues{cfg: cfg, log: log, minBackoff: 200 * time.Millisecond, maxBackoff: 15 * time.Second, drainQuiet: time.Second}
+// metrics may be nil (the commands that record none).
+func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.Logger) *Queues {
+	q := &Queues{cfg: cfg, metrics: metrics, log: log, minBackoff: 200 * time.Millisecond, maxBackoff: 15 * time.Second, drainQuiet: time.Second}
 	for _, b := range brokers {
 		q.conns = append(q.conns, &brokerConn{broker: b, lock: make(chan struct{}, 1)})
 	}

@@ -30,7 +30,7 @@ func TestPublisherLanes(t *testing.T) {
 	vhost := newVhost(t)
 	declareTestTopology(t, vhost, 200*time.Millisecond)
 	cfg := testConfig(t, amqpURL(vhost))
-	q := NewQueues(cfg.Queue, mustBrokers(t, amqpURL(vhost)), slog.New(slog.DiscardHandler))
+	q := NewQueues(cfg.Queue, mustBrokers(t, amqpURL(vhost)), nil, slog.New(slog.DiscardHandler))
 	defer q.Close()
 	b := q.conns[0].broker
 	body := loadFixture(t, "issues", "opened.payload.json")

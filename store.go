@@ -50,7 +50,8 @@ func normalizeTime(s string) (string, bool) {
 
 // OpenStore opens (creating when needed) the database at cfg.Path with the
 // pragmas set on every connection, and checks that WAL mode really took.
-func OpenStore(ctx context.Context, cfg DatabaseConfig) (*Store, error) {
+// metrics may be nil (the commands that record none).
+func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Store, error) {
 	dsn := func(extra string) string {
 		q := url.Values{}
 		q.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", cfg.BusyTimeout.Milliseconds()))
@@ -94,7 +95,7 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig) (*Store, error) {
 		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
 	}
 	r.SetMaxOpenConns(4)
-	return &Store{w: w, r: r, path: cfg.Path}, nil
+	return &Store{w: w, r: r, path: cfg.Path, metrics: metrics}, nil
 }
 
 // Close closes both pools; the WAL is checkpointed by the last connection.
