@@ -326,11 +326,7 @@ func storedAll(t testing.TB, dbPath string, guids []string, timeout time.Duratio
 // follows checks that ran, not a guess at how long they take.
 func afterChecks(t testing.TB, logs *logSink, n int) {
 	t.Helper()
-	const line = "pending switch waits"
-	start := strings.Count(logs.String(), line)
-	eventually(t, 30*time.Second, fmt.Sprintf("%d more drain checks", n), func() bool {
-		return strings.Count(logs.String(), line) >= start+n
-	})
+	logged(t, logs, "pending switch waits", n)
 }
 
 // Producer rotates A -> B: everything on A, including what waits in
@@ -476,8 +472,7 @@ func TestOperatorSwitchMovesWorkers(t *testing.T) {
 	cfg.Workers.CleanupEvery = time.Hour
 	cfg.Workers.CleanupWindow = time.Minute
 	d := startDaemon(t, cfg)
-	// Let every worker settle into its window on A.
-	time.Sleep(time.Second)
+	consuming(t, a, queueGitHub, queueDatabase, queueForbidden)
 
 	if code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/switch/1", "operator-token-for-tests", ""); code != 200 {
 		t.Fatalf("switch: %d %v", code, m)

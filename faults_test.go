@@ -138,11 +138,12 @@ func TestFaultRabbitMQRestart(t *testing.T) {
 	probe := func() int { return postWebhook(t, d.URL, "issues", newGUID(), body) }
 	done := make(chan []string)
 	go func() { done <- stream(t, func() string { return d.URL }, 600, 4, 3*time.Minute) }()
-	time.Sleep(500 * time.Millisecond)
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 30*time.Second, "the stream flowing", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") > 0 })
 	rabbitmqctl(t, "stop_app")
-	// While it is down: 503.
+	// While it is down: 503, and the workers find the broker gone.
 	down := probe()
-	time.Sleep(time.Second)
+	logged(t, d.logs, "cycle failed", 1)
 	rabbitmqctl(t, "start_app")
 	accepted := <-done
 	eventually(t, 60*time.Second, "202 once RabbitMQ is back", func() bool { return probe() == http.StatusAccepted })
@@ -162,8 +163,13 @@ func TestFaultSIGKILL(t *testing.T) {
 	cmd, out := startProcess(t, config, addr)
 	done := make(chan []string)
 	go func() { done <- stream(t, func() string { return "http://" + addr }, 1500, 8, 4*time.Minute) }()
+	db := openDB(t, dbPath)
 	for i := 0; i < 10; i++ {
-		time.Sleep(400 * time.Millisecond)
+		// Each life stores something before it is killed.
+		before := queryInt(t, db, "SELECT count(*) FROM github")
+		eventually(t, 60*time.Second, "a restarted process storing", func() bool {
+			return queryInt(t, db, "SELECT count(*) FROM github") > before
+		})
 		_ = cmd.Process.Signal(syscall.SIGKILL)
 		_ = cmd.Wait()
 		cmd, out = startProcess(t, config, addr)

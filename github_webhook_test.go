@@ -483,8 +483,8 @@ func TestOneConnectionPerBroker(t *testing.T) {
 	}
 	db := openDB(t, cfg.Database.Path)
 	eventually(t, 20*time.Second, "deliveries stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") == 5 })
-	// Let a few cycles run their leftover drains on b too.
-	time.Sleep(3 * time.Second)
+	// A few cycles run their leftover drains on b too.
+	logged(t, d.logs, "leftover drain found nothing", 9)
 	for _, v := range []string{a, b} {
 		if n := len(brokerConnections(t, v)); n != 1 {
 			t.Errorf("connections to %s: got %d, want 1", v, n)

@@ -340,6 +340,32 @@ func ready(t testing.TB, vhost, queue string) int {
 	return q.Messages
 }
 
+// consuming waits until every one of queues on vhost has a consumer: the
+// workers reading them have begun their windows there.
+func consuming(t testing.TB, vhost string, queues ...string) {
+	t.Helper()
+	eventually(t, 30*time.Second, "workers consuming "+strings.Join(queues, ", ")+" on "+vhost, func() bool {
+		ch := amqpChannel(t, vhost)
+		defer ch.Close()
+		for _, name := range queues {
+			q, err := ch.QueueDeclarePassive(name, true, false, false, false, nil)
+			if err != nil || q.Consumers == 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// logged waits until line shows in logs n more times than it does now.
+func logged(t testing.TB, logs *logSink, line string, n int) {
+	t.Helper()
+	start := strings.Count(logs.String(), line)
+	eventually(t, 30*time.Second, fmt.Sprintf("%d more log lines %q", n, line), func() bool {
+		return strings.Count(logs.String(), line) >= start+n
+	})
+}
+
 // publishRaw publishes straight to a queue, as a producer would.
 func publishRaw(t testing.TB, vhost, exchange, key string, msg amqp.Publishing) {
 	t.Helper()

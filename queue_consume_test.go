@@ -303,7 +303,7 @@ func TestDatabaseLockedRetries(t *testing.T) {
 	eventually(t, 20*time.Second, "a transient failure retried", func() bool {
 		return strings.Contains(d.logs.String(), "transient failure, message will retry")
 	})
-	time.Sleep(time.Second) // let a few retry cycles pass while locked
+	logged(t, d.logs, "transient failure, message will retry", 5) // a few retry cycles while locked
 	unlock()
 
 	db := openDB(t, cfg.Database.Path)

@@ -151,14 +151,14 @@ func TestNoSecretLeaks(t *testing.T) {
 		collect(do(t, req))
 	}
 	collect(do(t, mustRequest(t, http.MethodGet, d.URL+"/readyz")))
-	time.Sleep(500 * time.Millisecond)
+	consuming(t, vhost, queueGitHub, queueDatabase)
 	// The broker goes away: errors are logged and answered.
 	proxy.Close()
 	r = webhookRequest(t, d.URL, "issues", newGUID(), body)
 	r.Header.Set("X-Hub-Signature-256", sign(cfg.GitHub.WebhookSecret, body))
 	collect(do(t, r))
 	collect(do(t, mustRequest(t, http.MethodGet, d.URL+"/readyz")))
-	time.Sleep(time.Second)
+	logged(t, d.logs, "cycle failed", 2)
 	d.stop(t)
 
 	// check-config on the same settings.

@@ -171,6 +171,8 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 		w.queues.metrics.leftover(w.Queue, n)
 		if n > 0 {
 			log.Info("leftover drain", "messages", n)
+		} else if err == nil {
+			log.Debug("leftover drain found nothing")
 		}
 		if err != nil {
 			log.Warn("leftover drain skipped broker", "error", err)
