@@ -194,6 +194,7 @@ func alertConfig(t *testing.T, smtpAddr, pushURL string, events ...string) *Conf
 }
 
 func TestMatchPattern(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		pattern, event, action string
 		want                   bool
@@ -216,6 +217,7 @@ func TestMatchPattern(t *testing.T) {
 // A rule for pull_request.opened sends one email and one push that tell what
 // happened; an Event it does not match sends nothing.
 func TestAlertsSent(t *testing.T) {
+	t.Parallel()
 	smtp, push := newSMTPSink(t), newPushSink(t)
 	cfg := alertConfig(t, smtp.addr, push.srv.URL, "pull_request.opened")
 	d := startDaemon(t, cfg)
@@ -261,6 +263,7 @@ func TestAlertsSent(t *testing.T) {
 // alert retries from the outbox, the push is not sent twice, and the row and
 // its count are written once; once SMTP is back, the email goes out.
 func TestAlertRetriesOnlyTheAlert(t *testing.T) {
+	t.Parallel()
 	addr := reserveAddr(t)
 	push := newPushSink(t)
 	cfg := alertConfig(t, addr, push.srv.URL, "pull_request.*")
@@ -303,6 +306,7 @@ func TestAlertRetriesOnlyTheAlert(t *testing.T) {
 // A forbidden Event is stored by cleanup with forbidden = 1, and its alert
 // says [Forbidden].
 func TestForbiddenAlert(t *testing.T) {
+	t.Parallel()
 	smtp, push := newSMTPSink(t), newPushSink(t)
 	cfg := alertConfig(t, smtp.addr, push.srv.URL, "*")
 	cfg.GitHub.AllowedCIDRs = []string{"140.82.112.0/20"}
@@ -342,6 +346,7 @@ func deliveriesIn(texts []string) map[string]bool {
 // and an operator switch is carried out; once the servers answer, every
 // alert goes out.
 func TestStalledAlertsNeverSlowStoring(t *testing.T) {
+	t.Parallel()
 	smtp, push := newSMTPSink(t), newPushSink(t)
 	cfg := alertConfig(t, smtp.addr, push.srv.URL, "*")
 	cfg.Queue.Prefetch = 64

@@ -39,6 +39,7 @@ func scrape(t testing.TB, url string) map[string]float64 {
 
 // One webhook moves the received, published and consumed counters by one each.
 func TestMetricsMove(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
@@ -86,6 +87,7 @@ func TestMetricsMove(t *testing.T) {
 
 // metrics_listen moves /metrics to its own address.
 func TestMetricsListen(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Server.MetricsListen = freeAddr(t)

@@ -17,6 +17,7 @@ import (
 )
 
 func TestParseBrokerAndMatch(t *testing.T) {
+	t.Parallel()
 	bs := &Brokers{}
 	for i, u := range []string{
 		"amqps://u:p@A.example.com/vh%2Fone",
@@ -97,6 +98,7 @@ func activeIndex(t testing.TB, url string) int {
 // The admin API: tokens, statuses, the JSON of SPEC §7, stale notifications
 // and cancelling.
 func TestBrokerAPI(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	// The HTTP side alone: no worker completes a Pending Switch under the test.
@@ -239,6 +241,7 @@ func startAPI(t *testing.T, cfg *Config) *testDaemon {
 
 // A stored pending target that is no longer configured reads as none.
 func TestPendingTargetNoLongerConfigured(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	ctx := context.Background()
@@ -333,6 +336,7 @@ func afterChecks(t testing.TB, logs *logSink, n int) {
 // github-retry, is processed before anything published to B, and the flip
 // waits for A's main and retry queues but not for its -error queues.
 func TestProducerRotation(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	retryTTL := 3 * time.Second
 	declareTestTopology(t, a, retryTTL)
@@ -409,6 +413,7 @@ func TestProducerRotation(t *testing.T) {
 // is the pending target; once C is the target, B's stranded messages are
 // taken by the Leftover Drain; nothing is left anywhere.
 func TestDoubleRotation(t *testing.T) {
+	t.Parallel()
 	a, b, c := newVhost(t), newVhost(t), newVhost(t)
 	retryTTL := 3 * time.Second
 	for _, v := range []string{a, b, c} {
@@ -465,6 +470,7 @@ func TestDoubleRotation(t *testing.T) {
 // An operator switch ends every worker's window at once: with 1-minute windows
 // and an hourly cleanup, all three workers read the new broker within 5 s.
 func TestOperatorSwitchMovesWorkers(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	declareTestTopology(t, b, 200*time.Millisecond)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
@@ -499,6 +505,7 @@ func TestOperatorSwitchMovesWorkers(t *testing.T) {
 // once it is back and drained, the flip. A spare broker that is down does not
 // fail a cycle.
 func TestPendingSwitchWaitsForUnreachableActive(t *testing.T) {
+	t.Parallel()
 	a, b, spare := newVhost(t), newVhost(t), newVhost(t)
 	declareTestTopology(t, a, 200*time.Millisecond)
 	declareTestTopology(t, b, 200*time.Millisecond)
@@ -541,6 +548,7 @@ func TestPendingSwitchWaitsForUnreachableActive(t *testing.T) {
 // Four workers checking the drain at the same moment produce one flip and one
 // last_switch.
 func TestConcurrentDrainChecks(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	ctx := context.Background()
@@ -592,6 +600,7 @@ func TestConcurrentDrainChecks(t *testing.T) {
 // A message nacked on a non-active broker during the Leftover Drain goes
 // through that broker's retry cycle and is processed later, exactly once.
 func TestLeftoverDrainRetry(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	declareTestTopology(t, b, 200*time.Millisecond)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
@@ -645,6 +654,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 // `queues` lists all 12 queues on every broker and says which are
 // unreachable; `replay` moves -error messages back, a limited number at a time.
 func TestQueuesAndReplayCommands(t *testing.T) {
+	t.Parallel()
 	a := newVhost(t)
 	declareTestTopology(t, a, time.Hour)
 	proxy := newTCPProxy(t, "127.0.0.1:5672")
@@ -721,6 +731,7 @@ func regexpSpaces(s string) string {
 // The cache the webhook routes by never goes back to a state older than the
 // last change, however many workers read the state meanwhile.
 func TestCachedStateNeverGoesBack(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	p := newParts(t, cfg)
@@ -759,6 +770,7 @@ func TestCachedStateNeverGoesBack(t *testing.T) {
 // Every admin route takes at most 1 MiB of body, whether it reads one or
 // not: over that is 413, and nothing changes.
 func TestAdminAPIBodyLimits(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	d := startAPI(t, cfg)
@@ -789,6 +801,7 @@ func TestAdminAPIBodyLimits(t *testing.T) {
 // A switchedAt beyond api.max_clock_skew is refused; one within it still
 // blocks later real notifications until the operator clears the watermark.
 func TestNotifyClockSkewAndWatermark(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	d := startAPI(t, cfg)
@@ -824,6 +837,7 @@ func TestNotifyClockSkewAndWatermark(t *testing.T) {
 // The watermark keeps nanoseconds: a notification with them, repeated after
 // an operator switch, is stale and does not move the broker back.
 func TestWatermarkNanoseconds(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	d := startAPI(t, cfg)
@@ -848,6 +862,7 @@ func TestWatermarkNanoseconds(t *testing.T) {
 // /readyz runs its checks apart, each with its own deadline: a locked
 // database is named, and never makes the reachable broker look down too.
 func TestReadyzChecksApart(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startAPI(t, cfg)
@@ -873,6 +888,7 @@ func TestReadyzChecksApart(t *testing.T) {
 // With the hooks worker off, a message on github-hooks does not hold a
 // Pending Switch: the switch completes, and a warning names the queue.
 func TestPendingSwitchIgnoresUnconsumedQueues(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b)) // github.app_id = 0
 	declareTestTopology(t, a, cfg.Queue.RetryTTL)
@@ -895,6 +911,7 @@ func TestPendingSwitchIgnoresUnconsumedQueues(t *testing.T) {
 // loops on them. -dry-run lists them and moves nothing; -broker N takes a
 // spare broker's stranded errors to the active broker.
 func TestReplayWhileServing(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	dir := t.TempDir()

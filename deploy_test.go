@@ -15,6 +15,7 @@ import (
 // The unit file passes systemd-analyze verify (with ExecStart pointing at a
 // binary that exists, as verify checks that).
 func TestSystemdUnitVerifies(t *testing.T) {
+	t.Parallel()
 	if _, err := exec.LookPath("systemd-analyze"); err != nil {
 		if out, err := exec.Command("apt-get", "install", "-y", "-q", "systemd").CombinedOutput(); err != nil {
 			t.Fatalf("systemd-analyze missing and cannot be installed: %v\n%s", err, out)
@@ -45,6 +46,7 @@ func TestSystemdUnitVerifies(t *testing.T) {
 // with no Go on the PATH (as under sudo): it installs what `make build` made.
 // Without a built binary it fails, saying to build first.
 func TestMakeInstall(t *testing.T) {
+	t.Parallel()
 	dest := t.TempDir()
 	noGo := append(os.Environ(), "PATH=/usr/sbin:/usr/bin:/sbin:/bin")
 	cmd := exec.Command("make", "install", "DESTDIR="+dest, "BINARY="+builtBinary(t), "PREFIX=/opt/sy")
@@ -72,6 +74,7 @@ func TestMakeInstall(t *testing.T) {
 // serve sends READY=1 to NOTIFY_SOCKET only once its listener accepts
 // connections, and STOPPING=1 on SIGTERM.
 func TestServeNotifiesSystemd(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "notify.sock")

@@ -77,7 +77,8 @@ func storedExactlyOnce(t *testing.T, dbPath string, guids []string, timeout time
 }
 
 // The broker connection cut 20 times during a stream of 2,000 webhooks: every
-// delivery stored exactly once, and no goroutine left behind.
+// delivery stored exactly once, and no goroutine left behind. Not parallel:
+// goleak sees every goroutine of the process, other tests' included.
 func TestFaultConnectionCuts(t *testing.T) {
 	// Registered first, so it runs last: after the daemon, the proxy and the
 	// test's own database handles are closed.
@@ -126,7 +127,8 @@ func TestFaultConnectionCuts(t *testing.T) {
 }
 
 // RabbitMQ itself stopped and started during a stream: 503 while it is down,
-// 202 after, and nothing accepted is lost.
+// 202 after, and nothing accepted is lost. Not parallel: it stops the broker
+// every test uses, so it runs in the sequential phase, before the others.
 func TestFaultRabbitMQRestart(t *testing.T) {
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
@@ -159,6 +161,7 @@ func TestFaultRabbitMQRestart(t *testing.T) {
 // switchyard killed with SIGKILL 10 times during a stream and restarted:
 // every confirmed webhook ends up stored exactly once.
 func TestFaultSIGKILL(t *testing.T) {
+	t.Parallel()
 	config, addr, dbPath := processSetup(t)
 	cmd, out := startProcess(t, config, addr)
 	done := make(chan []string)
@@ -187,6 +190,7 @@ func TestFaultSIGKILL(t *testing.T) {
 // out, the webhook answers 503 within publish_timeout, the worker logs and
 // moves on, and once the broker answers again everything flows.
 func TestFaultStalledBroker(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	proxy := newTCPProxy(t, "127.0.0.1:5672")
 	cfg := testConfig(t, proxy.URL(vhost))

@@ -185,6 +185,7 @@ func ptr[T any](v T) *T { return &v }
 // exactly the first is queued, once, across two polls; the consumer puts its
 // Event in github and through github-database.
 func TestHooksRedeliversFailedDeliveries(t *testing.T) {
+	t.Parallel()
 	gh := newFakeGitHub(t)
 	cfg, _ := hooksConfig(t, gh)
 	cfg.GitHub.BotAppID = testAppID
@@ -249,6 +250,7 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 // hooks_poll_every holds whatever the window: with a 5-minute window the
 // hooks worker still polls every 300 ms.
 func TestHooksPollEveryHoldsOverWindow(t *testing.T) {
+	t.Parallel()
 	gh := newFakeGitHub(t)
 	cfg, _ := hooksConfig(t, gh)
 	cfg.Workers.Window = 5 * time.Minute
@@ -284,6 +286,7 @@ func hooksForTest(t *testing.T, gh *fakeGitHub) (*Hooks, string, *Store, *logSin
 // 250 deliveries over three pages are all seen; the checkpoint stops the next
 // poll from reading them again.
 func TestHooksPollPagingAndCheckpoint(t *testing.T) {
+	t.Parallel()
 	gh := newFakeGitHub(t)
 	start := time.Now().UTC().Add(-2 * time.Hour)
 	for i := 0; i < 250; i++ {
@@ -328,6 +331,7 @@ func TestHooksPollPagingAndCheckpoint(t *testing.T) {
 // GitHub answering 500 or 403 rate-limited: the message retries and then
 // succeeds; 401: a clear log line, and the message waits.
 func TestHooksGitHubErrors(t *testing.T) {
+	t.Parallel()
 	gh := newFakeGitHub(t)
 	guid := newGUID()
 	gh.add(hookDelivery{ID: 7, GUID: guid, DeliveredAt: time.Now().UTC().Add(-time.Minute), StatusCode: 503, Event: "issues"},
@@ -382,6 +386,7 @@ func TestHooksGitHubErrors(t *testing.T) {
 // (X-RateLimit-Reset), a secondary limit (Retry-After) or a 429 (Retry-After),
 // no request reaches GitHub before the time it named, and polls resume after.
 func TestHooksRateLimits(t *testing.T) {
+	t.Parallel()
 	gh := newFakeGitHub(t)
 	hooks, _, _, _ := hooksForTest(t, gh)
 	limits := []struct {

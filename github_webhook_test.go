@@ -22,6 +22,7 @@ import (
 // Every real fixture, POSTed signed, becomes one github row with the right
 // columns, and the 6-hour statistics add up to the deliveries.
 func TestWebhookFixturesEndToEnd(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
@@ -119,6 +120,7 @@ func TestWebhookFixturesEndToEnd(t *testing.T) {
 
 // The same delivery GUID twice: one row, one count.
 func TestWebhookDuplicateDelivery(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
@@ -149,6 +151,7 @@ func TestWebhookDuplicateDelivery(t *testing.T) {
 
 // Bad requests get a clear 4xx and publish nothing.
 func TestWebhookRejectsBadRequests(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	// Keep the workers off the queues for a long window so that anything
@@ -265,6 +268,7 @@ func TestWebhookRejectsBadRequests(t *testing.T) {
 // github-forbidden: stored by cleanup with forbidden = 1, never seen by
 // database-service.
 func TestWebhookForbiddenSource(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Server.TrustedProxies = []string{"127.0.0.1"}
@@ -312,6 +316,7 @@ func TestWebhookForbiddenSource(t *testing.T) {
 // No reachable broker, or a broker that stops confirming: 503 with
 // Retry-After within publish_timeout, and nothing stored.
 func TestWebhookBrokerUnavailable(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	proxy := newTCPProxy(t, "127.0.0.1:5672")
 	cfg := testConfig(t, proxy.URL(vhost))
@@ -385,6 +390,7 @@ func mustRequest(t testing.TB, method, url string) *http.Request {
 }
 
 func TestVerifySignature(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t, amqpURL("x"))
 	cfg.GitHub.PreviousWebhookSecrets = []string{"old-secret"}
 	wh, err := NewWebhook(cfg, nil, nil, nil, slog.New(slog.DiscardHandler))
@@ -415,6 +421,7 @@ func TestVerifySignature(t *testing.T) {
 }
 
 func TestSourceIP(t *testing.T) {
+	t.Parallel()
 	cfg := testConfig(t, amqpURL("x"))
 	cfg.Server.TrustedProxies = []string{"10.0.0.0/8", "127.0.0.1"}
 	wh, err := NewWebhook(cfg, nil, nil, nil, slog.New(slog.DiscardHandler))
@@ -451,6 +458,7 @@ func TestSourceIP(t *testing.T) {
 // A message that would reach no queue (the queues were deleted on the broker,
 // as CloudAMQP does with idle ones) is not answered 202.
 func TestWebhookUnroutableIsNotAccepted(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	declareTestTopology(t, vhost, 200*time.Millisecond)
 	ch := amqpChannel(t, vhost)
@@ -473,6 +481,7 @@ func TestWebhookUnroutableIsNotAccepted(t *testing.T) {
 // One AMQP connection per broker, shared by the webhook endpoint and every
 // worker (CloudAMQP's free plan allows 20).
 func TestOneConnectionPerBroker(t *testing.T) {
+	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	d := startDaemon(t, cfg)
@@ -514,6 +523,7 @@ func brokerConnections(t testing.TB, vhost string) []string {
 // published: each violation is a 400 naming the header, and none of them
 // reaches (and closes) the AMQP connection every worker shares.
 func TestWebhookHeaderLimits(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
@@ -603,6 +613,7 @@ func (zeros) Read(p []byte) (int, error) {
 // with a bad signature, at once. Meanwhile every ordinary signed webhook
 // gets 202, and the daemon's peak RSS grows by at most the budget + 32 MiB.
 func TestWebhookHostileBodiesBounded(t *testing.T) {
+	t.Parallel()
 	config, addr, _ := processSetup(t)
 	cmd, _ := startProcess(t, config, addr)
 	base := "http://" + addr
@@ -676,6 +687,7 @@ func TestWebhookHostileBodiesBounded(t *testing.T) {
 
 // One line per key per period; the next one says how many were held back.
 func TestLogLimiter(t *testing.T) {
+	t.Parallel()
 	l := newLogLimiter(10 * time.Second)
 	t0 := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
 	steps := []struct {

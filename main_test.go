@@ -150,6 +150,7 @@ func processSetup(t *testing.T) (config, addr, dbPath string) {
 // SIGTERM while webhooks flow: the process exits within 25 s, and after a
 // restart every delivery that got a 202 is stored exactly once.
 func TestSIGTERMLosesNothing(t *testing.T) {
+	t.Parallel()
 	config, addr, dbPath := processSetup(t)
 	cmd, out := startProcess(t, config, addr)
 
@@ -230,6 +231,7 @@ func TestSIGTERMLosesNothing(t *testing.T) {
 // check-config names every bad field; config.example.toml validates and its
 // summary shows no secret.
 func TestCheckConfig(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	bad := filepath.Join(dir, "bad.toml")
 	os.WriteFile(bad, []byte(`
@@ -287,6 +289,7 @@ url = "http://user:hunter2@example.com/"
 // characters, the example's placeholders and a file others can read are
 // warnings, from check-config and from serve.
 func TestConfigSecretRules(t *testing.T) {
+	t.Parallel()
 	base := func() *Config {
 		cfg := DefaultConfig()
 		cfg.API.OperatorToken = strings.Repeat("o", 40)
@@ -362,6 +365,7 @@ func TestConfigSecretRules(t *testing.T) {
 }
 
 func TestUsage(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		args []string
 		code int
@@ -389,6 +393,7 @@ func TestUsage(t *testing.T) {
 // help, -h and --help print usage and exit 0: the overview, or one
 // command's usage and flags; --version is version, with the Go version.
 func TestHelp(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		args []string
 		want []string
@@ -427,6 +432,7 @@ func TestHelp(t *testing.T) {
 // that does not exist (a relative database.path read from another
 // directory) fail, saying so, and create nothing.
 func TestCommandsNeedExistingDatabase(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	dir := t.TempDir()
 	dbPath := filepath.Join(dir, "switchyard.db")
@@ -454,7 +460,8 @@ func TestCommandsNeedExistingDatabase(t *testing.T) {
 }
 
 // Under journald each line starts with its syslog priority, so that
-// `journalctl -p warning` finds warnings, child loggers included.
+// `journalctl -p warning` finds warnings, child loggers included. Not
+// parallel: it sets JOURNAL_STREAM for the whole process.
 func TestJournalPriorities(t *testing.T) {
 	t.Setenv("JOURNAL_STREAM", "8:12345")
 	var buf bytes.Buffer
@@ -481,6 +488,7 @@ func TestJournalPriorities(t *testing.T) {
 // file that does not validate changes nothing and names its bad fields. The
 // daemon keeps running throughout.
 func TestSIGHUPReloads(t *testing.T) {
+	t.Parallel()
 	config, addr, _ := processSetup(t)
 	cmd, out := startProcess(t, config, addr)
 	base := "http://" + addr
@@ -543,6 +551,7 @@ func TestSIGHUPReloads(t *testing.T) {
 
 // migrate creates the schema once and is a no-op the second time.
 func TestMigrateCommand(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	config := writeConfig(t, dir, "127.0.0.1:1", dir+"/m.db", amqpURL("x"))
 	ms, err := parseMigrations(schemaSQL)
@@ -576,6 +585,7 @@ func TestMigrateCommand(t *testing.T) {
 
 // A database at an older schema version is upgraded in place, keeping its rows.
 func TestMigrateUpgradesInPlace(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	cfg := DefaultConfig().Database
 	cfg.Path = filepath.Join(t.TempDir(), "old.db")

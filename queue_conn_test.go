@@ -12,6 +12,7 @@ import (
 // TestAMQPSEndToEnd: a broker behind TLS (amqps://, its CA from cacertfile):
 // the webhook is published and both workers store it, over TLS both ways.
 func TestAMQPSEndToEnd(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	proxy := newTLSProxy(t, "127.0.0.1:5672")
 	cfg := testConfig(t, proxy.URL(vhost))

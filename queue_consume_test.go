@@ -19,6 +19,7 @@ import (
 )
 
 func TestDeathCount(t *testing.T) {
+	t.Parallel()
 	h := amqp.Table{"x-death": []any{
 		amqp.Table{"queue": "github-retry", "reason": "expired", "count": int64(3)},
 		amqp.Table{"queue": "github", "reason": "rejected", "count": int64(3)},
@@ -57,6 +58,7 @@ func consumeUntil(ctx context.Context, q *Queues, b *Broker, queue string, h Han
 // max_attempts lands in -error with x-attempts; one that then succeeds is
 // stored exactly once.
 func TestRetryCycle(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.MaxAttempts = 3
@@ -137,6 +139,7 @@ func TestRetryCycle(t *testing.T) {
 // A malformed message lands in github-error with a reason, and the worker
 // keeps going.
 func TestMalformedMessages(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
@@ -227,6 +230,7 @@ func withDeath(msg amqp.Publishing, count any) amqp.Publishing {
 
 // The wrapped form {"headers": ..., "payload": ...} is read like a plain one.
 func TestDecodeWrappedMessage(t *testing.T) {
+	t.Parallel()
 	payload := loadFixture(t, "pull_request", "opened.payload.json")
 	body := []byte(`{"headers": {"X-GitHub-Event": "pull_request", "X-GitHub-Delivery": "wrapped-1",
 		"X-GitHub-Hook-ID": ["42"], "X-GitHub-Hook-Installation-Target-Type": "integration",
@@ -283,6 +287,7 @@ func lockDatabase(t testing.TB, path string) (unlock func()) {
 // Database writes failing (the file locked by another process past
 // busy_timeout): messages go to -retry, none is acked, none is lost.
 func TestDatabaseLockedRetries(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Database.BusyTimeout = 100 * time.Millisecond
@@ -332,6 +337,7 @@ func TestDatabaseLockedRetries(t *testing.T) {
 // Every log line about a message says which worker, queue, broker, delivery
 // and event it is about, including the handlers' own lines.
 func TestMessageLogLines(t *testing.T) {
+	t.Parallel()
 	smtp, push := newSMTPSink(t), newPushSink(t)
 	cfg := alertConfig(t, smtp.addr, push.srv.URL, "issues.opened")
 	d := startDaemon(t, cfg)
@@ -375,6 +381,7 @@ func TestMessageLogLines(t *testing.T) {
 // own, and everything else is stored exactly once, in order. A database
 // locked past busy_timeout fails whole batches, whose messages retry.
 func TestBatchedCommits(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	declareTestTopology(t, vhost, 200*time.Millisecond)
 	cfg := testConfig(t, amqpURL(vhost))
@@ -465,6 +472,7 @@ func unacked(t testing.TB, vhost, queue string) int {
 // prefetch: 1 MB payloads at prefetch 200 and a 4 MiB bound are delivered
 // four at a time, and payloads of a few KB then fill the whole window.
 func TestConsumerWindowBoundedByBytes(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.Prefetch = 200

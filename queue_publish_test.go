@@ -27,6 +27,7 @@ func openLanes(p *publisher) int {
 // spread over more lanes, never more than confirmLanes, and every one is
 // confirmed.
 func TestPublisherLanes(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	declareTestTopology(t, vhost, 200*time.Millisecond)
 	cfg := testConfig(t, amqpURL(vhost))

@@ -18,6 +18,7 @@ import (
 )
 
 func TestStatisticsBucket(t *testing.T) {
+	t.Parallel()
 	tests := []struct{ in, want string }{
 		{"2026-11-29T00:00:00Z", "2026-11-29T00:00:00Z"},
 		{"2026-11-29T05:59:59Z", "2026-11-29T00:00:00Z"},
@@ -37,6 +38,7 @@ func TestStatisticsBucket(t *testing.T) {
 // integrity_check, and holds every row committed before it started; a second
 // backup to the same file is refused.
 func TestBackupWhileServing(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
@@ -114,6 +116,7 @@ func TestBackupWhileServing(t *testing.T) {
 
 // No secret of the config shows in a log line, an API answer or check-config.
 func TestNoSecretLeaks(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	user, password := "sy-"+randHex(4), "brokerpw-"+randHex(8)
 	rabbitmqctl(t, "add_user", user, password)
@@ -203,6 +206,7 @@ url = "`+brokerURL+`"
 // 1,000 rows, run by the cleanup worker; newer rows, statistics and the
 // idempotency records stay.
 func TestRawRetention(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Database.RawRetention = Duration(90 * 24 * time.Hour)

@@ -75,6 +75,7 @@ var botTables = []string{"github_branches", "github_issues", "github_pull_reques
 // row with the key columns right; delivered to a repository hook it touches
 // no bot table, while release tracking still runs.
 func TestDatabaseServiceFixtures(t *testing.T) {
+	t.Parallel()
 	events := map[string]string{ // event -> the table its rows go to
 		"create": "github_branches", "delete": "github_branches", "issues": "github_issues",
 		"pull_request": "github_pull_requests", "issue_comment": "github_comments",
@@ -222,6 +223,7 @@ func containsString(list []string, s string) bool {
 
 // The state table of SPEC §10, row by row, for pull requests and issues.
 func TestIssueTransition(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		action, cur       string
 		state, processing string
@@ -317,6 +319,7 @@ func runSequence(t *testing.T, d *testDaemon, db *sql.DB, event string, steps []
 // Pull requests and issues through sequences that only the right order gets
 // right.
 func TestPullRequestAndIssueSequences(t *testing.T) {
+	t.Parallel()
 	d, _, db := botDaemon(t)
 	tests := []struct {
 		event             string
@@ -363,6 +366,7 @@ func TestPullRequestAndIssueSequences(t *testing.T) {
 // workflow_run requested -> in_progress -> completed, delivered in reverse
 // order, ends with the completed row; the same delivery twice changes nothing.
 func TestWorkflowRunOrdering(t *testing.T) {
+	t.Parallel()
 	d, _, db := botDaemon(t)
 	base := loadFixture(t, "workflow_run", "requested.payload.json")
 	run := func(status, conclusion, updated string) []byte {
@@ -430,6 +434,7 @@ func TestWorkflowRunOrdering(t *testing.T) {
 // A row the bot is PROCESSING moves to UPDATED on a relevant Event; a
 // PROCESSED row stays PROCESSED on an irrelevant one.
 func TestBotProcessingStates(t *testing.T) {
+	t.Parallel()
 	d, cfg, db := botDaemon(t)
 	node := "bot-node-" + randHex(4)
 	withNode := func(action string) []byte {
@@ -501,6 +506,7 @@ func TestBotProcessingStates(t *testing.T) {
 // A payload missing a field the tables need lands in github-database-error
 // with a reason, and the worker keeps going.
 func TestDatabaseServiceMissingField(t *testing.T) {
+	t.Parallel()
 	d, _, db := botDaemon(t)
 	broken := mutate(t, loadFixture(t, "pull_request", "opened.payload.json"), func(p map[string]any) {
 		delete(obj(p, "pull_request"), "node_id")
@@ -531,6 +537,7 @@ func TestDatabaseServiceMissingField(t *testing.T) {
 // same refusal) as the whole one. A field a decoder reads that tableFields
 // leaves out would decode as zero, silently; this finds it.
 func TestTablePayloadDecodesLikeWholePayload(t *testing.T) {
+	t.Parallel()
 	compared := 0
 	for _, f := range loadFixtures(t) {
 		msg := eventMessage(f.Event, "fixture-"+f.Event+"-"+f.Name, f.Body)

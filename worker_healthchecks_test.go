@@ -56,6 +56,7 @@ func runWorker(t *testing.T, brokerURL, pingURL string) (*Store, *logSink) {
 // A good cycle pings /start then the URL; a failing one /start then /fail
 // with the reason.
 func TestHealthChecksPings(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	proxy := newTCPProxy(t, "127.0.0.1:5672")
 	hc := newHCServer(t)
@@ -79,6 +80,7 @@ func TestHealthChecksPings(t *testing.T) {
 
 // HealthChecks down changes nothing else: the worker still stores messages.
 func TestHealthChecksDown(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	declareTestTopology(t, vhost, 200*time.Millisecond)
 	store, sink := runWorker(t, amqpURL(vhost), "http://"+reserveAddr(t)+"/ping/uuid")
