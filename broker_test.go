@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -311,16 +312,20 @@ func storedAll(t testing.TB, dbPath string, guids []string, timeout time.Duratio
 	for _, g := range guids {
 		want[g] = true
 	}
-	eventually(t, timeout, fmt.Sprintf("%d deliveries stored", len(guids)), func() bool {
+	var ids []any
+	for g := range want {
+		ids = append(ids, g)
+	}
+	count := func(query string) int {
 		n := 0
-		for g := range want {
-			n += queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", g)
+		for chunk := range slices.Chunk(ids, 500) {
+			n += queryInt(t, db, query+" IN (?"+strings.Repeat(", ?", len(chunk)-1)+")", chunk...)
 		}
-		m := 0
-		for g := range want {
-			m += queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", g)
-		}
-		return n == len(want) && m == len(want)
+		return n
+	}
+	eventually(t, timeout, fmt.Sprintf("%d deliveries stored", len(want)), func() bool {
+		return count("SELECT count(DISTINCT delivery_id) FROM github WHERE delivery_id") == len(want) &&
+			count("SELECT count(DISTINCT delivery_id) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id") == len(want)
 	})
 }
 

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"fmt"
 	"net/http"
 	"os/exec"
 	"strings"
@@ -61,11 +60,8 @@ func stream(t *testing.T, url func() string, n, clients int, deadline time.Durat
 // finished once by database-service.
 func storedExactlyOnce(t *testing.T, dbPath string, guids []string, timeout time.Duration) {
 	t.Helper()
+	storedAll(t, dbPath, guids, timeout)
 	db := openDB(t, dbPath)
-	eventually(t, timeout, fmt.Sprintf("%d deliveries stored", len(guids)), func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github") >= len(guids) &&
-			queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service'") >= len(guids)
-	})
 	for _, g := range guids {
 		if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", g); n != 1 {
 			t.Errorf("delivery %s: %d rows, want 1", g, n)
