@@ -4,6 +4,7 @@ import (
 	"context"
 	"math"
 	"net/http"
+	"runtime"
 	"strconv"
 	"time"
 
@@ -30,6 +31,11 @@ type Metrics struct {
 	leftovers      *prometheus.CounterVec
 	dbWriteSeconds prometheus.Histogram
 	hcFailures     *prometheus.CounterVec
+	staleEvents    *prometheus.CounterVec
+	queueMessages  *prometheus.GaugeVec
+	brokerUp       *prometheus.GaugeVec
+	brokerInfo     *prometheus.GaugeVec
+	buildInfo      *prometheus.GaugeVec
 }
 
 // NewMetrics registers every metric, plus the Go runtime and process ones.
@@ -63,11 +69,83 @@ func NewMetrics() *Metrics {
 			Help: "Duration of one SQLite write transaction, from begin to commit.", Buckets: latency}),
 		hcFailures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_healthchecks_failures_total",
 			Help: "HealthChecks pings that failed, by worker."}, []string{"worker"}),
+		staleEvents: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_stale_events_total",
+			Help: "Events older than the typed row they map to, which kept the row as it was, by table."}, []string{"table"}),
+		queueMessages: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_queue_messages",
+			Help: "Ready messages of each of the 12 queues on every broker (-error included), refreshed every 60 s; absent while a broker cannot be read."},
+			[]string{"broker", "queue"}),
+		brokerUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_broker_up",
+			Help: "1 when the broker answered the last keepalive or depth check, else 0."}, []string{"broker"}),
+		brokerInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_broker_info",
+			Help: "Always 1: the host and vhost of each configured broker index."}, []string{"broker", "host", "vhost"}),
+		buildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_build_info",
+			Help: "Always 1: the version of switchyard and of Go it was built with."}, []string{"version", "goversion"}),
 	}
 	m.reg.MustRegister(m.webhooks, m.publishes, m.publishSeconds, m.consumed, m.processSeconds, m.queueReady,
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
+		m.staleEvents, m.queueMessages, m.brokerUp, m.brokerInfo, m.buildInfo,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.buildInfo.WithLabelValues(version, runtime.Version()).Set(1)
+	// Counters whose label values are known start at 0, so that rate() and
+	// increase() see their first event.
+	for _, o := range []string{"accepted", "forbidden", "unauthorized", "bad_request", "too_large", "unavailable"} {
+		m.webhooks.WithLabelValues(o)
+	}
+	for _, q := range logicalQueues {
+		m.leftovers.WithLabelValues(q)
+		for _, o := range []Outcome{OutcomeDone, OutcomeDuplicate, OutcomeRetry, OutcomeError} {
+			m.consumed.WithLabelValues(q, string(o))
+		}
+	}
+	for _, r := range []string{"drained", "operator"} {
+		m.switches.WithLabelValues(r)
+	}
+	for _, w := range []string{"service", "database-service", "hooks", "cleanup"} {
+		m.hcFailures.WithLabelValues(w)
+	}
+	for _, t := range orderSafeTables {
+		m.staleEvents.WithLabelValues(t)
+	}
 	return m
+}
+
+// brokers records the configured brokers: their info, and their publish
+// counters at 0.
+func (m *Metrics) brokers(list []*Broker) {
+	if m == nil {
+		return
+	}
+	for _, b := range list {
+		i := strconv.Itoa(b.Index)
+		m.brokerInfo.WithLabelValues(i, b.Host, b.Vhost).Set(1)
+		m.publishes.WithLabelValues(i, "confirmed")
+		m.publishes.WithLabelValues(i, "failed")
+	}
+}
+
+// brokerSeen records whether broker b answered, and its queues' depths when
+// it did (depths maps queue names to ready counts); a broker that did not
+// answer loses its depth series rather than showing stale ones.
+func (m *Metrics) brokerSeen(b *Broker, depths map[string]int, err error) {
+	if m == nil {
+		return
+	}
+	i := strconv.Itoa(b.Index)
+	if err != nil {
+		m.brokerUp.WithLabelValues(i).Set(0)
+		m.queueMessages.DeletePartialMatch(prometheus.Labels{"broker": i})
+		return
+	}
+	m.brokerUp.WithLabelValues(i).Set(1)
+	for q, n := range depths {
+		m.queueMessages.WithLabelValues(i, q).Set(float64(n))
+	}
+}
+
+func (m *Metrics) staleEvent(table string) {
+	if m != nil {
+		m.staleEvents.WithLabelValues(table).Inc()
+	}
 }
 
 // Handler serves the registry in the Prometheus text format.

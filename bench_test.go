@@ -351,7 +351,7 @@ func benchConsume(b *testing.B, payload []byte) (ours, base float64) {
 	log := slog.New(slog.DiscardHandler)
 	q := NewQueues(cfg.Queue, mustBrokers(b, amqpURL(vhost)), nil, log)
 	defer q.Close()
-	h := databaseHandler(store, testBotAppID, log)
+	h := databaseHandler(store, testBotAppID, nil, log)
 	var done atomic.Int64
 	counted := func(ctx context.Context, tx *Tx, ev *Event) error {
 		err := h(ctx, tx, ev)

@@ -375,15 +375,17 @@ type issueRow struct {
 	State                 string // of the payload: OPEN or CLOSED
 	HeadRef, HeadSHA      string
 	Merged, Draft         bool
+	Updated               *string // the object's updated_at, in timeFormat; nil when absent
 }
 
 // issuePayload is what decodeIssue reads of a payload.
 type issuePayload struct {
 	Issue *struct {
-		NodeID string `json:"node_id"`
-		Number int64  `json:"number"`
-		Title  string `json:"title"`
-		State  string `json:"state"`
+		NodeID    string  `json:"node_id"`
+		Number    int64   `json:"number"`
+		Title     string  `json:"title"`
+		State     string  `json:"state"`
+		UpdatedAt *string `json:"updated_at"`
 	} `json:"issue"`
 	Repository *jsonRepo `json:"repository"`
 	Sender     *jsonUser `json:"sender"`
@@ -405,19 +407,21 @@ func decodeIssue(ev *Event) (*issueRow, error) {
 		return nil, err
 	}
 	return &issueRow{NodeID: p.Issue.NodeID, Owner: owner, Name: name, Number: p.Issue.Number, Title: p.Issue.Title,
-		Sender: login(p.Sender), Action: ev.Action, State: strings.ToUpper(p.Issue.State)}, nil
+		Sender: login(p.Sender), Action: ev.Action, State: strings.ToUpper(p.Issue.State),
+		Updated: normalizedPtr(p.Issue.UpdatedAt)}, nil
 }
 
 // pullRequestPayload is what decodePullRequest reads of a payload.
 type pullRequestPayload struct {
 	PullRequest *struct {
-		NodeID string `json:"node_id"`
-		Number int64  `json:"number"`
-		Title  string `json:"title"`
-		State  string `json:"state"`
-		Merged bool   `json:"merged"`
-		Draft  bool   `json:"draft"`
-		Head   *struct {
+		NodeID    string  `json:"node_id"`
+		Number    int64   `json:"number"`
+		Title     string  `json:"title"`
+		State     string  `json:"state"`
+		Merged    bool    `json:"merged"`
+		Draft     bool    `json:"draft"`
+		UpdatedAt *string `json:"updated_at"`
+		Head      *struct {
 			Ref string `json:"ref"`
 			SHA string `json:"sha"`
 		} `json:"head"`
@@ -444,7 +448,7 @@ func decodePullRequest(ev *Event) (*issueRow, error) {
 	}
 	return &issueRow{Pull: true, NodeID: pr.NodeID, Owner: owner, Name: name, Number: pr.Number, Title: pr.Title,
 		Sender: login(p.Sender), Action: ev.Action, State: strings.ToUpper(pr.State), HeadRef: pr.Head.Ref,
-		HeadSHA: pr.Head.SHA, Merged: pr.Merged, Draft: pr.Draft}, nil
+		HeadSHA: pr.Head.SHA, Merged: pr.Merged, Draft: pr.Draft, Updated: normalizedPtr(pr.UpdatedAt)}, nil
 }
 
 // commentRow is one github_comments row.
@@ -453,17 +457,19 @@ type commentRow struct {
 	Event, Action, Repository             string
 	Number                                *int64
 	CommitID, Path, Author, Body, HTMLURL string
+	Updated                               *string // comment.updated_at
 }
 
 // commentPayload is what decodeComment reads of a payload.
 type commentPayload struct {
 	Comment *struct {
-		ID       int64     `json:"id"`
-		CommitID string    `json:"commit_id"`
-		Path     *string   `json:"path"`
-		User     *jsonUser `json:"user"`
-		Body     string    `json:"body"`
-		HTMLURL  string    `json:"html_url"`
+		ID        int64     `json:"id"`
+		CommitID  string    `json:"commit_id"`
+		Path      *string   `json:"path"`
+		User      *jsonUser `json:"user"`
+		Body      string    `json:"body"`
+		HTMLURL   string    `json:"html_url"`
+		UpdatedAt *string   `json:"updated_at"`
 	} `json:"comment"`
 	Issue *struct {
 		Number int64 `json:"number"`
@@ -490,7 +496,7 @@ func decodeComment(ev *Event) (*commentRow, error) {
 		return nil, err
 	}
 	row := &commentRow{ID: c.ID, Event: ev.Name, Action: ev.Action, Repository: p.Repository.FullName,
-		CommitID: c.CommitID, Author: login(c.User), Body: c.Body, HTMLURL: c.HTMLURL}
+		CommitID: c.CommitID, Author: login(c.User), Body: c.Body, HTMLURL: c.HTMLURL, Updated: normalizedPtr(c.UpdatedAt)}
 	if c.Path != nil {
 		row.Path = *c.Path
 	}
@@ -509,16 +515,18 @@ type discussionRow struct {
 	Number                                             int64
 	Event, Action                                      string
 	CommentID                                          *int64
+	Updated                                            *string // discussion.updated_at
 }
 
 // discussionPayload is what decodeDiscussion reads of a payload.
 type discussionPayload struct {
 	Discussion *struct {
-		NodeID   string `json:"node_id"`
-		Number   int64  `json:"number"`
-		Title    string `json:"title"`
-		State    string `json:"state"`
-		Category *struct {
+		NodeID    string  `json:"node_id"`
+		Number    int64   `json:"number"`
+		Title     string  `json:"title"`
+		State     string  `json:"state"`
+		UpdatedAt *string `json:"updated_at"`
+		Category  *struct {
 			Name string `json:"name"`
 		} `json:"category"`
 	} `json:"discussion"`
@@ -552,7 +560,7 @@ func decodeDiscussion(ev *Event) (*discussionRow, error) {
 		return nil, err
 	}
 	row := &discussionRow{NodeID: d.NodeID, Repository: p.Repository.FullName, Title: d.Title, State: d.State,
-		Sender: login(p.Sender), Number: d.Number, Event: ev.Name, Action: ev.Action}
+		Sender: login(p.Sender), Number: d.Number, Event: ev.Name, Action: ev.Action, Updated: normalizedPtr(d.UpdatedAt)}
 	if d.Category != nil {
 		row.Category = d.Category.Name
 	}
@@ -567,17 +575,20 @@ type checkRunRow struct {
 	ID                                            int64
 	Repository, Name, HeadSHA, Status, Conclusion string
 	HTMLURL, RequestedAction, Action              string
+	Updated                                       *string // completed_at, else started_at: a check run has no updated_at
 }
 
 // checkRunPayload is what decodeCheckRun reads of a payload.
 type checkRunPayload struct {
 	CheckRun *struct {
-		ID         int64   `json:"id"`
-		Name       string  `json:"name"`
-		HeadSHA    string  `json:"head_sha"`
-		Status     string  `json:"status"`
-		Conclusion *string `json:"conclusion"`
-		HTMLURL    string  `json:"html_url"`
+		ID          int64   `json:"id"`
+		Name        string  `json:"name"`
+		HeadSHA     string  `json:"head_sha"`
+		Status      string  `json:"status"`
+		Conclusion  *string `json:"conclusion"`
+		HTMLURL     string  `json:"html_url"`
+		StartedAt   *string `json:"started_at"`
+		CompletedAt *string `json:"completed_at"`
 	} `json:"check_run"`
 	RequestedAction *struct {
 		Identifier string `json:"identifier"`
@@ -601,7 +612,10 @@ func decodeCheckRun(ev *Event) (*checkRunRow, error) {
 		return nil, err
 	}
 	row := &checkRunRow{ID: c.ID, Repository: p.Repository.FullName, Name: c.Name, HeadSHA: c.HeadSHA,
-		Status: c.Status, HTMLURL: c.HTMLURL, Action: ev.Action}
+		Status: c.Status, HTMLURL: c.HTMLURL, Action: ev.Action, Updated: normalizedPtr(c.CompletedAt)}
+	if row.Updated == nil {
+		row.Updated = normalizedPtr(c.StartedAt)
+	}
 	if c.Conclusion != nil {
 		row.Conclusion = *c.Conclusion
 	}

@@ -565,6 +565,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		return fail(err)
 	}
 	queues := NewQueues(cfg.Queue, brokers.List(), metrics, log)
+	metrics.brokers(brokers.List())
 	webhook, err := NewWebhook(cfg, brokers, queues, metrics, log)
 	if err != nil {
 		return fail(err)
@@ -586,7 +587,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		worker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(store, alerter, false),
 			Batch: store, Window: w.Window, Health: hc(cfg.HealthChecks.Service, "service")}),
 		worker(WorkerOptions{Name: "database-service", Queue: queueDatabase,
-			Handle: databaseHandler(store, cfg.GitHub.BotAppID, log.With("worker", "database-service")),
+			Handle: databaseHandler(store, cfg.GitHub.BotAppID, metrics, log.With("worker", "database-service")),
 			Batch:  store, Window: w.Window, Health: hc(cfg.HealthChecks.DatabaseService, "database-service")}),
 		worker(WorkerOptions{Name: "cleanup", Queue: queueForbidden, Handle: serviceHandler(store, alerter, true),
 			Batch: store, Window: w.CleanupWindow, Every: w.CleanupEvery, Health: hc(cfg.HealthChecks.Cleanup, "cleanup"),

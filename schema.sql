@@ -362,3 +362,47 @@ CREATE TABLE alert_outbox (
     UNIQUE (delivery_id, channel)
 ) STRICT;
 CREATE INDEX alert_outbox_due ON alert_outbox (channel, next_at) WHERE sent_at IS NULL;
+
+-- migration 5: order-safe typed rows and the delivery ledger
+-- github_updated_at: the payload object's updated_at (a check run has none:
+-- its completed_at, else started_at), in the stored time format. A row is
+-- never overwritten by an Event whose object is older (SPEC §12.4); such an
+-- Event is recorded in worker_deliveries with outcome 'stale'. NULL reads as
+-- older than anything. Rows written before this migration take the time
+-- from the payload of the delivery that last wrote them, while its raw row
+-- is kept.
+ALTER TABLE github_issues ADD COLUMN github_updated_at TEXT;
+ALTER TABLE github_pull_requests ADD COLUMN github_updated_at TEXT;
+ALTER TABLE github_comments ADD COLUMN github_updated_at TEXT;
+ALTER TABLE github_discussions ADD COLUMN github_updated_at TEXT;
+ALTER TABLE github_check_runs ADD COLUMN github_updated_at TEXT;
+UPDATE github_issues SET github_updated_at = (SELECT strftime('%Y-%m-%dT%H:%M:%f',
+    json_extract(g.payload, '$.issue.updated_at')) || '000Z' FROM github g WHERE g.delivery_id = github_issues.delivery_id);
+UPDATE github_pull_requests SET github_updated_at = (SELECT strftime('%Y-%m-%dT%H:%M:%f',
+    json_extract(g.payload, '$.pull_request.updated_at')) || '000Z' FROM github g WHERE g.delivery_id = github_pull_requests.delivery_id);
+UPDATE github_comments SET github_updated_at = (SELECT strftime('%Y-%m-%dT%H:%M:%f',
+    json_extract(g.payload, '$.comment.updated_at')) || '000Z' FROM github g WHERE g.delivery_id = github_comments.delivery_id);
+UPDATE github_discussions SET github_updated_at = (SELECT strftime('%Y-%m-%dT%H:%M:%f',
+    json_extract(g.payload, '$.discussion.updated_at')) || '000Z' FROM github g WHERE g.delivery_id = github_discussions.delivery_id);
+UPDATE github_check_runs SET github_updated_at = (SELECT strftime('%Y-%m-%dT%H:%M:%f',
+    coalesce(json_extract(g.payload, '$.check_run.completed_at'), json_extract(g.payload, '$.check_run.started_at'))) || '000Z'
+    FROM github g WHERE g.delivery_id = github_check_runs.delivery_id);
+
+-- worker_deliveries.outcome: 'done', or 'stale' when the Event's object was
+-- older than the typed row (the row kept the newer one).
+ALTER TABLE worker_deliveries ADD COLUMN outcome TEXT NOT NULL DEFAULT 'done' CHECK (outcome IN ('done', 'stale'));
+
+-- delivery_gaps: deliveries GitHub made with a 2xx answer that are not stored
+-- after github.reconcile_grace (SPEC §12.4): lost by a broker, stranded on
+-- a broker nobody reads, or waiting in an -error queue. Resolved when the
+-- GUID is stored.
+CREATE TABLE delivery_gaps (
+    guid           TEXT PRIMARY KEY,  -- X-GitHub-Delivery
+    delivery_id    INTEGER NOT NULL,  -- GitHub's id of the latest attempt (for redelivery)
+    event          TEXT NOT NULL,
+    delivered_at   TEXT NOT NULL,     -- the first 2xx attempt
+    found_at       TEXT NOT NULL,
+    redelivered_at TEXT,              -- when GitHub was asked to deliver it again
+    resolved_at    TEXT               -- when the GUID was found stored
+) STRICT;
+CREATE INDEX delivery_gaps_open ON delivery_gaps (found_at) WHERE resolved_at IS NULL;

@@ -357,9 +357,9 @@ func (s *Store) InsertEvent(ctx context.Context, tx *Tx, ev *Event, forbidden bo
 }
 
 // MarkDelivery runs fn and records that worker finished the delivery, in tx
-// or a transaction of its own. It reports false, without running fn, when
-// the worker already finished it.
-func (s *Store) MarkDelivery(ctx context.Context, tx *Tx, worker, deliveryID string, fn func(tx *Tx) error) (done bool, err error) {
+// or a transaction of its own, with the outcome fn returns ("" is done). It
+// reports false, without running fn, when the worker already finished it.
+func (s *Store) MarkDelivery(ctx context.Context, tx *Tx, worker, deliveryID string, fn func(tx *Tx) (outcome string, err error)) (done bool, err error) {
 	err = s.inTx(ctx, tx, func(tx *Tx) error {
 		res, err := tx.exec(ctx, `INSERT INTO worker_deliveries (worker, delivery_id, processed_at)
 			VALUES (?, ?, ?) ON CONFLICT DO NOTHING`, worker, deliveryID, formatTime(time.Now()))
@@ -370,10 +370,15 @@ func (s *Store) MarkDelivery(ctx context.Context, tx *Tx, worker, deliveryID str
 			return nil
 		}
 		done = true
-		if fn != nil {
-			return fn(tx)
+		if fn == nil {
+			return nil
 		}
-		return nil
+		outcome, err := fn(tx)
+		if err != nil || outcome == "" {
+			return err
+		}
+		_, err = tx.exec(ctx, "UPDATE worker_deliveries SET outcome = ? WHERE worker = ? AND delivery_id = ?", outcome, worker, deliveryID)
+		return err
 	})
 	return done, err
 }

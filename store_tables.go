@@ -24,33 +24,67 @@ func newRowMeta(ev *Event) rowMeta {
 		TargetID: nullInt(ev.TargetID), InstallationID: nullInt(ev.InstallationID), Now: formatTime(time.Now())}
 }
 
-// writeTableRows writes everything one Event maps to, inside tx.
-func (tx *Tx) writeTableRows(ctx context.Context, m rowMeta, r *tableRows) error {
+// writeTableRows writes everything one Event maps to, inside tx. stale names
+// the order-safe table whose row was newer than the Event's object and kept
+// (SPEC §12.4), "" when every row was written.
+func (tx *Tx) writeTableRows(ctx context.Context, m rowMeta, r *tableRows) (stale string, err error) {
+	// done writes a table that is not order-safe: it is never stale.
+	done := func(err error) (bool, error) { return false, err }
+	issues := "github_issues"
+	if r.Issue != nil && r.Issue.Pull {
+		issues = "github_pull_requests"
+	}
 	steps := []struct {
 		table string
 		skip  bool
-		write func() error
+		write func() (stale bool, err error)
 	}{
-		{"github_releases", r.Release == nil, func() error { return tx.writeRelease(ctx, m, r.Release) }},
-		{"github_release_workflow_runs", r.WorkflowRun == nil, func() error { return tx.writeWorkflowRun(ctx, m, r.WorkflowRun) }},
-		{"github_branches", r.Branch == nil, func() error { return tx.writeBranch(ctx, m, r.Branch) }},
-		{"github_issues", r.Issue == nil, func() error { return tx.writeIssue(ctx, m, r.Issue) }},
-		{"github_comments", r.Comment == nil, func() error { return tx.writeComment(ctx, m, r.Comment) }},
-		{"github_discussions", r.Discussion == nil, func() error { return tx.writeDiscussion(ctx, m, r.Discussion) }},
-		{"github_check_runs", r.CheckRun == nil, func() error { return tx.writeCheckRun(ctx, m, r.CheckRun) }},
-		{"github_pushes", r.Push == nil, func() error { return tx.writePush(ctx, m, r.Push) }},
-		{"github_installations", r.Installation == nil, func() error { return tx.writeInstallation(ctx, m, r.Installation) }},
-		{"github_repositories", len(r.Repositories) == 0, func() error { return tx.writeRepositories(ctx, m, r.Repositories) }},
+		{"github_releases", r.Release == nil, func() (bool, error) { return done(tx.writeRelease(ctx, m, r.Release)) }},
+		{"github_release_workflow_runs", r.WorkflowRun == nil, func() (bool, error) { return done(tx.writeWorkflowRun(ctx, m, r.WorkflowRun)) }},
+		{"github_branches", r.Branch == nil, func() (bool, error) { return done(tx.writeBranch(ctx, m, r.Branch)) }},
+		{issues, r.Issue == nil, func() (bool, error) { return tx.writeIssue(ctx, m, r.Issue) }},
+		{"github_comments", r.Comment == nil, func() (bool, error) { return tx.writeComment(ctx, m, r.Comment) }},
+		{"github_discussions", r.Discussion == nil, func() (bool, error) { return tx.writeDiscussion(ctx, m, r.Discussion) }},
+		{"github_check_runs", r.CheckRun == nil, func() (bool, error) { return tx.writeCheckRun(ctx, m, r.CheckRun) }},
+		{"github_pushes", r.Push == nil, func() (bool, error) { return done(tx.writePush(ctx, m, r.Push)) }},
+		{"github_installations", r.Installation == nil, func() (bool, error) { return done(tx.writeInstallation(ctx, m, r.Installation)) }},
+		{"github_repositories", len(r.Repositories) == 0, func() (bool, error) { return done(tx.writeRepositories(ctx, m, r.Repositories)) }},
 	}
 	for _, s := range steps {
 		if s.skip {
 			continue
 		}
-		if err := s.write(); err != nil {
-			return fmt.Errorf("write %s: %w", s.table, err)
+		old, err := s.write()
+		if err != nil {
+			return "", fmt.Errorf("write %s: %w", s.table, err)
+		}
+		if old {
+			stale = s.table
 		}
 	}
-	return nil
+	return stale, nil
+}
+
+// orderSafeTables are the typed tables whose rows keep github_updated_at and
+// are never overwritten by an older object (SPEC §12.4).
+var orderSafeTables = []string{"github_issues", "github_pull_requests", "github_comments", "github_discussions", "github_check_runs"}
+
+// newerOrSame is the condition of an order-safe upsert (SPEC §12.4): the
+// Event's object is not older than the stored row's. A time that is missing
+// on either side cannot say, and a NULL stored time reads as older than
+// anything, so both let the Event through.
+func newerOrSame(table string) string {
+	return "excluded.github_updated_at IS NULL OR " + table + ".github_updated_at IS NULL OR excluded.github_updated_at >= " + table + ".github_updated_at"
+}
+
+// upserted reports whether an order-safe upsert left the row as it was: the
+// stored row was newer.
+func upserted(res sql.Result, err error) (stale bool, _ error) {
+	if err != nil {
+		return false, err
+	}
+	n, err := res.RowsAffected()
+	return n == 0, err
 }
 
 // writeRelease upserts a release unless the stored row is newer.
@@ -143,24 +177,36 @@ func issueTransition(action, cur string) (state, processing string, change bool)
 	}
 }
 
-func (tx *Tx) writeIssue(ctx context.Context, m rowMeta, r *issueRow) error {
+// writeIssue applies an issue's or pull request's action to its row (see
+// issueTransition), unless the row is newer than the Event's object: a late
+// synchronize never reopens a closed pull request. It reports that as stale.
+func (tx *Tx) writeIssue(ctx context.Context, m rowMeta, r *issueRow) (stale bool, err error) {
 	table := "github_issues"
 	if r.Pull {
 		table = "github_pull_requests"
 	}
 	var cur string
-	err := tx.queryRow(ctx, "SELECT state FROM "+table+" WHERE node_id = ?", r.NodeID).Scan(&cur)
+	var updated sql.NullString
+	err = tx.queryRow(ctx, "SELECT state, github_updated_at FROM "+table+" WHERE node_id = ?", r.NodeID).Scan(&cur, &updated)
 	if err != nil && !errors.Is(err, sql.ErrNoRows) {
-		return err
+		return false, err
+	}
+	if r.Updated != nil && updated.Valid && *r.Updated < updated.String {
+		return true, nil
 	}
 	state, processing, change := issueTransition(r.Action, cur)
 	if !change {
-		return nil
+		return false, nil
 	}
 	cols := []string{"delivery_id", "hook_id", "target_type", "target_id", "installation_id", "repository_owner",
-		"repository_name", "number", "title", "sender", "state", "last_action", "processing_state", "processing_date", "updated_at"}
+		"repository_name", "number", "title", "sender", "state", "last_action", "processing_state", "processing_date",
+		"updated_at", "github_updated_at"}
+	githubUpdated := any(r.Updated)
+	if r.Updated == nil && updated.Valid {
+		githubUpdated = updated.String // an Event without the time keeps the row's
+	}
 	vals := []any{m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Owner, r.Name, r.Number,
-		r.Title, r.Sender, state, r.Action, processing, m.Now, m.Now}
+		r.Title, r.Sender, state, r.Action, processing, m.Now, m.Now, githubUpdated}
 	if r.Pull {
 		cols = append(cols, "head_ref", "head_sha", "merged", "draft")
 		vals = append(vals, r.HeadRef, r.HeadSHA, r.Merged, r.Draft)
@@ -170,65 +216,68 @@ func (tx *Tx) writeIssue(ctx context.Context, m rowMeta, r *issueRow) error {
 		vals = append(vals, r.NodeID, m.Now)
 		_, err = tx.exec(ctx, "INSERT INTO "+table+" ("+strings.Join(cols, ", ")+") VALUES (?"+
 			strings.Repeat(", ?", len(cols)-1)+")", vals...)
-		return err
+		return false, err
 	}
 	_, err = tx.exec(ctx, "UPDATE "+table+" SET "+strings.Join(cols, " = ?, ")+" = ? WHERE node_id = ?",
 		append(vals, r.NodeID)...)
-	return err
+	return false, err
 }
 
-func (tx *Tx) writeComment(ctx context.Context, m rowMeta, r *commentRow) error {
-	_, err := tx.exec(ctx, `INSERT INTO github_comments (comment_id, delivery_id, hook_id, target_type,
+func (tx *Tx) writeComment(ctx context.Context, m rowMeta, r *commentRow) (stale bool, err error) {
+	return upserted(tx.exec(ctx, `INSERT INTO github_comments (comment_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, event, repository, number, commit_id, path, author, body, html_url, deleted,
-		last_action, processing_state, processing_date, created_at, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		last_action, processing_state, processing_date, created_at, updated_at, github_updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?, ?)
 		ON CONFLICT (comment_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
 			target_type = excluded.target_type, target_id = excluded.target_id,
 			installation_id = excluded.installation_id, body = excluded.body, html_url = excluded.html_url,
 			deleted = excluded.deleted, last_action = excluded.last_action, processing_state = ?,
-			processing_date = excluded.processing_date, updated_at = excluded.updated_at`,
+			processing_date = excluded.processing_date, updated_at = excluded.updated_at,
+			github_updated_at = coalesce(excluded.github_updated_at, github_comments.github_updated_at)
+		WHERE `+newerOrSame("github_comments"),
 		r.ID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Event, r.Repository, r.Number,
 		r.CommitID, r.Path, r.Author, r.Body, r.HTMLURL, r.Action == "deleted", r.Action, m.Now, m.Now, m.Now,
-		entityState(r.Action))
-	return err
+		r.Updated, entityState(r.Action)))
 }
 
-func (tx *Tx) writeDiscussion(ctx context.Context, m rowMeta, r *discussionRow) error {
+func (tx *Tx) writeDiscussion(ctx context.Context, m rowMeta, r *discussionRow) (stale bool, err error) {
 	// A comment is an update of its discussion, never a repeated creation.
 	state := entityState(r.Action)
 	if r.Event == "discussion_comment" {
 		state = "UPDATED"
 	}
-	_, err := tx.exec(ctx, `INSERT INTO github_discussions (node_id, delivery_id, hook_id, target_type,
+	return upserted(tx.exec(ctx, `INSERT INTO github_discussions (node_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, repository, number, title, category, state, sender, last_event, last_action,
-		last_comment_id, processing_state, processing_date, created_at, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		last_comment_id, processing_state, processing_date, created_at, updated_at, github_updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?, ?)
 		ON CONFLICT (node_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
 			target_type = excluded.target_type, target_id = excluded.target_id,
 			installation_id = excluded.installation_id, repository = excluded.repository, title = excluded.title,
 			category = excluded.category, state = excluded.state, sender = excluded.sender,
 			last_event = excluded.last_event, last_action = excluded.last_action,
 			last_comment_id = coalesce(excluded.last_comment_id, github_discussions.last_comment_id),
-			processing_state = ?, processing_date = excluded.processing_date, updated_at = excluded.updated_at`,
+			processing_state = ?, processing_date = excluded.processing_date, updated_at = excluded.updated_at,
+			github_updated_at = coalesce(excluded.github_updated_at, github_discussions.github_updated_at)
+		WHERE `+newerOrSame("github_discussions"),
 		r.NodeID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Repository, r.Number,
-		r.Title, r.Category, r.State, r.Sender, r.Event, r.Action, r.CommentID, m.Now, m.Now, m.Now, state)
-	return err
+		r.Title, r.Category, r.State, r.Sender, r.Event, r.Action, r.CommentID, m.Now, m.Now, m.Now, r.Updated, state))
 }
 
-func (tx *Tx) writeCheckRun(ctx context.Context, m rowMeta, r *checkRunRow) error {
-	_, err := tx.exec(ctx, `INSERT INTO github_check_runs (check_run_id, delivery_id, hook_id, target_type,
+func (tx *Tx) writeCheckRun(ctx context.Context, m rowMeta, r *checkRunRow) (stale bool, err error) {
+	return upserted(tx.exec(ctx, `INSERT INTO github_check_runs (check_run_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, repository, name, head_sha, status, conclusion, html_url, requested_action,
-		last_action, processing_state, processing_date, created_at, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		last_action, processing_state, processing_date, created_at, updated_at, github_updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?, ?)
 		ON CONFLICT (check_run_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
 			target_type = excluded.target_type, target_id = excluded.target_id,
 			installation_id = excluded.installation_id, name = excluded.name, head_sha = excluded.head_sha,
 			status = excluded.status, conclusion = excluded.conclusion, html_url = excluded.html_url,
 			requested_action = excluded.requested_action, last_action = excluded.last_action,
-			processing_state = ?, processing_date = excluded.processing_date, updated_at = excluded.updated_at`,
+			processing_state = ?, processing_date = excluded.processing_date, updated_at = excluded.updated_at,
+			github_updated_at = coalesce(excluded.github_updated_at, github_check_runs.github_updated_at)
+		WHERE `+newerOrSame("github_check_runs"),
 		r.ID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Repository, r.Name, r.HeadSHA,
-		r.Status, r.Conclusion, r.HTMLURL, r.RequestedAction, r.Action, m.Now, m.Now, m.Now, entityState(r.Action))
-	return err
+		r.Status, r.Conclusion, r.HTMLURL, r.RequestedAction, r.Action, m.Now, m.Now, m.Now, r.Updated, entityState(r.Action)))
 }
 
 // writePush inserts a push; the same head pushed again asks for the work

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"os"
@@ -249,5 +250,63 @@ func TestRawRetention(t *testing.T) {
 	}
 	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = 'old-1'"); n != 1 {
 		t.Errorf("idempotency record of a deleted row: %d, want kept", n)
+	}
+}
+
+// Migration 5 fills github_updated_at of rows written before it from the
+// payload of the delivery that wrote them, in the stored time format; a row
+// whose raw payload is gone keeps NULL, which reads as older than anything.
+func TestMigrationFillsGitHubUpdatedAt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cfg := DefaultConfig().Database
+	cfg.Path = filepath.Join(t.TempDir(), "v4.db")
+	store, err := OpenStore(ctx, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	ms, err := parseMigrations(schemaSQL)
+	if err != nil || len(ms) < 5 {
+		t.Fatalf("migrations: %d, %v", len(ms), err)
+	}
+	for _, m := range ms[:4] {
+		if _, err := store.w.Exec(m.sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := store.w.Exec("PRAGMA user_version = 4"); err != nil {
+		t.Fatal(err)
+	}
+	body := loadFixture(t, "pull_request", "closed.payload.json")
+	ev := &Event{DeliveryID: "pr-closed", Name: "pull_request", Action: "closed", Payload: body, ReceivedAt: time.Now()}
+	if _, err := store.InsertEvent(ctx, nil, ev, false); err != nil {
+		t.Fatal(err)
+	}
+	for i, delivery := range []string{"pr-closed", "raw-row-gone"} {
+		if _, err := store.w.Exec(`INSERT INTO github_pull_requests (node_id, delivery_id, repository_owner, repository_name,
+			number, state, last_action, processing_state, processing_date, created_at, updated_at)
+			VALUES (?, ?, 'o', 'r', ?, 'CLOSED', 'closed', 'NEW', 'x', 'x', 'x')`, fmt.Sprint("node-", i), delivery, i+1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var p struct {
+		PullRequest struct {
+			UpdatedAt string `json:"updated_at"`
+		} `json:"pull_request"`
+	}
+	if err := json.Unmarshal(body, &p); err != nil {
+		t.Fatal(err)
+	}
+	want, _ := normalizeTime(p.PullRequest.UpdatedAt)
+	var got sql.NullString
+	if err := store.r.QueryRow("SELECT github_updated_at FROM github_pull_requests WHERE delivery_id = 'pr-closed'").Scan(&got); err != nil || got.String != want {
+		t.Errorf("filled github_updated_at: %q (%v), want %q", got.String, err, want)
+	}
+	if err := store.r.QueryRow("SELECT github_updated_at FROM github_pull_requests WHERE delivery_id = 'raw-row-gone'").Scan(&got); err != nil || got.Valid {
+		t.Errorf("github_updated_at without a raw row: %v (%v), want NULL", got, err)
 	}
 }

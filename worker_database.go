@@ -11,7 +11,11 @@ import (
 // the delivery as done, so a redelivered or retried Event changes nothing the
 // second time. The payload is decoded before the transaction: a payload that
 // lacks a field the tables need is a permanent failure and holds no lock.
-func databaseHandler(store *Store, botAppID int64, log *slog.Logger) Handler {
+//
+// An Event whose object is older than the typed row it maps to (a late
+// synchronize after closed) leaves the row alone and is recorded with
+// outcome stale (SPEC §12.4).
+func databaseHandler(store *Store, botAppID int64, metrics *Metrics, log *slog.Logger) Handler {
 	return func(ctx context.Context, tx *Tx, ev *Event) error {
 		rows, err := decodeTableRows(ev, botAppID)
 		if err != nil {
@@ -21,11 +25,20 @@ func databaseHandler(store *Store, botAppID int64, log *slog.Logger) Handler {
 			loggerFrom(ctx, log).Debug("event not used by the typed tables", "reason", rows.SkippedReason)
 		}
 		m := newRowMeta(ev)
-		done, err := store.MarkDelivery(ctx, tx, "database-service", ev.DeliveryID, func(tx *Tx) error {
-			return tx.writeTableRows(ctx, m, rows)
+		var stale string
+		done, err := store.MarkDelivery(ctx, tx, "database-service", ev.DeliveryID, func(tx *Tx) (string, error) {
+			var err error
+			if stale, err = tx.writeTableRows(ctx, m, rows); err != nil || stale == "" {
+				return "", err
+			}
+			return "stale", nil
 		})
 		if err != nil {
 			return err
+		}
+		if stale != "" {
+			loggerFrom(ctx, log).Info("event older than the stored row, row kept", "table", stale)
+			metrics.staleEvent(stale)
 		}
 		if !done {
 			return ErrDuplicate

@@ -270,15 +270,27 @@ func TestIssueTransition(t *testing.T) {
 // own node id and head sha.
 type prStep struct {
 	action, sha string
+	// at is the object's updated_at, in minutes after a fixed hour; 0 means
+	// the step's place in the sequence (GitHub's own order).
+	at int
 }
 
-// runSequence delivers steps for one pull request (or issue) node and returns
-// its row's state, processing state, head sha and merged flag.
-func runSequence(t *testing.T, d *testDaemon, db *sql.DB, event string, steps []prStep) (state, processing, sha string, merged int) {
+// time is the updated_at of the step at place i.
+func (s prStep) time(i int) string {
+	at := s.at
+	if at == 0 {
+		at = i + 1
+	}
+	return time.Date(2026, 11, 30, 12, at, 0, 0, time.UTC).Format(time.RFC3339)
+}
+
+// runSequence delivers steps for one pull request (or issue) node, in order,
+// each waiting for the last, and returns its row's state, processing state,
+// head sha and merged flag, and the deliveries.
+func runSequence(t *testing.T, d *testDaemon, db *sql.DB, event string, steps []prStep) (state, processing, sha string, merged int, guids []string) {
 	t.Helper()
 	node := "node-" + randHex(6)
-	var guids []string
-	for _, s := range steps {
+	for i, s := range steps {
 		var body []byte
 		switch {
 		case event == "pull_request":
@@ -295,17 +307,17 @@ func runSequence(t *testing.T, d *testDaemon, db *sql.DB, event string, steps []
 		body = mutate(t, body, func(p map[string]any) {
 			if event == "pull_request" {
 				pr := obj(p, "pull_request")
-				pr["node_id"] = node
+				pr["node_id"], pr["updated_at"] = node, s.time(i)
 				obj(pr, "head")["sha"] = s.sha
 			} else {
-				obj(p, "issue")["node_id"] = node
+				obj(p, "issue")["node_id"], obj(p, "issue")["updated_at"] = node, s.time(i)
 			}
 		})
 		g := newGUID()
 		guids = append(guids, g)
 		postAs(t, d.URL, event, g, body, true)
+		waitDatabase(t, db, g)
 	}
-	waitDatabase(t, db, guids...)
 	table := map[string]string{"pull_request": "github_pull_requests", "issues": "github_issues"}[event]
 	cols := "state, processing_state, '', 0"
 	if event == "pull_request" {
@@ -314,7 +326,7 @@ func runSequence(t *testing.T, d *testDaemon, db *sql.DB, event string, steps []
 	if err := db.QueryRow("SELECT "+cols+" FROM "+table+" WHERE node_id = ?", node).Scan(&state, &processing, &sha, &merged); err != nil {
 		t.Fatalf("row for %s: %v", node, err)
 	}
-	return state, processing, sha, merged
+	return state, processing, sha, merged, guids
 }
 
 // Pull requests and issues through sequences that only the right order gets
@@ -328,16 +340,16 @@ func TestPullRequestAndIssueSequences(t *testing.T) {
 		state, processing string
 		sha               string
 	}{
-		{"pull_request", []prStep{{"opened", "a1"}, {"synchronize", "a2"}, {"closed", "a3"}}, "CLOSED", "UPDATED", "a3"},
-		{"pull_request", []prStep{{"opened", "b1"}, {"closed", "b2"}, {"synchronize", "b3"}}, "CLOSED", "UPDATED", "b2"},
-		{"pull_request", []prStep{{"closed", "c1"}, {"reopened", "c2"}}, "OPEN", "RE_REQUESTED", "c2"},
-		{"pull_request", []prStep{{"synchronize", "d1"}}, "OPEN", "NEW", "d1"},
-		{"pull_request", []prStep{{"opened", "e1"}, {"opened", "e2"}}, "OPEN", "RE_REQUESTED", "e2"},
-		{"pull_request", []prStep{{"opened", "f1"}, {"assigned", "f2"}}, "OPEN", "NEW", "f1"},
-		{"issues", []prStep{{"opened", ""}, {"edited", ""}, {"closed", ""}}, "CLOSED", "UPDATED", ""},
-		{"issues", []prStep{{"opened", ""}, {"closed", ""}, {"edited", ""}}, "CLOSED", "UPDATED", ""},
-		{"issues", []prStep{{"closed", ""}, {"reopened", ""}}, "OPEN", "RE_REQUESTED", ""},
-		{"issues", []prStep{{"labeled", ""}}, "OPEN", "NEW", ""},
+		{"pull_request", []prStep{{action: "opened", sha: "a1"}, {action: "synchronize", sha: "a2"}, {action: "closed", sha: "a3"}}, "CLOSED", "UPDATED", "a3"},
+		{"pull_request", []prStep{{action: "opened", sha: "b1"}, {action: "closed", sha: "b2"}, {action: "synchronize", sha: "b3"}}, "CLOSED", "UPDATED", "b2"},
+		{"pull_request", []prStep{{action: "closed", sha: "c1"}, {action: "reopened", sha: "c2"}}, "OPEN", "RE_REQUESTED", "c2"},
+		{"pull_request", []prStep{{action: "synchronize", sha: "d1"}}, "OPEN", "NEW", "d1"},
+		{"pull_request", []prStep{{action: "opened", sha: "e1"}, {action: "opened", sha: "e2"}}, "OPEN", "RE_REQUESTED", "e2"},
+		{"pull_request", []prStep{{action: "opened", sha: "f1"}, {action: "assigned", sha: "f2"}}, "OPEN", "NEW", "f1"},
+		{"issues", []prStep{{action: "opened", sha: ""}, {action: "edited", sha: ""}, {action: "closed", sha: ""}}, "CLOSED", "UPDATED", ""},
+		{"issues", []prStep{{action: "opened", sha: ""}, {action: "closed", sha: ""}, {action: "edited", sha: ""}}, "CLOSED", "UPDATED", ""},
+		{"issues", []prStep{{action: "closed", sha: ""}, {action: "reopened", sha: ""}}, "OPEN", "RE_REQUESTED", ""},
+		{"issues", []prStep{{action: "labeled", sha: ""}}, "OPEN", "NEW", ""},
 	}
 	for _, tt := range tests {
 		var names []string
@@ -345,7 +357,7 @@ func TestPullRequestAndIssueSequences(t *testing.T) {
 			names = append(names, s.action)
 		}
 		t.Run(tt.event+" "+strings.Join(names, ","), func(t *testing.T) {
-			state, processing, sha, _ := runSequence(t, d, db, tt.event, tt.steps)
+			state, processing, sha, _, _ := runSequence(t, d, db, tt.event, tt.steps)
 			if state != tt.state || processing != tt.processing || sha != tt.sha {
 				t.Errorf("got %s/%s head %q, want %s/%s head %q", state, processing, sha, tt.state, tt.processing, tt.sha)
 			}
@@ -361,6 +373,67 @@ func TestPullRequestAndIssueSequences(t *testing.T) {
 	waitDatabase(t, db, g)
 	if n := queryInt(t, db, "SELECT merged FROM github_pull_requests WHERE node_id = 'merged-node'"); n != 1 {
 		t.Errorf("merged: got %d, want 1", n)
+	}
+}
+
+// A pull request's closed followed by a late synchronize whose object is
+// older leaves the row closed, and records the synchronize as stale; the same
+// pair in GitHub's order applies both. Comments, discussions and check runs
+// keep their newer row the same way.
+func TestOrderSafeRows(t *testing.T) {
+	t.Parallel()
+	d, _, db := botDaemon(t)
+	outcome := func(guid string) string {
+		var o string
+		if err := db.QueryRow("SELECT outcome FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = ?", guid).Scan(&o); err != nil {
+			t.Fatal(err)
+		}
+		return o
+	}
+
+	state, _, sha, _, guids := runSequence(t, d, db, "pull_request", []prStep{{"closed", "new", 20}, {"synchronize", "late", 10}})
+	if state != "CLOSED" || sha != "new" {
+		t.Errorf("closed then a late synchronize: got %s head %q, want CLOSED head \"new\"", state, sha)
+	}
+	if o := outcome(guids[1]); o != "stale" {
+		t.Errorf("late synchronize: outcome %q, want stale", o)
+	}
+	if o := outcome(guids[0]); o != "done" {
+		t.Errorf("closed: outcome %q, want done", o)
+	}
+	// In order: the synchronize (older) first, then closed.
+	state, _, sha, _, guids = runSequence(t, d, db, "pull_request", []prStep{{"synchronize", "first", 10}, {"closed", "second", 20}})
+	if state != "CLOSED" || sha != "second" || outcome(guids[0]) != "done" || outcome(guids[1]) != "done" {
+		t.Errorf("in order: got %s head %q, outcomes %s, %s", state, sha, outcome(guids[0]), outcome(guids[1]))
+	}
+
+	// A comment edited twice, the newer edit first.
+	edit := func(body string, at int) string {
+		b := mutate(t, loadFixture(t, "issue_comment", "edited.payload.json"), func(p map[string]any) {
+			c := obj(p, "comment")
+			c["id"], c["body"] = 777001, body
+			c["updated_at"] = prStep{at: at}.time(0)
+		})
+		g := newGUID()
+		postAs(t, d.URL, "issue_comment", g, b, true)
+		waitDatabase(t, db, g)
+		return g
+	}
+	edit("newer", 30)
+	late := edit("older", 5)
+	var body string
+	if err := db.QueryRow("SELECT body FROM github_comments WHERE comment_id = 777001").Scan(&body); err != nil || body != "newer" {
+		t.Errorf("comment after a late older edit: %q (%v), want \"newer\"", body, err)
+	}
+	if o := outcome(late); o != "stale" {
+		t.Errorf("late comment edit: outcome %q, want stale", o)
+	}
+
+	metrics := scrape(t, d.URL+"/metrics")
+	for table, want := range map[string]float64{"github_pull_requests": 1, "github_comments": 1, "github_check_runs": 0} {
+		if got, ok := metrics[`switchyard_stale_events_total{table="`+table+`"}`]; !ok || got != want {
+			t.Errorf("switchyard_stale_events_total{table=%q}: %v (present %v), want %v", table, got, ok, want)
+		}
 	}
 }
 

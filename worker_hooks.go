@@ -172,8 +172,8 @@ func (h *Hooks) Handle(ctx context.Context, _ *Tx, ev *Event) error {
 	if err := h.queues.Publish(pctx, b, exchangeName, "", msg); err != nil {
 		return fmt.Errorf("republish %s: %w", d.GUID, err)
 	}
-	_, err = h.store.MarkDelivery(ctx, nil, "hooks", ev.DeliveryID, func(tx *Tx) error {
-		return tx.hookRepublished(ctx, ev.DeliveryID)
+	_, err = h.store.MarkDelivery(ctx, nil, "hooks", ev.DeliveryID, func(tx *Tx) (string, error) {
+		return "", tx.hookRepublished(ctx, ev.DeliveryID)
 	})
 	return err
 }
