@@ -146,6 +146,9 @@ func alertLink(payload []byte) string {
 
 // alertText is what a person reads: what happened, where, by whom, and a link.
 func alertText(ev *Event, forbidden bool) (subject, body, link string) {
+	if ev.Name == "gap" {
+		return gapText(ev)
+	}
 	what := ev.Name
 	if ev.Action != "" {
 		what += "." + ev.Action
@@ -179,6 +182,24 @@ func alertText(ev *Event, forbidden bool) (subject, body, link string) {
 		fmt.Fprintf(&b, "\nThis delivery came from %s, outside the allowed GitHub ranges.\n", ev.SourceIP)
 	}
 	return subject, b.String(), link
+}
+
+// gapText announces a delivery gap: ev.Action is the missing delivery's
+// event, ev.ReceivedAt when GitHub delivered it.
+func gapText(ev *Event) (subject, body, link string) {
+	subject = fmt.Sprintf("Delivery gap: %s %s delivered by GitHub, not stored", ev.Action, ev.DeliveryID)
+	body = fmt.Sprintf(`GitHub delivered this webhook and got a 2xx answer, but it is not stored.
+
+Delivery:   %s
+Event:      %s
+Delivered:  %s
+
+It may have been lost by a broker, be waiting on a broker nobody reads, or
+sit in an -error queue. switchyard asks GitHub to deliver it again when
+github.redeliver_gaps is on; "switchyard deliveries -gaps" lists the open gaps,
+and the README says what to do about one.
+`, ev.DeliveryID, ev.Action, ev.ReceivedAt.UTC().Format(time.RFC3339))
+	return subject, body, ""
 }
 
 // Send announces ev on one channel.

@@ -222,12 +222,18 @@ func (m *Metrics) healthCheckFailed(worker string) {
 	}
 }
 
-// countAlertsPending registers switchyard_alerts_pending, read from count at
-// each scrape: the sender may be stuck on a stalled server exactly when the
-// number matters.
-func (m *Metrics) countAlertsPending(count func(ctx context.Context) (int, error)) {
-	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "switchyard_alerts_pending",
-		Help: "Alerts queued in alert_outbox and not sent yet."}, func() float64 {
+// countStore registers the gauges read from the database at each scrape,
+// never from a worker's memory: the alert sender may be stuck on a stalled
+// server, or the hooks worker on GitHub, exactly when the number matters.
+func (m *Metrics) countStore(store *Store) {
+	m.gaugeFunc("switchyard_alerts_pending", "Alerts queued in alert_outbox and not sent yet.", store.AlertsPending)
+	m.gaugeFunc("switchyard_delivery_gaps", "Open delivery gaps: deliveries GitHub made with a 2xx answer that are not stored after github.reconcile_grace.", store.OpenGapCount)
+}
+
+// gaugeFunc registers a gauge that count reads at each scrape (NaN when it
+// cannot).
+func (m *Metrics) gaugeFunc(name, help string, count func(ctx context.Context) (int, error)) {
+	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
 		n, err := count(ctx)

@@ -81,6 +81,11 @@ type GitHubConfig struct {
 	AppID                  int64    `toml:"app_id"`
 	PrivateKeyFile         string   `toml:"private_key_file"`
 	APIURL                 string   `toml:"api_url"`
+	// ReconcileGrace is how long a delivery GitHub made with a 2xx may take
+	// to be stored (the retry cycle) before the hooks poll calls it a gap.
+	ReconcileGrace time.Duration `toml:"reconcile_grace"`
+	// RedeliverGaps asks GitHub to deliver a gap again.
+	RedeliverGaps bool `toml:"redeliver_gaps"`
 }
 
 // QueueConfig is the AMQP side: topology, retries and publishing.
@@ -165,7 +170,7 @@ func DefaultConfig() *Config {
 		Database: DatabaseConfig{Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
 			RawRetention: Duration(90 * 24 * time.Hour)},
 		API:    APIConfig{MaxClockSkew: 5 * time.Minute},
-		GitHub: GitHubConfig{APIURL: "https://api.github.com"},
+		GitHub: GitHubConfig{APIURL: "https://api.github.com", ReconcileGrace: 2 * time.Hour, RedeliverGaps: true},
 		Queue: QueueConfig{
 			RetryTTL:    10 * time.Minute,
 			MaxAttempts: 10,
@@ -311,6 +316,9 @@ func (c *Config) Validate() error {
 	}
 	if u, err := url.Parse(c.GitHub.APIURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		bad("github.api_url", "want an http(s) URL, got %q", c.GitHub.APIURL)
+	}
+	if c.GitHub.ReconcileGrace <= 0 || c.GitHub.ReconcileGrace >= deliveryRetention {
+		bad("github.reconcile_grace", "want more than 0 and less than GitHub's 72h of deliveries, got %s", c.GitHub.ReconcileGrace)
 	}
 
 	// RabbitMQ takes x-message-ttl in milliseconds as a non-negative 32-bit integer.
@@ -541,6 +549,7 @@ func (c *Config) Summary(w io.Writer) {
 	p("github.bot_app_id = %d", c.GitHub.BotAppID)
 	p("github.app_id = %d (hooks worker %s)", c.GitHub.AppID, map[bool]string{true: "on", false: "off"}[c.GitHub.AppID > 0])
 	p("github.api_url = %q", c.GitHub.APIURL)
+	p("github.reconcile_grace = %s, redeliver_gaps = %t", c.GitHub.ReconcileGrace, c.GitHub.RedeliverGaps)
 	p("queue.declare_topology = %t", c.Queue.DeclareTopology)
 	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
 		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)

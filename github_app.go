@@ -223,3 +223,17 @@ func (a *GitHubApp) Delivery(ctx context.Context, id int64) (*hookDeliveryDetail
 	}
 	return out, nil
 }
+
+// Redeliver asks GitHub to deliver an attempt again (POST
+// /app/hook/deliveries/{id}/attempts): the webhook comes back through the
+// endpoint like any other, with redelivery set.
+func (a *GitHubApp) Redeliver(ctx context.Context, id int64) error {
+	if _, _, err := a.client.Apps.RedeliverHookDelivery(ctx, id); err != nil {
+		var accepted *github.AcceptedError // 202: queued by GitHub, which is what was asked
+		if errors.As(err, &accepted) {
+			return nil
+		}
+		return a.apiError(err)
+	}
+	return nil
+}

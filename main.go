@@ -71,8 +71,9 @@ type command struct {
 
 // options are the flags of every command, filled by parsing.
 type options struct {
-	config string
-	replay ReplayOptions
+	config     string
+	replay     ReplayOptions
+	deliveries DeliveriesOptions
 }
 
 var commands = []command{
@@ -87,6 +88,11 @@ var commands = []command{
 			fs.IntVar(&o.replay.Limit, "limit", 0, "move at most this many messages (0: all that QUEUE-error holds now)")
 			fs.IntVar(&o.replay.From, "broker", -1, "take them from this broker's QUEUE-error (index; default: the active broker)")
 			fs.BoolVar(&o.replay.DryRun, "dry-run", false, "list delivery ID, event, x-error-reason and x-attempts; move nothing")
+		}},
+	{name: "deliveries", summary: "GitHub's deliveries by what became of them (stored, in flight, redelivered, gap), then the open gaps",
+		flags: func(fs *flag.FlagSet, o *options) {
+			fs.DurationVar(&o.deliveries.Since, "since", deliveryRetention, "look this far back (GitHub keeps 72h)")
+			fs.BoolVar(&o.deliveries.Gaps, "gaps", false, "list only the open gaps the hooks worker recorded, without asking GitHub")
 		}},
 	{name: "version", noConfig: true, summary: "print the version and the Go version"},
 	{name: "help", args: "[COMMAND]", noConfig: true, summary: "print this, or a command's usage and flags"},
@@ -216,6 +222,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return listQueues(ctx, cfg, log, stdout)
 	case "replay":
 		return replay(ctx, cfg, log, pos[0], o.replay, stdout)
+	case "deliveries":
+		return listDeliveries(ctx, cfg, log, o.deliveries, stdout)
 	}
 	return nil
 }
@@ -452,6 +460,65 @@ func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, stdout io.Wr
 	return nil
 }
 
+// DeliveriesOptions are the deliveries command's flags.
+type DeliveriesOptions struct {
+	Since time.Duration // how far back to ask GitHub
+	Gaps  bool          // only the open gaps, from the database
+}
+
+// listDeliveries prints GitHub's deliveries of the window with what became of
+// each, a count per outcome, and the open gaps; with -gaps, the open gaps
+// only.
+func listDeliveries(ctx context.Context, cfg *Config, log *slog.Logger, o DeliveriesOptions, stdout io.Writer) error {
+	store, err := openExisting(ctx, cfg.Database)
+	if err != nil {
+		return err
+	}
+	defer store.Close()
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	if !o.Gaps {
+		if cfg.GitHub.AppID == 0 {
+			return errors.New("github.app_id is 0: asking GitHub for its deliveries needs the App (-gaps lists the recorded gaps)")
+		}
+		app, err := NewGitHubApp(cfg.GitHub, log)
+		if err != nil {
+			return err
+		}
+		now := time.Now().UTC()
+		since := now.Add(-min(max(o.Since, 0), deliveryRetention))
+		entries, _, err := ledger(ctx, app, store, since, now, cfg.GitHub.ReconcileGrace)
+		if err != nil {
+			return err
+		}
+		counts := map[string]int{}
+		fmt.Fprintln(tw, "OUTCOME\tGUID\tEVENT\tLAST ATTEMPT\tSTATUS")
+		for _, e := range entries {
+			counts[e.Outcome]++
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\n", e.Outcome, e.GUID, e.Event, e.Latest.DeliveredAt.UTC().Format(time.RFC3339), e.Latest.StatusCode)
+		}
+		fmt.Fprintf(tw, "\n%d deliveries since %s: %d stored, %d in flight, %d redelivered, %d gap\n\n", len(entries),
+			since.Format(time.RFC3339), counts[ledgerStored], counts[ledgerInFlight], counts[ledgerRedelivered], counts[ledgerGap])
+	}
+	gaps, err := store.OpenGaps(ctx)
+	if err != nil {
+		return err
+	}
+	if len(gaps) == 0 {
+		fmt.Fprintln(tw, "no open gaps")
+		return tw.Flush()
+	}
+	fmt.Fprintln(tw, "OPEN GAP\tEVENT\tDELIVERED\tFOUND\tREDELIVERED")
+	for _, g := range gaps {
+		redelivered := "-"
+		if g.RedeliveredAt != nil {
+			redelivered = g.RedeliveredAt.UTC().Format(time.RFC3339)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", g.GUID, g.Event, g.DeliveredAt.UTC().Format(time.RFC3339),
+			g.FoundAt.UTC().Format(time.RFC3339), redelivered)
+	}
+	return tw.Flush()
+}
+
 // operatorQueues is the AMQP side for the queues and replay commands. They
 // work on the queues as they are, so they never declare (and never fail on a
 // declare that the running daemon's retry_ttl would contradict).
@@ -575,7 +642,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
-	metrics.countAlertsPending(store.AlertsPending)
+	metrics.countStore(store)
 	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
 	consumed := cfg.ConsumedQueues()
 	worker := func(o WorkerOptions) *Worker {
@@ -599,7 +666,8 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 			queues.Close()
 			return fail(err)
 		}
-		hooks := &Hooks{app: app, store: store, brokers: brokers, queues: queues, timeout: cfg.Queue.PublishTimeout, log: log.With("worker", "hooks")}
+		hooks := &Hooks{app: app, store: store, brokers: brokers, queues: queues, alerter: alerter, timeout: cfg.Queue.PublishTimeout,
+			grace: cfg.GitHub.ReconcileGrace, redeliver: cfg.GitHub.RedeliverGaps, log: log.With("worker", "hooks")}
 		// The hooks worker talks to GitHub per message: it is not batched
 		// (no network I/O inside a transaction). Its poll runs between
 		// windows: a window longer than hooks_poll_every would stretch it.

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	_ "modernc.org/sqlite"
@@ -29,6 +30,9 @@ type Store struct {
 	metrics *Metrics
 	stmts   sync.Map // query -> *sql.Stmt prepared on the writer (see exec)
 	wanted  sync.Map // query -> struct{}: to prepare before the next write
+	// gapsOpen is whether delivery_gaps may hold an open gap: storing an
+	// Event resolves its gap only then (see resolveGap).
+	gapsOpen atomic.Bool
 }
 
 // timeFormat is how every time is stored: RFC 3339 in UTC with a fixed six
@@ -95,7 +99,10 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
 	}
 	r.SetMaxOpenConns(4)
-	return &Store{w: w, r: r, path: cfg.Path, metrics: metrics}, nil
+	s := &Store{w: w, r: r, path: cfg.Path, metrics: metrics}
+	// Until Migrate (or a poll) counts them, a gap may be open.
+	s.gapsOpen.Store(true)
+	return s, nil
 }
 
 // Close closes both pools; the WAL is checkpointed by the last connection.
@@ -162,6 +169,9 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 			return from, to, fmt.Errorf("migration %d (%s): %w", m.version, m.name, err)
 		}
 		to = m.version
+	}
+	if n, err := s.OpenGapCount(ctx); err == nil {
+		s.gapsOpen.Store(n > 0)
 	}
 	return from, to, nil
 }
@@ -345,6 +355,9 @@ func (s *Store) InsertEvent(ctx context.Context, tx *Tx, ev *Event, forbidden bo
 			return nil
 		}
 		inserted = true
+		if err := tx.resolveGap(ctx, ev.DeliveryID); err != nil {
+			return err
+		}
 		_, err = tx.exec(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES (?, ?, ?, 1)
 			ON CONFLICT (bucket, event, action) DO UPDATE SET count = count + 1`,
 			statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action)

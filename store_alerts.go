@@ -28,12 +28,18 @@ type outboxAlert struct {
 }
 
 // DueAlerts reads up to limit unsent alerts of channel whose time has come,
-// oldest first, with their Events.
+// oldest first, with their Events. A gap's alert (gapAlertID) reads as an
+// Event named "gap" whose action is the missing delivery's event.
 func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, limit int) ([]outboxAlert, error) {
-	rows, err := s.r.QueryContext(ctx, `SELECT o.id, o.attempts, g.forbidden, g.delivery_id, g.event, g.action,
-			g.repository, g.sender, g.source_ip, g.payload, g.received_at
-		FROM alert_outbox o JOIN github g ON g.delivery_id = o.delivery_id
-		WHERE o.channel = ? AND o.sent_at IS NULL AND o.next_at <= ? ORDER BY o.next_at, o.id LIMIT ?`,
+	rows, err := s.r.QueryContext(ctx, `SELECT o.id, o.attempts, coalesce(g.forbidden, 0),
+			coalesce(g.delivery_id, dg.guid), coalesce(g.event, 'gap'), coalesce(g.action, dg.event),
+			coalesce(g.repository, ''), coalesce(g.sender, ''), coalesce(g.source_ip, ''), coalesce(g.payload, '{}'),
+			coalesce(g.received_at, dg.delivered_at)
+		FROM alert_outbox o
+		LEFT JOIN github g ON g.delivery_id = o.delivery_id
+		LEFT JOIN delivery_gaps dg ON o.delivery_id LIKE 'gap:%' AND dg.guid = substr(o.delivery_id, 5)
+		WHERE o.channel = ? AND o.sent_at IS NULL AND o.next_at <= ? AND (g.id IS NOT NULL OR dg.guid IS NOT NULL)
+		ORDER BY o.next_at, o.id LIMIT ?`,
 		channel, formatTime(now), limit)
 	if err != nil {
 		return nil, fmt.Errorf("read due alerts: %w", err)
@@ -57,7 +63,7 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 }
 
 // AlertSent marks an alert sent, and the delivery alerted once none of its
-// alerts waits any more.
+// alerts waits any more. (A gap's alert has no github row to mark.)
 func (s *Store) AlertSent(ctx context.Context, id int64, deliveryID string) error {
 	return s.Batch(ctx, func(tx *Tx) error {
 		now := formatTime(time.Now())

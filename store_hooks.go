@@ -2,7 +2,10 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
+	"slices"
+	"strings"
 	"time"
 )
 
@@ -44,4 +47,156 @@ func (tx *Tx) hookRepublished(ctx context.Context, guid string) error {
 // SetSetting writes one settings row in a transaction of its own.
 func (s *Store) SetSetting(ctx context.Context, key, value string) error {
 	return s.Batch(ctx, func(tx *Tx) error { return tx.SetSetting(ctx, key, value, time.Now()) })
+}
+
+// LedgerLookup reads, for each GUID, whether it is stored in github and
+// whether it was queued on github-hooks, a few hundred GUIDs per query.
+func (s *Store) LedgerLookup(ctx context.Context, guids []string) (stored, queued map[string]bool, err error) {
+	stored, queued = map[string]bool{}, map[string]bool{}
+	for chunk := range slices.Chunk(guids, 500) {
+		args := make([]any, len(chunk))
+		for i, g := range chunk {
+			args[i] = g
+		}
+		in := "(?" + strings.Repeat(", ?", len(chunk)-1) + ")"
+		for query, into := range map[string]map[string]bool{
+			"SELECT delivery_id FROM github WHERE delivery_id IN " + in:  stored,
+			"SELECT guid FROM hook_redeliveries WHERE guid IN " + in: queued,
+		} {
+			if err := s.collect(ctx, query, args, into); err != nil {
+				return nil, nil, fmt.Errorf("read the delivery ledger: %w", err)
+			}
+		}
+	}
+	return stored, queued, nil
+}
+
+func (s *Store) collect(ctx context.Context, query string, args []any, into map[string]bool) error {
+	rows, err := s.r.QueryContext(ctx, query, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var g string
+		if err := rows.Scan(&g); err != nil {
+			return err
+		}
+		into[g] = true
+	}
+	return rows.Err()
+}
+
+// deliveryGap is one delivery_gaps row.
+type deliveryGap struct {
+	GUID          string     `json:"guid"`
+	DeliveryID    int64      `json:"delivery_id"` // GitHub's id of the latest attempt
+	Event         string     `json:"event"`
+	DeliveredAt   time.Time  `json:"delivered_at"`
+	FoundAt       time.Time  `json:"found_at"`
+	RedeliveredAt *time.Time `json:"redelivered_at,omitempty"`
+}
+
+// gapAlertID is the alert_outbox delivery_id of a gap's alert: apart from the
+// alerts of the Event itself, which may come once it is stored.
+func gapAlertID(guid string) string { return "gap:" + guid }
+
+// RecordGap records a gap and queues its alert on each of channels, in one
+// transaction. It reports false, changing nothing, when the gap is known.
+func (s *Store) RecordGap(ctx context.Context, g deliveryGap, channels []string) (recorded bool, err error) {
+	err = s.Batch(ctx, func(tx *Tx) error {
+		res, err := tx.exec(ctx, `INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at)
+			VALUES (?, ?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`,
+			g.GUID, g.DeliveryID, g.Event, formatTime(g.DeliveredAt), formatTime(g.FoundAt))
+		if err != nil {
+			return fmt.Errorf("record gap: %w", err)
+		}
+		if n, _ := res.RowsAffected(); n == 0 {
+			return nil
+		}
+		recorded = true
+		s.gapsOpen.Store(true)
+		return tx.queueAlerts(ctx, gapAlertID(g.GUID), channels)
+	})
+	return recorded, err
+}
+
+// GapRedelivered records that GitHub was asked to deliver a gap again.
+func (s *Store) GapRedelivered(ctx context.Context, guid string, at time.Time) error {
+	return s.Batch(ctx, func(tx *Tx) error {
+		_, err := tx.exec(ctx, "UPDATE delivery_gaps SET redelivered_at = ? WHERE guid = ?", formatTime(at), guid)
+		return err
+	})
+}
+
+// resolveGap marks guid's gap resolved, inside the transaction that stores
+// it. Nothing is asked while no gap is open (gapsOpen), so storing pays
+// for it only while there is one.
+func (tx *Tx) resolveGap(ctx context.Context, guid string) error {
+	if !tx.s.gapsOpen.Load() {
+		return nil
+	}
+	_, err := tx.exec(ctx, "UPDATE delivery_gaps SET resolved_at = ? WHERE guid = ? AND resolved_at IS NULL",
+		formatTime(time.Now()), guid)
+	if err != nil {
+		return fmt.Errorf("resolve gap: %w", err)
+	}
+	return nil
+}
+
+// ResolveStoredGaps resolves every open gap whose GUID is stored, and
+// refreshes whether any gap is still open. It returns how many it resolved.
+func (s *Store) ResolveStoredGaps(ctx context.Context) (int64, error) {
+	var n int64
+	err := s.Batch(ctx, func(tx *Tx) error {
+		res, err := tx.exec(ctx, `UPDATE delivery_gaps SET resolved_at = ? WHERE resolved_at IS NULL
+			AND EXISTS (SELECT 1 FROM github WHERE delivery_id = delivery_gaps.guid)`, formatTime(time.Now()))
+		if err != nil {
+			return fmt.Errorf("resolve stored gaps: %w", err)
+		}
+		n, _ = res.RowsAffected()
+		var open int
+		if err := tx.queryRow(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&open); err != nil {
+			return err
+		}
+		s.gapsOpen.Store(open > 0)
+		return nil
+	})
+	return n, err
+}
+
+// OpenGaps lists the gaps not resolved yet, oldest first.
+func (s *Store) OpenGaps(ctx context.Context) ([]deliveryGap, error) {
+	rows, err := s.r.QueryContext(ctx, `SELECT guid, delivery_id, event, delivered_at, found_at, redelivered_at
+		FROM delivery_gaps WHERE resolved_at IS NULL ORDER BY delivered_at, guid`)
+	if err != nil {
+		return nil, fmt.Errorf("read open gaps: %w", err)
+	}
+	defer rows.Close()
+	var out []deliveryGap
+	for rows.Next() {
+		var g deliveryGap
+		var delivered, found string
+		var redelivered sql.NullString
+		if err := rows.Scan(&g.GUID, &g.DeliveryID, &g.Event, &delivered, &found, &redelivered); err != nil {
+			return nil, fmt.Errorf("read open gaps: %w", err)
+		}
+		g.DeliveredAt, _ = time.Parse(time.RFC3339Nano, delivered)
+		g.FoundAt, _ = time.Parse(time.RFC3339Nano, found)
+		if redelivered.Valid {
+			t, _ := time.Parse(time.RFC3339Nano, redelivered.String)
+			g.RedeliveredAt = &t
+		}
+		out = append(out, g)
+	}
+	return out, rows.Err()
+}
+
+// OpenGapCount counts the open gaps, for the metric.
+func (s *Store) OpenGapCount(ctx context.Context) (int, error) {
+	var n int
+	if err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&n); err != nil {
+		return 0, fmt.Errorf("count open gaps: %w", err)
+	}
+	return n, nil
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/rsa"
@@ -9,11 +10,13 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -42,6 +45,11 @@ type fakeGitHub struct {
 	always401  bool
 	limitNext  []func(w http.ResponseWriter) // answers for the next list requests
 	listTimes  []time.Time                   // when each list request came
+	// redeliveries are the attempt ids POSTed to .../attempts, in order;
+	// onRedeliver, when set, runs (in a goroutine of its own) for each, as
+	// GitHub delivering the webhook again.
+	redeliveries []int64
+	onRedeliver  func(d hookDelivery)
 }
 
 func newFakeGitHub(t testing.TB) *fakeGitHub {
@@ -125,6 +133,23 @@ func (g *fakeGitHub) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	idText, ok := strings.CutPrefix(r.URL.Path, "/app/hook/deliveries/")
+	if attempt, isAttempt := strings.CutSuffix(idText, "/attempts"); isAttempt && r.Method == http.MethodPost {
+		id, _ := strconv.ParseInt(attempt, 10, 64)
+		for _, d := range g.deliveries {
+			if d.ID == id {
+				g.redeliveries = append(g.redeliveries, id)
+				if g.onRedeliver != nil {
+					go g.onRedeliver(d)
+				}
+				w.WriteHeader(http.StatusAccepted)
+				fmt.Fprint(w, `{}`)
+				return
+			}
+		}
+		w.WriteHeader(http.StatusNotFound)
+		fmt.Fprint(w, `{"message":"Not Found"}`)
+		return
+	}
 	id, err := strconv.ParseInt(idText, 10, 64)
 	if !ok || err != nil {
 		w.WriteHeader(http.StatusNotFound)
@@ -180,6 +205,12 @@ func (g *fakeGitHub) counts(id int64) (list, pages, fetches int) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+func (g *fakeGitHub) redelivered() []int64 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return append([]int64(nil), g.redeliveries...)
+}
 
 // Failed, failed-then-redelivered-OK, OK, and already stored deliveries:
 // exactly the first is queued, once, across two polls; the consumer puts its
@@ -280,7 +311,8 @@ func hooksForTest(t *testing.T, gh *fakeGitHub) (*Hooks, string, *Store, *logSin
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &Hooks{app: app, store: p.store, brokers: p.brokers, queues: p.queues, timeout: 5 * time.Second, log: p.log}, vhost, p.store, p.logs
+	return &Hooks{app: app, store: p.store, brokers: p.brokers, queues: p.queues, timeout: 5 * time.Second,
+		grace: cfg.GitHub.ReconcileGrace, redeliver: cfg.GitHub.RedeliverGaps, log: p.log}, vhost, p.store, p.logs
 }
 
 // 250 deliveries over three pages are all seen; the checkpoint stops the next
@@ -446,5 +478,191 @@ func TestHooksRateLimits(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// The delivery ledger against GitHub's record (SPEC §12.4), with the daemon
+// running: a 2xx delivery that is not stored becomes a gap after the grace,
+// is alerted once, is redelivered through the attempts endpoint and is
+// resolved once the redelivered webhook is stored; a 2xx delivery still
+// inside the grace (its message on the retry cycle) is no gap, and holds the
+// checkpoint back; a stored one is left alone.
+func TestDeliveryLedgerGaps(t *testing.T) {
+	t.Parallel()
+	gh := newFakeGitHub(t)
+	push := newPushSink(t)
+	cfg, vhost := hooksConfig(t, gh)
+	cfg.Alerts = AlertsConfig{Rules: []AlertRule{{Events: []string{"gap"}, Channels: []string{"push"}}},
+		Push: PushConfig{URL: push.srv.URL + "/gaps", Token: "push-secret-token"}}
+	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
+	cfg.Workers.Window = 300 * time.Millisecond
+	cfg.Queue.RetryTTL = time.Hour // a message on the retry cycle stays there for the test
+
+	body := loadFixture(t, "issues", "opened.payload.json")
+	now := time.Now().UTC()
+	lost, onRetry, stored := newGUID(), newGUID(), newGUID()
+	// GitHub's record: several attempts per GUID, as GitHub shapes them.
+	gh.add(hookDelivery{ID: 11, GUID: lost, DeliveredAt: now.Add(-3 * time.Hour), Status: "Invalid HTTP Response: 503", StatusCode: 503, Event: "issues", Action: ptr("opened")}, body)
+	gh.add(hookDelivery{ID: 12, GUID: lost, DeliveredAt: now.Add(-170 * time.Minute), Redelivery: true, Status: "Accepted", StatusCode: 202, Event: "issues", Action: ptr("opened")}, body)
+	gh.add(hookDelivery{ID: 21, GUID: stored, DeliveredAt: now.Add(-3 * time.Hour), Status: "Accepted", StatusCode: 202, Event: "issues"}, body)
+	gh.add(hookDelivery{ID: 31, GUID: onRetry, DeliveredAt: now.Add(-10 * time.Minute), Status: "Accepted", StatusCode: 202, Event: "issues"}, body)
+
+	// stored reached the tables; onRetry waits in github-retry.
+	ctx := context.Background()
+	store, err := OpenStore(ctx, cfg.Database, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := store.InsertEvent(ctx, nil, &Event{DeliveryID: stored, Name: "issues", Payload: body, ReceivedAt: now}, false); err != nil {
+		t.Fatal(err)
+	}
+	store.Close()
+	declareTestTopology(t, vhost, cfg.Queue.RetryTTL)
+	publishRaw(t, vhost, "", retryQueue(queueGitHub), eventMessage("issues", onRetry, body))
+
+	d := startDaemon(t, cfg)
+	db := openDB(t, cfg.Database.Path)
+	// GitHub answers a redelivery by delivering the webhook again.
+	gh.mu.Lock()
+	gh.onRedeliver = func(hd hookDelivery) { postWebhook(t, d.URL, hd.Event, hd.GUID, gh.payloads[hd.ID]) }
+	gh.mu.Unlock()
+
+	eventually(t, 30*time.Second, "the gap resolved by its redelivery", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE guid = ? AND redelivered_at IS NOT NULL AND resolved_at IS NOT NULL", lost) == 1
+	})
+	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", lost); n != 1 {
+		t.Errorf("the lost delivery is stored %d times, want 1", n)
+	}
+	l, _, _ := gh.counts(0)
+	eventually(t, 10*time.Second, "two more polls", func() bool { n, _, _ := gh.counts(0); return n >= l+2 })
+	if got := gh.redelivered(); len(got) != 1 || got[0] != 12 {
+		t.Errorf("redeliveries asked: %v, want once, of the latest attempt (12)", got)
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM delivery_gaps"); n != 1 {
+		t.Errorf("delivery_gaps holds %d rows, want only the lost delivery (neither the stored one nor the one inside the grace)", n)
+	}
+	eventually(t, 10*time.Second, "the gap's alert", func() bool { return len(push.requests()) >= 1 })
+	if reqs := push.requests(); len(reqs) != 1 || !strings.Contains(reqs[0].title+reqs[0].body, lost) {
+		t.Errorf("gap alerts: %d, want one naming %s: %+v", len(reqs), lost, reqs)
+	}
+	var cp string
+	if err := db.QueryRow("SELECT value FROM settings WHERE key = ?", keyHooksCheckpoint).Scan(&cp); err != nil {
+		t.Fatal(err)
+	}
+	if cpTime, err := time.Parse(time.RFC3339Nano, cp); err != nil || cpTime.After(now.Add(-10*time.Minute)) {
+		t.Errorf("checkpoint %s moved past the delivery still in flight (%s)", cp, now.Add(-10*time.Minute).Format(time.RFC3339))
+	}
+	if v := scrape(t, d.URL+"/metrics")["switchyard_delivery_gaps"]; v != 0 {
+		t.Errorf("switchyard_delivery_gaps = %v once resolved, want 0", v)
+	}
+}
+
+// A gap whose message sits in github-error: with redelivery off it stays
+// open, is counted and listed by `switchyard deliveries -gaps`; replayed, it
+// is stored and the gap resolved.
+func TestDeliveryGapReplayedFromErrorQueue(t *testing.T) {
+	t.Parallel()
+	gh := newFakeGitHub(t)
+	cfg, vhost := hooksConfig(t, gh)
+	cfg.GitHub.RedeliverGaps = false
+	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
+	cfg.Workers.Window = 300 * time.Millisecond
+	body := loadFixture(t, "issues", "opened.payload.json")
+	now := time.Now().UTC()
+	inError, other := newGUID(), newGUID()
+	gh.add(hookDelivery{ID: 41, GUID: inError, DeliveredAt: now.Add(-5 * time.Hour), Status: "Accepted", StatusCode: 202, Event: "issues"}, body)
+	gh.add(hookDelivery{ID: 42, GUID: other, DeliveredAt: now.Add(-4 * time.Hour), Status: "Accepted", StatusCode: 202, Event: "push"}, nil)
+	declareTestTopology(t, vhost, cfg.Queue.RetryTTL)
+	msg := eventMessage("issues", inError, body)
+	msg.Headers[hdrError] = "database is locked"
+	publishRaw(t, vhost, "", errorQueue(queueGitHub), msg)
+
+	d := startDaemon(t, cfg)
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 30*time.Second, "two gaps recorded", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL") == 2
+	})
+	eventually(t, 10*time.Second, "switchyard_delivery_gaps at 2", func() bool {
+		return scrape(t, d.URL+"/metrics")["switchyard_delivery_gaps"] == 2
+	})
+	if got := gh.redelivered(); len(got) != 0 {
+		t.Errorf("redelivery asked with redeliver_gaps off: %v", got)
+	}
+
+	gaps := func() []string {
+		var out bytes.Buffer
+		if err := listDeliveries(context.Background(), cfg, slog.New(slog.DiscardHandler), DeliveriesOptions{Gaps: true}, &out); err != nil {
+			t.Fatal(err)
+		}
+		var guids []string
+		for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n")[1:] {
+			guids = append(guids, strings.Fields(line)[0])
+		}
+		slices.Sort(guids)
+		return guids
+	}
+	want := []string{inError, other}
+	slices.Sort(want)
+	if got := gaps(); !slices.Equal(got, want) {
+		t.Errorf("deliveries -gaps: %v, want %v", got, want)
+	}
+
+	if err := replay(context.Background(), cfg, slog.New(slog.DiscardHandler), queueGitHub, ReplayOptions{From: -1}, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "the replayed gap resolved", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE guid = ? AND resolved_at IS NOT NULL", inError) == 1
+	})
+	if got := gaps(); !slices.Equal(got, []string{other}) {
+		t.Errorf("deliveries -gaps after the replay: %v, want only %s", got, other)
+	}
+}
+
+// A poll over 3 days of deliveries, 10,000 across 100 pages, finishes and
+// moves the checkpoint to the oldest delivery still in flight.
+func TestDeliveryLedgerThreeDays(t *testing.T) {
+	t.Parallel()
+	gh := newFakeGitHub(t)
+	hooks, _, store, _ := hooksForTest(t, gh)
+	ctx := context.Background()
+	now := time.Now().UTC()
+	body := []byte(`{"action":"opened"}`)
+	var inFlight time.Time
+	err := store.Batch(ctx, func(tx *Tx) error {
+		for i := 0; i < 10000; i++ {
+			at := now.Add(-time.Duration(i) * 25 * time.Second) // 10,000 over 69 hours, newest first
+			d := hookDelivery{ID: int64(100000 + i), GUID: newGUID(), DeliveredAt: at, Status: "Accepted", StatusCode: 202, Event: "issues"}
+			gh.deliveries = append(gh.deliveries, d)
+			if i < 50 {
+				inFlight = at // the newest 50 are not stored yet: in flight
+				continue
+			}
+			if _, err := store.InsertEvent(ctx, tx, &Event{DeliveryID: d.GUID, Name: "issues", Payload: body, ReceivedAt: at}, false); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := hooks.Poll(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, pages, _ := gh.counts(0); pages != 100 {
+		t.Errorf("pages read: %d, want 100", pages)
+	}
+	cp, err := store.Setting(ctx, keyHooksCheckpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cp != formatTime(inFlight) {
+		t.Errorf("checkpoint %s, want the oldest delivery in flight, %s", cp, formatTime(inFlight))
+	}
+	if n, _ := store.OpenGapCount(ctx); n != 0 {
+		t.Errorf("%d gaps among stored and in-flight deliveries", n)
 	}
 }
