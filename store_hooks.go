@@ -60,8 +60,8 @@ func (s *Store) LedgerLookup(ctx context.Context, guids []string) (stored, queue
 		}
 		in := "(?" + strings.Repeat(", ?", len(chunk)-1) + ")"
 		for query, into := range map[string]map[string]bool{
-			"SELECT delivery_id FROM github WHERE delivery_id IN " + in:  stored,
-			"SELECT guid FROM hook_redeliveries WHERE guid IN " + in: queued,
+			"SELECT delivery_id FROM github WHERE delivery_id IN " + in: stored,
+			"SELECT guid FROM hook_redeliveries WHERE guid IN " + in:    queued,
 		} {
 			if err := s.collect(ctx, query, args, into); err != nil {
 				return nil, nil, fmt.Errorf("read the delivery ledger: %w", err)
