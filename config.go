@@ -101,6 +101,10 @@ type QueueConfig struct {
 	// is at most this many bytes of messages by the sizes seen, and a batch
 	// at most half of it.
 	MaxBatchBytes int64 `toml:"max_batch_bytes"`
+	// KeepaliveEvery is how often every broker's 12 queues are checked
+	// (and, with declare_topology, declared again): free plans delete a
+	// queue nobody used for 28 days.
+	KeepaliveEvery time.Duration `toml:"keepalive_every"`
 }
 
 // WorkersConfig sets the cadence of the four workers.
@@ -181,6 +185,7 @@ func DefaultConfig() *Config {
 			PublishTimeout: 5 * time.Second,
 			CallTimeout:    10 * time.Second,
 			MaxBatchBytes:  8 << 20,
+			KeepaliveEvery: 24 * time.Hour,
 		},
 		Workers: WorkersConfig{
 			Window:               5 * time.Minute,
@@ -336,6 +341,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Queue.CallTimeout <= 0 {
 		bad("queue.call_timeout", "must be positive")
+	}
+	if c.Queue.KeepaliveEvery <= 0 || c.Queue.KeepaliveEvery > 7*24*time.Hour {
+		bad("queue.keepalive_every", "want more than 0 and at most 7 days (free plans delete queues unused for 28), got %s", c.Queue.KeepaliveEvery)
 	}
 	if c.Queue.MaxBatchBytes < 1<<20 {
 		bad("queue.max_batch_bytes", "at least 1 MiB (1048576), got %d", c.Queue.MaxBatchBytes)
@@ -550,7 +558,7 @@ func (c *Config) Summary(w io.Writer) {
 	p("github.app_id = %d (hooks worker %s)", c.GitHub.AppID, map[bool]string{true: "on", false: "off"}[c.GitHub.AppID > 0])
 	p("github.api_url = %q", c.GitHub.APIURL)
 	p("github.reconcile_grace = %s, redeliver_gaps = %t", c.GitHub.ReconcileGrace, c.GitHub.RedeliverGaps)
-	p("queue.declare_topology = %t", c.Queue.DeclareTopology)
+	p("queue.declare_topology = %t, keepalive_every = %s", c.Queue.DeclareTopology, c.Queue.KeepaliveEvery)
 	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
 		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)
 	p("workers.window = %s, pending_check_interval = %s, leftover_drain_limit = %d",

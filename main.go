@@ -605,6 +605,7 @@ type Daemon struct {
 	api     *API
 	alerter *Alerter
 	alerts  *AlertSender
+	fleet   *Fleet
 	workers []*Worker
 }
 
@@ -642,6 +643,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
+	d.fleet = NewFleet(cfg.Queue, brokers.List(), queues, metrics, log)
 	metrics.countStore(store)
 	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
 	consumed := cfg.ConsumedQueues()
@@ -710,6 +712,7 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 		work.Go(func() error { return w.Run(wctx) })
 	}
 	work.Go(func() error { return d.alerts.Run(wctx) })
+	work.Go(func() error { return d.fleet.Run(wctx) })
 	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
 		work.Go(func() error { d.watchdog(wctx, interval); return nil })
 	}

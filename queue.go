@@ -168,24 +168,64 @@ func (q *Queues) ReadyCounts(ctx context.Context, b *Broker, queues []string) (m
 	return counts, nil
 }
 
+// readyCount is a queue's ready messages; a queue that does not exist holds
+// none.
 func (q *Queues) readyCount(conn *amqp.Connection, b *Broker, name string) (int, error) {
+	n, _, err := q.inspectQueue(conn, b, name)
+	return n, err
+}
+
+// inspectQueue asks the broker for a queue with a passive declare: its ready
+// messages, and whether it exists.
+func (q *Queues) inspectQueue(conn *amqp.Connection, b *Broker, name string) (ready int, exists bool, err error) {
 	ch, err := q.channel(conn)
 	if err != nil {
-		return 0, err
+		return 0, false, err
 	}
 	qi, err := call(q, conn, "passive declare "+name, func() (amqp.Queue, error) {
 		return ch.QueueDeclarePassive(name, true, false, false, false, nil)
 	})
 	if isNotFound(err) {
 		q.metrics.ready(b.Index, name, 0)
-		return 0, nil // the 404 closed the channel already
+		return 0, false, nil // the 404 closed the channel already
 	}
 	q.closeChannel(conn, ch)
 	if err != nil {
-		return 0, err
+		return 0, false, err
 	}
 	q.metrics.ready(b.Index, name, qi.Messages)
-	return qi.Messages, nil
+	return qi.Messages, true, nil
+}
+
+// Inspect reads the ready messages of all 12 queues on broker b, and which of
+// them do not exist (a free plan deletes a queue nobody used for 28 days).
+func (q *Queues) Inspect(ctx context.Context, b *Broker) (depths map[string]int, missing []string, err error) {
+	conn, _, err := q.conn(ctx, b)
+	if err != nil {
+		return nil, nil, err
+	}
+	depths = map[string]int{}
+	for _, name := range allQueues() {
+		n, exists, err := q.inspectQueue(conn, b, name)
+		if err != nil {
+			return nil, nil, fmt.Errorf("%s on %s: %w", name, b, err)
+		}
+		if !exists {
+			missing = append(missing, name)
+			continue
+		}
+		depths[name] = n
+	}
+	return depths, missing, nil
+}
+
+// Redeclare declares the topology on broker b again, as at connect.
+func (q *Queues) Redeclare(ctx context.Context, b *Broker) error {
+	conn, _, err := q.conn(ctx, b)
+	if err != nil {
+		return err
+	}
+	return q.declareTopology(conn)
 }
 
 // Drained reports whether broker b holds no ready message in the main and

@@ -1,0 +1,86 @@
+package main
+
+import (
+	"context"
+	"log/slog"
+	"time"
+)
+
+// depthEvery is how often the queue-depth gauges of every broker are
+// refreshed.
+const depthEvery = time.Minute
+
+// Fleet looks after every configured broker, read or not (SPEC §12.5): the
+// depths of its 12 queues for the gauges, refreshed every depthEvery, and
+// every keepalive a check that none of them is missing. Free plans delete a
+// queue that nobody declared, consumed or read for 28 days, and a spare
+// broker may sit idle for months: with declare_topology on, the topology is
+// declared again at each keepalive, so that a producer rotating to the spare
+// finds its queues; with it off, a missing queue is a warning each time.
+type Fleet struct {
+	brokers   []*Broker
+	queues    *Queues
+	metrics   *Metrics
+	declare   bool
+	every     time.Duration // depth refresh
+	keepalive time.Duration
+	log       *slog.Logger
+}
+
+// NewFleet watches brokers through queues, refreshing the depths every
+// depthEvery (or every keepalive, when that is shorter).
+func NewFleet(cfg QueueConfig, brokers []*Broker, queues *Queues, metrics *Metrics, log *slog.Logger) *Fleet {
+	return &Fleet{brokers: brokers, queues: queues, metrics: metrics, declare: cfg.DeclareTopology,
+		every: min(depthEvery, cfg.KeepaliveEvery), keepalive: cfg.KeepaliveEvery, log: log.With("worker", "fleet")}
+}
+
+// Run refreshes and keeps alive until ctx ends; the first pass runs at once.
+func (f *Fleet) Run(ctx context.Context) error {
+	t := time.NewTicker(f.every)
+	defer t.Stop()
+	var lastKeepalive time.Time
+	for {
+		keepalive := time.Since(lastKeepalive) >= f.keepalive
+		if keepalive {
+			lastKeepalive = time.Now()
+		}
+		for _, b := range f.brokers {
+			f.look(ctx, b, keepalive)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// look reads broker b's queues into the gauges and, at a keepalive, puts
+// back what is missing.
+func (f *Fleet) look(ctx context.Context, b *Broker, keepalive bool) {
+	log := f.log.With("broker", b.String())
+	depths, missing, err := f.queues.Inspect(ctx, b)
+	if err != nil {
+		if ctx.Err() == nil {
+			log.Warn("cannot read the broker's queues", "error", err)
+		}
+		f.metrics.brokerSeen(b, nil, err)
+		return
+	}
+	if keepalive && len(missing) > 0 && !f.declare {
+		log.Warn("queues missing on the broker, and declare_topology is off: declare them there", "missing", missing)
+	}
+	if keepalive && f.declare {
+		if err := f.queues.Redeclare(ctx, b); err != nil {
+			log.Warn("keepalive could not declare the topology", "missing", missing, "error", err)
+		} else if len(missing) > 0 {
+			log.Warn("queues were missing on the broker, declared again", "missing", missing)
+			for _, name := range missing {
+				depths[name] = 0
+			}
+		} else {
+			log.Debug("keepalive declared the topology")
+		}
+	}
+	f.metrics.brokerSeen(b, depths, nil)
+}

@@ -1,0 +1,103 @@
+package main
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+// queueExists reports whether queue is declared on vhost.
+func queueExists(t testing.TB, vhost, queue string) bool {
+	t.Helper()
+	ch := amqpChannel(t, vhost)
+	defer ch.Close()
+	_, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	return err == nil
+}
+
+// A queue deleted on a spare broker is back within one keepalive, with a
+// warning; the depth gauges show a message put on the spare's -error queue;
+// every broker's up and info gauges, the build info, and counters at 0
+// before anything happened.
+func TestFleetKeepaliveAndGauges(t *testing.T) {
+	t.Parallel()
+	a, spare, gone := newVhost(t), newVhost(t), newVhost(t)
+	down := newTCPProxy(t, "127.0.0.1:5672")
+	cfg := testConfig(t, amqpURL(a), amqpURL(spare), down.URL(gone))
+	cfg.Queue.KeepaliveEvery = 300 * time.Millisecond
+	down.Close() // the third broker cannot be reached
+	d := startDaemon(t, cfg)
+
+	m := scrape(t, d.URL+"/metrics")
+	for _, series := range []string{`switchyard_webhooks_received_total{outcome="unavailable"}`,
+		`switchyard_messages_consumed_total{outcome="error",queue="github"}`, `switchyard_switches_completed_total{reason="drained"}`,
+		`switchyard_publishes_total{broker="1",outcome="failed"}`} {
+		if v, ok := m[series]; !ok || v != 0 {
+			t.Errorf("%s: %v (present %v), want 0 from the start", series, v, ok)
+		}
+	}
+	var build, info bool
+	for k := range m {
+		build = build || strings.HasPrefix(k, `switchyard_build_info{goversion="go`)
+		info = info || strings.HasPrefix(k, `switchyard_broker_info{broker="1",host="127.0.0.1"`) && strings.HasSuffix(k, `vhost="`+spare+`"}`)
+	}
+	if !info {
+		t.Errorf("switchyard_broker_info lacks the spare broker")
+	}
+	if !build {
+		t.Errorf("switchyard_build_info missing")
+	}
+
+	eventually(t, 30*time.Second, "the spare's topology declared", func() bool { return queueExists(t, spare, queueDatabase) })
+	ch := amqpChannel(t, spare)
+	if _, err := ch.QueueDelete(queueDatabase, false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	ch.Close()
+	eventually(t, 30*time.Second, "the deleted queue back on the spare", func() bool { return queueExists(t, spare, queueDatabase) })
+	eventually(t, 10*time.Second, "the warning", func() bool {
+		return strings.Contains(d.logs.String(), "queues were missing on the broker, declared again") &&
+			strings.Contains(d.logs.String(), queueDatabase)
+	})
+
+	publishRaw(t, spare, "", errorQueue(queueGitHub), eventMessage("issues", newGUID(), loadFixture(t, "issues", "opened.payload.json")))
+	eventually(t, 30*time.Second, "the spare's -error depth in the gauges", func() bool {
+		return scrape(t, d.URL+"/metrics")[`switchyard_queue_messages{broker="1",queue="github-error"}`] == 1
+	})
+	m = scrape(t, d.URL+"/metrics")
+	if m[`switchyard_broker_up{broker="0"}`] != 1 || m[`switchyard_broker_up{broker="1"}`] != 1 {
+		t.Errorf("broker_up of the reachable brokers: %v, %v", m[`switchyard_broker_up{broker="0"}`], m[`switchyard_broker_up{broker="1"}`])
+	}
+	if v, ok := m[`switchyard_broker_up{broker="2"}`]; !ok || v != 0 {
+		t.Errorf("broker_up of the unreachable broker: %v (present %v), want 0", v, ok)
+	}
+	if _, ok := m[`switchyard_queue_messages{broker="2",queue="github"}`]; ok {
+		t.Errorf("the unreachable broker shows queue depths")
+	}
+	for _, q := range allQueues() {
+		if _, ok := m[`switchyard_queue_messages{broker="1",queue="`+q+`"}`]; !ok {
+			t.Errorf("no depth gauge for %s on the spare", q)
+		}
+	}
+}
+
+// With declare_topology off, a missing queue is a warning at every keepalive,
+// and nothing is declared.
+func TestFleetKeepaliveWithoutDeclaring(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	declareTestTopology(t, vhost, 200*time.Millisecond)
+	ch := amqpChannel(t, vhost)
+	if _, err := ch.QueueDelete(errorQueue(queueHooks), false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	ch.Close()
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.DeclareTopology = false
+	cfg.Queue.KeepaliveEvery = 200 * time.Millisecond
+	d := startDaemon(t, cfg)
+	logged(t, d.logs, "queues missing on the broker, and declare_topology is off", 3)
+	if queueExists(t, vhost, errorQueue(queueHooks)) {
+		t.Errorf("%s declared with declare_topology off", errorQueue(queueHooks))
+	}
+}
