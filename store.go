@@ -31,7 +31,8 @@ type Store struct {
 	stmts   sync.Map // query -> *sql.Stmt prepared on the writer (see exec)
 	wanted  sync.Map // query -> struct{}: to prepare before the next write
 	// gapsOpen is whether delivery_gaps may hold an open gap: storing an
-	// Event resolves its gap only then (see resolveGap).
+	// Event resolves its gap only then (see resolveGap). Migrate counts
+	// them, RecordGap and the hooks poll keep it true.
 	gapsOpen atomic.Bool
 }
 
@@ -100,8 +101,6 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 	}
 	r.SetMaxOpenConns(4)
 	s := &Store{w: w, r: r, path: cfg.Path, metrics: metrics}
-	// Until Migrate (or a poll) counts them, a gap may be open.
-	s.gapsOpen.Store(true)
 	return s, nil
 }
 

@@ -48,16 +48,20 @@ func TestFleetKeepaliveAndGauges(t *testing.T) {
 		t.Errorf("switchyard_build_info missing")
 	}
 
-	eventually(t, 30*time.Second, "the spare's topology declared", func() bool { return queueExists(t, spare, queueDatabase) })
+	// An -error queue: no worker reads it, so only the keepalive can notice
+	// it is gone (a queue the workers drain comes back with their reconnect
+	// too).
+	deleted := errorQueue(queueDatabase)
+	eventually(t, 30*time.Second, "the spare's topology declared", func() bool { return queueExists(t, spare, deleted) })
 	ch := amqpChannel(t, spare)
-	if _, err := ch.QueueDelete(queueDatabase, false, false, false); err != nil {
+	if _, err := ch.QueueDelete(deleted, false, false, false); err != nil {
 		t.Fatal(err)
 	}
 	ch.Close()
-	eventually(t, 30*time.Second, "the deleted queue back on the spare", func() bool { return queueExists(t, spare, queueDatabase) })
+	eventually(t, 30*time.Second, "the deleted queue back on the spare", func() bool { return queueExists(t, spare, deleted) })
 	eventually(t, 10*time.Second, "the warning", func() bool {
-		return strings.Contains(d.logs.String(), "queues were missing on the broker, declared again") &&
-			strings.Contains(d.logs.String(), queueDatabase)
+		return strings.Contains(d.logs.String(), `msg="queues were missing on the broker, declared again" worker=fleet broker="#1`) &&
+			strings.Contains(d.logs.String(), "missing=["+deleted+"]")
 	})
 
 	publishRaw(t, spare, "", errorQueue(queueGitHub), eventMessage("issues", newGUID(), loadFixture(t, "issues", "opened.payload.json")))
