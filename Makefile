@@ -11,7 +11,15 @@ export CGO_ENABLED = 0
 BINARY  ?= switchyard
 UNITDIR ?= /etc/systemd/system
 
-.PHONY: build run test lint fuzz bench install clean ensure-rabbitmq
+.PHONY: build run test lint fuzz bench install deb screenshot clean ensure-rabbitmq ensure-chromium
+
+# Tools the tests need that Go does not bring, fetched here when missing.
+TOOLS    := .tools
+PROMTOOL := $(TOOLS)/promtool
+SUDO     := $(if $(filter 0,$(shell id -u)),,sudo)
+NFPM     := github.com/goreleaser/nfpm/v2/cmd/nfpm@v2.45.2
+# Debian versions start with a digit.
+DEB_VERSION ?= 0.2.0+git$(shell git rev-parse --short HEAD 2>/dev/null || echo 0)
 
 build:
 	$(GO) build -trimpath -ldflags "-s -w -X main.version=$(VERSION)" -o switchyard .
@@ -21,8 +29,8 @@ run: build ensure-rabbitmq
 	./switchyard serve -config $(CONFIG)
 
 # -race needs cgo; the tests build their own binary where they need one.
-test: ensure-rabbitmq
-	CGO_ENABLED=1 $(GO) test -race -count=1 -timeout 15m ./...
+test: ensure-rabbitmq ensure-chromium $(PROMTOOL)
+	PROMTOOL=$(CURDIR)/$(PROMTOOL) CGO_ENABLED=1 $(GO) test -race -count=1 -timeout 15m ./...
 
 lint:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
@@ -51,8 +59,38 @@ install:
 	install -D -m 0640 config.example.toml $(DESTDIR)/etc/switchyard/switchyard.toml.example
 	install -D -m 0644 README.md $(DESTDIR)$(PREFIX)/share/doc/switchyard/README.md
 
+# The Debian package: binary, unit, config (a conffile), rules and README;
+# postinst creates the switchyard user and /var/lib/switchyard.
+deb: build
+	rm -rf dist/deb && mkdir -p dist/deb
+	cp switchyard dist/deb/switchyard
+	sed 's|/usr/local/bin/switchyard|/usr/bin/switchyard|g; s|/usr/local/share/doc|/usr/share/doc|g' deploy/switchyard.service > dist/deb/switchyard.service
+	SWITCHYARD_DEB_VERSION=$(DEB_VERSION) $(GO) run $(NFPM) package -f deploy/nfpm.yaml -p deb -t dist/
+	@ls dist/*.deb
+
+# docs/status.png, the README's picture of the status page: two brokers, a
+# pending switch and a message in an -error queue, in headless Chromium.
+screenshot: ensure-rabbitmq ensure-chromium
+	SWITCHYARD_SCREENSHOT=$(CURDIR)/docs/status.png CGO_ENABLED=1 $(GO) test -count=1 -run '^TestStatusScreenshot$$' .
+
 clean:
-	rm -f switchyard
+	rm -rf switchyard dist
+
+# Debian's chromium, for the status page test.
+ensure-chromium:
+	@command -v chromium >/dev/null 2>&1 || { echo "installing chromium (headless, for the status page test)"; \
+		$(SUDO) apt-get install -y -q --no-install-recommends chromium >/dev/null || \
+		{ $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q --no-install-recommends chromium >/dev/null; }; }
+
+# promtool, taken out of Debian's prometheus package (the service is never
+# installed or started).
+$(PROMTOOL):
+	@echo "fetching promtool from Debian's prometheus package"
+	rm -rf $(TOOLS)/prometheus && mkdir -p $(TOOLS)/prometheus
+	cd $(TOOLS)/prometheus && { apt-get download prometheus 2>/dev/null || { $(SUDO) apt-get update -q >/dev/null && apt-get download prometheus; }; }
+	dpkg-deb -x $(TOOLS)/prometheus/prometheus_*.deb $(TOOLS)/prometheus/root
+	cp $(TOOLS)/prometheus/root/usr/bin/promtool $(PROMTOOL)
+	rm -rf $(TOOLS)/prometheus
 
 # RabbitMQ runs before the session and before CI on this kind of machine; start
 # it if it has stopped.

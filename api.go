@@ -28,12 +28,15 @@ type API struct {
 	queues  *Queues
 	webhook *Webhook
 	metrics *Metrics
+	workers []*Worker // for the status
+	started time.Time
 	log     *slog.Logger
 }
 
 // NewAPI builds the HTTP surface over the daemon's parts.
-func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, log *slog.Logger) *API {
-	a := &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics, log: log}
+func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, workers []*Worker, log *slog.Logger) *API {
+	a := &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics,
+		workers: workers, started: time.Now().UTC(), log: log}
 	tokens := cfg.API
 	a.tokens.Store(&tokens)
 	return a
@@ -49,6 +52,8 @@ func (a *API) Handler() http.Handler {
 	r.POST("/api/v1/broker/pending-switch", a.producer(a.notifySwitch))
 	r.DELETE("/api/v1/broker/pending-switch", a.operator(a.cancelSwitch))
 	r.DELETE("/api/v1/broker/watermark", a.operator(a.clearWatermark))
+	r.GET("/api/v1/status", a.operator(a.getStatus))
+	r.GET("/status", a.statusPage)
 
 	r.GET("/healthz", func(w http.ResponseWriter, _ *http.Request, _ httprouter.Params) {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})

@@ -36,6 +36,8 @@ type Metrics struct {
 	brokerUp       *prometheus.GaugeVec
 	brokerInfo     *prometheus.GaugeVec
 	buildInfo      *prometheus.GaugeVec
+	workerCycle    *prometheus.GaugeVec
+	workerFailures *prometheus.GaugeVec
 }
 
 // NewMetrics registers every metric, plus the Go runtime and process ones.
@@ -80,10 +82,14 @@ func NewMetrics() *Metrics {
 			Help: "Always 1: the host and vhost of each configured broker index."}, []string{"broker", "host", "vhost"}),
 		buildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_build_info",
 			Help: "Always 1: the version of switchyard and of Go it was built with."}, []string{"version", "goversion"}),
+		workerCycle: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_worker_last_cycle_timestamp_seconds",
+			Help: "When the worker's last cycle ended well (Unix time); 0 before the first."}, []string{"worker"}),
+		workerFailures: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_worker_failures",
+			Help: "Cycles the worker failed in a row, 0 once one ends well."}, []string{"worker"}),
 	}
 	m.reg.MustRegister(m.webhooks, m.publishes, m.publishSeconds, m.consumed, m.processSeconds, m.queueReady,
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
-		m.staleEvents, m.queueMessages, m.brokerUp, m.brokerInfo, m.buildInfo,
+		m.staleEvents, m.queueMessages, m.brokerUp, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.buildInfo.WithLabelValues(version, runtime.Version()).Set(1)
 	// Counters whose label values are known start at 0, so that rate() and
@@ -124,9 +130,9 @@ func (m *Metrics) brokers(list []*Broker) {
 }
 
 // brokerSeen records whether broker b answered, and its queues' depths when
-// it did (depths maps queue names to ready counts); a broker that did not
-// answer loses its depth series rather than showing stale ones.
-func (m *Metrics) brokerSeen(b *Broker, depths map[string]int, err error) {
+// it did; a broker that did not answer loses its depth series rather than
+// showing stale ones.
+func (m *Metrics) brokerSeen(b *Broker, queues map[string]queueInfo, err error) {
 	if m == nil {
 		return
 	}
@@ -137,8 +143,27 @@ func (m *Metrics) brokerSeen(b *Broker, depths map[string]int, err error) {
 		return
 	}
 	m.brokerUp.WithLabelValues(i).Set(1)
-	for q, n := range depths {
-		m.queueMessages.WithLabelValues(i, q).Set(float64(n))
+	for q, qi := range queues {
+		m.queueMessages.WithLabelValues(i, q).Set(float64(qi.Ready))
+	}
+}
+
+// worker records a registered worker, its gauges at 0 until its first cycle.
+func (m *Metrics) worker(name string) {
+	if m != nil {
+		m.workerCycle.WithLabelValues(name)
+		m.workerFailures.WithLabelValues(name)
+	}
+}
+
+// cycle records how one cycle of worker ended.
+func (m *Metrics) cycle(worker string, failures int, at time.Time) {
+	if m == nil {
+		return
+	}
+	m.workerFailures.WithLabelValues(worker).Set(float64(failures))
+	if failures == 0 {
+		m.workerCycle.WithLabelValues(worker).Set(float64(at.UnixNano()) / 1e9)
 	}
 }
 
@@ -228,6 +253,12 @@ func (m *Metrics) healthCheckFailed(worker string) {
 func (m *Metrics) countStore(store *Store) {
 	m.gaugeFunc("switchyard_alerts_pending", "Alerts queued in alert_outbox and not sent yet.", store.AlertsPending)
 	m.gaugeFunc("switchyard_delivery_gaps", "Open delivery gaps: deliveries GitHub made with a 2xx answer that are not stored after github.reconcile_grace.", store.OpenGapCount)
+	m.gaugeFunc("switchyard_database_writable", "1 when the database takes a write lock within 2 s, else 0.", func(ctx context.Context) (int, error) {
+		if store.Writable(ctx) != nil {
+			return 0, nil
+		}
+		return 1, nil
+	})
 }
 
 // gaugeFunc registers a gauge that count reads at each scrape (NaN when it

@@ -681,10 +681,21 @@ func TestQueuesAndReplayCommands(t *testing.T) {
 		t.Fatalf("queues: %v\n%s", err, out.String())
 	}
 	for i, name := range allQueues() {
-		line := fmt.Sprintf("%s  %d", name, i%3+1)
+		line := fmt.Sprintf("active  %s  %d  0", name, i%3+1)
 		if !strings.Contains(regexpSpaces(out.String()), line) {
 			t.Errorf("queues output lacks %q:\n%s", line, out.String())
 		}
+	}
+	var js bytes.Buffer
+	if err := run(context.Background(), []string{"queues", "-config", config, "-json"}, &js, &js); err != nil {
+		t.Fatalf("queues -json: %v\n%s", err, js.String())
+	}
+	var views []BrokerView
+	if err := json.Unmarshal(js.Bytes(), &views); err != nil {
+		t.Fatalf("queues -json: %v\n%s", err, js.String())
+	}
+	if len(views) != 2 || !views[0].Active || !views[0].Up || views[0].Queues[errorQueue(queueGitHub)].Ready != 3 || views[1].Up || views[1].Error == "" {
+		t.Errorf("queues -json: %+v", views)
 	}
 	if !strings.Contains(out.String(), "unreachable") {
 		t.Errorf("queues output does not say the second broker is unreachable:\n%s", out.String())

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -123,5 +124,127 @@ func TestServeNotifiesSystemd(t *testing.T) {
 	}
 	if err := cmd.Wait(); err != nil {
 		t.Errorf("exit: %v\n%s", err, out.String())
+	}
+}
+
+// promtool is the one `make test` unpacks from Debian's prometheus package
+// (PROMTOOL), or one on PATH; without it the rules test fails saying so.
+func promtool(t *testing.T) string {
+	t.Helper()
+	if p := os.Getenv("PROMTOOL"); p != "" {
+		return p
+	}
+	if p, err := exec.LookPath("promtool"); err == nil {
+		return p
+	}
+	if p, _ := filepath.Abs(".tools/promtool"); p != "" {
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	t.Fatal("no promtool: `make test` unpacks it from Debian's prometheus package into .tools/ (make .tools/promtool); the alert rules cannot be checked without it")
+	return ""
+}
+
+// deploy/switchyard.rules.yml is valid for Prometheus, and its alerts fire
+// on the series of switchyard.rules.test.yml as that file expects; every
+// metric the rules read is one switchyard exports.
+func TestAlertRules(t *testing.T) {
+	t.Parallel()
+	bin := promtool(t)
+	for _, args := range [][]string{{"check", "rules", "switchyard.rules.yml"}, {"test", "rules", "switchyard.rules.test.yml"}} {
+		cmd := exec.Command(bin, args...)
+		cmd.Dir = "deploy"
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("promtool %s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+	rules, err := os.ReadFile("deploy/switchyard.rules.yml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The names switchyard registers are the string literals of its code.
+	exported := map[string]bool{}
+	sources, _ := filepath.Glob("*.go")
+	for _, f := range sources {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		src, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range regexp.MustCompile(`"(switchyard_[a-z_]+)"`).FindAllSubmatch(src, -1) {
+			exported[string(m[1])] = true
+		}
+	}
+	for _, name := range regexp.MustCompile(`switchyard_[a-z_]+`).FindAllString(string(rules), -1) {
+		if !exported[name] {
+			t.Errorf("the rules read %s, which switchyard does not export", name)
+		}
+	}
+}
+
+// `make deb` builds a package whose control data and contents are as the
+// README describes: the binary in /usr/bin, the unit pointing at it, the
+// config as a conffile of mode 0640, the rules and the README, and a postinst
+// that creates the switchyard user and its state directory.
+func TestDebPackage(t *testing.T) {
+	t.Parallel()
+	if _, err := exec.LookPath("dpkg-deb"); err != nil {
+		t.Fatal("dpkg-deb is needed to check the package (Debian's dpkg)")
+	}
+	out := t.TempDir()
+	cmd := exec.Command("make", "deb", "DEB_VERSION=9.9.9")
+	cmd.Env = append(os.Environ(), "GOFLAGS=-buildvcs=false")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("make deb: %v\n%s", err, b)
+	}
+	deb := "dist/switchyard_9.9.9_amd64.deb"
+	info, err := exec.Command("dpkg-deb", "-I", deb).CombinedOutput()
+	if err != nil {
+		t.Fatalf("dpkg-deb -I: %v\n%s", err, info)
+	}
+	for _, want := range []string{"Package: switchyard", "Version: 9.9.9", "Architecture: amd64", "Depends: adduser",
+		"postinst", "prerm", "postrm", "conffiles"} {
+		if !strings.Contains(string(info), want) {
+			t.Errorf("dpkg-deb -I lacks %q:\n%s", want, info)
+		}
+	}
+	contents, err := exec.Command("dpkg-deb", "-c", deb).CombinedOutput()
+	if err != nil {
+		t.Fatalf("dpkg-deb -c: %v\n%s", err, contents)
+	}
+	for _, want := range []string{"-rwxr-xr-x root/root .* ./usr/bin/switchyard$", "-rw-r----- root/root .* ./etc/switchyard/switchyard.toml$",
+		" ./lib/systemd/system/switchyard.service$", " ./usr/share/switchyard/switchyard.rules.yml$",
+		" ./usr/share/doc/switchyard/README.md$"} {
+		if !regexp.MustCompile("(?m)" + want).Match(contents) {
+			t.Errorf("dpkg-deb -c lacks %s:\n%s", want, contents)
+		}
+	}
+	if b, err := exec.Command("dpkg-deb", "-x", deb, out).CombinedOutput(); err != nil {
+		t.Fatalf("dpkg-deb -x: %v\n%s", err, b)
+	}
+	unit, _ := os.ReadFile(filepath.Join(out, "lib/systemd/system/switchyard.service"))
+	if !strings.Contains(string(unit), "ExecStart=/usr/bin/switchyard serve -config /etc/switchyard/switchyard.toml\n") {
+		t.Errorf("the packaged unit does not run /usr/bin/switchyard:\n%s", unit)
+	}
+	control := filepath.Join(out, "DEBIAN")
+	if b, err := exec.Command("dpkg-deb", "-e", deb, control).CombinedOutput(); err != nil {
+		t.Fatalf("dpkg-deb -e: %v\n%s", err, b)
+	}
+	postinst, _ := os.ReadFile(filepath.Join(control, "postinst"))
+	for _, want := range []string{"adduser --system --ingroup switchyard", "chown switchyard:switchyard /var/lib/switchyard",
+		"chown root:switchyard /etc/switchyard/switchyard.toml"} {
+		if !strings.Contains(string(postinst), want) {
+			t.Errorf("postinst lacks %q", want)
+		}
+	}
+	if conffiles, _ := os.ReadFile(filepath.Join(control, "conffiles")); strings.TrimSpace(string(conffiles)) != "/etc/switchyard/switchyard.toml" {
+		t.Errorf("conffiles: %q", conffiles)
+	}
+	v, err := exec.Command(filepath.Join(out, "usr/bin/switchyard"), "version").CombinedOutput()
+	if err != nil || !strings.HasPrefix(string(v), "switchyard ") {
+		t.Errorf("the packaged binary: %v %s", err, v)
 	}
 }

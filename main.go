@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -74,6 +75,7 @@ type options struct {
 	config     string
 	replay     ReplayOptions
 	deliveries DeliveriesOptions
+	json       bool // queues, status
 }
 
 var commands = []command{
@@ -81,7 +83,12 @@ var commands = []command{
 	{name: "migrate", summary: "create or upgrade the database, then exit"},
 	{name: "check-config", summary: "validate the config; print it with secrets masked, and any warnings"},
 	{name: "backup", args: "DEST", nargs: 1, summary: "write a consistent snapshot of the database to DEST (mode 0600) while serve runs"},
-	{name: "queues", summary: "ready-message counts of all 12 queues on every broker"},
+	{name: "queues", summary: "all 12 queues on every broker: ready messages and consumers, the active broker and the pending target marked",
+		flags: func(fs *flag.FlagSet, o *options) { fs.BoolVar(&o.json, "json", false, "print JSON") }},
+	{name: "status", summary: "the running daemon's status: brokers, pending switch and what holds it, -error queues, workers, gaps",
+		flags: func(fs *flag.FlagSet, o *options) {
+			fs.BoolVar(&o.json, "json", false, "print GET /api/v1/status as it is")
+		}},
 	{name: "replay", args: "QUEUE", nargs: 1,
 		summary: "move the messages QUEUE-error holds now back to QUEUE on the active broker",
 		flags: func(fs *flag.FlagSet, o *options) {
@@ -219,7 +226,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "backup":
 		return backup(ctx, cfg, pos[0], stdout)
 	case "queues":
-		return listQueues(ctx, cfg, log, stdout)
+		return listQueues(ctx, cfg, log, o.json, stdout)
+	case "status":
+		return printStatus(ctx, cfg, o.json, stdout)
 	case "replay":
 		return replay(ctx, cfg, log, pos[0], o.replay, stdout)
 	case "deliveries":
@@ -425,8 +434,9 @@ func backup(ctx context.Context, cfg *Config, dest string, stdout io.Writer) err
 	return nil
 }
 
-// listQueues prints the ready-message count of all 12 queues on every broker.
-func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, stdout io.Writer) error {
+// listQueues prints all 12 queues on every broker, with the active broker
+// and the pending target as the database records them (when it can be read).
+func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, asJSON bool, stdout io.Writer) error {
 	var brokers []*Broker
 	for i, bc := range cfg.Brokers {
 		b, err := ParseBroker(i, bc.URL)
@@ -435,29 +445,177 @@ func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, stdout io.Wr
 		}
 		brokers = append(brokers, b)
 	}
+	state := "the database cannot be read, so the active broker is not marked"
+	active, pending := -1, -1
+	if store, err := openExisting(ctx, cfg.Database); err == nil {
+		if bs, err := NewBrokers(ctx, cfg.Brokers, store, nil, log); err == nil {
+			st := bs.Cached()
+			active, state = st.Active, ""
+			if st.Pending != nil {
+				pending = st.Pending.Index
+			}
+		}
+		store.Close()
+	}
 	queues := operatorQueues(cfg, brokers, log)
 	defer queues.Close()
-	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "BROKER\tQUEUE\tREADY")
+	views := make([]BrokerView, len(brokers))
 	var unreachable int
-	for _, b := range brokers {
-		counts, err := queues.ReadyCounts(ctx, b, allQueues())
+	for i, b := range brokers {
+		v := BrokerView{Index: b.Index, Host: b.Host, Vhost: b.Vhost, Active: b.Index == active, Pending: b.Index == pending}
+		qs, missing, err := queues.Inspect(ctx, b)
 		if err != nil {
 			unreachable++
-			fmt.Fprintf(tw, "%s\t-\tunreachable: %v\n", b, err)
-			continue
+			v.Error = err.Error()
+		} else {
+			v.Up, v.Queues, v.Missing = true, qs, missing
 		}
-		for _, q := range allQueues() {
-			fmt.Fprintf(tw, "%s\t%s\t%d\n", b, q, counts[q])
-		}
+		views[i] = v
 	}
-	if err := tw.Flush(); err != nil {
-		return err
+	if asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(views); err != nil {
+			return err
+		}
+	} else {
+		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "BROKER\tROLE\tQUEUE\tREADY\tCONSUMERS")
+		for i, v := range views {
+			role := "-"
+			switch {
+			case v.Active:
+				role = "active"
+			case v.Pending:
+				role = "pending target"
+			}
+			if !v.Up {
+				fmt.Fprintf(tw, "%s\t%s\t-\tunreachable: %s\t\n", brokers[i], role, v.Error)
+				continue
+			}
+			for _, q := range allQueues() {
+				if slices.Contains(v.Missing, q) {
+					fmt.Fprintf(tw, "%s\t%s\t%s\tmissing\t\n", brokers[i], role, q)
+					continue
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\n", brokers[i], role, q, v.Queues[q].Ready, v.Queues[q].Consumers)
+			}
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, "(unacked counts are reported only by RabbitMQ's management API, which switchyard does not use)")
+		if state != "" {
+			fmt.Fprintln(stdout, "("+state+")")
+		}
 	}
 	if unreachable == len(brokers) {
 		return errors.New("no broker reachable")
 	}
 	return nil
+}
+
+// printStatus asks the running daemon for its status (GET /api/v1/status on
+// server.listen, with the operator token) and prints it.
+func printStatus(ctx context.Context, cfg *Config, asJSON bool, stdout io.Writer) error {
+	host, port, err := net.SplitHostPort(cfg.Server.Listen)
+	if err != nil {
+		return fmt.Errorf("server.listen: %w", err)
+	}
+	if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
+		host = "127.0.0.1"
+	}
+	url := "http://" + net.JoinHostPort(host, port) + "/api/v1/status"
+	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Authorization", "Bearer "+cfg.API.OperatorToken)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("is switchyard serving on %s? %w", cfg.Server.Listen, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s: %s", url, resp.Status, strings.TrimSpace(string(body)))
+	}
+	if asJSON {
+		_, err := stdout.Write(body)
+		return err
+	}
+	var st Status
+	if err := json.Unmarshal(body, &st); err != nil {
+		return fmt.Errorf("GET %s: %w", url, err)
+	}
+	writeStatus(stdout, st)
+	return nil
+}
+
+// writeStatus prints a Status for a terminal.
+func writeStatus(w io.Writer, st Status) {
+	fmt.Fprintf(w, "switchyard %s (%s), up %s\n", st.Version, st.GoVersion, st.Now.Sub(st.StartedAt).Round(time.Second))
+	for _, b := range st.Brokers {
+		if b.Active {
+			fmt.Fprintf(w, "active broker: #%d %s vhost %s\n", b.Index, b.Host, b.Vhost)
+		}
+	}
+	if p := st.Pending; p != nil {
+		fmt.Fprintf(w, "pending switch: to #%d (%s vhost %s), switched at %s\n", p.Index, p.Host, p.Vhost, p.SwitchedAt.Format(time.RFC3339))
+		for _, h := range p.HeldBy {
+			fmt.Fprintf(w, "  waits for %s on #%d: %d messages\n", h.Queue, h.Broker, h.Messages)
+		}
+	} else {
+		fmt.Fprintln(w, "pending switch: none")
+	}
+	fmt.Fprintf(w, "messages in -error queues: %d\n", st.ErrorMessages)
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "\nBROKER\tUP\tROLE\tNON-EMPTY QUEUES")
+	for _, b := range st.Brokers {
+		role := "-"
+		switch {
+		case b.Active:
+			role = "active"
+		case b.Pending:
+			role = "pending target"
+		}
+		var held []string
+		for _, q := range allQueues() {
+			if n := b.Queues[q].Ready; n > 0 {
+				held = append(held, fmt.Sprintf("%s=%d", q, n))
+			}
+		}
+		up := "up"
+		if !b.Up {
+			up, held = "down", []string{b.Error}
+		}
+		fmt.Fprintf(tw, "#%d %s vhost %s\t%s\t%s\t%s\n", b.Index, b.Host, b.Vhost, up, role, strings.Join(held, " "))
+	}
+	fmt.Fprintln(tw, "\nWORKER\tLAST CYCLE\tLAST STORED\tFAILURES")
+	ago := func(t time.Time) string {
+		if t.IsZero() {
+			return "never"
+		}
+		return st.Now.Sub(t).Round(time.Second).String() + " ago"
+	}
+	for _, wk := range st.Workers {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d %s\n", wk.Name, ago(wk.LastCycle), ago(wk.LastStored), wk.Failures, wk.LastError)
+	}
+	tw.Flush()
+	total := 0
+	for _, b := range st.Statistics {
+		total += b.Count
+	}
+	fmt.Fprintf(w, "\nevents in the last 7 days: %d\ndatabase: %s, %d bytes, %d raw rows\nopen delivery gaps: %d\n",
+		total, st.Database.Path, st.Database.SizeBytes, st.Database.Rows["github"], len(st.Gaps))
+	for _, g := range st.Gaps {
+		fmt.Fprintf(w, "  %s %s delivered %s\n", g.GUID, g.Event, g.DeliveredAt.Format(time.RFC3339))
+	}
 }
 
 // DeliveriesOptions are the deliveries command's flags.
@@ -638,8 +796,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	if err != nil {
 		return fail(err)
 	}
-	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics,
-		api: NewAPI(cfg, store, brokers, queues, webhook, metrics, log)}
+	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics}
 	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
@@ -683,6 +840,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 				return err
 			}}))
 	}
+	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, log)
 	return d, nil
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -63,6 +64,17 @@ type Queues struct {
 	drainQuiet time.Duration
 	// sizes are the message sizes seen per queue, for the windows.
 	sizes messageSizes
+	// lastDone is, per queue, when a message last ended done (a time.Time),
+	// for the status page.
+	lastDone sync.Map
+}
+
+// LastDone is when a message of queue last ended done in this process; zero
+// when none has since the start.
+func (q *Queues) LastDone(queue string) time.Time {
+	t, _ := q.lastDone.Load(queue)
+	v, _ := t.(time.Time)
+	return v
 }
 
 // brokerConn is the one connection to one broker, and its publisher.
@@ -171,42 +183,48 @@ func (q *Queues) ReadyCounts(ctx context.Context, b *Broker, queues []string) (m
 // readyCount is a queue's ready messages; a queue that does not exist holds
 // none.
 func (q *Queues) readyCount(conn *amqp.Connection, b *Broker, name string) (int, error) {
-	n, _, err := q.inspectQueue(conn, b, name)
-	return n, err
+	qi, _, err := q.inspectQueue(conn, b, name)
+	return qi.Ready, err
+}
+
+// queueInfo is what a passive declare tells of a queue.
+type queueInfo struct {
+	Ready     int `json:"ready"`
+	Consumers int `json:"consumers"`
 }
 
 // inspectQueue asks the broker for a queue with a passive declare: its ready
-// messages, and whether it exists.
-func (q *Queues) inspectQueue(conn *amqp.Connection, b *Broker, name string) (ready int, exists bool, err error) {
+// messages and consumers, and whether it exists.
+func (q *Queues) inspectQueue(conn *amqp.Connection, b *Broker, name string) (info queueInfo, exists bool, err error) {
 	ch, err := q.channel(conn)
 	if err != nil {
-		return 0, false, err
+		return info, false, err
 	}
 	qi, err := call(q, conn, "passive declare "+name, func() (amqp.Queue, error) {
 		return ch.QueueDeclarePassive(name, true, false, false, false, nil)
 	})
 	if isNotFound(err) {
 		q.metrics.ready(b.Index, name, 0)
-		return 0, false, nil // the 404 closed the channel already
+		return info, false, nil // the 404 closed the channel already
 	}
 	q.closeChannel(conn, ch)
 	if err != nil {
-		return 0, false, err
+		return info, false, err
 	}
 	q.metrics.ready(b.Index, name, qi.Messages)
-	return qi.Messages, true, nil
+	return queueInfo{Ready: qi.Messages, Consumers: qi.Consumers}, true, nil
 }
 
-// Inspect reads the ready messages of all 12 queues on broker b, and which of
-// them do not exist (a free plan deletes a queue nobody used for 28 days).
-func (q *Queues) Inspect(ctx context.Context, b *Broker) (depths map[string]int, missing []string, err error) {
+// Inspect reads all 12 queues on broker b, and which of them do not exist (a
+// free plan deletes a queue nobody used for 28 days).
+func (q *Queues) Inspect(ctx context.Context, b *Broker) (queues map[string]queueInfo, missing []string, err error) {
 	conn, _, err := q.conn(ctx, b)
 	if err != nil {
 		return nil, nil, err
 	}
-	depths = map[string]int{}
+	queues = map[string]queueInfo{}
 	for _, name := range allQueues() {
-		n, exists, err := q.inspectQueue(conn, b, name)
+		qi, exists, err := q.inspectQueue(conn, b, name)
 		if err != nil {
 			return nil, nil, fmt.Errorf("%s on %s: %w", name, b, err)
 		}
@@ -214,9 +232,9 @@ func (q *Queues) Inspect(ctx context.Context, b *Broker) (depths map[string]int,
 			missing = append(missing, name)
 			continue
 		}
-		depths[name] = n
+		queues[name] = qi
 	}
-	return depths, missing, nil
+	return queues, missing, nil
 }
 
 // Redeclare declares the topology on broker b again, as at connect.

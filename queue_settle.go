@@ -167,7 +167,7 @@ func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, lo
 	} else {
 		outcome, err = q.finish(ctx, b, queue, d, verdict, log)
 	}
-	q.metrics.consume(queue, outcome, time.Since(start))
+	q.consumed(queue, outcome, start)
 	return outcome, err
 }
 
@@ -227,12 +227,20 @@ func (q *Queues) settleBatch(b *Broker, queue string, ds []amqp.Delivery, h Hand
 			}
 			last = i
 		}
-		q.metrics.consume(queue, outcome, time.Since(start))
+		q.consumed(queue, outcome, start)
 	}
 	if last < 0 {
 		return nil
 	}
 	return ds[last].Ack(true)
+}
+
+// consumed records how one message of queue ended.
+func (q *Queues) consumed(queue string, outcome Outcome, start time.Time) {
+	q.metrics.consume(queue, outcome, time.Since(start))
+	if outcome == OutcomeDone {
+		q.lastDone.Store(queue, time.Now())
+	}
 }
 
 // toError publishes the delivery to queue-error on the broker it came from,

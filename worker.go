@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"math/rand/v2"
+	"sync"
 	"time"
 )
 
@@ -44,6 +45,44 @@ type Worker struct {
 	brokers *Brokers
 	queues  *Queues
 	log     *slog.Logger
+
+	mu    sync.Mutex
+	state WorkerState
+}
+
+// WorkerState is how a worker's cycles go, for the status page.
+type WorkerState struct {
+	Name  string `json:"name"`
+	Queue string `json:"queue"`
+	// LastCycle is when the last cycle ended well; Failures counts the
+	// cycles failed since, LastError says why the last one failed.
+	LastCycle time.Time `json:"last_cycle"`
+	Failures  int       `json:"failures"`
+	LastError string    `json:"last_error,omitempty"`
+	// LastStored is when a message of its queue last ended done, since
+	// the daemon started.
+	LastStored time.Time `json:"last_stored"`
+}
+
+// State returns the worker's state as of its last cycle.
+func (w *Worker) State() WorkerState {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	st := w.state
+	st.Name, st.Queue, st.LastStored = w.Name, w.Queue, w.queues.LastDone(w.Queue)
+	return st
+}
+
+func (w *Worker) record(err error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if err != nil {
+		w.state.Failures++
+		w.state.LastError = err.Error()
+	} else {
+		w.state.LastCycle, w.state.Failures, w.state.LastError = time.Now(), 0, ""
+	}
+	w.queues.metrics.cycle(w.Name, w.state.Failures, w.state.LastCycle)
 }
 
 // NewWorker builds a worker over the shared brokers and queues.
@@ -51,6 +90,7 @@ func NewWorker(o WorkerOptions, cfg WorkersConfig, brokers *Brokers, queues *Que
 	if o.Consumed == nil {
 		o.Consumed = logicalQueues
 	}
+	queues.metrics.worker(o.Name)
 	return &Worker{WorkerOptions: o, cfg: cfg, brokers: brokers, queues: queues, log: log.With("worker", o.Name, "queue", o.Queue)}
 }
 
@@ -65,6 +105,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
+		w.record(err)
 		if err != nil {
 			w.Health.Fail(ctx, err.Error())
 			failures++

@@ -59,7 +59,7 @@ func (f *Fleet) Run(ctx context.Context) error {
 // back what is missing.
 func (f *Fleet) look(ctx context.Context, b *Broker, keepalive bool) {
 	log := f.log.With("broker", b.String())
-	depths, missing, err := f.queues.Inspect(ctx, b)
+	queues, missing, err := f.queues.Inspect(ctx, b)
 	if err != nil {
 		if ctx.Err() == nil {
 			log.Warn("cannot read the broker's queues", "error", err)
@@ -76,11 +76,11 @@ func (f *Fleet) look(ctx context.Context, b *Broker, keepalive bool) {
 		} else if len(missing) > 0 {
 			log.Warn("queues were missing on the broker, declared again", "missing", missing)
 			for _, name := range missing {
-				depths[name] = 0
+				queues[name] = queueInfo{}
 			}
 		} else {
 			log.Debug("keepalive declared the topology")
 		}
 	}
-	f.metrics.brokerSeen(b, depths, nil)
+	f.metrics.brokerSeen(b, queues, nil)
 }

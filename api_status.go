@@ -1,0 +1,238 @@
+package main
+
+import (
+	"context"
+	"crypto/subtle"
+	_ "embed"
+	"fmt"
+	"html/template"
+	"net/http"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/julienschmidt/httprouter"
+)
+
+// statusTimeout bounds the status's look at the brokers, each on its own:
+// one that does not answer must not hold the page.
+const statusTimeout = 3 * time.Second
+
+// Status is what an operator wants at a glance (SPEC §12.6): GET /status
+// renders it, GET /api/v1/status and `switchyard status -json` return it.
+type Status struct {
+	Version   string    `json:"version"`
+	GoVersion string    `json:"go_version"`
+	StartedAt time.Time `json:"started_at"`
+	Now       time.Time `json:"now"`
+
+	Active    int          `json:"active"`
+	Pending   *PendingHold `json:"pending_switch"`
+	Watermark *time.Time   `json:"watermark"`
+	Last      *LastSwitch  `json:"last_switch"`
+
+	Brokers []BrokerView `json:"brokers"`
+	// ErrorMessages is what every -error queue of every broker that answered
+	// holds in all.
+	ErrorMessages int `json:"error_messages"`
+
+	Workers    []WorkerState      `json:"workers"`
+	Statistics []StatisticsBucket `json:"statistics"` // the last 7 days, 6 hours a bucket
+	Database   DatabaseStatus     `json:"database"`
+	Gaps       []deliveryGap      `json:"open_gaps"`
+}
+
+// PendingHold is a Pending Switch and what holds it: the consumed queues of
+// the active broker that still hold messages.
+type PendingHold struct {
+	PendingSwitch
+	HeldBy []QueueHold `json:"held_by"`
+}
+
+// QueueHold is one queue on one broker that a Pending Switch waits for.
+type QueueHold struct {
+	Broker   int    `json:"broker"`
+	Queue    string `json:"queue"`
+	Messages int    `json:"messages"`
+}
+
+// BrokerView is one configured broker as the status sees it now.
+type BrokerView struct {
+	Index   int                  `json:"index"`
+	Host    string               `json:"host"`
+	Vhost   string               `json:"vhost"`
+	Active  bool                 `json:"active"`
+	Pending bool                 `json:"pending"` // a Pending Switch's target
+	Up      bool                 `json:"up"`
+	Error   string               `json:"error,omitempty"`
+	Missing []string             `json:"missing_queues,omitempty"`
+	Queues  map[string]queueInfo `json:"queues,omitempty"`
+}
+
+// ErrorDepth is what the broker's -error queues hold.
+func (b BrokerView) ErrorDepth() int {
+	n := 0
+	for _, q := range logicalQueues {
+		n += b.Queues[errorQueue(q)].Ready
+	}
+	return n
+}
+
+// gatherStatus gathers the Status: the state machine, every broker at once (each
+// within statusTimeout), the workers, and the database.
+func (a *API) gatherStatus(ctx context.Context) (Status, error) {
+	st := Status{Version: version, GoVersion: runtime.Version(), StartedAt: a.started, Now: time.Now().UTC()}
+	sw, err := a.brokers.State(ctx)
+	if err != nil {
+		return st, err
+	}
+	st.Active, st.Last = sw.Active, sw.Last
+	if !sw.Watermark.IsZero() {
+		st.Watermark = &sw.Watermark
+	}
+	list := a.brokers.List()
+	st.Brokers = make([]BrokerView, len(list))
+	var wg sync.WaitGroup
+	for i, b := range list {
+		bs := BrokerView{Index: b.Index, Host: b.Host, Vhost: b.Vhost, Active: b.Index == sw.Active,
+			Pending: sw.Pending != nil && sw.Pending.Index == b.Index}
+		wg.Go(func() {
+			bctx, cancel := context.WithTimeout(ctx, statusTimeout)
+			defer cancel()
+			queues, missing, err := a.queues.Inspect(bctx, b)
+			if err != nil {
+				bs.Error = err.Error()
+			} else {
+				bs.Up, bs.Queues, bs.Missing = true, queues, missing
+			}
+			st.Brokers[i] = bs
+		})
+	}
+	wg.Wait()
+	for _, b := range st.Brokers {
+		st.ErrorMessages += b.ErrorDepth()
+	}
+	if sw.Pending != nil {
+		st.Pending = &PendingHold{PendingSwitch: *sw.Pending, HeldBy: []QueueHold{}}
+		active := st.Brokers[sw.Active]
+		for _, q := range a.cfg.ConsumedQueues() {
+			for _, name := range []string{q, retryQueue(q)} {
+				if n := active.Queues[name].Ready; n > 0 {
+					st.Pending.HeldBy = append(st.Pending.HeldBy, QueueHold{Broker: sw.Active, Queue: name, Messages: n})
+				}
+			}
+		}
+	}
+	for _, w := range a.workers {
+		st.Workers = append(st.Workers, w.State())
+	}
+	if st.Statistics, err = a.store.Statistics(ctx, st.Now.Add(-7*24*time.Hour), st.Now); err != nil {
+		return st, err
+	}
+	if st.Database, err = a.store.DatabaseStatus(ctx); err != nil {
+		return st, err
+	}
+	if st.Gaps, err = a.store.OpenGaps(ctx); err != nil {
+		return st, err
+	}
+	return st, nil
+}
+
+// getStatus is GET /api/v1/status.
+func (a *API) getStatus(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	st, err := a.gatherStatus(r.Context())
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, st)
+}
+
+// statusPage is GET /status: the Status as one HTML page, behind HTTP Basic
+// auth (user "operator", the operator token as password), so that a browser
+// can ask for it.
+func (a *API) statusPage(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	user, pass, ok := r.BasicAuth()
+	if !ok || subtle.ConstantTimeCompare([]byte(user), []byte("operator")) != 1 || !tokenIs(pass, a.tokens.Load().OperatorToken) {
+		w.Header().Set("WWW-Authenticate", `Basic realm="switchyard", charset="UTF-8"`)
+		http.Error(w, "401 unauthorized: user operator, the operator token as password", http.StatusUnauthorized)
+		return
+	}
+	st, err := a.gatherStatus(r.Context())
+	if err != nil {
+		a.log.Error("status page", "error", err)
+		http.Error(w, "500 internal error", http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store")
+	if err := statusTemplate.Execute(w, st); err != nil {
+		a.log.Warn("status page", "error", err)
+	}
+}
+
+//go:embed api_status.html
+var statusHTML string
+
+var statusTemplate = template.Must(template.New("status").Funcs(template.FuncMap{
+	"ago": func(now, t time.Time) string {
+		if t.IsZero() {
+			return "never"
+		}
+		d := now.Sub(t).Round(time.Second)
+		if d < 0 {
+			d = 0
+		}
+		return d.String() + " ago"
+	},
+	"when": func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05 UTC") },
+	"bytes": func(n int64) string {
+		switch {
+		case n >= 1<<30:
+			return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
+		case n >= 1<<20:
+			return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+		}
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	},
+	"queueNames": func() []string { return allQueues() },
+	"isError":    func(name string) bool { return strings.HasSuffix(name, "-error") },
+	"chart":      statisticsChart,
+	"sortedRows": func(rows map[string]int) []string {
+		keys := make([]string, 0, len(rows))
+		for k := range rows {
+			keys = append(keys, k)
+		}
+		slices.Sort(keys)
+		return keys
+	},
+}).Parse(statusHTML))
+
+// statisticsChart draws the 6-hour buckets as an inline SVG bar chart, one
+// bar per bucket, with the largest bucket's count and the span as labels.
+func statisticsChart(buckets []StatisticsBucket) template.HTML {
+	const w, h, top = 560.0, 120.0, 14.0
+	peak := 1
+	total := 0
+	for _, b := range buckets {
+		peak = max(peak, b.Count)
+		total += b.Count
+	}
+	var s strings.Builder
+	fmt.Fprintf(&s, `<svg class="chart" viewBox="0 0 %.0f %.0f" role="img" aria-label="Events per 6 hours, last 7 days: %d in all">`, w, h+16, total)
+	if n := len(buckets); n > 0 {
+		bw := w / float64(n)
+		for i, b := range buckets {
+			bh := (h - top) * float64(b.Count) / float64(peak)
+			fmt.Fprintf(&s, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f"><title>%s: %d</title></rect>`,
+				float64(i)*bw+1, h-bh, bw-2, bh, b.Start.Format("Mon 02 Jan 15:04"), b.Count)
+		}
+		fmt.Fprintf(&s, `<text x="0" y="10">peak %d per 6 h</text>`, peak)
+		fmt.Fprintf(&s, `<text x="0" y="%.0f">%s</text>`, h+14, buckets[0].Start.Format("Mon 02 Jan"))
+		fmt.Fprintf(&s, `<text x="%.0f" y="%.0f" text-anchor="end">now</text>`, w, h+14)
+	}
+	s.WriteString(`</svg>`)
+	return template.HTML(s.String()) // built here from numbers and fixed formats only
+}

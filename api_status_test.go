@@ -1,0 +1,232 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+// statusScene is a daemon with two brokers, a Pending Switch to the second
+// held by a message on the first's github-retry (whose TTL outlasts the
+// test), and a message in the second's github-error.
+func statusScene(t *testing.T) (d *testDaemon, a, b string) {
+	t.Helper()
+	a, b = newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	cfg.Queue.RetryTTL = time.Hour
+	declareTestTopology(t, a, cfg.Queue.RetryTTL)
+	declareTestTopology(t, b, cfg.Queue.RetryTTL)
+	body := loadFixture(t, "issues", "opened.payload.json")
+	publishRaw(t, a, "", retryQueue(queueGitHub), eventMessage("issues", newGUID(), body))
+	failed := eventMessage("issues", newGUID(), body)
+	failed.Headers[hdrError] = "payload does not have the issues shape"
+	publishRaw(t, b, "", errorQueue(queueGitHub), failed)
+	d = startDaemon(t, cfg)
+	for i := 0; i < 3; i++ {
+		if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
+			t.Fatalf("webhook: %d", code)
+		}
+	}
+	if code, m := apiCall(t, http.MethodPost, d.URL+"/api/v1/broker/pending-switch", "producer-token-for-tests",
+		notification("127.0.0.1", b, time.Now())); code != http.StatusAccepted {
+		t.Fatalf("notify: %d %v", code, m)
+	}
+	return d, a, b
+}
+
+// GET /api/v1/status: the active broker, the Pending Switch and the queue
+// that holds it, every broker's queues with the -error depth, the workers,
+// the statistics and the database; operator token only.
+func TestStatusAPI(t *testing.T) {
+	t.Parallel()
+	d, _, _ := statusScene(t)
+	var st Status
+	// The workers take the three webhooks from the active broker, and cycle
+	// (a consumer between two windows counts none).
+	eventually(t, 30*time.Second, "the webhooks stored, every worker cycled, the service worker consuming", func() bool {
+		req, _ := http.NewRequest(http.MethodGet, d.URL+"/api/v1/status", nil)
+		req.Header.Set("Authorization", "Bearer operator-token-for-tests")
+		code, raw := do(t, req)
+		if code != http.StatusOK {
+			t.Fatalf("GET /api/v1/status: %d %s", code, raw)
+		}
+		st = Status{}
+		if err := json.Unmarshal([]byte(raw), &st); err != nil {
+			t.Fatal(err)
+		}
+		for _, w := range st.Workers {
+			if w.LastCycle.IsZero() {
+				return false
+			}
+		}
+		return st.Database.Rows["github"] == 3 && !st.Workers[0].LastStored.IsZero() && len(st.Brokers) == 2 && st.Brokers[0].Queues[queueGitHub].Ready == 0 &&
+			st.Brokers[0].Queues[queueDatabase].Ready == 0 && st.Brokers[0].Queues[queueGitHub].Consumers == 1
+	})
+	if st.Active != 0 || st.Pending == nil || st.Pending.Index != 1 {
+		t.Fatalf("active %d, pending %+v: want 0 and a switch to 1", st.Active, st.Pending)
+	}
+	if len(st.Pending.HeldBy) != 1 || st.Pending.HeldBy[0] != (QueueHold{Broker: 0, Queue: retryQueue(queueGitHub), Messages: 1}) {
+		t.Errorf("held by %+v, want github-retry on broker 0 with 1 message", st.Pending.HeldBy)
+	}
+	if st.ErrorMessages != 1 || st.Brokers[1].Queues[errorQueue(queueGitHub)].Ready != 1 || !st.Brokers[1].Pending || !st.Brokers[0].Active {
+		t.Errorf("brokers: %+v, error messages %d", st.Brokers, st.ErrorMessages)
+	}
+	if len(st.Workers) != 3 || len(st.Statistics) < 28 {
+		t.Errorf("workers %d (want 3), statistics buckets %d (want 7 days of 4)", len(st.Workers), len(st.Statistics))
+	}
+	var counted int
+	for _, bk := range st.Statistics {
+		counted += bk.Count
+	}
+	if counted != 3 || st.Database.SizeBytes == 0 {
+		t.Errorf("statistics count %d (want 3), database %d bytes", counted, st.Database.SizeBytes)
+	}
+
+	// switchyard status, from the config of the running daemon.
+	cfg := *d.cfg
+	cfg.Server.Listen = strings.TrimPrefix(d.URL, "http://")
+	var text, js strings.Builder
+	if err := printStatus(context.Background(), &cfg, false, &text); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"active broker: #0 127.0.0.1", "pending switch: to #1", "waits for github-retry on #0: 1 messages",
+		"messages in -error queues: 1", "github-error=1", "service"} {
+		if !strings.Contains(text.String(), want) {
+			t.Errorf("switchyard status lacks %q:\n%s", want, text.String())
+		}
+	}
+	if err := printStatus(context.Background(), &cfg, true, &js); err != nil {
+		t.Fatal(err)
+	}
+	var fromJSON Status
+	if err := json.Unmarshal([]byte(js.String()), &fromJSON); err != nil || fromJSON.Pending == nil || fromJSON.ErrorMessages != 1 {
+		t.Errorf("switchyard status -json: %v %+v", err, fromJSON)
+	}
+	cfg.API.OperatorToken = "wrong-token-wrong-token"
+	if err := printStatus(context.Background(), &cfg, false, &text); err == nil || !strings.Contains(err.Error(), "401") {
+		t.Errorf("switchyard status with a wrong token: %v", err)
+	}
+
+	for _, tok := range []string{"", "producer-token-for-tests"} {
+		if code, _ := apiCall(t, http.MethodGet, d.URL+"/api/v1/status", tok, ""); code == http.StatusOK {
+			t.Errorf("GET /api/v1/status with %q: 200", tok)
+		}
+	}
+	for _, creds := range [][2]string{{"", ""}, {"operator", "producer-token-for-tests"}, {"admin", "operator-token-for-tests"}} {
+		req, _ := http.NewRequest(http.MethodGet, d.URL+"/status", nil)
+		if creds[0] != "" {
+			req.SetBasicAuth(creds[0], creds[1])
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusUnauthorized || !strings.HasPrefix(resp.Header.Get("WWW-Authenticate"), "Basic ") {
+			t.Errorf("GET /status as %v: %d %q, want 401 asking for Basic auth", creds, resp.StatusCode, resp.Header.Get("WWW-Authenticate"))
+		}
+	}
+}
+
+// chromium finds the headless browser the Makefile installs (Debian's
+// chromium), or fails saying how to get it: the status page test must not
+// pass by not running.
+func chromium(t *testing.T) string {
+	t.Helper()
+	for _, name := range []string{"chromium", "chromium-browser", "google-chrome"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
+		}
+	}
+	t.Fatal("no headless Chromium on PATH: `make test` installs Debian's chromium (apt-get install chromium); the status page test cannot run without it")
+	return ""
+}
+
+// operatorProxy serves the daemon's /status with the operator's Basic auth
+// added, as a browser asks after the login prompt.
+func operatorProxy(t *testing.T, daemonURL string) string {
+	t.Helper()
+	target, _ := url.Parse(daemonURL)
+	p := httputil.NewSingleHostReverseProxy(target)
+	direct := p.Director
+	p.Director = func(r *http.Request) {
+		direct(r)
+		r.SetBasicAuth("operator", "operator-token-for-tests")
+	}
+	srv := httptest.NewServer(p)
+	t.Cleanup(srv.Close)
+	return srv.URL + "/status"
+}
+
+// runChromium runs headless Chromium with args on pageURL and returns its
+// standard output.
+func runChromium(t *testing.T, args ...string) string {
+	t.Helper()
+	cmd := exec.Command(chromium(t), append([]string{"--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+		"--no-first-run", "--user-data-dir=" + t.TempDir()}, args...)...)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("chromium %v: %v\n%s", args, err, stderr.String())
+	}
+	return string(out)
+}
+
+// The status page rendered by headless Chromium shows the active broker, the
+// Pending Switch's blocking queue and the non-zero -error depth the test put
+// there.
+func TestStatusPageInBrowser(t *testing.T) {
+	t.Parallel()
+	chromium(t)
+	d, a, b := statusScene(t)
+	page := operatorProxy(t, d.URL)
+	dom := runChromium(t, "--dump-dom", page)
+	for what, want := range map[string]string{
+		"the active broker":        "Reading broker #0: 127.0.0.1 vhost " + a,
+		"the pending switch":       "Pending switch to broker #1 (127.0.0.1 vhost " + b + ")",
+		"what holds it":            "<b>github-retry</b> on broker #0 (1 messages)",
+		"the -error messages":      `id="errors">1 messages in -error queues`,
+		"the -error depth, marked": `<td>github-error</td><td class="n alert">1</td>`,
+		"the chart":                `<svg class="chart"`,
+	} {
+		if !strings.Contains(dom, want) {
+			t.Errorf("the rendered page does not show %s: %q not in\n%s", what, want, dom)
+		}
+	}
+}
+
+// TestStatusScreenshot writes docs/status.png for the README when
+// SWITCHYARD_SCREENSHOT names the file (`make screenshot`).
+func TestStatusScreenshot(t *testing.T) {
+	path := os.Getenv("SWITCHYARD_SCREENSHOT")
+	if path == "" {
+		t.Skip("set SWITCHYARD_SCREENSHOT=docs/status.png (make screenshot) to write the README's picture")
+	}
+	d, _, _ := statusScene(t)
+	page := operatorProxy(t, d.URL)
+	eventually(t, 30*time.Second, "the webhooks stored", func() bool {
+		return strings.Contains(runChromium(t, "--dump-dom", page), "<td>github</td><td class=\"n\">3</td>")
+	})
+	runChromium(t, "--screenshot="+path, "--window-size=1000,1500", "--hide-scrollbars", page)
+	if fi, err := os.Stat(path); err != nil || fi.Size() == 0 {
+		t.Fatalf("no screenshot at %s: %v", path, errors.Join(err, fmt.Errorf("size %d", sizeOf(fi))))
+	}
+}
+
+func sizeOf(fi os.FileInfo) int64 {
+	if fi == nil {
+		return 0
+	}
+	return fi.Size()
+}
