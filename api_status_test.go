@@ -157,13 +157,10 @@ func chromium(t *testing.T) string {
 func operatorProxy(t *testing.T, daemonURL string) string {
 	t.Helper()
 	target, _ := url.Parse(daemonURL)
-	p := httputil.NewSingleHostReverseProxy(target)
-	direct := p.Director
-	p.Director = func(r *http.Request) {
-		direct(r)
-		r.SetBasicAuth("operator", "operator-token-for-tests")
-	}
-	srv := httptest.NewServer(p)
+	srv := httptest.NewServer(&httputil.ReverseProxy{Rewrite: func(r *httputil.ProxyRequest) {
+		r.SetURL(target)
+		r.Out.SetBasicAuth("operator", "operator-token-for-tests")
+	}})
 	t.Cleanup(srv.Close)
 	return srv.URL + "/status"
 }
