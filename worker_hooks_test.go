@@ -206,6 +206,25 @@ func (g *fakeGitHub) counts(id int64) (list, pages, fetches int) {
 
 func ptr[T any](v T) *T { return &v }
 
+// storedBefore stores evs in cfg's database before the daemon starts.
+func storedBefore(t *testing.T, cfg *Config, evs ...*Event) {
+	t.Helper()
+	ctx := context.Background()
+	store, err := OpenStore(ctx, cfg.Database, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, ev := range evs {
+		if _, err := store.InsertEvent(ctx, nil, ev, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 func (g *fakeGitHub) redelivered() []int64 {
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -233,18 +252,7 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 	gh.add(hookDelivery{ID: 5, GUID: stored, DeliveredAt: now, Status: "Timeout", StatusCode: 0, Event: "issues"}, nil)
 
 	// The "stored" one reached us after all (GitHub timed out on the answer).
-	ctx := context.Background()
-	store, err := OpenStore(ctx, cfg.Database, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, _, err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := store.InsertEvent(ctx, nil, &Event{DeliveryID: stored, Name: "issues", Payload: loadFixture(t, "issues", "opened.payload.json"), ReceivedAt: time.Now()}, false); err != nil {
-		t.Fatal(err)
-	}
-	store.Close()
+	storedBefore(t, cfg, &Event{DeliveryID: stored, Name: "issues", Payload: loadFixture(t, "issues", "opened.payload.json"), ReceivedAt: time.Now()})
 
 	d := startDaemon(t, cfg)
 	db := openDB(t, cfg.Database.Path)
@@ -508,18 +516,7 @@ func TestDeliveryLedgerGaps(t *testing.T) {
 	gh.add(hookDelivery{ID: 31, GUID: onRetry, DeliveredAt: now.Add(-10 * time.Minute), Status: "Accepted", StatusCode: 202, Event: "issues"}, body)
 
 	// stored reached the tables; onRetry waits in github-retry.
-	ctx := context.Background()
-	store, err := OpenStore(ctx, cfg.Database, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, _, err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := store.InsertEvent(ctx, nil, &Event{DeliveryID: stored, Name: "issues", Payload: body, ReceivedAt: now}, false); err != nil {
-		t.Fatal(err)
-	}
-	store.Close()
+	storedBefore(t, cfg, &Event{DeliveryID: stored, Name: "issues", Payload: body, ReceivedAt: now})
 	declareTestTopology(t, vhost, cfg.Queue.RetryTTL)
 	publishRaw(t, vhost, "", retryQueue(queueGitHub), eventMessage("issues", onRetry, body))
 
