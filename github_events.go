@@ -3,14 +3,11 @@ package main
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
-	"sort"
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -35,19 +32,6 @@ type Event struct {
 	// it down for the typed tables when, and only if, they ask.
 	fields *payloadFields
 	table  []byte
-}
-
-// tablePayload is the payload cut down to tableFields: decoding it costs a
-// fraction of decoding the whole payload again. Without a pass from
-// DecodeEvent (an Event built by hand) it is the whole payload.
-func (ev *Event) tablePayload() []byte {
-	if ev.table == nil {
-		if ev.fields == nil {
-			return ev.Payload
-		}
-		ev.table = ev.fields.tableJSON()
-	}
-	return ev.table
 }
 
 // Message header names (SPEC §5).
@@ -85,16 +69,6 @@ func newPublishing(h http.Header, payload []byte, sourceIP string, now time.Time
 	}
 }
 
-// tableKeys are tableFields' keys in a fixed order, for tableJSON.
-var tableKeys = func() []string {
-	var keys []string
-	for k := range tableFields {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	return keys
-}()
-
 // eventKeys are the members DecodeEvent itself reads: the wrapped form's
 // two, and those the Event's columns come from.
 var eventKeys = []string{"headers", "payload", "action", "repository", "sender", "installation"}
@@ -128,76 +102,6 @@ func (f *payloadFields) str(key string) string {
 	}
 	return s
 }
-
-// tableJSON writes the kept members, cut down to tableFields, into one small
-// object for the typed tables' decoders. The values are slices of a body that
-// was validated, so they are copied, not re-encoded.
-func (f *payloadFields) tableJSON() []byte {
-	var b bytes.Buffer
-	b.WriteByte('{')
-	for _, k := range tableKeys {
-		raw := f.members[k]
-		if raw == nil {
-			continue
-		}
-		if b.Len() > 1 {
-			b.WriteByte(',')
-		}
-		b.WriteString(`"` + k + `":`)
-		writeShrunk(&b, raw, tableFields[k])
-	}
-	b.WriteByte('}')
-	return b.Bytes()
-}
-
-// writeShrunk writes raw, keeping of an object only the fields in keep
-// (recursively); nil keep, or a value that is not an object, is written whole.
-func writeShrunk(b *bytes.Buffer, raw []byte, keep map[string]any) {
-	if keep == nil || len(raw) == 0 || raw[0] != '{' {
-		b.Write(raw)
-		return
-	}
-	b.WriteByte('{')
-	first := true
-	jsonRawMembers(raw, func(quoted, value []byte) {
-		// A plain key is looked up and written as it stands; one with
-		// escapes (or not UTF-8) is decoded first, as encoding/json would.
-		plain := bytes.IndexByte(quoted, '\\') < 0 && utf8.Valid(quoted)
-		var sub any
-		var ok bool
-		if plain {
-			sub, ok = keep[string(quoted[1:len(quoted)-1])]
-		} else {
-			key := jsonKey(quoted)
-			sub, ok = keep[key]
-			quoted, _ = json.Marshal(key)
-		}
-		if !ok {
-			return
-		}
-		if !first {
-			b.WriteByte(',')
-		}
-		first = false
-		b.Write(quoted)
-		b.WriteByte(':')
-		nested, _ := sub.(map[string]any)
-		writeShrunk(b, value, nested)
-	})
-	b.WriteByte('}')
-}
-
-// permanentError marks a message that no retry can fix: it goes to -error.
-type permanentError struct{ reason string }
-
-func (e *permanentError) Error() string { return e.reason }
-
-func permanent(format string, args ...any) error {
-	return &permanentError{reason: fmt.Sprintf(format, args...)}
-}
-
-// ErrDuplicate is a handler's answer for a delivery it already finished.
-var ErrDuplicate = errors.New("duplicate delivery")
 
 // DecodeEvent reads a message into an Event. A message without a delivery
 // GUID or event name, or with a body that is not a JSON object, is a permanent

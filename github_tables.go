@@ -1,16 +1,20 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"reflect"
 	"slices"
+	"sort"
 	"strings"
+	"unicode/utf8"
 )
 
 // This file maps Events to the rows of the release-tracking and typed bot
-// tables (SPEC §9, §10): it decodes only the fields the tables need, and says
-// which rows an Event writes. store_tables.go writes them.
+// tables (SPEC §9, §10): it decodes only the fields the tables need (the
+// payload cut down to tableFields, at the end of the file), and says which
+// rows an Event writes. store_tables.go writes them.
 
 // isBotEvent reports whether the Event was delivered to the bot App's hook:
 // the typed tables are filled for those only.
@@ -755,4 +759,85 @@ func decodeRepository(ev *Event) (repositoryRow, error) {
 	}
 	return repositoryRow{Event: ev.Name, Action: ev.Action, Repository: p.Repository.FullName,
 		Sender: login(p.Sender), RepositoryID: p.Repository.ID, Private: p.Repository.Private}, nil
+}
+
+// tablePayload is the payload cut down to tableFields: decoding it costs a
+// fraction of decoding the whole payload again. Without a pass from
+// DecodeEvent (an Event built by hand) it is the whole payload.
+func (ev *Event) tablePayload() []byte {
+	if ev.table == nil {
+		if ev.fields == nil {
+			return ev.Payload
+		}
+		ev.table = ev.fields.tableJSON()
+	}
+	return ev.table
+}
+
+// tableKeys are tableFields' keys in a fixed order, for tableJSON.
+var tableKeys = func() []string {
+	var keys []string
+	for k := range tableFields {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}()
+
+// tableJSON writes the kept members, cut down to tableFields, into one small
+// object for the typed tables' decoders. The values are slices of a body that
+// was validated, so they are copied, not re-encoded.
+func (f *payloadFields) tableJSON() []byte {
+	var b bytes.Buffer
+	b.WriteByte('{')
+	for _, k := range tableKeys {
+		raw := f.members[k]
+		if raw == nil {
+			continue
+		}
+		if b.Len() > 1 {
+			b.WriteByte(',')
+		}
+		b.WriteString(`"` + k + `":`)
+		writeShrunk(&b, raw, tableFields[k])
+	}
+	b.WriteByte('}')
+	return b.Bytes()
+}
+
+// writeShrunk writes raw, keeping of an object only the fields in keep
+// (recursively); nil keep, or a value that is not an object, is written whole.
+func writeShrunk(b *bytes.Buffer, raw []byte, keep map[string]any) {
+	if keep == nil || len(raw) == 0 || raw[0] != '{' {
+		b.Write(raw)
+		return
+	}
+	b.WriteByte('{')
+	first := true
+	jsonRawMembers(raw, func(quoted, value []byte) {
+		// A plain key is looked up and written as it stands; one with
+		// escapes (or not UTF-8) is decoded first, as encoding/json would.
+		plain := bytes.IndexByte(quoted, '\\') < 0 && utf8.Valid(quoted)
+		var sub any
+		var ok bool
+		if plain {
+			sub, ok = keep[string(quoted[1:len(quoted)-1])]
+		} else {
+			key := jsonKey(quoted)
+			sub, ok = keep[key]
+			quoted, _ = json.Marshal(key)
+		}
+		if !ok {
+			return
+		}
+		if !first {
+			b.WriteByte(',')
+		}
+		first = false
+		b.Write(quoted)
+		b.WriteByte(':')
+		nested, _ := sub.(map[string]any)
+		writeShrunk(b, value, nested)
+	})
+	b.WriteByte('}')
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"math"
 	"reflect"
@@ -23,6 +24,18 @@ import (
 // that does not batch) the handler commits its own before it returns nil.
 // A handler handed a tx must not touch the network.
 type Handler func(ctx context.Context, tx *Tx, ev *Event) error
+
+// permanentError marks a message that no retry can fix: it goes to -error.
+type permanentError struct{ reason string }
+
+func (e *permanentError) Error() string { return e.reason }
+
+func permanent(format string, args ...any) error {
+	return &permanentError{reason: fmt.Sprintf(format, args...)}
+}
+
+// ErrDuplicate is a handler's answer for a delivery it already finished.
+var ErrDuplicate = errors.New("duplicate delivery")
 
 // Outcome is how consuming one message ended (SPEC §5).
 type Outcome string
