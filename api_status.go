@@ -160,6 +160,11 @@ func (a *API) statusPage(w http.ResponseWriter, r *http.Request, _ httprouter.Pa
 		http.Error(w, "401 unauthorized: user operator, the operator token as password", http.StatusUnauthorized)
 		return
 	}
+	a.bounded(a.renderStatus)(w, r, nil)
+}
+
+// renderStatus writes the status page for a request already let in.
+func (a *API) renderStatus(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
 	st, err := a.gatherStatus(r.Context())
 	if err != nil {
 		a.log.Error("status page", "error", err)
