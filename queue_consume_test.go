@@ -511,3 +511,59 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 		return handled.Load() == 60 && p.queues.window(queueGitHub) == 200
 	})
 }
+
+// A batch's failures reach the broker only after its transaction: while the
+// batch is still open, the message that failed for good earlier in it is not
+// in -error yet (the old order published it there, and waited for the
+// confirm, inside the transaction, on the only writer connection).
+func TestBatchFailuresSettledAfterCommit(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	declareTestTopology(t, vhost, time.Hour)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.RetryTTL = time.Hour
+	p := newParts(t, cfg)
+	body := loadFixture(t, "issues", "opened.payload.json")
+	bad := "bad-" + randHex(4)
+	publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", bad, body))
+	for i := 0; i < 50; i++ {
+		publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", newGUID(), body))
+	}
+
+	var mu sync.Mutex
+	var badTx *Tx
+	var after, inError int // messages handled in bad's transaction after it, and how many saw it in -error
+	service := serviceHandler(p.store, nil, false)
+	h := func(ctx context.Context, tx *Tx, ev *Event) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if ev.DeliveryID == bad {
+			badTx = tx
+			return permanent("refused (simulated)")
+		}
+		if tx != nil && tx == badTx {
+			after++
+			if ready(t, vhost, errorQueue(queueGitHub)) > 0 {
+				inError++
+			}
+		}
+		return service(ctx, tx, ev)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { consumeUntil(ctx, p.queues, p.brokers.List()[0], queueGitHub, h, p.store, p.log); close(done) }()
+	defer func() { cancel(); <-done }()
+	eventually(t, 30*time.Second, "the refused message in -error, the others stored", func() bool {
+		var n int
+		_ = p.store.r.QueryRow("SELECT count(*) FROM github").Scan(&n)
+		return n == 50 && ready(t, vhost, errorQueue(queueGitHub)) == 1
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if after == 0 {
+		t.Fatal("the refused message ended its batch: nothing to observe (the queue was not read in one batch)")
+	}
+	if inError > 0 {
+		t.Errorf("%d of %d messages handled in the same transaction after the refused one saw it in -error already", inError, after)
+	}
+}
