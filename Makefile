@@ -64,7 +64,9 @@ install:
 deb: build
 	rm -rf dist/deb && mkdir -p dist/deb
 	cp switchyard dist/deb/switchyard
-	sed 's|/usr/local/bin/switchyard|/usr/bin/switchyard|g; s|/usr/local/share/doc|/usr/share/doc|g' deploy/switchyard.service > dist/deb/switchyard.service
+	{ echo "# switchyard under systemd, from the Debian package (its postinst created the user)."; \
+	  sed '/^# switchyard under systemd/,/^\[Unit\]/{/^#/d}; s|/usr/local/bin/switchyard|/usr/bin/switchyard|g; s|/usr/local/share/doc|/usr/share/doc|g' deploy/switchyard.service; \
+	} > dist/deb/switchyard.service
 	SWITCHYARD_DEB_VERSION=$(DEB_VERSION) $(GO) run $(NFPM) package -f deploy/nfpm.yaml -p deb -t dist/
 	@ls dist/*.deb
 

@@ -524,7 +524,17 @@ func TestDeliveryLedgerGaps(t *testing.T) {
 	db := openDB(t, cfg.Database.Path)
 	// GitHub answers a redelivery by delivering the webhook again.
 	gh.mu.Lock()
-	gh.onRedeliver = func(hd hookDelivery) { postWebhook(t, d.URL, hd.Event, hd.GUID, gh.payloads[hd.ID]) }
+	// (In its own goroutine: it must not fail the test with t.Fatal; a lost
+	// redelivery shows as the gap never resolved.)
+	gh.onRedeliver = func(hd hookDelivery) {
+		gh.mu.Lock()
+		payload := gh.payloads[hd.ID]
+		gh.mu.Unlock()
+		req := webhookRequest(t, d.URL, hd.Event, hd.GUID, payload)
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}
 	gh.mu.Unlock()
 
 	eventually(t, 30*time.Second, "the gap resolved by its redelivery", func() bool {
