@@ -258,7 +258,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 	if err != nil {
 		return 0, err
 	}
-	ready, err := q.readyCount(conn, b, queue)
+	ready, err := q.readyCount(ctx, b, queue)
 	if err != nil || ready == 0 {
 		return 0, err
 	}

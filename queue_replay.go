@@ -22,7 +22,7 @@ func (q *Queues) Replay(ctx context.Context, from, to *Broker, queue string, lim
 		return 0, 0, err
 	}
 	defer q.closeChannel(conn, ch)
-	if total, err = q.readyCount(conn, from, errorQueue(queue)); err != nil {
+	if total, err = q.readyCount(ctx, from, errorQueue(queue)); err != nil {
 		return 0, 0, err
 	}
 	if limit > 0 {
@@ -69,7 +69,7 @@ func (q *Queues) PeekErrors(ctx context.Context, b *Broker, queue string, limit 
 		return 0, err
 	}
 	defer q.closeChannel(conn, ch)
-	total, err := q.readyCount(conn, b, errorQueue(queue))
+	total, err := q.readyCount(ctx, b, errorQueue(queue))
 	if err != nil {
 		return 0, err
 	}
