@@ -101,11 +101,27 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 		wg.Go(func() {
 			bctx, cancel := context.WithTimeout(ctx, statusTimeout)
 			defer cancel()
-			queues, missing, err := a.queues.Inspect(bctx, b)
-			if err != nil {
-				bs.Error = err.Error()
-			} else {
-				bs.Up, bs.Queues, bs.Missing = true, queues, missing
+			// A stalled broker holds a call for call_timeout: the page
+			// does not wait for it, the call ends on its own.
+			type result struct {
+				queues  map[string]queueInfo
+				missing []string
+				err     error
+			}
+			done := make(chan result, 1)
+			go func() {
+				queues, missing, err := a.queues.Inspect(bctx, b)
+				done <- result{queues, missing, err}
+			}()
+			select {
+			case r := <-done:
+				if r.err != nil {
+					bs.Error = r.err.Error()
+				} else {
+					bs.Up, bs.Queues, bs.Missing = true, r.queues, r.missing
+				}
+			case <-bctx.Done():
+				bs.Error = fmt.Sprintf("no answer within %s", statusTimeout)
 			}
 			st.Brokers[i] = bs
 		})

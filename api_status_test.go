@@ -227,3 +227,58 @@ func sizeOf(fi os.FileInfo) int64 {
 	}
 	return fi.Size()
 }
+
+// A broker that stopped answering does not hold the status: it answers while
+// the stall still holds, with that broker down and the others read.
+func TestStatusWithStalledBroker(t *testing.T) {
+	t.Parallel()
+	a, b := newVhost(t), newVhost(t)
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	cfg := testConfig(t, amqpURL(a), proxy.URL(b))
+	cfg.Queue.CallTimeout = 10 * time.Minute // a stalled call would outlast the test
+	d := startDaemon(t, cfg)
+	eventually(t, 30*time.Second, "the spare's topology declared", func() bool { return queueExists(t, b, queueGitHub) })
+	proxy.Stall(true)
+	defer proxy.Stall(false)
+	type answer struct {
+		code int
+		m    map[string]any
+	}
+	answered := make(chan answer, 1)
+	go func() {
+		req, _ := http.NewRequest(http.MethodGet, d.URL+"/api/v1/status", nil)
+		req.Header.Set("Authorization", "Bearer operator-token-for-tests")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			answered <- answer{}
+			return
+		}
+		defer resp.Body.Close()
+		var m map[string]any
+		_ = json.NewDecoder(resp.Body).Decode(&m)
+		answered <- answer{resp.StatusCode, m}
+	}()
+	var code int
+	var m map[string]any
+	select {
+	case ans := <-answered:
+		code, m = ans.code, ans.m
+	case <-time.After(time.Minute):
+		t.Fatal("the status waits on the stalled broker")
+	}
+	if code != http.StatusOK {
+		t.Fatalf("status with a stalled broker: %d %v", code, m)
+	}
+	brokers, _ := m["brokers"].([]any)
+	if len(brokers) != 2 {
+		t.Fatalf("brokers: %v", m["brokers"])
+	}
+	up0, _ := brokers[0].(map[string]any)["up"].(bool)
+	up1, _ := brokers[1].(map[string]any)["up"].(bool)
+	if !up0 || up1 {
+		t.Errorf("up: %v, %v; want the reachable broker up and the stalled one down", up0, up1)
+	}
+	if e, _ := brokers[1].(map[string]any)["error"].(string); e == "" {
+		t.Errorf("the stalled broker is down without saying why")
+	}
+}
