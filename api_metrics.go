@@ -24,7 +24,6 @@ type Metrics struct {
 	publishSeconds *prometheus.HistogramVec
 	consumed       *prometheus.CounterVec
 	processSeconds *prometheus.HistogramVec
-	queueReady     *prometheus.GaugeVec
 	activeBroker   prometheus.Gauge
 	pendingSwitch  prometheus.Gauge
 	switches       *prometheus.CounterVec
@@ -57,8 +56,6 @@ func NewMetrics() *Metrics {
 			Help: "Messages consumed, by queue and outcome (done, duplicate, retry, error)."}, []string{"queue", "outcome"}),
 		processSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "switchyard_message_processing_seconds",
 			Help: "Time to process one message up to its ack, by queue.", Buckets: latency}, []string{"queue"}),
-		queueReady: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_queue_ready_messages",
-			Help: "Ready messages last seen by a passive declare, by broker index and queue."}, []string{"broker", "queue"}),
 		activeBroker: prometheus.NewGauge(prometheus.GaugeOpts{Name: "switchyard_active_broker_index",
 			Help: "Index of the broker the workers read."}),
 		pendingSwitch: prometheus.NewGauge(prometheus.GaugeOpts{Name: "switchyard_pending_switch",
@@ -74,7 +71,7 @@ func NewMetrics() *Metrics {
 		staleEvents: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_stale_events_total",
 			Help: "Events older than the typed row they map to, which kept the row as it was, by table."}, []string{"table"}),
 		queueMessages: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_queue_messages",
-			Help: "Ready messages of each of the 12 queues on every broker (-error included), refreshed every 60 s; absent while a broker cannot be read."},
+			Help: "Ready messages of each of the 12 queues on every broker (-error included), as the last passive declare saw them: the fleet check reads them all every 60 s; absent while a broker cannot be read."},
 			[]string{"broker", "queue"}),
 		brokerUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_broker_up",
 			Help: "1 when the broker answered the last keepalive or depth check, else 0."}, []string{"broker"}),
@@ -87,7 +84,7 @@ func NewMetrics() *Metrics {
 		workerFailures: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_worker_failures",
 			Help: "Cycles the worker failed in a row, 0 once one ends well."}, []string{"worker"}),
 	}
-	m.reg.MustRegister(m.webhooks, m.publishes, m.publishSeconds, m.consumed, m.processSeconds, m.queueReady,
+	m.reg.MustRegister(m.webhooks, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
 		m.staleEvents, m.queueMessages, m.brokerUp, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -105,9 +102,6 @@ func NewMetrics() *Metrics {
 	}
 	for _, r := range []string{"drained", "operator"} {
 		m.switches.WithLabelValues(r)
-	}
-	for _, w := range []string{"service", "database-service", "hooks", "cleanup"} {
-		m.hcFailures.WithLabelValues(w)
 	}
 	for _, t := range orderSafeTables {
 		m.staleEvents.WithLabelValues(t)
@@ -129,10 +123,10 @@ func (m *Metrics) brokers(list []*Broker) {
 	}
 }
 
-// brokerSeen records whether broker b answered, and its queues' depths when
-// it did; a broker that did not answer loses its depth series rather than
-// showing stale ones.
-func (m *Metrics) brokerSeen(b *Broker, queues map[string]queueInfo, err error) {
+// brokerSeen records whether broker b answered the fleet check (its depths
+// were recorded by the passive declares, see ready); a broker that did not
+// answer loses its depth series rather than showing stale ones.
+func (m *Metrics) brokerSeen(b *Broker, err error) {
 	if m == nil {
 		return
 	}
@@ -143,16 +137,15 @@ func (m *Metrics) brokerSeen(b *Broker, queues map[string]queueInfo, err error) 
 		return
 	}
 	m.brokerUp.WithLabelValues(i).Set(1)
-	for q, qi := range queues {
-		m.queueMessages.WithLabelValues(i, q).Set(float64(qi.Ready))
-	}
 }
 
-// worker records a registered worker, its gauges at 0 until its first cycle.
+// worker records a registered worker: its gauges and its HealthChecks
+// failures at 0 until its first cycle.
 func (m *Metrics) worker(name string) {
 	if m != nil {
 		m.workerCycle.WithLabelValues(name)
 		m.workerFailures.WithLabelValues(name)
+		m.hcFailures.WithLabelValues(name)
 	}
 }
 
@@ -207,7 +200,7 @@ func (m *Metrics) consume(queue string, outcome Outcome, took time.Duration) {
 
 func (m *Metrics) ready(broker int, queue string, n int) {
 	if m != nil {
-		m.queueReady.WithLabelValues(strconv.Itoa(broker), queue).Set(float64(n))
+		m.queueMessages.WithLabelValues(strconv.Itoa(broker), queue).Set(float64(n))
 	}
 }
 

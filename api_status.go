@@ -71,6 +71,18 @@ type BrokerView struct {
 	Queues  map[string]queueInfo `json:"queues,omitempty"`
 }
 
+// Role is what the broker is to the workers: "active", "pending target" or
+// "-".
+func (b BrokerView) Role() string {
+	switch {
+	case b.Active:
+		return "active"
+	case b.Pending:
+		return "pending target"
+	}
+	return "-"
+}
+
 // ErrorDepth is what the broker's -error queues hold.
 func (b BrokerView) ErrorDepth() int {
 	n := 0

@@ -482,13 +482,7 @@ func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, asJSON bool,
 		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 		fmt.Fprintln(tw, "BROKER\tROLE\tQUEUE\tREADY\tCONSUMERS")
 		for i, v := range views {
-			role := "-"
-			switch {
-			case v.Active:
-				role = "active"
-			case v.Pending:
-				role = "pending target"
-			}
+			role := v.Role()
 			if !v.Up {
 				fmt.Fprintf(tw, "%s\t%s\t-\tunreachable: %s\t\n", brokers[i], role, v.Error)
 				continue
@@ -577,13 +571,6 @@ func writeStatus(w io.Writer, st Status) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "\nBROKER\tUP\tROLE\tNON-EMPTY QUEUES")
 	for _, b := range st.Brokers {
-		role := "-"
-		switch {
-		case b.Active:
-			role = "active"
-		case b.Pending:
-			role = "pending target"
-		}
 		var held []string
 		for _, q := range allQueues() {
 			if n := b.Queues[q].Ready; n > 0 {
@@ -594,7 +581,7 @@ func writeStatus(w io.Writer, st Status) {
 		if !b.Up {
 			up, held = "down", []string{b.Error}
 		}
-		fmt.Fprintf(tw, "#%d %s vhost %s\t%s\t%s\t%s\n", b.Index, b.Host, b.Vhost, up, role, strings.Join(held, " "))
+		fmt.Fprintf(tw, "#%d %s vhost %s\t%s\t%s\t%s\n", b.Index, b.Host, b.Vhost, up, b.Role(), strings.Join(held, " "))
 	}
 	fmt.Fprintln(tw, "\nWORKER\tLAST CYCLE\tLAST STORED\tFAILURES")
 	ago := func(t time.Time) string {

@@ -100,8 +100,7 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
 	}
 	r.SetMaxOpenConns(4)
-	s := &Store{w: w, r: r, path: cfg.Path, metrics: metrics}
-	return s, nil
+	return &Store{w: w, r: r, path: cfg.Path, metrics: metrics}, nil
 }
 
 // Close closes both pools; the WAL is checkpointed by the last connection.

@@ -9,18 +9,6 @@ import (
 	"time"
 )
 
-// HookKnown reports whether a delivery's GUID is stored in github or queued
-// for redelivery already.
-func (s *Store) HookKnown(ctx context.Context, guid string) (bool, error) {
-	var n int
-	err := s.r.QueryRowContext(ctx, `SELECT (SELECT count(*) FROM github WHERE delivery_id = ?) +
-		(SELECT count(*) FROM hook_redeliveries WHERE guid = ?)`, guid, guid).Scan(&n)
-	if err != nil {
-		return false, fmt.Errorf("read hook_redeliveries: %w", err)
-	}
-	return n > 0, nil
-}
-
 // HookQueued remembers that a failed delivery was queued on github-hooks.
 func (s *Store) HookQueued(ctx context.Context, guid string, githubID int64, event string) error {
 	return s.Batch(ctx, func(tx *Tx) error {

@@ -55,16 +55,16 @@ func (f *Fleet) Run(ctx context.Context) error {
 	}
 }
 
-// look reads broker b's queues into the gauges and, at a keepalive, puts
-// back what is missing.
+// look reads broker b's queues (Inspect records their depths) and, at a
+// keepalive, puts back what is missing.
 func (f *Fleet) look(ctx context.Context, b *Broker, keepalive bool) {
 	log := f.log.With("broker", b.String())
-	queues, missing, err := f.queues.Inspect(ctx, b)
+	_, missing, err := f.queues.Inspect(ctx, b)
+	f.metrics.brokerSeen(b, err)
 	if err != nil {
 		if ctx.Err() == nil {
 			log.Warn("cannot read the broker's queues", "error", err)
 		}
-		f.metrics.brokerSeen(b, nil, err)
 		return
 	}
 	if keepalive && len(missing) > 0 && !f.declare {
@@ -75,12 +75,8 @@ func (f *Fleet) look(ctx context.Context, b *Broker, keepalive bool) {
 			log.Warn("keepalive could not declare the topology", "missing", missing, "error", err)
 		} else if len(missing) > 0 {
 			log.Warn("queues were missing on the broker, declared again", "missing", missing)
-			for _, name := range missing {
-				queues[name] = queueInfo{}
-			}
 		} else {
 			log.Debug("keepalive declared the topology")
 		}
 	}
-	f.metrics.brokerSeen(b, queues, nil)
 }

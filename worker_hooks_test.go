@@ -239,8 +239,6 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 	gh := newFakeGitHub(t)
 	cfg, _ := hooksConfig(t, gh)
 	cfg.GitHub.BotAppID = testAppID
-	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
-	cfg.Workers.Window = 300 * time.Millisecond
 
 	payload := loadFixture(t, "pull_request", "opened.payload.json")
 	now := time.Now().UTC().Add(-10 * time.Minute)
@@ -293,13 +291,12 @@ func TestHooksPollEveryHoldsOverWindow(t *testing.T) {
 	gh := newFakeGitHub(t)
 	cfg, _ := hooksConfig(t, gh)
 	cfg.Workers.Window = 5 * time.Minute
-	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
 	startDaemon(t, cfg)
 	eventually(t, 30*time.Second, "four polls", func() bool { l, _, _ := gh.counts(0); return l >= 4 })
 }
 
 // hooksConfig is a test config on a vhost of its own with the hooks worker
-// on, its App served by gh.
+// on, its App served by gh, polling every 300 ms in windows as short.
 func hooksConfig(t *testing.T, gh *fakeGitHub) (*Config, string) {
 	t.Helper()
 	vhost := newVhost(t)
@@ -307,6 +304,8 @@ func hooksConfig(t *testing.T, gh *fakeGitHub) (*Config, string) {
 	cfg.GitHub.AppID = testAppID
 	cfg.GitHub.PrivateKeyFile = gh.keyFile(t)
 	cfg.GitHub.APIURL = gh.srv.URL
+	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
+	cfg.Workers.Window = 300 * time.Millisecond
 	return cfg, vhost
 }
 
@@ -502,8 +501,6 @@ func TestDeliveryLedgerGaps(t *testing.T) {
 	cfg, vhost := hooksConfig(t, gh)
 	cfg.Alerts = AlertsConfig{Rules: []AlertRule{{Events: []string{"gap"}, Channels: []string{"push"}}},
 		Push: PushConfig{URL: push.srv.URL + "/gaps", Token: "push-secret-token"}}
-	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
-	cfg.Workers.Window = 300 * time.Millisecond
 	cfg.Queue.RetryTTL = time.Hour // a message on the retry cycle stays there for the test
 
 	body := loadFixture(t, "issues", "opened.payload.json")
@@ -575,8 +572,6 @@ func TestDeliveryGapReplayedFromErrorQueue(t *testing.T) {
 	gh := newFakeGitHub(t)
 	cfg, vhost := hooksConfig(t, gh)
 	cfg.GitHub.RedeliverGaps = false
-	cfg.Workers.HooksPollEvery = 300 * time.Millisecond
-	cfg.Workers.Window = 300 * time.Millisecond
 	body := loadFixture(t, "issues", "opened.payload.json")
 	now := time.Now().UTC()
 	inError, other := newGUID(), newGUID()
