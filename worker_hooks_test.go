@@ -396,11 +396,13 @@ func TestHooksGitHubErrors(t *testing.T) {
 	if c := strings.Count(sink.String(), "transient failure, message will retry"); c != 2 {
 		t.Errorf("retries logged: %d, want 2", c)
 	}
-	var n int
-	_ = store.r.QueryRow("SELECT count(*) FROM worker_deliveries WHERE worker = 'hooks' AND delivery_id = ?", guid).Scan(&n)
-	if n != 1 {
-		t.Errorf("hooks worker did not record the delivery")
-	}
+	// The republish comes before the worker records the delivery (its own
+	// transaction, after the network): wait for that too.
+	eventually(t, 10*time.Second, "the hooks worker recording the delivery", func() bool {
+		var n int
+		_ = store.r.QueryRow("SELECT count(*) FROM worker_deliveries WHERE worker = 'hooks' AND delivery_id = ?", guid).Scan(&n)
+		return n == 1
+	})
 
 	// A wrong key: every call is a 401, said plainly, and nothing is lost.
 	gh.mu.Lock()
