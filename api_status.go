@@ -210,16 +210,7 @@ func (a *API) renderStatus(w http.ResponseWriter, r *http.Request, _ httprouter.
 var statusHTML string
 
 var statusTemplate = template.Must(template.New("status").Funcs(template.FuncMap{
-	"ago": func(now, t time.Time) string {
-		if t.IsZero() {
-			return "never"
-		}
-		d := now.Sub(t).Round(time.Second)
-		if d < 0 {
-			d = 0
-		}
-		return d.String() + " ago"
-	},
+	"ago":  ago,
 	"when": func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05 UTC") },
 	"bytes": func(n int64) string {
 		switch {
@@ -242,6 +233,14 @@ var statusTemplate = template.Must(template.New("status").Funcs(template.FuncMap
 		return keys
 	},
 }).Parse(statusHTML))
+
+// ago says how long before now t was, to the second; "never" for no time.
+func ago(now, t time.Time) string {
+	if t.IsZero() {
+		return "never"
+	}
+	return max(now.Sub(t).Round(time.Second), 0).String() + " ago"
+}
 
 // statisticsChart draws the 6-hour buckets as an inline SVG bar chart, one
 // bar per bucket, with the largest bucket's count and the span as labels.

@@ -584,14 +584,8 @@ func writeStatus(w io.Writer, st Status) {
 		fmt.Fprintf(tw, "#%d %s vhost %s\t%s\t%s\t%s\n", b.Index, b.Host, b.Vhost, up, b.Role(), strings.Join(held, " "))
 	}
 	fmt.Fprintln(tw, "\nWORKER\tLAST CYCLE\tLAST STORED\tFAILURES")
-	ago := func(t time.Time) string {
-		if t.IsZero() {
-			return "never"
-		}
-		return st.Now.Sub(t).Round(time.Second).String() + " ago"
-	}
 	for _, wk := range st.Workers {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d %s\n", wk.Name, ago(wk.LastCycle), ago(wk.LastStored), wk.Failures, wk.LastError)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d %s\n", wk.Name, ago(st.Now, wk.LastCycle), ago(st.Now, wk.LastStored), wk.Failures, wk.LastError)
 	}
 	tw.Flush()
 	total := 0

@@ -64,17 +64,30 @@ type Queues struct {
 	drainQuiet time.Duration
 	// sizes are the message sizes seen per queue, for the windows.
 	sizes messageSizes
-	// lastDone is, per queue, when a message last ended done (a time.Time),
-	// for the status page.
+	// lastDone is, per queue, when a message last ended done (Unix
+	// nanoseconds in an *atomic.Int64), for the status page.
 	lastDone sync.Map
 }
 
 // LastDone is when a message of queue last ended done in this process; zero
 // when none has since the start.
 func (q *Queues) LastDone(queue string) time.Time {
-	t, _ := q.lastDone.Load(queue)
-	v, _ := t.(time.Time)
-	return v
+	if v, ok := q.lastDone.Load(queue); ok {
+		if ns := v.(*atomic.Int64).Load(); ns > 0 {
+			return time.Unix(0, ns)
+		}
+	}
+	return time.Time{}
+}
+
+// markDone records that a message of queue ended done now: an atomic store
+// per message, no allocation once the queue is known.
+func (q *Queues) markDone(queue string) {
+	v, ok := q.lastDone.Load(queue)
+	if !ok {
+		v, _ = q.lastDone.LoadOrStore(queue, new(atomic.Int64))
+	}
+	v.(*atomic.Int64).Store(time.Now().UnixNano())
 }
 
 // brokerConn is the one connection to one broker, and its publisher.

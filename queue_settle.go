@@ -252,7 +252,7 @@ func (q *Queues) settleBatch(b *Broker, queue string, ds []amqp.Delivery, h Hand
 func (q *Queues) consumed(queue string, outcome Outcome, start time.Time) {
 	q.metrics.consume(queue, outcome, time.Since(start))
 	if outcome == OutcomeDone {
-		q.lastDone.Store(queue, time.Now())
+		q.markDone(queue)
 	}
 }
 
