@@ -104,7 +104,7 @@ func BenchmarkSwitchyard(b *testing.B) {
 		}
 		if want("cpu") {
 			ours, raw := benchCPU(b, payload)
-			rows = append(rows, row{name: "daemon CPU per accepted webhook (localhost, 202 + both rows)",
+			rows = append(rows, row{name: "daemon CPU per accepted webhook (ingest, localhost)",
 				ours: fmt.Sprintf("%d us", ours.Microseconds()), base: fmt.Sprintf("%d us (raw publisher)", raw.Microseconds()), aim: "printed"})
 		}
 	}
