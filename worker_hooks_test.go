@@ -134,6 +134,13 @@ func (g *fakeGitHub) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	idText, ok := strings.CutPrefix(r.URL.Path, "/app/hook/deliveries/")
 	if attempt, isAttempt := strings.CutSuffix(idText, "/attempts"); isAttempt && r.Method == http.MethodPost {
+		if len(g.failNext) > 0 {
+			status := g.failNext[0]
+			g.failNext = g.failNext[1:]
+			w.WriteHeader(status)
+			fmt.Fprint(w, `{"message":"Server Error"}`)
+			return
+		}
 		id, _ := strconv.ParseInt(attempt, 10, 64)
 		for _, d := range g.deliveries {
 			if d.ID == id {
@@ -668,5 +675,36 @@ func TestDeliveryLedgerThreeDays(t *testing.T) {
 	}
 	if n, _ := store.OpenGapCount(ctx); n != 0 {
 		t.Errorf("%d gaps among stored and in-flight deliveries", n)
+	}
+}
+
+// GitHub refusing a gap's redelivery: the gap stays recorded, not marked
+// redelivered, and the next poll asks again.
+func TestGapRedeliveryRetried(t *testing.T) {
+	t.Parallel()
+	gh := newFakeGitHub(t)
+	guid := newGUID()
+	gh.add(hookDelivery{ID: 51, GUID: guid, DeliveredAt: time.Now().UTC().Add(-5 * time.Hour), Status: "Accepted", StatusCode: 202, Event: "issues"}, nil)
+	gh.failNext = []int{http.StatusInternalServerError}
+	hooks, _, store, logs := hooksForTest(t, gh)
+	ctx := context.Background()
+	if _, err := hooks.Poll(ctx); err != nil {
+		t.Fatal(err)
+	}
+	gaps, err := store.OpenGaps(ctx)
+	if err != nil || len(gaps) != 1 || gaps[0].GUID != guid || gaps[0].RedeliveredAt != nil {
+		t.Fatalf("after a refused redelivery: %+v %v, want the gap open and not marked redelivered", gaps, err)
+	}
+	if !strings.Contains(logs.String(), "GitHub did not take the redelivery of a gap") {
+		t.Errorf("the refusal is not logged")
+	}
+	if _, err := hooks.Poll(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := gh.redelivered(); len(got) != 1 || got[0] != 51 {
+		t.Errorf("redeliveries taken: %v, want 51 once, at the second poll", got)
+	}
+	if gaps, _ := store.OpenGaps(ctx); len(gaps) != 1 || gaps[0].RedeliveredAt == nil {
+		t.Errorf("after the second poll: %+v, want the gap marked redelivered", gaps)
 	}
 }
