@@ -88,7 +88,6 @@ func TestFaultConnectionCuts(t *testing.T) {
 
 	stop := make(chan struct{})
 	cuts := make(chan int)
-	var lastCut time.Time
 	go func() {
 		n := 0
 		defer func() { cuts <- n }()
@@ -98,7 +97,6 @@ func TestFaultConnectionCuts(t *testing.T) {
 				return
 			case <-time.After(60 * time.Millisecond):
 				proxy.Cut()
-				lastCut = time.Now()
 				n++
 			}
 		}
@@ -112,14 +110,15 @@ func TestFaultConnectionCuts(t *testing.T) {
 		t.Fatalf("accepted %d of 2000", len(accepted))
 	}
 
-	// Both workers are back within their longest reconnect backoff (15 s, see
-	// Worker.Run) of the last cut, plus a margin for the stream's backlog.
+	// Both workers came back after the last cut: a webhook sent after it is
+	// stored too. How soon depends on the backlog the stream left and on the
+	// machine, so the wait is a condition with a generous deadline, not a
+	// time bound (a slow machine's backlog outlasted "15 s backoff + 10 s").
 	guid := "after-cuts-" + randHex(4)
 	if code, body := do(t, webhookRequest(t, d.URL, "pull_request", guid, loadFixture(t, "pull_request", "synchronize.payload.json"))); code != http.StatusAccepted {
 		t.Fatalf("webhook after the cuts: %d %s", code, body)
 	}
-	storedAll(t, cfg.Database.Path, []string{guid}, time.Until(lastCut.Add(15*time.Second+10*time.Second)))
-	storedExactlyOnce(t, cfg.Database.Path, append(accepted, guid), 2*time.Minute)
+	storedExactlyOnce(t, cfg.Database.Path, append(accepted, guid), 3*time.Minute)
 }
 
 // RabbitMQ itself stopped and started during a stream: 503 while it is down,
