@@ -198,12 +198,8 @@ func TestFaultStalledBroker(t *testing.T) {
 	}
 
 	proxy.Stall(true)
-	start := time.Now()
-	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusServiceUnavailable {
+	if code := answerWhileStalled(t, d.URL, body).StatusCode; code != http.StatusServiceUnavailable {
 		t.Errorf("stalled broker: got %d, want 503", code)
-	}
-	if took := time.Since(start); took > cfg.Queue.PublishTimeout+2*time.Second {
-		t.Errorf("answered after %s, want about publish_timeout", took)
 	}
 	eventually(t, 20*time.Second, "a worker noticing the stall", func() bool {
 		logs := d.logs.String()

@@ -339,21 +339,9 @@ func TestWebhookBrokerUnavailable(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			tt.cause()
-			start := time.Now()
-			r := webhookRequest(t, d.URL, "issues", newGUID(), body)
-			resp, err := http.DefaultClient.Do(r)
-			if err != nil {
-				t.Fatal(err)
-			}
-			resp.Body.Close()
-			took := time.Since(start)
+			resp := answerWhileStalled(t, d.URL, body)
 			if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" {
 				t.Errorf("got %d Retry-After=%q, want 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
-			}
-			// The bound is the point of publish_timeout; a generous margin
-			// keeps this from being a timing test.
-			if took > cfg.Queue.PublishTimeout+3*time.Second {
-				t.Errorf("answered after %s, want within publish_timeout (%s)", took, cfg.Queue.PublishTimeout)
 			}
 		})
 	}

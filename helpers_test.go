@@ -215,6 +215,23 @@ func do(t testing.TB, req *http.Request) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
+// answerWhileStalled sends a signed delivery while the broker is stalled or
+// gone and returns the response, failing the test when none comes within
+// 30 s (publish_timeout is a second or two in these tests): the answer is
+// publish_timeout's doing, not the broker's, since the stall still holds.
+func answerWhileStalled(t testing.TB, url string, body []byte) *http.Response {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	resp, err := http.DefaultClient.Do(webhookRequest(t, url, "issues", newGUID(), body).WithContext(ctx))
+	if err != nil {
+		t.Fatalf("no answer while the broker is stalled: %v", err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp
+}
+
 // postWebhook sends a signed delivery and returns the status.
 func postWebhook(t testing.TB, url, event, guid string, body []byte) int {
 	t.Helper()
