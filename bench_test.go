@@ -590,11 +590,10 @@ func BenchmarkValidJSON(b *testing.B) {
 // message before SQLite: decode the Event and its typed row from a 25 KB
 // pull_request message, as the consume row's messages are.
 func BenchmarkDecodeForTables(b *testing.B) {
-	p := eventMessage("pull_request", "bench-decode", paddedPayload(b, 25<<10))
-	d := amqp.Delivery{Headers: p.Headers, Body: p.Body, MessageId: p.MessageId, ContentType: p.ContentType}
-	b.SetBytes(int64(len(p.Body)))
+	d := delivered(eventMessage("pull_request", "bench-decode", paddedPayload(b, 25<<10)))
+	b.SetBytes(int64(len(d.Body)))
 	for b.Loop() {
-		ev, err := DecodeEvent(&d)
+		ev, err := DecodeEvent(d)
 		if err != nil {
 			b.Fatal(err)
 		}

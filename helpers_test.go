@@ -408,6 +408,12 @@ func eventMessage(event, guid string, body []byte) amqp.Publishing {
 	return newPublishing(h, body, "127.0.0.1", time.Now())
 }
 
+// delivered is msg as a consumer receives it, for decoding without a broker.
+func delivered(msg amqp.Publishing) *amqp.Delivery {
+	return &amqp.Delivery{Headers: msg.Headers, MessageId: msg.MessageId, Type: msg.Type,
+		ContentType: msg.ContentType, Timestamp: msg.Timestamp, Body: msg.Body}
+}
+
 // getOne takes one message from queue on vhost, failing when there is none.
 func getOne(t testing.TB, vhost, queue string) amqp.Delivery {
 	t.Helper()

@@ -10,8 +10,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 const testBotAppID = 4242
@@ -616,7 +614,7 @@ func TestTablePayloadDecodesLikeWholePayload(t *testing.T) {
 	for _, f := range loadFixtures(t) {
 		msg := eventMessage(f.Event, "fixture-"+f.Event+"-"+f.Name, f.Body)
 		msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
-		ev, err := DecodeEvent(&amqp.Delivery{Headers: msg.Headers, MessageId: msg.MessageId, Type: msg.Type, Body: msg.Body})
+		ev, err := DecodeEvent(delivered(msg))
 		if err != nil {
 			continue // a payload the workers refuse reaches no table
 		}
