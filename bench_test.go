@@ -360,7 +360,7 @@ func benchConsume(b *testing.B, payload []byte) (ours, base float64) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	start := time.Now()
-	go consumeUntil(ctx, q, q.conns[0].broker, queueDatabase, counted, store, log)
+	go consumeUntil(ctx, q, q.conns[0].broker, ConsumeOptions{Queue: queueDatabase, Handle: counted, Prepare: databasePrepare(testBotAppID), Batch: store, Log: log})
 	for done.Load() < n {
 		time.Sleep(5 * time.Millisecond)
 	}

@@ -32,6 +32,9 @@ type Event struct {
 	// it down for the typed tables when, and only if, they ask.
 	fields *payloadFields
 	table  []byte
+	// rows and rowsErr are what databasePrepare decoded for the tables.
+	rows    *tableRows
+	rowsErr error
 }
 
 // Message header names (SPEC §5).

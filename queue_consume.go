@@ -132,6 +132,8 @@ func (c *consumer) resize(limit int) error {
 type ConsumeOptions struct {
 	Queue  string
 	Handle Handler
+	// Prepare, when set, does the handler's decoding ahead of it.
+	Prepare Preparer
 	// Batch, when set, commits a window's half at once; nil handles each
 	// message on its own.
 	Batch Batcher
@@ -143,7 +145,7 @@ type ConsumeOptions struct {
 // exist is treated as empty for the window. The message in hand is always
 // finished.
 func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, window time.Duration, stop <-chan struct{}) (int, error) {
-	queue, h, batch, log := o.Queue, o.Handle, o.Batch, o.Log
+	queue, batch, log := o.Queue, o.Batch, o.Log
 	conn, _, err := q.conn(ctx, b)
 	if err != nil {
 		return 0, err
@@ -194,7 +196,7 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, windo
 				ds = append(ds, d)
 				size += int64(len(d.Body))
 			}
-			if err := q.settleBatch(b, queue, ds, h, batch, log); err != nil {
+			if err := q.settleBatch(b, ds, o); err != nil {
 				return n, fmt.Errorf("settle on %s: %w", b, err)
 			}
 			n += len(ds)
@@ -250,7 +252,7 @@ const drainIdle = 100 * time.Millisecond
 // Switch's target, say), nothing more is handled, and closing the channel
 // puts every message not yet acked back in the queue, in order.
 func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit int, unchanged func() bool) (int, error) {
-	queue, h, batch, log := o.Queue, o.Handle, o.Batch, o.Log
+	queue, batch := o.Queue, o.Batch
 	if limit <= 0 {
 		return 0, nil
 	}
@@ -302,7 +304,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 			ds = append(ds, d)
 			size += int64(len(d.Body))
 		}
-		if err := q.settleBatch(b, queue, ds, h, batch, log); err != nil {
+		if err := q.settleBatch(b, ds, o); err != nil {
 			return n, fmt.Errorf("settle on %s: %w", b, err)
 		}
 		n += len(ds)

@@ -5,9 +5,9 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"log/slog"
 	"net/http"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -46,9 +46,9 @@ func TestDeathCount(t *testing.T) {
 }
 
 // consumeUntil runs Consume windows on b until ctx ends.
-func consumeUntil(ctx context.Context, q *Queues, b *Broker, queue string, h Handler, batch Batcher, log *slog.Logger) {
+func consumeUntil(ctx context.Context, q *Queues, b *Broker, o ConsumeOptions) {
 	for ctx.Err() == nil {
-		if _, err := q.Consume(ctx, b, ConsumeOptions{Queue: queue, Handle: h, Batch: batch, Log: log}, time.Second, nil); err != nil {
+		if _, err := q.Consume(ctx, b, o, time.Second, nil); err != nil {
 			time.Sleep(100 * time.Millisecond)
 		}
 	}
@@ -91,7 +91,10 @@ func TestRetryCycle(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	go func() { consumeUntil(ctx, q, brokers[0], queueGitHub, h, nil, log); close(done) }()
+	go func() {
+		consumeUntil(ctx, q, brokers[0], ConsumeOptions{Queue: queueGitHub, Handle: h, Log: log})
+		close(done)
+	}()
 	defer func() { cancel(); <-done }()
 
 	eventually(t, 30*time.Second, "failing message in github-error", func() bool { return ready(t, vhost, errorQueue(queueGitHub)) == 1 })
@@ -419,7 +422,10 @@ func TestBatchedCommits(t *testing.T) {
 	unlock := lockDatabase(t, cfg.Database.Path)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	go func() { consumeUntil(ctx, p.queues, b, queueGitHub, h, p.store, p.log); close(done) }()
+	go func() {
+		consumeUntil(ctx, p.queues, b, ConsumeOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log})
+		close(done)
+	}()
 	defer func() { cancel(); <-done }()
 	eventually(t, 10*time.Second, "a failed batch", func() bool {
 		return strings.Contains(p.logs.String(), "batch not committed")
@@ -447,6 +453,76 @@ func TestBatchedCommits(t *testing.T) {
 	}
 	if n := p.queues.conns[0].inHand.Load(); n != 0 {
 		t.Errorf("in-hand count after the run: %d, want 0", n)
+	}
+}
+
+// A batch's messages are decoded (and prepared) ahead of its transaction: the
+// handler of the first message sees a later one prepared before it returns,
+// and the batch is still stored in the order it came in.
+func TestBatchDecodesAhead(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	declareTestTopology(t, vhost, 200*time.Millisecond)
+	cfg := testConfig(t, amqpURL(vhost))
+	p := newParts(t, cfg)
+	b := p.brokers.List()[0]
+
+	body := loadFixture(t, "issues", "opened.payload.json")
+	var guids []string
+	for i := 0; i < 20; i++ {
+		g := fmt.Sprintf("ahead-%02d-%s", i, randHex(3))
+		guids = append(guids, g)
+		publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", g, body))
+	}
+	var prepared atomic.Int64
+	secondPrepared := make(chan struct{})
+	prepare := func(ev *Event) {
+		if prepared.Add(1) == 2 {
+			close(secondPrepared)
+		}
+	}
+	service := serviceHandler(p.store, nil, false)
+	var handled atomic.Int64
+	h := func(ctx context.Context, tx *Tx, ev *Event) error {
+		if handled.Add(1) == 1 {
+			select {
+			case <-secondPrepared:
+			case <-time.After(30 * time.Second):
+				t.Error("the second message was not decoded while the first was handled")
+			}
+		}
+		return service(ctx, tx, ev)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		consumeUntil(ctx, p.queues, b, ConsumeOptions{Queue: queueGitHub, Handle: h, Prepare: prepare, Batch: p.store, Log: p.log})
+		close(done)
+	}()
+	defer func() { cancel(); <-done }()
+	eventually(t, 60*time.Second, "all stored", func() bool {
+		var n int
+		_ = p.store.r.QueryRow("SELECT count(*) FROM github").Scan(&n)
+		return n == len(guids)
+	})
+	rows, err := p.store.r.Query("SELECT delivery_id FROM github ORDER BY rowid")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var got []string
+	for rows.Next() {
+		var g string
+		if err := rows.Scan(&g); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, g)
+	}
+	if !slices.Equal(got, guids) {
+		t.Errorf("stored order:\n%v\nwant\n%v", got, guids)
+	}
+	if n := prepared.Load(); n != int64(len(guids)) {
+		t.Errorf("prepared %d messages, want %d", n, len(guids))
 	}
 }
 
@@ -493,7 +569,7 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go consumeUntil(ctx, p.queues, p.brokers.List()[0], queueGitHub, h, p.store, p.log)
+	go consumeUntil(ctx, p.queues, p.brokers.List()[0], ConsumeOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log})
 	eventually(t, 10*time.Second, "the first delivery handled", func() bool { return handled.Load() == 1 })
 	if n := unacked(t, vhost, queueGitHub); n > 4 {
 		t.Errorf("unacked 1 MB messages with a 4 MiB bound: %d, want at most 4", n)
@@ -551,7 +627,10 @@ func TestBatchFailuresSettledAfterCommit(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	go func() { consumeUntil(ctx, p.queues, p.brokers.List()[0], queueGitHub, h, p.store, p.log); close(done) }()
+	go func() {
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], ConsumeOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log})
+		close(done)
+	}()
 	defer func() { cancel(); <-done }()
 	eventually(t, 30*time.Second, "the refused message in -error, the others stored", func() bool {
 		var n int

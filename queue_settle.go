@@ -102,29 +102,77 @@ type Batcher interface {
 	Batch(ctx context.Context, fn func(tx *Tx) error) error
 }
 
-// handle decodes one delivery taken from queue and runs h on it, in tx when
-// one is given (inside a savepoint, so a failure undoes this message only).
-// It talks to nobody but the database: what the broker hears of the result is
-// finish's job, once any transaction is over. It returns the message's logger
-// and h's verdict.
-func handle(ctx context.Context, tx *Tx, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (*slog.Logger, error) {
+// Preparer does ahead of time the part of a handler's work that needs
+// neither the database nor the network (decoding the payload for the typed
+// tables), keeping what it found in ev for the handler. In a batch it runs
+// on the goroutine that decodes the next messages while the transaction
+// writes the earlier ones.
+type Preparer func(ev *Event)
+
+// decoded is one delivery read for its handler: the Event and its logger, or
+// why the delivery is no Event.
+type decoded struct {
+	ev  *Event
+	log *slog.Logger
+	err error
+}
+
+// decode reads one delivery taken from queue into an Event and prepares it.
+// It talks to nobody: it may run ahead of the transaction, on another
+// goroutine.
+func decode(queue string, d *amqp.Delivery, prepare Preparer, log *slog.Logger) decoded {
 	if _, ok := deathCount(d.Headers, queue); !ok {
 		// A count of -1,000,000 would otherwise buy a million retries.
-		return log.With("delivery_id", d.MessageId), permanent("%s", reasonBadDeath)
+		return decoded{log: log.With("delivery_id", d.MessageId), err: permanent("%s", reasonBadDeath)}
 	}
 	ev, err := DecodeEvent(d)
 	if err != nil {
 		if d.MessageId != "" {
 			log = log.With("delivery_id", d.MessageId)
 		}
-		return log, err
+		return decoded{log: log, err: err}
 	}
-	log = log.With("delivery_id", ev.DeliveryID, "event", ev.Name)
-	ctx = withLogger(ctx, log)
+	if prepare != nil {
+		prepare(ev)
+	}
+	return decoded{ev: ev, log: log.With("delivery_id", ev.DeliveryID, "event", ev.Name)}
+}
+
+// decodeAhead decodes ds, in order, on a goroutine of its own, so that a
+// batch's transaction writes one message while the next is decoded: the
+// consumer keeps two cores busy instead of one. The function it returns
+// waits for message i; ask for them in order.
+func decodeAhead(queue string, ds []amqp.Delivery, prepare Preparer, log *slog.Logger) func(i int) decoded {
+	out := make([]decoded, len(ds))
+	ready := make(chan struct{}, len(ds)) // never blocks: the goroutine ends even if nobody waits
+	go func() {
+		for i := range ds {
+			out[i] = decode(queue, &ds[i], prepare, log)
+			ready <- struct{}{}
+		}
+	}()
+	got := 0
+	return func(i int) decoded {
+		for ; got <= i; got++ {
+			<-ready
+		}
+		return out[i]
+	}
+}
+
+// handle runs h on a decoded message, in tx when one is given (inside a
+// savepoint, so a failure undoes this message only). It talks to nobody but
+// the database: what the broker hears of the result is finish's job, once any
+// transaction is over. It returns h's verdict.
+func (m decoded) handle(ctx context.Context, tx *Tx, h Handler) error {
+	if m.err != nil {
+		return m.err
+	}
+	ctx = withLogger(ctx, m.log)
 	if tx == nil {
-		return log, h(ctx, nil, ev)
+		return h(ctx, nil, m.ev)
 	}
-	return log, tx.Savepoint(ctx, func() error { return h(ctx, tx, ev) })
+	return tx.Savepoint(ctx, func() error { return h(ctx, tx, m.ev) })
 }
 
 // settled reports whether a verdict is one the caller acks: done or
@@ -165,11 +213,12 @@ func (q *Queues) retry(ctx context.Context, b *Broker, queue string, d *amqp.Del
 
 // settle handles one delivery with the handler's own transaction, then acks,
 // nacks or moves it.
-func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, log *slog.Logger) (Outcome, error) {
+func (q *Queues) settle(b *Broker, d *amqp.Delivery, o ConsumeOptions) (Outcome, error) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
 	defer cancel()
-	log, verdict := handle(ctx, nil, queue, d, h, log)
+	m := decode(o.Queue, d, o.Prepare, o.Log)
+	log, verdict := m.log, m.handle(ctx, nil, o.Handle)
 	outcome, ok := settled(verdict)
 	var err error
 	if ok {
@@ -178,24 +227,26 @@ func (q *Queues) settle(b *Broker, queue string, d *amqp.Delivery, h Handler, lo
 		}
 		err = d.Ack(false)
 	} else {
-		outcome, err = q.finish(ctx, b, queue, d, verdict, log)
+		outcome, err = q.finish(ctx, b, o.Queue, d, verdict, log)
 	}
-	q.consumed(queue, outcome, start)
+	q.consumed(o.Queue, outcome, start)
 	return outcome, err
 }
 
-// settleBatch handles deliveries, in order, in one transaction. Once it is
-// over, and only then, the broker hears of them: each failed one is nacked or
-// moved to -error on its own, then the done and duplicate ones are acked with
-// a single multiple ack, which covers exactly these (every other delivery up
-// to the last of them was settled before). If the commit fails, none of them
-// was stored, and each goes through the retry rules.
-func (q *Queues) settleBatch(b *Broker, queue string, ds []amqp.Delivery, h Handler, batch Batcher, log *slog.Logger) error {
+// settleBatch handles deliveries, in order, in one transaction, decoded
+// ahead of it (decodeAhead). Once it is over, and only then, the broker hears
+// of them: each failed one is nacked or moved to -error on its own, then the
+// done and duplicate ones are acked with a single multiple ack, which covers
+// exactly these (every other delivery up to the last of them was settled
+// before). If the commit fails, none of them was stored, and each goes
+// through the retry rules.
+func (q *Queues) settleBatch(b *Broker, ds []amqp.Delivery, o ConsumeOptions) error {
+	queue, log := o.Queue, o.Log
 	inHand := &q.conns[b.Index].inHand
 	defer inHand.Add(-int64(len(ds)))
-	if len(ds) == 1 || batch == nil {
+	if len(ds) == 1 || o.Batch == nil {
 		for i := range ds {
-			if _, err := q.settle(b, queue, &ds[i], h, log); err != nil {
+			if _, err := q.settle(b, &ds[i], o); err != nil {
 				return err
 			}
 		}
@@ -206,9 +257,11 @@ func (q *Queues) settleBatch(b *Broker, queue string, ds []amqp.Delivery, h Hand
 	defer cancel()
 	logs := make([]*slog.Logger, len(ds))
 	verdicts := make([]error, len(ds))
-	err := batch.Batch(ctx, func(tx *Tx) error {
+	next := decodeAhead(queue, ds, o.Prepare, log)
+	err := o.Batch.Batch(ctx, func(tx *Tx) error {
 		for i := range ds {
-			logs[i], verdicts[i] = handle(ctx, tx, queue, &ds[i], h, log)
+			m := next(i)
+			logs[i], verdicts[i] = m.log, m.handle(ctx, tx, o.Handle)
 		}
 		return ctx.Err()
 	})

@@ -15,6 +15,8 @@ type WorkerOptions struct {
 	Name   string
 	Queue  string
 	Handle Handler
+	// Prepare, when set, is the handler's decoding, done ahead of it.
+	Prepare Preparer
 	// Batch, when set, lets a cycle commit several messages at once (a
 	// window's half); nil handles each on its own.
 	Batch Batcher
@@ -224,5 +226,5 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 // consumeOptions are what the worker's consumers and drains do with its
 // queue's messages.
 func (w *Worker) consumeOptions(log *slog.Logger) ConsumeOptions {
-	return ConsumeOptions{Queue: w.Queue, Handle: w.Handle, Batch: w.Batch, Log: log}
+	return ConsumeOptions{Queue: w.Queue, Handle: w.Handle, Prepare: w.Prepare, Batch: w.Batch, Log: log}
 }

@@ -9,15 +9,20 @@ import (
 // github-database): release tracking for every repository, then the typed
 // tables for the bot App's Events, all in one transaction that also records
 // the delivery as done, so a redelivered or retried Event changes nothing the
-// second time. The payload is decoded before the transaction: a payload that
-// lacks a field the tables need is a permanent failure and holds no lock.
+// second time. The payload is decoded for the tables before the handler's
+// statements, by databasePrepare ahead of the transaction when the consumer
+// batches: a payload that lacks a field the tables need is a permanent
+// failure that writes nothing.
 //
 // An Event whose object is older than the typed row it maps to (a late
 // synchronize after closed) leaves the row alone and is recorded with
 // outcome stale (SPEC §12.4).
 func databaseHandler(store *Store, botAppID int64, metrics *Metrics, log *slog.Logger) Handler {
 	return func(ctx context.Context, tx *Tx, ev *Event) error {
-		rows, err := decodeTableRows(ev, botAppID)
+		if ev.rows == nil {
+			databasePrepare(botAppID)(ev)
+		}
+		rows, err := ev.rows, ev.rowsErr
 		if err != nil {
 			return err
 		}
@@ -44,5 +49,13 @@ func databaseHandler(store *Store, botAppID int64, metrics *Metrics, log *slog.L
 			return ErrDuplicate
 		}
 		return nil
+	}
+}
+
+// databasePrepare decodes an Event for the typed tables (decodeTableRows)
+// and keeps the result in it for databaseHandler.
+func databasePrepare(botAppID int64) Preparer {
+	return func(ev *Event) {
+		ev.rows, ev.rowsErr = decodeTableRows(ev, botAppID)
 	}
 }

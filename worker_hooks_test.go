@@ -393,7 +393,10 @@ func TestHooksGitHubErrors(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	go func() { consumeUntil(ctx, hooks.queues, b, queueHooks, hooks.Handle, nil, log); close(done) }()
+	go func() {
+		consumeUntil(ctx, hooks.queues, b, ConsumeOptions{Queue: queueHooks, Handle: hooks.Handle, Log: log})
+		close(done)
+	}()
 	defer func() { cancel(); <-done }()
 
 	eventually(t, 20*time.Second, "the Event republished to github", func() bool { return ready(t, vhost, queueGitHub) == 1 })
