@@ -19,6 +19,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strconv"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -62,7 +63,8 @@ type benchProcess struct {
 
 // startBenchProcess runs `switchyard serve` over brokerURL with the default
 // config (topology declared beforehand, as production brokers are), plus
-// extra TOML lines in their sections ("queue.prefetch = 64").
+// extra TOML lines in their sections ("queue.prefetch = 64"), which replace
+// the bench's own setting of the same key.
 func startBenchProcess(b testing.TB, brokerURL, dbPath string, extra ...string) *benchProcess {
 	b.Helper()
 	dir := b.TempDir()
@@ -78,8 +80,13 @@ func startBenchProcess(b testing.TB, brokerURL, dbPath string, extra ...string) 
 		"log":      {`level = "warn"`},
 	}
 	for _, e := range extra {
-		key, line, _ := strings.Cut(e, ".")
-		sections[key] = append(sections[key], line)
+		section, line, _ := strings.Cut(e, ".")
+		key, _, _ := strings.Cut(line, "=")
+		sections[section] = slices.DeleteFunc(sections[section], func(l string) bool {
+			k, _, _ := strings.Cut(l, "=")
+			return strings.TrimSpace(k) == strings.TrimSpace(key)
+		})
+		sections[section] = append(sections[section], line)
 	}
 	var text strings.Builder
 	for _, s := range []string{"server", "database", "api", "github", "queue", "workers", "log"} {
@@ -465,7 +472,8 @@ func benchCPU(b *testing.B, payload []byte) (ours, raw time.Duration) {
 	rabbitmqctl(b, "add_user", user, "bench-password")
 	b.Cleanup(func() { _ = exec.Command("rabbitmqctl", "-q", "delete_user", user).Run() })
 	rabbitmqctl(b, "set_permissions", "-p", vhost, user, ".*", ".*", "^$")
-	p := startBenchProcess(b, "amqp://"+user+":bench-password@127.0.0.1:5672/"+vhost, "", "queue.declare_topology = false")
+	// The workers' refused consumes are expected here: log errors only.
+	p := startBenchProcess(b, "amqp://"+user+":bench-password@127.0.0.1:5672/"+vhost, "", "queue.declare_topology = false", `log.level = "error"`)
 	body := newBotBody(b, payload)
 	client := loadClient(16)
 	before := p.cpu(b)
