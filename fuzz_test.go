@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 
@@ -143,11 +144,12 @@ func FuzzValidJSON(f *testing.F) {
 	// Strings are read eight bytes at a time: put each byte that matters
 	// inside a string at every offset of a word.
 	for off := 0; off < 17; off++ {
-		for _, c := range []string{`"`, `\n`, `\u00e9`, `\q`, "\x00", "\x1f", " ", "\x7f", "\xc3\xa9", "\xff"} {
+		for _, c := range []string{`"`, `\n`, `\u00e9`, `\q`, "\x00", "\x1f", " ", "\x7f", "\xc3\xa9", "\xff", `\\`, `\"`, `\\\"`, `\\\\`} {
 			f.Add([]byte(`{"k":"` + strings.Repeat("a", off) + c + strings.Repeat("b", 9) + `"}`))
 		}
 	}
 	f.Add(loadFixture(f, "push", "payload.json"))
+	f.Add([]byte(`{"a":{"b":[1,{"c":"}]"}],"d":"x\\"},"e":[],"f":-1.5e3,"g":true ,"h" : null}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if got, want := validJSON(b), json.Valid(b); got != want {
 			t.Fatalf("validJSON(%q) = %v, json.Valid = %v", b, got, want)
@@ -166,6 +168,16 @@ func FuzzValidJSON(f *testing.F) {
 			if got[k] != string(v) {
 				t.Fatalf("member %q: %q, want %q", k, got[k], v)
 			}
+		}
+		// The second look (seenMembers) trusts what the first validated:
+		// on every valid object it finds the same members, raw keys and
+		// values alike, in order; on anything else it must not panic.
+		type member struct{ key, value string }
+		var want, seen []member
+		jsonRawMembers(b, func(k, v []byte) { want = append(want, member{string(k), string(v)}) })
+		seenMembers(b, func(k, v []byte) { seen = append(seen, member{string(k), string(v)}) })
+		if ok && !slices.Equal(seen, want) {
+			t.Fatalf("seenMembers(%q) = %q, jsonRawMembers %q", b, seen, want)
 		}
 	})
 }

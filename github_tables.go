@@ -814,7 +814,7 @@ func writeShrunk(b *bytes.Buffer, raw []byte, keep map[string]any) {
 	}
 	b.WriteByte('{')
 	first := true
-	jsonRawMembers(raw, func(quoted, value []byte) {
+	seenMembers(raw, func(quoted, value []byte) {
 		// A plain key is looked up and written as it stands; one with
 		// escapes (or not UTF-8) is decoded first, as encoding/json would.
 		plain := bytes.IndexByte(quoted, '\\') < 0 && utf8.Valid(quoted)
