@@ -19,7 +19,7 @@ import (
 // outcome stale (SPEC §12.4).
 func databaseHandler(store *Store, botAppID int64, metrics *Metrics, log *slog.Logger) Handler {
 	return func(ctx context.Context, tx *Tx, ev *Event) error {
-		if ev.rows == nil {
+		if ev.rows == nil && ev.rowsErr == nil {
 			databasePrepare(botAppID)(ev)
 		}
 		rows, err := ev.rows, ev.rowsErr
