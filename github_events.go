@@ -32,7 +32,7 @@ type Event struct {
 	// it down for the typed tables when, and only if, they ask.
 	fields *payloadFields
 	table  []byte
-	// rows and rowsErr are what databasePrepare decoded for the tables.
+	// rows and rowsErr are decodeTableRows' answer, kept by tableRows.
 	rows    *tableRows
 	rowsErr error
 }

@@ -58,8 +58,8 @@ func jsonRawMembers(b []byte, member func(quoted, value []byte)) bool {
 // already, as a member of a payload decodePayload read: a second look, to
 // find a field or cut the object down. It finds where each string ends by
 // its closing quote alone (bytes.IndexByte) and where each value ends by
-// counting brackets, checking nothing in between: on the typed tables' cut
-// of a pull_request payload that was two thirds of the consumer's decoding.
+// counting brackets, checking nothing in between: a fifth of the decoding of
+// a 25 KB pull_request message with its typed row (BENCHMARKS.md).
 // On input that is not valid JSON its answer means nothing, but it reads
 // nothing out of bounds; never give it bytes from outside unchecked.
 func seenMembers(b []byte, member func(quoted, value []byte)) {

@@ -761,6 +761,15 @@ func decodeRepository(ev *Event) (repositoryRow, error) {
 		Sender: login(p.Sender), RepositoryID: p.Repository.ID, Private: p.Repository.Private}, nil
 }
 
+// tableRows is decodeTableRows, once per Event: databasePrepare runs it
+// ahead of the transaction, and the handler finds it done.
+func (ev *Event) tableRows(botAppID int64) (*tableRows, error) {
+	if ev.rows == nil && ev.rowsErr == nil {
+		ev.rows, ev.rowsErr = decodeTableRows(ev, botAppID)
+	}
+	return ev.rows, ev.rowsErr
+}
+
 // tablePayload is the payload cut down to tableFields: decoding it costs a
 // fraction of decoding the whole payload again. Without a pass from
 // DecodeEvent (an Event built by hand) it is the whole payload.

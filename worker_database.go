@@ -19,10 +19,7 @@ import (
 // outcome stale (SPEC §12.4).
 func databaseHandler(store *Store, botAppID int64, metrics *Metrics, log *slog.Logger) Handler {
 	return func(ctx context.Context, tx *Tx, ev *Event) error {
-		if ev.rows == nil && ev.rowsErr == nil {
-			databasePrepare(botAppID)(ev)
-		}
-		rows, err := ev.rows, ev.rowsErr
+		rows, err := ev.tableRows(botAppID)
 		if err != nil {
 			return err
 		}
@@ -52,10 +49,8 @@ func databaseHandler(store *Store, botAppID int64, metrics *Metrics, log *slog.L
 	}
 }
 
-// databasePrepare decodes an Event for the typed tables (decodeTableRows)
-// and keeps the result in it for databaseHandler.
+// databasePrepare decodes an Event for the typed tables ahead of
+// databaseHandler (Event.tableRows).
 func databasePrepare(botAppID int64) Preparer {
-	return func(ev *Event) {
-		ev.rows, ev.rowsErr = decodeTableRows(ev, botAppID)
-	}
+	return func(ev *Event) { _, _ = ev.tableRows(botAppID) }
 }
