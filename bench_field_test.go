@@ -11,7 +11,6 @@ import (
 	"errors"
 	"fmt"
 	"hash"
-	"io"
 	"log/slog"
 	"net/http"
 	"os"
@@ -195,29 +194,23 @@ func (bb *botBody) sign(tail []byte) string {
 // botPost sends one signed bot pull_request webhook with its own node id, so
 // that it writes its own typed row; it returns the latency and an error
 // unless the answer is 202.
-func botPost(client *http.Client, base, guid string, body *botBody) (time.Duration, error) {
+func botPost(client *loadClient, guid string, body *botBody) (time.Duration, error) {
 	tail := body.tail("node-" + guid)
-	req, err := http.NewRequest(http.MethodPost, base+"/webhooks/github", io.MultiReader(bytes.NewReader(body.head), bytes.NewReader(tail)))
-	if err != nil {
-		return 0, err
-	}
-	req.ContentLength = int64(len(body.head) + len(tail))
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-GitHub-Event", "pull_request")
-	req.Header.Set("X-GitHub-Delivery", guid)
-	req.Header.Set("X-GitHub-Hook-ID", "123456")
-	req.Header.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
-	req.Header.Set("X-GitHub-Hook-Installation-Target-ID", strconv.Itoa(testBotAppID))
-	req.Header.Set("X-Hub-Signature-256", body.sign(tail))
+	h := http.Header{}
+	h.Set("Content-Type", "application/json")
+	h.Set("X-GitHub-Event", "pull_request")
+	h.Set("X-GitHub-Delivery", guid)
+	h.Set("X-GitHub-Hook-ID", "123456")
+	h.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
+	h.Set("X-GitHub-Hook-Installation-Target-ID", strconv.Itoa(testBotAppID))
+	h.Set("X-Hub-Signature-256", body.sign(tail))
 	start := time.Now()
-	resp, err := client.Do(req)
+	status, err := client.post("/webhooks/github", h, body.head, tail)
 	if err != nil {
 		return 0, err
 	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusAccepted {
-		return 0, fmt.Errorf("POST: %d", resp.StatusCode)
+	if status != http.StatusAccepted {
+		return 0, fmt.Errorf("POST: %d", status)
 	}
 	return time.Since(start), nil
 }
@@ -227,7 +220,7 @@ func botPost(client *http.Client, base, guid string, body *botBody) (time.Durati
 // webhooks per second from the first POST to the last row.
 func sustained(b testing.TB, p *benchProcess, payload []byte, clients int, d time.Duration) float64 {
 	body := newBotBody(b, payload)
-	client := loadClient(clients)
+	client := newLoadClient(p.url, clients)
 	db := openDB(b, p.dbPath)
 	prefix := "sus-" + randHex(3) + "-"
 	var posted atomic.Int64
@@ -240,7 +233,7 @@ func sustained(b testing.TB, p *benchProcess, payload []byte, clients int, d tim
 		go func() {
 			defer wg.Done()
 			for time.Now().Before(deadline) && failed.Load() == nil {
-				if _, err := botPost(client, p.url, fmt.Sprintf("%s%d", prefix, posted.Add(1)), body); err != nil {
+				if _, err := botPost(client, fmt.Sprintf("%s%d", prefix, posted.Add(1)), body); err != nil {
 					failed.CompareAndSwap(nil, err)
 				}
 			}
@@ -290,7 +283,7 @@ func benchBurst(b *testing.B, payload []byte, rtt time.Duration) (p50, p99 float
 	p := startBenchProcess(b, proxy.URL(vhost), "")
 	const n, conns = 2000, 200
 	body := newBotBody(b, payload)
-	client := loadClient(conns)
+	client := newLoadClient(p.url, conns)
 	lat := make([]float64, n)
 	var next atomic.Int64
 	var failed atomic.Value
@@ -302,7 +295,7 @@ func benchBurst(b *testing.B, payload []byte, rtt time.Duration) (p50, p99 float
 			defer wg.Done()
 			<-start
 			for i := int(next.Add(1)) - 1; i < n; i = int(next.Add(1)) - 1 {
-				d, err := botPost(client, p.url, fmt.Sprintf("burst-%d-%s", i, randHex(3)), body)
+				d, err := botPost(client, fmt.Sprintf("burst-%d-%s", i, randHex(3)), body)
 				if err != nil {
 					failed.CompareAndSwap(nil, err)
 				}
@@ -445,10 +438,10 @@ func benchPeakRSS(b *testing.B, extra ...string) float64 {
 	declareTestTopology(b, vhost, 10*time.Minute)
 	p := startBenchProcess(b, amqpURL(vhost), "", extra...)
 	body := newBotBody(b, paddedPayload(b, 1<<20))
-	client := loadClient(16)
+	client := newLoadClient(p.url, 16)
 	db := openDB(b, p.dbPath)
 	parallelRate(b, 16, 400, func(i int) error {
-		_, err := botPost(client, p.url, fmt.Sprintf("mb-%d", i), body)
+		_, err := botPost(client, fmt.Sprintf("mb-%d", i), body)
 		return err
 	})
 	eventually(b, 5*time.Minute, "400 large webhooks stored", func() bool {
@@ -475,10 +468,10 @@ func benchCPU(b *testing.B, payload []byte) (ours, raw time.Duration) {
 	// The workers' refused consumes are expected here: log errors only.
 	p := startBenchProcess(b, "amqp://"+user+":bench-password@127.0.0.1:5672/"+vhost, "", "queue.declare_topology = false", `log.level = "error"`)
 	body := newBotBody(b, payload)
-	client := loadClient(16)
+	client := newLoadClient(p.url, 16)
 	before := p.cpu(b)
 	parallelRate(b, 16, n, func(i int) error {
-		_, err := botPost(client, p.url, fmt.Sprintf("cpu-%d", i), body)
+		_, err := botPost(client, fmt.Sprintf("cpu-%d", i), body)
 		return err
 	})
 	ours = (p.cpu(b) - before) / n
