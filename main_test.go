@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"syscall"
@@ -616,5 +617,40 @@ func TestMigrateUpgradesInPlace(t *testing.T) {
 	}
 	if err := store.r.QueryRow("SELECT count(*) FROM github_pull_requests").Scan(&n); err != nil {
 		t.Errorf("new table missing: %v", err)
+	}
+}
+
+// TestGCLimits: serve sets the configured soft memory limit and, under a
+// limit, GOGC 200; the environment's GOMEMLIMIT and GOGC win, and without a
+// limit the collector keeps Go's default.
+func TestGCLimits(t *testing.T) {
+	percent, limit := debug.SetGCPercent(100), debug.SetMemoryLimit(-1)
+	t.Cleanup(func() { debug.SetGCPercent(percent); debug.SetMemoryLimit(limit) })
+	const noLimit = int64(1<<63 - 1)
+	for _, c := range []struct {
+		name            string
+		gomemlimit, gc  string
+		memoryLimit     int64
+		wantPercent     int
+		wantMemoryLimit int64
+	}{
+		{"default config", "", "", 48 << 20, gcPercentUnderLimit, 48 << 20},
+		{"GOGC wins", "", "50", 48 << 20, 100, 48 << 20},
+		{"no limit", "", "", 0, 100, noLimit},
+		{"GOMEMLIMIT wins", "64MiB", "", 48 << 20, gcPercentUnderLimit, noLimit},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Setenv("GOMEMLIMIT", c.gomemlimit)
+			t.Setenv("GOGC", c.gc)
+			debug.SetGCPercent(100)
+			debug.SetMemoryLimit(noLimit)
+			setGCLimits(c.memoryLimit)
+			if got := debug.SetGCPercent(100); got != c.wantPercent {
+				t.Errorf("GOGC %d, want %d", got, c.wantPercent)
+			}
+			if got := debug.SetMemoryLimit(-1); got != c.wantMemoryLimit {
+				t.Errorf("memory limit %d, want %d", got, c.wantMemoryLimit)
+			}
+		})
 	}
 }
