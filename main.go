@@ -947,8 +947,9 @@ func sdNotify(log *slog.Logger, state string) {
 
 // gcPercentUnderLimit is the collector's GOGC while a soft memory limit
 // holds the heap: end to end over amqps the default 100 ran 440 collections
-// in 30 s on a heap of ~20 MB, 5 to 10 % of the daemon's CPU per webhook, which 200
-// gives back (BENCHMARKS.md) while the limit still bounds the footprint.
+// in 30 s on a heap of ~20 MB, 5 to 10 % of the daemon's CPU per webhook,
+// which 200 gives back (BENCHMARKS.md) while the limit still bounds the
+// footprint.
 const gcPercentUnderLimit = 200
 
 // setGCLimits sets the Go runtime's soft memory limit (server.memory_limit;
