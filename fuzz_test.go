@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -150,6 +151,9 @@ func FuzzValidJSON(f *testing.F) {
 	}
 	f.Add(loadFixture(f, "push", "payload.json"))
 	f.Add([]byte(`{"a":{"b":[1,{"c":"}]"}],"d":"x\\"},"e":[],"f":-1.5e3,"g":true ,"h" : null}`))
+	// The cut: kept keys nested, escaped, repeated, and holding other types.
+	f.Add([]byte(`{"a":{"b":1,"c":{"k":[2],"x":3},"y":"z"},"d":{"q":1},"log\u0069n":"e","a":{"c":null},"e":{"f":1}}`))
+	f.Add([]byte("{\"k\xff\":1,\"k\":\"v\",\"a\":[{\"b\":1}],\"e\":\"s\"}"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if got, want := validJSON(b), json.Valid(b); got != want {
 			t.Fatalf("validJSON(%q) = %v, json.Valid = %v", b, got, want)
@@ -169,15 +173,53 @@ func FuzzValidJSON(f *testing.F) {
 				t.Fatalf("member %q: %q, want %q", k, got[k], v)
 			}
 		}
-		// The second look (seenMembers) trusts what the first validated:
-		// on every valid object it finds the same members, raw keys and
-		// values alike, in order; on anything else it must not panic.
+		// jsonCut validates as jsonRawMembers does, calls member with the
+		// same members, and its cut decodes to what encoding/json decodes
+		// of the whole, pruned to the tree.
 		type member struct{ key, value string }
 		var want, seen []member
-		jsonRawMembers(b, func(k, v []byte) { want = append(want, member{string(k), string(v)}) })
-		seenMembers(b, func(k, v []byte) { seen = append(seen, member{string(k), string(v)}) })
-		if ok && !slices.Equal(seen, want) {
-			t.Fatalf("seenMembers(%q) = %q, jsonRawMembers %q", b, seen, want)
+		wantOK := jsonRawMembers(b, func(k, v []byte) { want = append(want, member{string(k), string(v)}) })
+		var cut bytes.Buffer
+		cutOK := jsonCut(b, fuzzCutTree, &cut, func(k, v []byte) { seen = append(seen, member{string(k), string(v)}) })
+		if cutOK != wantOK || ok && !slices.Equal(seen, want) {
+			t.Fatalf("jsonCut(%q) = %v with %q, jsonRawMembers %v with %q", b, cutOK, seen, wantOK, want)
+		}
+		if !cutOK {
+			return
+		}
+		var whole, fromCut any
+		_ = json.Unmarshal(b, &whole)
+		if err := json.Unmarshal(cut.Bytes(), &fromCut); err != nil {
+			t.Fatalf("jsonCut(%q) wrote %q: %v", b, cut.Bytes(), err)
+		}
+		if pruned := pruneJSON(whole, fuzzCutTree); !reflect.DeepEqual(fromCut, pruned) {
+			t.Fatalf("jsonCut(%q) = %q, decodes to %#v, want %#v", b, cut.Bytes(), fromCut, pruned)
 		}
 	})
+}
+
+// fuzzCutTree is a jsonCut tree over the keys FuzzValidJSON's seeds use.
+var fuzzCutTree = map[string]any{"a": map[string]any{"b": nil, "c": map[string]any{"k": nil}}, "d": nil, "k": nil,
+	"e": map[string]any{}, "login": nil}
+
+// pruneJSON is what a cut to keep holds of v, a value encoding/json decoded
+// into an any: of an object, the members keep names, each pruned by its
+// subtree when that value is an object too.
+func pruneJSON(v any, keep map[string]any) any {
+	obj, ok := v.(map[string]any)
+	if !ok {
+		return v
+	}
+	out := map[string]any{}
+	for k, sub := range keep {
+		val, ok := obj[k]
+		if !ok {
+			continue
+		}
+		if nested, isTree := sub.(map[string]any); isTree {
+			val = pruneJSON(val, nested)
+		}
+		out[k] = val
+	}
+	return out
 }

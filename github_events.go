@@ -28,10 +28,9 @@ type Event struct {
 	Payload        []byte // the webhook's JSON, byte for byte
 	ReceivedAt     time.Time
 
-	// fields is DecodeEvent's one pass over the payload; tablePayload cuts
-	// it down for the typed tables when, and only if, they ask.
+	// fields is DecodeEvent's one pass over the payload, which the typed
+	// tables decode from (tablePayload).
 	fields *payloadFields
-	table  []byte
 	// rows and rowsErr are decodeTableRows' answer, kept by tableRows.
 	rows    *tableRows
 	rowsErr error
@@ -72,27 +71,27 @@ func newPublishing(h http.Header, payload []byte, sourceIP string, now time.Time
 	}
 }
 
-// eventKeys are the members DecodeEvent itself reads: the wrapped form's
-// two, and those the Event's columns come from.
-var eventKeys = []string{"headers", "payload", "action", "repository", "sender", "installation"}
+// eventFields is what DecodeEvent itself reads of a payload: the wrapped
+// form's two members, and the fields the Event's columns come from (in the
+// shape of tableFields).
+var eventFields = map[string]any{"headers": nil, "payload": nil, "action": nil,
+	"repository": map[string]any{"full_name": nil}, "sender": map[string]any{"login": nil},
+	"installation": map[string]any{"id": nil}}
 
-// keptKeys are the members one pass over a payload keeps: tableKeys and
-// eventKeys.
-var keptKeys = func() map[string]bool {
-	m := map[string]bool{}
-	for _, k := range eventKeys {
-		m[k] = true
-	}
-	for k := range tableFields {
-		m[k] = true
-	}
+// decodedFields is what the one pass over a payload keeps: eventFields and
+// tableFields.
+var decodedFields = func() map[string]any {
+	m := map[string]any{}
+	mergeFields(m, eventFields)
+	mergeFields(m, tableFields)
 	return m
 }()
 
-// payloadFields is one pass over a payload (jsonMembers): the top-level
-// members the workers read, kept raw as slices of the body, and how many
-// members there were.
+// payloadFields is the one pass over a payload (jsonCut): the payload cut
+// down to decodedFields, a few hundred bytes of a 25 KB pull_request, its
+// members by key, and how many members the whole payload has.
 type payloadFields struct {
+	cut     []byte
 	members map[string]json.RawMessage
 	count   int
 }
@@ -158,9 +157,9 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 	ev.HookID, _ = strconv.ParseInt(get(hdrHookID), 10, 64)
 	ev.TargetID, _ = strconv.ParseInt(get(hdrTargetID), 10, 64)
 	// Each of these is one field of a larger object (repository alone is
-	// kilobytes): the one-pass reader finds it, encoding/json decodes only
-	// it. A value of another type (a payload of an unexpected shape) just
-	// leaves the column empty.
+	// kilobytes), read from its cut: encoding/json decodes only it. A value
+	// of another type (a payload of an unexpected shape) just leaves the
+	// column empty.
 	_ = json.Unmarshal(jsonField(f.members["repository"], "full_name"), &ev.Repository)
 	_ = json.Unmarshal(jsonField(f.members["sender"], "login"), &ev.Sender)
 	_ = json.Unmarshal(jsonField(f.members["installation"], "id"), &ev.InstallationID)
@@ -180,16 +179,14 @@ func decodePayload(body []byte) (*payloadFields, error) {
 	if body[0] != '{' {
 		return nil, permanent("body is not a JSON object")
 	}
+	var cut bytes.Buffer
+	cut.Grow(1 << 10)
 	f := &payloadFields{members: make(map[string]json.RawMessage, 8)}
-	ok := jsonMembers(body, func(key string, value []byte) {
-		f.count++
-		if keptKeys[key] {
-			f.members[key] = value
-		}
-	})
-	if !ok {
+	if !jsonCut(body, decodedFields, &cut, func(_, _ []byte) { f.count++ }) {
 		return nil, permanent("body is not valid JSON")
 	}
+	f.cut = cut.Bytes()
+	jsonMembers(f.cut, func(key string, value []byte) { f.members[key] = value })
 	return f, nil
 }
 

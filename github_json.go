@@ -12,8 +12,9 @@ import (
 // byte; for a 25 KB webhook that was over half of the endpoint's CPU and a
 // third of a consumer's (see BENCHMARKS.md). This reader validates exactly as
 // json.Valid does (FuzzValidJSON holds it to that) and hands out the
-// top-level members of an object as slices of the input, which encoding/json
-// then decodes one small value at a time.
+// top-level members of an object as slices of the input; in the same pass it
+// cuts a payload down to the few fields the workers read (jsonCut), which
+// encoding/json then decodes.
 
 // maxJSONDepth is encoding/json's own nesting limit.
 const maxJSONDepth = 10000
@@ -22,6 +23,9 @@ type jsonReader struct {
 	b     []byte
 	i     int
 	depth int
+	out   *bytes.Buffer // jsonCut's: where object writes what it keeps
+	// escaped tells that the last string str read had an escape in it.
+	escaped bool
 }
 
 // validJSON reports whether b is one valid JSON value, as json.Valid does.
@@ -47,129 +51,57 @@ func jsonMembers(b []byte, member func(key string, value []byte)) bool {
 func jsonRawMembers(b []byte, member func(quoted, value []byte)) bool {
 	r := jsonReader{b: b}
 	r.space()
-	if r.i >= len(r.b) || r.b[r.i] != '{' || !r.object(member) {
+	if r.i >= len(r.b) || r.b[r.i] != '{' || !r.object(member, nil) {
 		return false
 	}
 	r.space()
 	return r.i == len(r.b)
 }
 
-// seenMembers is jsonRawMembers for an object this reader has validated
-// already, as a member of a payload decodePayload read: a second look, to
-// find a field or cut the object down. It finds where each string ends by
-// its closing quote alone (bytes.IndexByte) and where each value ends by
-// counting brackets, checking nothing in between: a fifth of the decoding of
-// a 25 KB pull_request message with its typed row (BENCHMARKS.md).
-// On input that is not valid JSON its answer means nothing, but it reads
-// nothing out of bounds; never give it bytes from outside unchecked.
-func seenMembers(b []byte, member func(quoted, value []byte)) {
-	r := jsonReader{b: b}
+// jsonCut is jsonRawMembers that also writes to out, in the same pass, the
+// object cut down to keep: a tree of member names, each nil to keep the
+// member whole or a subtree to cut its value (when that is an object) the
+// same way. Members are written in the order they come, duplicates
+// included, so a decoder that takes the last of a key (encoding/json does)
+// reads the same value in the cut as in the whole. On false (b is not one
+// valid JSON object) out holds nothing useful.
+func jsonCut(b []byte, keep map[string]any, out *bytes.Buffer, member func(quoted, value []byte)) bool {
+	r := jsonReader{b: b, out: out}
 	r.space()
-	if r.i >= len(r.b) || r.b[r.i] != '{' {
-		return
+	if r.i >= len(r.b) || r.b[r.i] != '{' || !r.object(member, keep) {
+		return false
 	}
-	r.i++
-	for {
-		r.space()
-		if r.i >= len(r.b) || r.b[r.i] != '"' {
-			return // '}' or broken
-		}
-		start := r.i
-		r.skipString()
-		key := r.b[start:r.i]
-		r.space()
-		if r.i >= len(r.b) || r.b[r.i] != ':' {
-			return
-		}
-		r.i++
-		r.space()
-		vstart := r.i
-		r.skipValue()
-		member(key, r.b[vstart:r.i])
-		r.space()
-		if r.i >= len(r.b) || r.b[r.i] != ',' {
-			return
-		}
-		r.i++
-	}
+	r.space()
+	return r.i == len(r.b)
 }
 
-// skipString moves past the string that starts at r.i: to the first quote
-// after it that an even run of backslashes precedes. A run ends at the
-// previous quote, so each byte is counted at most once.
-func (r *jsonReader) skipString() {
-	for j := r.i + 1; j < len(r.b); {
-		k := bytes.IndexByte(r.b[j:], '"')
-		if k < 0 {
-			break
-		}
-		q := j + k
-		n := 0
-		for q-1-n > r.i && r.b[q-1-n] == '\\' {
-			n++
-		}
-		if n%2 == 0 {
-			r.i = q + 1
-			return
-		}
-		j = q + 1
+// kept looks up a member's quoted key in keep. A key without escapes is
+// looked up as it stands (every key GitHub sends is): encoding/json would
+// read it the same, or, where its bytes are not UTF-8, as a key with U+FFFD
+// in it, which no tree holds. A key with escapes is decoded as encoding/json
+// would, and written back re-encoded.
+func kept(keep map[string]any, quoted []byte, escaped bool) (sub any, ok bool, key []byte) {
+	if !escaped {
+		sub, ok = keep[string(quoted[1:len(quoted)-1])]
+		return sub, ok, quoted
 	}
-	r.i = len(r.b)
-}
-
-// skipValue moves past the value that starts at r.i: a string, a container
-// (to its closing bracket, strings skipped whole), or a scalar (to the next
-// delimiter).
-func (r *jsonReader) skipValue() {
-	if r.i >= len(r.b) {
-		return
+	k := jsonKey(quoted)
+	if sub, ok = keep[k]; ok {
+		key, _ = json.Marshal(k)
 	}
-	switch r.b[r.i] {
-	case '"':
-		r.skipString()
-		return
-	case '{', '[':
-	default:
-		for r.i < len(r.b) {
-			switch r.b[r.i] {
-			case ',', '}', ']', ' ', '\t', '\n', '\r':
-				return
-			}
-			r.i++
-		}
-		return
-	}
-	depth := 0
-	for r.i < len(r.b) {
-		switch r.b[r.i] {
-		case '"':
-			r.skipString()
-			continue
-		case '{', '[':
-			depth++
-		case '}', ']':
-			if depth--; depth == 0 {
-				r.i++
-				return
-			}
-		}
-		r.i++
-	}
+	return sub, ok, key
 }
 
 // jsonField returns the raw value of key in the JSON object obj (the last
 // one, as encoding/json takes), or nil when obj is not an object or has no
-// such key. obj must have been validated (seenMembers).
+// such key. It reads all of obj: give it small objects (a cut's members).
 func jsonField(obj []byte, key string) []byte {
 	if len(obj) == 0 || obj[0] != '{' {
 		return nil
 	}
 	var v []byte
-	seenMembers(obj, func(quoted, value []byte) {
-		// Most keys are plain: compare them as they stand, without
-		// decoding (and allocating) each.
-		if len(quoted) == len(key)+2 && string(quoted[1:len(quoted)-1]) == key ||
-			bytes.IndexByte(quoted, '\\') >= 0 && jsonKey(quoted) == key {
+	jsonMembers(obj, func(k string, value []byte) {
+		if k == key {
 			v = value
 		}
 	})
@@ -193,7 +125,7 @@ func (r *jsonReader) value() bool {
 	}
 	switch c := r.b[r.i]; {
 	case c == '{':
-		return r.object(nil)
+		return r.object(nil, nil)
 	case c == '[':
 		return r.array()
 	case c == '"':
@@ -210,15 +142,25 @@ func (r *jsonReader) value() bool {
 	return false
 }
 
-func (r *jsonReader) object(member func(quoted, value []byte)) bool {
+// object reads the object at r.i, calling member (when set) with each of
+// its members. With keep set (jsonCut), it also writes to r.out the object
+// cut down to keep.
+func (r *jsonReader) object(member func(quoted, value []byte), keep map[string]any) bool {
 	if r.depth++; r.depth > maxJSONDepth {
 		return false
 	}
 	defer func() { r.depth-- }()
+	if keep != nil {
+		r.out.WriteByte('{')
+	}
+	written := false
 	r.i++ // {
 	r.space()
 	if r.i < len(r.b) && r.b[r.i] == '}' {
 		r.i++
+		if keep != nil {
+			r.out.WriteByte('}')
+		}
 		return true
 	}
 	for {
@@ -229,7 +171,7 @@ func (r *jsonReader) object(member func(quoted, value []byte)) bool {
 		if !r.str() {
 			return false
 		}
-		key := r.b[start:r.i]
+		key, escaped := r.b[start:r.i], r.escaped
 		r.space()
 		if r.i >= len(r.b) || r.b[r.i] != ':' {
 			return false
@@ -237,8 +179,31 @@ func (r *jsonReader) object(member func(quoted, value []byte)) bool {
 		r.i++
 		r.space()
 		vstart := r.i
-		if !r.value() {
-			return false
+		if keep == nil {
+			if !r.value() {
+				return false
+			}
+		} else if sub, ok, quoted := kept(keep, key, escaped); !ok {
+			if !r.value() {
+				return false
+			}
+		} else {
+			if written {
+				r.out.WriteByte(',')
+			}
+			written = true
+			r.out.Write(quoted)
+			r.out.WriteByte(':')
+			if nested, _ := sub.(map[string]any); nested != nil && r.i < len(r.b) && r.b[r.i] == '{' {
+				if !r.object(nil, nested) {
+					return false
+				}
+			} else {
+				if !r.value() {
+					return false
+				}
+				r.out.Write(r.b[vstart:r.i])
+			}
 		}
 		if member != nil {
 			member(key, r.b[vstart:r.i])
@@ -253,6 +218,9 @@ func (r *jsonReader) object(member func(quoted, value []byte)) bool {
 			r.space()
 		case '}':
 			r.i++
+			if keep != nil {
+				r.out.WriteByte('}')
+			}
 			return true
 		default:
 			return false
@@ -306,6 +274,7 @@ func (r *jsonReader) array() bool {
 
 func (r *jsonReader) str() bool {
 	r.i++ // "
+	r.escaped = false
 	for r.i < len(r.b) {
 		r.i += plainRun(r.b[r.i:])
 		if r.i >= len(r.b) {
@@ -317,6 +286,7 @@ func (r *jsonReader) str() bool {
 			r.i++
 			return true
 		case c == '\\':
+			r.escaped = true
 			r.i++
 			if r.i >= len(r.b) {
 				return false

@@ -1,14 +1,11 @@
 package main
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"reflect"
 	"slices"
-	"sort"
 	"strings"
-	"unicode/utf8"
 )
 
 // This file maps Events to the rows of the release-tracking and typed bot
@@ -89,17 +86,12 @@ var tablePayloads = []any{releasePayload{}, workflowRunPayload{}, branchPayload{
 // payload is cut down to it (Event.tablePayload), so the decoders read a few
 // hundred bytes instead of the whole payload again, and a field a decoder's
 // type gains is kept without a second list to update.
-var tableFields = func() map[string]map[string]any {
+var tableFields = func() map[string]any {
 	all := map[string]any{}
 	for _, p := range tablePayloads {
 		mergeFields(all, jsonFields(reflect.TypeOf(p)))
 	}
-	out := make(map[string]map[string]any, len(all))
-	for k, v := range all {
-		sub, _ := v.(map[string]any)
-		out[k] = sub
-	}
-	return out
+	return all
 }()
 
 // jsonFields is the tree of members a struct type decodes: nil for one kept
@@ -129,13 +121,17 @@ func jsonFields(t reflect.Type) map[string]any {
 	return m
 }
 
-// mergeFields adds src's tree to dst's; a member kept whole by either stays
-// whole.
+// mergeFields adds src's tree to dst's, copying what it takes of src; a
+// member kept whole by either stays whole.
 func mergeFields(dst, src map[string]any) {
 	for k, v := range src {
 		cur, seen := dst[k]
 		switch {
 		case !seen:
+			if sub, ok := v.(map[string]any); ok {
+				v = map[string]any{}
+				mergeFields(v.(map[string]any), sub)
+			}
 			dst[k] = v
 		case cur == nil || v == nil:
 			dst[k] = nil
@@ -770,83 +766,13 @@ func (ev *Event) tableRows(botAppID int64) (*tableRows, error) {
 	return ev.rows, ev.rowsErr
 }
 
-// tablePayload is the payload cut down to tableFields: decoding it costs a
-// fraction of decoding the whole payload again. Without a pass from
-// DecodeEvent (an Event built by hand) it is the whole payload.
+// tablePayload is what the typed tables decode: the payload cut down to
+// decodedFields (tableFields and eventFields), which costs a fraction of
+// decoding the whole payload again. Without a pass from DecodeEvent (an
+// Event built by hand) it is the whole payload.
 func (ev *Event) tablePayload() []byte {
-	if ev.table == nil {
-		if ev.fields == nil {
-			return ev.Payload
-		}
-		ev.table = ev.fields.tableJSON()
+	if ev.fields == nil {
+		return ev.Payload
 	}
-	return ev.table
-}
-
-// tableKeys are tableFields' keys in a fixed order, for tableJSON.
-var tableKeys = func() []string {
-	var keys []string
-	for k := range tableFields {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	return keys
-}()
-
-// tableJSON writes the kept members, cut down to tableFields, into one small
-// object for the typed tables' decoders. The values are slices of a body that
-// was validated, so they are copied, not re-encoded.
-func (f *payloadFields) tableJSON() []byte {
-	var b bytes.Buffer
-	b.WriteByte('{')
-	for _, k := range tableKeys {
-		raw := f.members[k]
-		if raw == nil {
-			continue
-		}
-		if b.Len() > 1 {
-			b.WriteByte(',')
-		}
-		b.WriteString(`"` + k + `":`)
-		writeShrunk(&b, raw, tableFields[k])
-	}
-	b.WriteByte('}')
-	return b.Bytes()
-}
-
-// writeShrunk writes raw, keeping of an object only the fields in keep
-// (recursively); nil keep, or a value that is not an object, is written whole.
-func writeShrunk(b *bytes.Buffer, raw []byte, keep map[string]any) {
-	if keep == nil || len(raw) == 0 || raw[0] != '{' {
-		b.Write(raw)
-		return
-	}
-	b.WriteByte('{')
-	first := true
-	seenMembers(raw, func(quoted, value []byte) {
-		// A plain key is looked up and written as it stands; one with
-		// escapes (or not UTF-8) is decoded first, as encoding/json would.
-		plain := bytes.IndexByte(quoted, '\\') < 0 && utf8.Valid(quoted)
-		var sub any
-		var ok bool
-		if plain {
-			sub, ok = keep[string(quoted[1:len(quoted)-1])]
-		} else {
-			key := jsonKey(quoted)
-			sub, ok = keep[key]
-			quoted, _ = json.Marshal(key)
-		}
-		if !ok {
-			return
-		}
-		if !first {
-			b.WriteByte(',')
-		}
-		first = false
-		b.Write(quoted)
-		b.WriteByte(':')
-		nested, _ := sub.(map[string]any)
-		writeShrunk(b, value, nested)
-	})
-	b.WriteByte('}')
+	return ev.fields.cut
 }
