@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"encoding/json"
+	"math/bits"
 	"unicode/utf8"
 )
 
@@ -109,6 +110,9 @@ func jsonField(obj []byte, key string) []byte {
 }
 
 func (r *jsonReader) space() {
+	if r.i < len(r.b) && r.b[r.i] > ' ' {
+		return // compact JSON: no space at all
+	}
 	for r.i < len(r.b) {
 		switch r.b[r.i] {
 		case ' ', '\t', '\n', '\r':
@@ -325,11 +329,13 @@ func plainRun(b []byte) int {
 	for ; i+8 <= len(b); i += 8 {
 		w := binary.LittleEndian.Uint64(b[i:])
 		quote, backslash := w^(ones*'"'), w^(ones*'\\')
-		// A byte of the word is zero, or below 0x20, exactly when the word's test
-		// sets its high bit (the classic "has zero byte" / "has less" tricks).
-		special := (quote-ones)&^quote | (backslash-ones)&^backslash | (w-ones*0x20)&^w
-		if special&highs != 0 {
-			break
+		// The classic "has zero byte" / "has less than" tricks: each test
+		// sets the high bit of the first byte of the word that is zero (a
+		// quote, a backslash) or below 0x20, and may set it wrongly only
+		// above such a byte, so the lowest bit set is the first special byte.
+		special := ((quote-ones)&^quote | (backslash-ones)&^backslash | (w-ones*0x20)&^w) & highs
+		if special != 0 {
+			return i + bits.TrailingZeros64(special)/8
 		}
 	}
 	for ; i < len(b); i++ {
