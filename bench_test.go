@@ -744,3 +744,49 @@ func BenchmarkDecodeForTables(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkBatchWrite is the database-service consumer's work per message
+// in SQLite: a batch of 100 decoded bot pull_request Events written in one
+// transaction, each in its savepoint, as settleBatch does; cpu-us/msg is the
+// process's CPU per message (go test -bench BatchWrite).
+func BenchmarkBatchWrite(b *testing.B) {
+	store, _ := benchStore(b)
+	defer store.Close()
+	h := databaseHandler(store, testBotAppID, nil, slog.New(slog.DiscardHandler))
+	payload := paddedPayload(b, 25<<10)
+	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
+	defer cancel()
+	evs := make([]*Event, 100)
+	var cpu time.Duration
+	n := 0
+	for b.Loop() {
+		b.StopTimer()
+		for i := range evs {
+			n++
+			guid := fmt.Sprintf("batch-%d", n)
+			msg := eventMessage("pull_request", guid, withNode(payload, "node-"+guid))
+			msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
+			ev, err := DecodeEvent(delivered(msg))
+			if err != nil {
+				b.Fatal(err)
+			}
+			databasePrepare(testBotAppID)(ev)
+			evs[i] = ev
+		}
+		b.StartTimer()
+		start := selfCPU()
+		err := store.Batch(ctx, func(tx *Tx) error {
+			for _, ev := range evs {
+				if err := tx.Savepoint(ctx, func() error { return h(ctx, tx, ev) }); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		cpu += selfCPU() - start
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(cpu.Microseconds())/float64(n), "cpu-us/msg")
+}
