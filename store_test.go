@@ -310,3 +310,30 @@ func TestMigrationFillsGitHubUpdatedAt(t *testing.T) {
 		t.Errorf("github_updated_at without a raw row: %v (%v), want NULL", got, err)
 	}
 }
+
+// A batch's statements are not watched one by one for their context (the
+// driver would start a goroutine per statement), yet a batch whose context
+// ends mid-way fails at its next statement and commits nothing.
+func TestBatchContextEndsMidway(t *testing.T) {
+	t.Parallel()
+	store, _ := benchStore(t)
+	defer store.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	insert := "INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('t', ?, 'x')"
+	var afterCancel error
+	err := store.Batch(ctx, func(tx *Tx) error {
+		if _, err := tx.exec(ctx, insert, "before"); err != nil {
+			return err
+		}
+		cancel()
+		_, afterCancel = tx.exec(ctx, insert, "after")
+		return afterCancel
+	})
+	if afterCancel == nil || err == nil {
+		t.Fatalf("statement after the context ended: %v, batch: %v; want both to fail", afterCancel, err)
+	}
+	if n := queryInt(t, store.r, "SELECT count(*) FROM worker_deliveries WHERE worker = 't'"); n != 0 {
+		t.Fatalf("%d rows committed from a batch whose context ended", n)
+	}
+}
