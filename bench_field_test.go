@@ -120,8 +120,11 @@ func (p *benchProcess) peakRSS(b testing.TB) float64 {
 }
 
 // cpu is the process's user + system CPU time so far.
-func (p *benchProcess) cpu(b testing.TB) time.Duration {
-	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid))
+func (p *benchProcess) cpu(b testing.TB) time.Duration { return procCPU(b, p.cmd.Process.Pid) }
+
+// procCPU is process pid's user + system CPU time so far.
+func procCPU(b testing.TB, pid int) time.Duration {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -132,6 +135,22 @@ func (p *benchProcess) cpu(b testing.TB) time.Duration {
 	ut, _ := strconv.ParseInt(f[11], 10, 64)
 	st, _ := strconv.ParseInt(f[12], 10, 64)
 	return time.Duration(ut+st) * 10 * time.Millisecond
+}
+
+// brokerPid is the local RabbitMQ's Erlang VM (beam.smp), or 0 when this
+// machine has none that this process may read.
+func brokerPid() int {
+	dirs, _ := os.ReadDir("/proc")
+	for _, d := range dirs {
+		pid, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		if comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); err == nil && strings.TrimSpace(string(comm)) == "beam.smp" {
+			return pid
+		}
+	}
+	return 0
 }
 
 // selfCPU is this process's user + system CPU time so far.

@@ -61,6 +61,8 @@ func BenchmarkSwitchyard(b *testing.B) {
 			add("consume github-database, equal window and batches (localhost)", c.ours, c.base, "msg/s", "ratio >= 0.8")
 			rows = append(rows, row{name: "consume: the bench process's CPU per message",
 				ours: fmt.Sprintf("%d us", c.oursCPU.Microseconds()), base: fmt.Sprintf("%d us (raw consumer)", c.baseCPU.Microseconds()), aim: "printed"})
+			rows = append(rows, row{name: "consume: the broker's CPU per message",
+				ours: fmt.Sprintf("%d us", c.oursBrokerCPU.Microseconds()), base: fmt.Sprintf("%d us (raw consumer)", c.baseBrokerCPU.Microseconds()), aim: "printed"})
 		}
 		if want("drain") {
 			ours, base := benchDrain(b, payload)
@@ -443,11 +445,12 @@ func rawInsert(b testing.TB, db *sql.DB, id string, value []byte) {
 	}
 }
 
-// consumeResult is the consume row: each side's rate, and the bench
-// process's CPU per message on each side (the broker's is not in it).
+// consumeResult is the consume row: each side's rate, and the CPU per
+// message on each side of the bench process and of the broker.
 type consumeResult struct {
-	ours, base       float64
-	oursCPU, baseCPU time.Duration
+	ours, base                   float64
+	oursCPU, baseCPU             time.Duration
+	oursBrokerCPU, baseBrokerCPU time.Duration
 }
 
 // benchConsume: database-service against a raw batched consumer with a
@@ -491,23 +494,45 @@ func benchConsume(b *testing.B, payload []byte) consumeResult {
 	}
 	// The CPU per message is printed too: on two cores that the broker
 	// shares, it is steadier than the rates.
-	var oursTime, baseTime, oursCPU, baseCPU time.Duration
-	add := func(wall, cpu *time.Duration, fn func() (time.Duration, time.Duration)) {
+	// The broker's CPU is read around each side's whole round, its filling
+	// included, and the filling's share taken out by a round that only fills.
+	broker := brokerPid()
+	brokerCPU := func() time.Duration {
+		if broker == 0 {
+			return 0
+		}
+		return procCPU(b, broker)
+	}
+	var oursTime, baseTime, oursCPU, baseCPU, oursBroker, baseBroker, fillBroker time.Duration
+	add := func(wall, cpu, bcpu *time.Duration, fn func() (time.Duration, time.Duration)) {
+		before := brokerCPU()
 		w, c := fn()
 		*wall += w
 		*cpu += c
+		*bcpu += brokerCPU() - before
 	}
 	for r := 0; r < rounds; r++ {
 		if r%2 == 0 {
-			add(&oursTime, &oursCPU, switchyard)
-			add(&baseTime, &baseCPU, raw)
+			add(&oursTime, &oursCPU, &oursBroker, switchyard)
+			add(&baseTime, &baseCPU, &baseBroker, raw)
 		} else {
-			add(&baseTime, &baseCPU, raw)
-			add(&oursTime, &oursCPU, switchyard)
+			add(&baseTime, &baseCPU, &baseBroker, raw)
+			add(&oursTime, &oursCPU, &oursBroker, switchyard)
 		}
 	}
+	for r := 0; r < rounds; r++ {
+		before := brokerCPU()
+		fillQueue(b, vhost, queueDatabase, payload, n)
+		fillBroker += brokerCPU() - before
+		ch := amqpChannel(b, vhost)
+		if _, err := ch.QueuePurge(queueDatabase, false); err != nil {
+			b.Fatal(err)
+		}
+		ch.Close()
+	}
 	return consumeResult{ours: n * rounds / oursTime.Seconds(), base: n * rounds / baseTime.Seconds(),
-		oursCPU: oursCPU / (n * rounds), baseCPU: baseCPU / (n * rounds)}
+		oursCPU: oursCPU / (n * rounds), baseCPU: baseCPU / (n * rounds),
+		oursBrokerCPU: (oursBroker - fillBroker) / (n * rounds), baseBrokerCPU: (baseBroker - fillBroker) / (n * rounds)}
 }
 
 // benchDrain: the Leftover Drain of 10,000 messages against a raw basic_get
