@@ -180,8 +180,9 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 // callee writes inside a transaction only when its caller hands it one. No
 // network I/O may happen while one is open.
 type Tx struct {
-	s  *Store
-	tx *sql.Tx
+	s     *Store
+	tx    *sql.Tx
+	stmts map[string]*sql.Stmt // the prepared statements bound to tx, by query
 }
 
 // Batch runs fn in one transaction and commits once, or rolls back when fn
@@ -237,21 +238,40 @@ func (t *Tx) exec(ctx context.Context, query string, args ...any) (sql.Result, e
 		return nil, err
 	}
 	ctx = context.WithoutCancel(ctx)
-	if st, ok := t.s.stmts.Load(query); ok {
-		return t.tx.StmtContext(ctx, st.(*sql.Stmt)).ExecContext(ctx, args...)
+	if st := t.stmt(ctx, query); st != nil {
+		return st.ExecContext(ctx, args...)
 	}
-	t.s.wanted.Store(query, struct{}{})
 	return t.tx.ExecContext(ctx, query, args...)
 }
 
 // queryRow is exec's counterpart for one-row reads inside tx.
 func (t *Tx) queryRow(ctx context.Context, query string, args ...any) *sql.Row {
 	ctx = context.WithoutCancel(ctx)
-	if st, ok := t.s.stmts.Load(query); ok {
-		return t.tx.StmtContext(ctx, st.(*sql.Stmt)).QueryRowContext(ctx, args...)
+	if st := t.stmt(ctx, query); st != nil {
+		return st.QueryRowContext(ctx, args...)
 	}
-	t.s.wanted.Store(query, struct{}{})
 	return t.tx.QueryRowContext(ctx, query, args...)
+}
+
+// stmt is query's prepared statement bound to tx, or nil (and asked for)
+// when it is not prepared yet. database/sql binds a statement to a
+// transaction anew on every Tx.StmtContext, and keeps each binding until
+// the end; a batch binds each of its statements once.
+func (t *Tx) stmt(ctx context.Context, query string) *sql.Stmt {
+	if st, ok := t.stmts[query]; ok {
+		return st
+	}
+	st, ok := t.s.stmts.Load(query)
+	if !ok {
+		t.s.wanted.Store(query, struct{}{})
+		return nil
+	}
+	if t.stmts == nil {
+		t.stmts = map[string]*sql.Stmt{}
+	}
+	bound := t.tx.StmtContext(ctx, st.(*sql.Stmt))
+	t.stmts[query] = bound
+	return bound
 }
 
 // prepareWanted prepares the statements exec asked for. It runs outside any
