@@ -180,47 +180,70 @@ func issueTransition(action, cur string) (state, processing string, change bool)
 // writeIssue applies an issue's or pull request's action to its row (see
 // issueTransition), unless the row is newer than the Event's object: a late
 // synchronize never reopens a closed pull request. It reports that as stale.
+// One upsert does it: the row's current state picks the transition's result
+// in SQL, from both results issueTransition gives for a row that exists, so
+// the common case (a new row, or one that changes) is one statement.
 func (tx *Tx) writeIssue(ctx context.Context, m rowMeta, r *issueRow) (stale bool, err error) {
-	table := "github_issues"
+	table, query := "github_issues", issueUpsert
 	if r.Pull {
-		table = "github_pull_requests"
+		table, query = "github_pull_requests", pullUpsert
 	}
-	var cur string
-	var updated sql.NullString
-	err = tx.queryRow(ctx, "SELECT state, github_updated_at FROM "+table+" WHERE node_id = ?", r.NodeID).Scan(&cur, &updated)
-	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+	state, processing, _ := issueTransition(r.Action, "")
+	openState, openProcessing, openChange := issueTransition(r.Action, "OPEN")
+	closedState, closedProcessing, closedChange := issueTransition(r.Action, "CLOSED")
+	args := []any{m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Owner, r.Name, r.Number,
+		r.Title, r.Sender, state, r.Action, processing, m.Now, m.Now, r.Updated}
+	if r.Pull {
+		args = append(args, r.HeadRef, r.HeadSHA, r.Merged, r.Draft)
+	}
+	args = append(args, r.NodeID, m.Now, openState, closedState, openProcessing, closedProcessing, openChange, closedChange)
+	res, err := tx.exec(ctx, query, args...)
+	if err != nil {
 		return false, err
 	}
-	if r.Updated != nil && updated.Valid && *r.Updated < updated.String {
-		return true, nil
+	if n, err := res.RowsAffected(); err != nil || n > 0 {
+		return false, err
 	}
-	state, processing, change := issueTransition(r.Action, cur)
-	if !change {
+	// The row stayed as it was: it is newer than the Event's object
+	// (stale), or the action does not change a row in its state.
+	if r.Updated == nil {
 		return false, nil
 	}
-	cols := []string{"delivery_id", "hook_id", "target_type", "target_id", "installation_id", "repository_owner",
-		"repository_name", "number", "title", "sender", "state", "last_action", "processing_state", "processing_date",
-		"updated_at", "github_updated_at"}
-	githubUpdated := any(r.Updated)
-	if r.Updated == nil && updated.Valid {
-		githubUpdated = updated.String // an Event without the time keeps the row's
-	}
-	vals := []any{m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Owner, r.Name, r.Number,
-		r.Title, r.Sender, state, r.Action, processing, m.Now, m.Now, githubUpdated}
-	if r.Pull {
-		cols = append(cols, "head_ref", "head_sha", "merged", "draft")
-		vals = append(vals, r.HeadRef, r.HeadSHA, r.Merged, r.Draft)
-	}
-	if cur == "" {
-		cols = append(cols, "node_id", "created_at")
-		vals = append(vals, r.NodeID, m.Now)
-		_, err = tx.exec(ctx, "INSERT INTO "+table+" ("+strings.Join(cols, ", ")+") VALUES (?"+
-			strings.Repeat(", ?", len(cols)-1)+")", vals...)
+	var updated sql.NullString
+	err = tx.queryRow(ctx, "SELECT github_updated_at FROM "+table+" WHERE node_id = ?", r.NodeID).Scan(&updated)
+	if err != nil {
 		return false, err
 	}
-	_, err = tx.exec(ctx, "UPDATE "+table+" SET "+strings.Join(cols, " = ?, ")+" = ? WHERE node_id = ?",
-		append(vals, r.NodeID)...)
-	return false, err
+	return updated.Valid && *r.Updated < updated.String, nil
+}
+
+// issueUpsert and pullUpsert are writeIssue's statements: the row's
+// columns, node_id and created_at, then the state and processing state for a
+// row found OPEN and for one found CLOSED, and whether each changes.
+var issueUpsert, pullUpsert = issueUpsertFor("github_issues", nil), issueUpsertFor("github_pull_requests",
+	[]string{"head_ref", "head_sha", "merged", "draft"})
+
+func issueUpsertFor(table string, extra []string) string {
+	cols := append([]string{"delivery_id", "hook_id", "target_type", "target_id", "installation_id",
+		"repository_owner", "repository_name", "number", "title", "sender", "state", "last_action",
+		"processing_state", "processing_date", "updated_at", "github_updated_at"}, extra...)
+	var set []string
+	for _, c := range cols {
+		switch c {
+		case "state":
+			set = append(set, "state = CASE "+table+".state WHEN 'OPEN' THEN ? ELSE ? END")
+		case "processing_state":
+			set = append(set, "processing_state = CASE "+table+".state WHEN 'OPEN' THEN ? ELSE ? END")
+		case "github_updated_at":
+			// An Event without the time keeps the row's.
+			set = append(set, "github_updated_at = coalesce(excluded.github_updated_at, "+table+".github_updated_at)")
+		default:
+			set = append(set, c+" = excluded."+c)
+		}
+	}
+	return "INSERT INTO " + table + " (" + strings.Join(cols, ", ") + ", node_id, created_at) VALUES (?" +
+		strings.Repeat(", ?", len(cols)+1) + ") ON CONFLICT (node_id) DO UPDATE SET " + strings.Join(set, ", ") +
+		" WHERE (" + newerOrSame(table) + ") AND CASE " + table + ".state WHEN 'OPEN' THEN ? ELSE ? END"
 }
 
 func (tx *Tx) writeComment(ctx context.Context, m rowMeta, r *commentRow) (stale bool, err error) {
