@@ -38,17 +38,27 @@ type publisher struct {
 
 // lane is one confirm channel and the returns (unroutable messages) it got.
 type lane struct {
+	// usable: a publish may take or pipeline behind this lane; false until
+	// its channel is first opened in the background (lane 0's is opened at
+	// once, and a publish on it waits for that). Guarded by publisher.mu.
+	usable bool
+
 	mu       sync.Mutex
 	ch       *amqp.Channel
 	returns  chan amqp.Return
 	returned map[string]int // message ids returned as unroutable, not yet claimed
 }
 
+// newPublisher starts opening the first lane's channel at once (a publish
+// on it waits for that), so that the first webhooks on a new connection
+// wait one round trip, not three.
 func newPublisher(conn *amqp.Connection, q *Queues) *publisher {
 	p := &publisher{conn: conn, q: q, sem: make(chan struct{}, maxInFlight)}
 	for i := len(p.lanes) - 1; i >= 0; i-- {
 		p.idle = append(p.idle, &p.lanes[i])
 	}
+	p.lanes[0].usable = true
+	go func() { _, _, _ = p.lanes[0].channel(p) }()
 	return p
 }
 
@@ -57,16 +67,44 @@ func newPublisher(conn *amqp.Connection, q *Queues) *publisher {
 // Idle lanes are taken last in, first out, so a daemon that never has more
 // than a few webhooks in flight keeps using (and opening) only a few
 // channels: shared broker plans count them.
+//
+// Opening a channel costs two round trips (channel.open, confirm.select),
+// 100 ms at 50 ms away: a burst on a fresh connection would pay them on
+// every lane at once. So no publish waits for a lane to open but behind the
+// first (newPublisher opens it); when every lane in use is busy, the next
+// is opened in the background while the publish pipelines behind one that
+// is.
 func (p *publisher) take() (l *lane, idle bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if n := len(p.idle); n > 0 {
-		l = p.idle[n-1]
-		p.idle = p.idle[:n-1]
-		return l, true
+	for i := len(p.idle) - 1; i >= 0; i-- {
+		if l := p.idle[i]; l.usable {
+			p.idle = append(p.idle[:i], p.idle[i+1:]...)
+			return l, true
+		}
 	}
-	p.next = (p.next + 1) % confirmLanes
-	return &p.lanes[p.next], false
+	if n := len(p.idle); n > 0 {
+		l := p.idle[n-1]
+		p.idle = p.idle[:n-1]
+		go p.warm(l)
+	}
+	for {
+		p.next = (p.next + 1) % confirmLanes
+		if p.lanes[p.next].usable {
+			return &p.lanes[p.next], false
+		}
+	}
+}
+
+// warm opens lane l's channel in the background, then makes it an idle lane
+// publishes take; one that failed to open is opened by the publish that
+// takes it.
+func (p *publisher) warm(l *lane) {
+	_, _, _ = l.channel(p)
+	p.mu.Lock()
+	l.usable = true
+	p.idle = append(p.idle, l)
+	p.mu.Unlock()
 }
 
 func (p *publisher) put(l *lane, idle bool) {

@@ -70,3 +70,39 @@ func TestPublisherLanes(t *testing.T) {
 		t.Fatalf("%s holds %d messages, want 450", queueGitHub, got)
 	}
 }
+
+// A publish never waits for a lane's channel to open (two round trips)
+// while another lane's is open: with the only open lane busy, it pipelines
+// behind that one, and the next lane opens in the background and is taken
+// once it is open.
+func TestPublisherOpensLanesInBackground(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	declareTestTopology(t, vhost, 200*time.Millisecond)
+	cfg := testConfig(t, amqpURL(vhost))
+	q := NewQueues(cfg.Queue, mustBrokers(t, amqpURL(vhost)), nil, slog.New(slog.DiscardHandler))
+	defer q.Close()
+	b := q.conns[0].broker
+	if err := q.Publish(context.Background(), b, exchangeName, "", eventMessage("issues", "first", loadFixture(t, "issues", "opened.payload.json"))); err != nil {
+		t.Fatal(err)
+	}
+	p := q.conns[0].pub
+	if n := openLanes(p); n != 1 {
+		t.Fatalf("a connection that published once has %d channels open, want 1", n)
+	}
+	busy, idle := p.take() // a publish in flight on the open lane
+	if busy != &p.lanes[0] || !idle {
+		t.Fatalf("the first publish took lane %p (idle %v), want the open lane 0", busy, idle)
+	}
+	next, idle := p.take()
+	if next != &p.lanes[0] || idle {
+		t.Fatalf("with lane 0 busy, a publish took lane %p (idle %v), want to pipeline behind lane 0", next, idle)
+	}
+	eventually(t, 30*time.Second, "a second lane opened in the background", func() bool { return openLanes(p) == 2 })
+	warmed, idle := p.take()
+	if warmed == &p.lanes[0] || !idle {
+		t.Fatalf("once a second lane is open, a publish took lane %p (idle %v), want it", warmed, idle)
+	}
+	p.put(busy, true)
+	p.put(warmed, true)
+}
