@@ -23,16 +23,23 @@ func openLanes(p *publisher) int {
 	return n
 }
 
+// publishQueues is Queues over a fresh vhost with the topology declared;
+// the test's cleanup closes them.
+func publishQueues(t *testing.T) (vhost string, q *Queues) {
+	vhost = newVhost(t)
+	declareTestTopology(t, vhost, 200*time.Millisecond)
+	cfg := testConfig(t, amqpURL(vhost))
+	q = NewQueues(cfg.Queue, mustBrokers(t, amqpURL(vhost)), nil, slog.New(slog.DiscardHandler))
+	t.Cleanup(func() { q.Close() })
+	return vhost, q
+}
+
 // One publish at a time keeps using one channel; concurrent publishes
 // spread over more lanes, never more than confirmLanes, and every one is
 // confirmed.
 func TestPublisherLanes(t *testing.T) {
 	t.Parallel()
-	vhost := newVhost(t)
-	declareTestTopology(t, vhost, 200*time.Millisecond)
-	cfg := testConfig(t, amqpURL(vhost))
-	q := NewQueues(cfg.Queue, mustBrokers(t, amqpURL(vhost)), nil, slog.New(slog.DiscardHandler))
-	defer q.Close()
+	vhost, q := publishQueues(t)
 	b := q.conns[0].broker
 	body := loadFixture(t, "issues", "opened.payload.json")
 	ctx := context.Background()
@@ -77,11 +84,7 @@ func TestPublisherLanes(t *testing.T) {
 // once it is open.
 func TestPublisherOpensLanesInBackground(t *testing.T) {
 	t.Parallel()
-	vhost := newVhost(t)
-	declareTestTopology(t, vhost, 200*time.Millisecond)
-	cfg := testConfig(t, amqpURL(vhost))
-	q := NewQueues(cfg.Queue, mustBrokers(t, amqpURL(vhost)), nil, slog.New(slog.DiscardHandler))
-	defer q.Close()
+	_, q := publishQueues(t)
 	b := q.conns[0].broker
 	if err := q.Publish(context.Background(), b, exchangeName, "", eventMessage("issues", "first", loadFixture(t, "issues", "opened.payload.json"))); err != nil {
 		t.Fatal(err)
