@@ -77,15 +77,14 @@ func newPublisher(conn *amqp.Connection, q *Queues) *publisher {
 func (p *publisher) take() (l *lane, idle bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for i := len(p.idle) - 1; i >= 0; i-- {
-		if l := p.idle[i]; l.usable {
-			p.idle = append(p.idle[:i], p.idle[i+1:]...)
-			return l, true
-		}
-	}
+	// Lanes never opened stay at the bottom of idle (every lane put back
+	// or warmed goes on top), so the top one tells.
 	if n := len(p.idle); n > 0 {
 		l := p.idle[n-1]
 		p.idle = p.idle[:n-1]
+		if l.usable {
+			return l, true
+		}
 		go p.warm(l)
 	}
 	for {
