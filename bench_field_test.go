@@ -137,9 +137,10 @@ func procCPU(b testing.TB, pid int) time.Duration {
 	return time.Duration(ut+st) * 10 * time.Millisecond
 }
 
-// brokerPid is the local RabbitMQ's Erlang VM (beam.smp), or 0 when this
-// machine has none that this process may read.
-func brokerPid() int {
+// brokerCPU returns a reader of the local RabbitMQ's (beam.smp's) CPU time
+// so far; it reads 0 when this machine has no broker process this one may
+// read.
+func brokerCPU(b testing.TB) func() time.Duration {
 	dirs, _ := os.ReadDir("/proc")
 	for _, d := range dirs {
 		pid, err := strconv.Atoi(d.Name())
@@ -147,10 +148,10 @@ func brokerPid() int {
 			continue
 		}
 		if comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); err == nil && strings.TrimSpace(string(comm)) == "beam.smp" {
-			return pid
+			return func() time.Duration { return procCPU(b, pid) }
 		}
 	}
-	return 0
+	return func() time.Duration { return 0 }
 }
 
 // selfCPU is this process's user + system CPU time so far.
@@ -293,13 +294,7 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate flo
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
 	p := startBenchProcess(b, proxy.URL(vhost), "")
-	bp := brokerPid()
-	brokerCPU := func() time.Duration {
-		if bp == 0 {
-			return 0
-		}
-		return procCPU(b, bp)
-	}
+	brokerCPU := brokerCPU(b)
 	d0, b0, s0 := p.cpu(b), brokerCPU(), selfCPU()
 	rate, n := sustained(b, p, payload, 64, 30*time.Second)
 	per := func(d time.Duration) time.Duration { return d / time.Duration(n) }

@@ -500,13 +500,7 @@ func benchConsume(b *testing.B, payload []byte) consumeResult {
 	// shares, it is steadier than the rates.
 	// The broker's CPU is read around each side's whole round, its filling
 	// included, and the filling's share taken out by a round that only fills.
-	broker := brokerPid()
-	brokerCPU := func() time.Duration {
-		if broker == 0 {
-			return 0
-		}
-		return procCPU(b, broker)
-	}
+	brokerCPU := brokerCPU(b)
 	var oursTime, baseTime, oursCPU, baseCPU, oursBroker, baseBroker, fillBroker time.Duration
 	add := func(wall, cpu, bcpu *time.Duration, fn func() (time.Duration, time.Duration)) {
 		before := brokerCPU()
