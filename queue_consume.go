@@ -56,9 +56,11 @@ func (m *messageSizes) get(queue string) int64 {
 }
 
 // observe folds a batch of n messages of size bytes in total into the
-// average. The first batch replaces the pessimistic guess, and so does any
-// batch of 8 or more (a fair sample of what the queue holds now); a smaller
-// one moves the average half way.
+// average: the first batch replaces the pessimistic guess, and after it each
+// message moves the average half way to the batch's mean. So the average
+// follows the number of messages seen, not how they fell into batches (a
+// batch closed by batchWindow before it was full counts as much per message
+// as a full one): eight messages of a new size bring it within 1/256 of it.
 func (m *messageSizes) observe(queue string, n int, size int64) {
 	if n == 0 {
 		return
@@ -69,8 +71,8 @@ func (m *messageSizes) observe(queue string, n int, size int64) {
 		m.avg = map[string]int64{}
 	}
 	mean := size / int64(n)
-	if v, ok := m.avg[queue]; ok && n < 8 {
-		mean = (v + mean) / 2
+	if v, ok := m.avg[queue]; ok {
+		mean += (v - mean) >> min(n, 62)
 	}
 	m.avg[queue] = mean
 }

@@ -588,6 +588,33 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	})
 }
 
+// The average message size follows how many messages were seen, not how
+// they fell into batches: twenty small messages after 1 MB ones give the
+// same window whether a batch closed full or on batchWindow (the old
+// per-batch rule left 1/16 of the megabyte after batches of 2, 4, 7 and 7).
+func TestMessageSizesFollowMessages(t *testing.T) {
+	t.Parallel()
+	const small = 13_500
+	for _, split := range [][]int{{20}, {2, 4, 7, 7}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, {3, 3, 2, 2}} {
+		var m messageSizes
+		m.observe("q", 4, 4<<20)
+		total := 0
+		for _, n := range split {
+			m.observe("q", n, int64(n*small))
+			total += n
+		}
+		if got := m.get("q"); got > small+small/10 {
+			t.Errorf("after %d small messages in batches %v: average %d, want within 10%% of %d", total, split, got, small)
+		}
+	}
+	var m messageSizes
+	m.observe("q", 20, 20*small)
+	m.observe("q", 1, 1<<20)
+	if got := m.get("q"); got < 1<<19 {
+		t.Errorf("one 1 MB message after small ones: average %d, want at least half of it", got)
+	}
+}
+
 // A batch's failures reach the broker only after its transaction: while the
 // batch is still open, the message that failed for good earlier in it is not
 // in -error yet (the old order published it there, and waited for the
