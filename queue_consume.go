@@ -10,13 +10,18 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// batchWindow is how long a batch goes on taking deliveries after its first
-// one (unless it is full first), and so the most latency it adds to a
-// message. A commit is an fsync and the WAL frames of every page it
-// touched: at 1,000 webhooks a second a window of 2 ms between deliveries
-// made 150 commits a second; 10 ms from the first makes a third fewer,
-// for 8 % less of the daemon's CPU per webhook (BENCHMARKS.md).
-const batchWindow = 10 * time.Millisecond
+// batchGap and batchWindow close a batch that is not full: it goes on
+// taking deliveries while each comes within batchGap of the one before, for
+// at most batchWindow after its first. A lone webhook waits batchGap for
+// company, not the whole window: end to end at 200/s p50 10.6 -> 3.3 ms
+// against a batch that always took the window (BENCHMARKS.md, runs 22-25),
+// for 10 % more of the daemon's CPU per webhook at 1,100/s over amqps (more
+// commits, each an fsync), which no field row's rate showed. The window bounds
+// what a steady stream adds to its first message.
+const (
+	batchGap    = 2 * time.Millisecond
+	batchWindow = 10 * time.Millisecond
+)
 
 // firstMessageSize is what a queue's messages are taken to weigh before
 // one was seen: pessimistic, so that a first window of 1 MB payloads stays
@@ -59,8 +64,9 @@ func (m *messageSizes) get(queue string) int64 {
 // average: the first batch replaces the pessimistic guess, and after it each
 // message moves the average half way to the batch's mean. So the average
 // follows the number of messages seen, not how they fell into batches (a
-// batch closed by batchWindow before it was full counts as much per message
-// as a full one): eight messages of a new size bring it within 1/256 of it.
+// batch closed by batchGap or batchWindow before it was full counts as much
+// per message as a full one): eight messages of a new size bring it within
+// 1/256 of it.
 func (m *messageSizes) observe(queue string, n int, size int64) {
 	if n == 0 {
 		return
@@ -187,13 +193,14 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, windo
 				return n, fmt.Errorf("consume %s on %s: %w: channel closed", queue, b, ErrBrokerUnreachable)
 			}
 			q.conns[b.Index].inHand.Add(1)
-			// Whatever else the broker sends within batchWindow joins this
-			// message's batch: one commit and one ack for all.
+			// Whatever else the broker sends close behind joins this
+			// message's batch (batchGap, batchWindow): one commit and one
+			// ack for all.
 			ds := []amqp.Delivery{d}
 			size := int64(len(d.Body))
 			until := time.Now().Add(batchWindow)
 			for batch != nil && !q.batchFull(c.win, len(ds), size) {
-				d, ok := receive(ctx, c.deliveries, time.Until(until))
+				d, ok := receive(ctx, c.deliveries, min(batchGap, time.Until(until)))
 				if !ok {
 					break
 				}
@@ -307,7 +314,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 		changed := false
 		until := time.Now().Add(batchWindow)
 		for len(ds) < want-n && !q.batchFull(c.win, len(ds), size) {
-			d, ok := receive(ctx, c.deliveries, time.Until(until))
+			d, ok := receive(ctx, c.deliveries, min(batchGap, time.Until(until)))
 			if !ok {
 				break
 			}

@@ -590,8 +590,9 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 
 // The average message size follows how many messages were seen, not how
 // they fell into batches: twenty small messages after 1 MB ones give the
-// same window whether a batch closed full or on batchWindow (the old
-// per-batch rule left 1/16 of the megabyte after batches of 2, 4, 7 and 7).
+// same window whether a batch closed full or on batchGap or batchWindow
+// (the old per-batch rule left 1/16 of the megabyte after batches of 2, 4,
+// 7 and 7).
 func TestMessageSizesFollowMessages(t *testing.T) {
 	t.Parallel()
 	const small = 13_500
