@@ -536,8 +536,8 @@ func benchCPU(b *testing.B, payload []byte) (ours, raw time.Duration) {
 }
 
 // rawBatchedConsume is the baseline of a batched switchyard consumer: the
-// same window (prefetch), the same batches (half a window, closed on the
-// same batchGap and batchWindow), one transaction and one multiple ack per batch, a row per
+// same window (prefetch), the same batches (half a window, closed by the
+// same batchWait), one transaction and one multiple ack per batch, a row per
 // message holding value(d).
 func rawBatchedConsume(b testing.TB, url, queue string, n, window int, db *sql.DB, value func(d *amqp.Delivery) []byte) float64 {
 	conn, err := amqp.Dial(url)
@@ -557,7 +557,7 @@ func rawBatchedConsume(b testing.TB, url, queue string, n, window int, db *sql.D
 		ds := []amqp.Delivery{<-deliveries}
 		until := time.Now().Add(batchWindow)
 		for len(ds) < max(1, window/2) && done+len(ds) < n {
-			d, ok := receive(ctx, deliveries, min(batchGap, time.Until(until)))
+			d, ok := receive(ctx, deliveries, batchWait(len(ds), until))
 			if !ok {
 				break
 			}

@@ -10,18 +10,26 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// batchGap and batchWindow close a batch that is not full: it goes on
-// taking deliveries while each comes within batchGap of the one before, for
-// at most batchWindow after its first. A lone webhook waits batchGap for
-// company, not the whole window: end to end at 200/s p50 10.6 -> 3.3 ms
-// against a batch that always took the window (BENCHMARKS.md, runs 22-25),
-// for 10 % more of the daemon's CPU per webhook at 1,100/s over amqps (more
-// commits, each an fsync), which no field row's rate showed. The window bounds
-// what a steady stream adds to its first message.
+// batchGap and batchWindow close a batch that is not full: it waits for
+// its next delivery up to batchGap for every message it holds, and at most
+// until batchWindow after its first (batchWait). A lone webhook waits 2 ms
+// for company, not the whole window: end to end at 200/s p50 10.6 -> 3.2 ms
+// against a batch that always took the window (BENCHMARKS.md, runs 22-27).
+// A batch that is filling waits longer for the next, so a backlog still
+// fills it while a broker on the same cores is slow to send; the window
+// bounds what a steady stream adds to its first message. More commits at
+// 1,100 webhooks/s over amqps cost 10-13 % more of the daemon's CPU per
+// webhook, which no field row's rate showed.
 const (
 	batchGap    = 2 * time.Millisecond
 	batchWindow = 10 * time.Millisecond
 )
+
+// batchWait is how long a batch of held messages whose window ends at until
+// waits for its next delivery.
+func batchWait(held int, until time.Time) time.Duration {
+	return min(time.Duration(held)*batchGap, time.Until(until))
+}
 
 // firstMessageSize is what a queue's messages are taken to weigh before
 // one was seen: pessimistic, so that a first window of 1 MB payloads stays
@@ -200,7 +208,7 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, windo
 			size := int64(len(d.Body))
 			until := time.Now().Add(batchWindow)
 			for batch != nil && !q.batchFull(c.win, len(ds), size) {
-				d, ok := receive(ctx, c.deliveries, min(batchGap, time.Until(until)))
+				d, ok := receive(ctx, c.deliveries, batchWait(len(ds), until))
 				if !ok {
 					break
 				}
@@ -314,7 +322,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 		changed := false
 		until := time.Now().Add(batchWindow)
 		for len(ds) < want-n && !q.batchFull(c.win, len(ds), size) {
-			d, ok := receive(ctx, c.deliveries, min(batchGap, time.Until(until)))
+			d, ok := receive(ctx, c.deliveries, batchWait(len(ds), until))
 			if !ok {
 				break
 			}
