@@ -14,7 +14,7 @@ import (
 // its next delivery up to batchGap for every message it holds, and at most
 // until batchWindow after its first (batchWait). A lone webhook waits 2 ms
 // for company, not the whole window: end to end at 200/s p50 10.6 -> 3.2 ms
-// against a batch that always took the window (BENCHMARKS.md, runs 22-27).
+// against a batch that always took the window (BENCHMARKS.md, runs 22-28).
 // A batch that is filling waits longer for the next, so a backlog still
 // fills it while a broker on the same cores is slow to send; the window
 // bounds what a steady stream adds to its first message. More commits at

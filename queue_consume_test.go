@@ -588,6 +588,25 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	})
 }
 
+// A batch waits batchGap for each message it holds, never past its window:
+// a lone message waits 2 ms, not the window's 10.
+func TestBatchWait(t *testing.T) {
+	t.Parallel()
+	far := time.Now().Add(time.Hour)
+	if got := batchWait(1, far); got != batchGap {
+		t.Errorf("one message held: waits %v, want %v", got, batchGap)
+	}
+	if got := batchWait(5, far); got != 5*batchGap {
+		t.Errorf("five held: waits %v, want %v", got, 5*batchGap)
+	}
+	if got := batchWait(100, time.Now().Add(batchWindow)); got > batchWindow {
+		t.Errorf("a hundred held with the window ending in %v: waits %v", batchWindow, got)
+	}
+	if got := batchWait(3, time.Now().Add(-time.Millisecond)); got > 0 {
+		t.Errorf("window over: waits %v, want none", got)
+	}
+}
+
 // The average message size follows how many messages were seen, not how
 // they fell into batches: twenty small messages after 1 MB ones give the
 // same window whether a batch closed full or on batchGap or batchWindow
