@@ -40,7 +40,7 @@ lint:
 # A short run of every fuzz target; FUZZTIME=10m for a real one.
 FUZZTIME ?= 20s
 fuzz:
-	for f in FuzzWebhookRequest FuzzPendingSwitchBody FuzzBrokerURL FuzzDecodeEvent FuzzValidJSON; do \
+	for f in FuzzWebhookRequest FuzzPendingSwitchBody FuzzBrokerURL FuzzDecodeEvent FuzzValidJSON FuzzDecodeJSON; do \
 		CGO_ENABLED=1 $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) . || exit 1; done
 
 bench: ensure-rabbitmq

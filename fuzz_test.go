@@ -223,3 +223,46 @@ func pruneJSON(v any, keep map[string]any) any {
 	}
 	return out
 }
+
+// decodeJSON must answer as json.Unmarshal does for every type it decodes
+// into: each typed table's payload, and the string and number columns
+// DecodeEvent reads; it must refuse what json.Unmarshal refuses. The seeds are every fixture, whole and cut, and values
+// of the wrong type, out of range, escaped or repeated.
+func FuzzDecodeJSON(f *testing.F) {
+	for _, fx := range loadFixtures(f) {
+		f.Add(fx.Body)
+		if p, err := decodePayload(fx.Body); err == nil {
+			f.Add(p.cut)
+		}
+	}
+	for _, s := range []string{`"a\u00e9\ud800b"`, "\"\xff\"", `1e400`, `-9223372036854775809`, `9223372036854775807`,
+		`1.5`, `null`, `true`, `[1]`, `{"action":1}`, `{"action":"a","action":"b"}`, `{"ACTION":"x"}`,
+		`{"pull_request":{"number":"2","head":null},"repository":{"owner":[]}}`,
+		`{"pull_request":{"number":2.0,"draft":1,"updated_at":null}}`, `{"release":{"id":-0,"name":"\/\n"}}`,
+		`{"commits":[{"id":"x"},null,{"message":5}]}`, `{"repositories_added":{"a":1}}`} {
+		f.Add([]byte(s))
+	}
+	targets := []func() any{func() any { return new(string) }, func() any { return new(int64) }}
+	for _, p := range tablePayloads {
+		t := reflect.TypeOf(p)
+		targets = append(targets, func() any { return reflect.New(t).Interface() })
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		for _, target := range targets {
+			want, got := target(), target()
+			wantErr, gotErr := json.Unmarshal(b, want), decodeJSON(b, got)
+			if (wantErr == nil) != (gotErr == nil) {
+				t.Fatalf("%q into %T: decodeJSON %v, json.Unmarshal %v", b, got, gotErr, wantErr)
+			}
+			// What it reads is a cut or a member of one, valid JSON: of
+			// anything else only the refusal counts. On an error the typed
+			// tables drop the value; the columns keep it, and those are
+			// scalars.
+			_, scalar := want.(*string)
+			_, number := want.(*int64)
+			if json.Valid(b) && (wantErr == nil || scalar || number) && !reflect.DeepEqual(got, want) {
+				t.Fatalf("%q into %T: decodeJSON %+v, json.Unmarshal %+v", b, got, got, want)
+			}
+		}
+	})
+}

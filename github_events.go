@@ -100,7 +100,7 @@ type payloadFields struct {
 func (f *payloadFields) str(key string) string {
 	var s string
 	if raw := f.members[key]; raw != nil {
-		_ = json.Unmarshal(raw, &s)
+		_ = decodeJSON(raw, &s)
 	}
 	return s
 }
@@ -157,12 +157,12 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 	ev.HookID, _ = strconv.ParseInt(get(hdrHookID), 10, 64)
 	ev.TargetID, _ = strconv.ParseInt(get(hdrTargetID), 10, 64)
 	// Each of these is one field of a larger object (repository alone is
-	// kilobytes), read from its cut: encoding/json decodes only it. A value
+	// kilobytes), read from its cut: decodeJSON decodes only it. A value
 	// of another type (a payload of an unexpected shape) just leaves the
 	// column empty.
-	_ = json.Unmarshal(jsonField(f.members["repository"], "full_name"), &ev.Repository)
-	_ = json.Unmarshal(jsonField(f.members["sender"], "login"), &ev.Sender)
-	_ = json.Unmarshal(jsonField(f.members["installation"], "id"), &ev.InstallationID)
+	_ = decodeJSON(jsonField(f.members["repository"], "full_name"), &ev.Repository)
+	_ = decodeJSON(jsonField(f.members["sender"], "login"), &ev.Sender)
+	_ = decodeJSON(jsonField(f.members["installation"], "id"), &ev.InstallationID)
 	ev.fields = f
 	if ev.ReceivedAt.IsZero() {
 		ev.ReceivedAt = time.Now()

@@ -144,7 +144,7 @@ func mergeFields(dst, src map[string]any) {
 // decodeInto unmarshals the payload into v; a payload that does not fit the
 // Event's shape is a permanent failure.
 func decodeInto(ev *Event, v any) error {
-	if err := json.Unmarshal(ev.tablePayload(), v); err != nil {
+	if err := decodeJSON(ev.tablePayload(), v); err != nil {
 		return permanent("%s: payload does not have the %s shape: %v", ev.Name, ev.Name, err)
 	}
 	return nil
