@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -28,9 +29,11 @@ type Event struct {
 	Payload        []byte // the webhook's JSON, byte for byte
 	ReceivedAt     time.Time
 
-	// fields is DecodeEvent's one pass over the payload, which the typed
-	// tables decode from (tablePayload).
-	fields *payloadFields
+	// payload is DecodeEvent's one pass over the payload, in the type the
+	// typed tables read (newTablePayload), and payloadErr the first of its
+	// values that did not fit it (decodeInto).
+	payload    tablePayload
+	payloadErr error
 	// rows and rowsErr are decodeTableRows' answer, kept by tableRows.
 	rows    *tableRows
 	rowsErr error
@@ -71,39 +74,37 @@ func newPublishing(h http.Header, payload []byte, sourceIP string, now time.Time
 	}
 }
 
-// eventFields is what DecodeEvent itself reads of a payload: the wrapped
-// form's two members, and the fields the Event's columns come from (in the
-// shape of tableFields).
-var eventFields = map[string]any{"headers": nil, "payload": nil, "action": nil,
-	"repository": map[string]any{"full_name": nil}, "sender": map[string]any{"login": nil},
-	"installation": map[string]any{"id": nil}}
-
-// decodedFields is what the one pass over a payload keeps: eventFields and
-// tableFields.
-var decodedFields = func() map[string]any {
-	m := map[string]any{}
-	mergeFields(m, eventFields)
-	mergeFields(m, tableFields)
-	return m
-}()
-
-// payloadFields is the one pass over a payload (jsonCut): the payload cut
-// down to decodedFields, a few hundred bytes of a 25 KB pull_request, its
-// members by key, and how many members the whole payload has.
-type payloadFields struct {
-	cut     []byte
-	members map[string]json.RawMessage
-	count   int
+// eventPayload is what DecodeEvent reads of every payload: the wrapped
+// form's two members, and the fields the Event's columns come from. Every
+// typed table's payload type embeds it (newTablePayload), so that one pass
+// decodes both; the tables read the repository and the sender from it too.
+type eventPayload struct {
+	Headers      json.RawMessage   `json:"headers"`
+	Payload      json.RawMessage   `json:"payload"`
+	Action       string            `json:"action"`
+	Repository   *jsonRepo         `json:"repository"`
+	Sender       *jsonUser         `json:"sender"`
+	Installation *jsonInstallation `json:"installation"`
 }
 
-// str decodes a member that should be a string; any other type reads as "".
-func (f *payloadFields) str(key string) string {
-	var s string
-	if raw := f.members[key]; raw != nil {
-		_ = decodeJSON(raw, &s)
-	}
-	return s
+// jsonInstallation is a payload's installation: the id on every Event of an
+// App's hook, the rest on installation Events.
+type jsonInstallation struct {
+	ID                  int64   `json:"id"`
+	AppID               int64   `json:"app_id"`
+	RepositorySelection string  `json:"repository_selection"`
+	SuspendedAt         *string `json:"suspended_at"`
+	Account             *struct {
+		Login string `json:"login"`
+		Type  string `json:"type"`
+	} `json:"account"`
 }
+
+// tablePayload is a payload type of newTablePayload: an eventPayload and
+// what the typed tables read.
+type tablePayload interface{ event() *eventPayload }
+
+func (p *eventPayload) event() *eventPayload { return p }
 
 // DecodeEvent reads a message into an Event. A message without a delivery
 // GUID or event name, or with a body that is not a JSON object, is a permanent
@@ -112,12 +113,12 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 	body := d.Body
 	get := func(k string) string { return tableString(d.Headers, k) }
 
-	f, err := decodePayload(body)
+	p, shapeErr, err := decodePayload(body, cmp.Or(get(hdrEvent), d.Type))
 	if err != nil {
 		return nil, err
 	}
-	if f.count == 2 && f.members["headers"] != nil && f.members["payload"] != nil {
-		wrapped, err := decodeWrappedHeaders(f.members["headers"])
+	if env := p.event(); env.Headers != nil && env.Payload != nil && memberCount(body) == 2 {
+		wrapped, err := decodeWrappedHeaders(env.Headers)
 		if err != nil {
 			return nil, err
 		}
@@ -127,20 +128,24 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 			}
 			return tableString(d.Headers, k)
 		}
-		body = unwrapPayload(f.members["payload"])
-		if f, err = decodePayload(body); err != nil {
+		body = unwrapPayload(env.Payload)
+		if p, shapeErr, err = decodePayload(body, cmp.Or(get(hdrEvent), d.Type)); err != nil {
 			return nil, err
 		}
 	}
 
+	env := p.event()
 	ev := &Event{
 		DeliveryID: get(hdrDelivery),
 		Name:       get(hdrEvent),
-		Action:     f.str("action"),
+		Action:     env.Action,
 		TargetType: get(hdrTargetType),
 		SourceIP:   get(hdrSourceIP),
+		Sender:     login(env.Sender),
 		Payload:    body,
 		ReceivedAt: d.Timestamp,
+		payload:    p,
+		payloadErr: shapeErr,
 	}
 	if ev.DeliveryID == "" {
 		ev.DeliveryID = d.MessageId
@@ -156,14 +161,12 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 	}
 	ev.HookID, _ = strconv.ParseInt(get(hdrHookID), 10, 64)
 	ev.TargetID, _ = strconv.ParseInt(get(hdrTargetID), 10, 64)
-	// Each of these is one field of a larger object (repository alone is
-	// kilobytes), read from its cut: decodeJSON decodes only it. A value
-	// of another type (a payload of an unexpected shape) just leaves the
-	// column empty.
-	_ = decodeJSON(jsonField(f.members["repository"], "full_name"), &ev.Repository)
-	_ = decodeJSON(jsonField(f.members["sender"], "login"), &ev.Sender)
-	_ = decodeJSON(jsonField(f.members["installation"], "id"), &ev.InstallationID)
-	ev.fields = f
+	if env.Repository != nil {
+		ev.Repository = env.Repository.FullName
+	}
+	if env.Installation != nil {
+		ev.InstallationID = env.Installation.ID
+	}
 	if ev.ReceivedAt.IsZero() {
 		ev.ReceivedAt = time.Now()
 	}
@@ -171,23 +174,38 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 	return ev, nil
 }
 
-func decodePayload(body []byte) (*payloadFields, error) {
+// decodePayload decodes a payload, in one pass, into the type the typed
+// tables read for the Event name (newTablePayload). A body that is not one
+// JSON object is a permanent failure. One whose values do not all have the
+// type's shape (a number where a string belongs) is not: the Event keeps
+// what did fit (a column of another type stays empty), and shapeErr is the
+// first misfit, which fails the Event's typed rows only (decodeInto).
+func decodePayload(body []byte, name string) (p tablePayload, shapeErr, err error) {
 	body = bytes.TrimSpace(body)
 	if len(body) == 0 {
-		return nil, permanent("empty body")
+		return nil, nil, permanent("empty body")
 	}
 	if body[0] != '{' {
-		return nil, permanent("body is not a JSON object")
+		return nil, nil, permanent("body is not a JSON object")
 	}
-	var cut bytes.Buffer
-	cut.Grow(1 << 10)
-	f := &payloadFields{members: make(map[string]json.RawMessage, 8)}
-	if !jsonCut(body, decodedFields, &cut, func(_, _ []byte) { f.count++ }) {
-		return nil, permanent("body is not valid JSON")
+	p = newTablePayload(name)
+	if err := decodeJSON(body, p); err != nil {
+		if !isShapeError(err) {
+			return nil, nil, permanent("body is not valid JSON")
+		}
+		shapeErr = err
 	}
-	f.cut = cut.Bytes()
-	jsonMembers(f.cut, func(key string, value []byte) { f.members[key] = value })
-	return f, nil
+	return p, shapeErr, nil
+}
+
+// memberCount is how many members the JSON object in b has, 0 when b is not
+// one.
+func memberCount(b []byte) int {
+	n := 0
+	if !jsonMembers(bytes.TrimSpace(b), func(_, _ []byte) { n++ }) {
+		return 0
+	}
+	return n
 }
 
 // decodeWrappedHeaders reads the original HTTP headers, each a string or a

@@ -3,21 +3,19 @@ package main
 import (
 	"bytes"
 	"encoding/binary"
-	"encoding/json"
+	"errors"
 	"math/bits"
-	"unicode/utf8"
 
 	gojson "github.com/goccy/go-json"
 )
 
-// A one-pass JSON reader for the hot path. encoding/json reads a payload
-// twice (checkValid, then the decode) with a scanner that calls a function per
-// byte; for a 25 KB webhook that was over half of the endpoint's CPU and a
-// third of a consumer's (see BENCHMARKS.md). This reader validates exactly as
+// A one-pass JSON validator for the webhook endpoint. encoding/json reads a
+// payload twice (checkValid, then the decode) with a scanner that calls a
+// function per byte; for a 25 KB webhook that was over half of the
+// endpoint's CPU (see BENCHMARKS.md). This reader validates exactly as
 // json.Valid does (FuzzValidJSON holds it to that) and hands out the
-// top-level members of an object as slices of the input; in the same pass it
-// cuts a payload down to the few fields the workers read (jsonCut), which
-// decodeJSON then decodes.
+// top-level members of an object as slices of the input. The workers decode
+// payloads with decodeJSON.
 
 // maxJSONDepth is encoding/json's own nesting limit.
 const maxJSONDepth = 10000
@@ -26,9 +24,6 @@ type jsonReader struct {
 	b     []byte
 	i     int
 	depth int
-	out   *bytes.Buffer // jsonCut's: where object writes what it keeps
-	// escaped tells that the last string str read had an escape in it.
-	escaped bool
 }
 
 // validJSON reports whether b is one valid JSON value, as json.Valid does.
@@ -43,81 +38,36 @@ func validJSON(b []byte) bool {
 }
 
 // jsonMembers calls member for each top-level member of the object in b, in
-// order, with the decoded key and the raw value. It returns false, having
-// called member for some members perhaps, when b is not one valid JSON
-// object.
-func jsonMembers(b []byte, member func(key string, value []byte)) bool {
-	return jsonRawMembers(b, func(quoted, value []byte) { member(jsonKey(quoted), value) })
-}
-
-// jsonRawMembers is jsonMembers with each key as it stands, quoted.
-func jsonRawMembers(b []byte, member func(quoted, value []byte)) bool {
+// order, with its key as it stands (quoted) and its raw value. It returns
+// false, having called member for some members perhaps, when b is not one
+// valid JSON object.
+func jsonMembers(b []byte, member func(quoted, value []byte)) bool {
 	r := jsonReader{b: b}
 	r.space()
-	if r.i >= len(r.b) || r.b[r.i] != '{' || !r.object(member, nil) {
+	if r.i >= len(r.b) || r.b[r.i] != '{' || !r.object(member) {
 		return false
 	}
 	r.space()
 	return r.i == len(r.b)
-}
-
-// jsonCut is jsonRawMembers that also writes to out, in the same pass, the
-// object cut down to keep: a tree of member names, each nil to keep the
-// member whole or a subtree to cut its value (when that is an object) the
-// same way. Members are written in the order they come, duplicates
-// included, so a decoder that takes the last of a key (encoding/json does)
-// reads the same value in the cut as in the whole. On false (b is not one
-// valid JSON object) out holds nothing useful.
-func jsonCut(b []byte, keep map[string]any, out *bytes.Buffer, member func(quoted, value []byte)) bool {
-	r := jsonReader{b: b, out: out}
-	r.space()
-	if r.i >= len(r.b) || r.b[r.i] != '{' || !r.object(member, keep) {
-		return false
-	}
-	r.space()
-	return r.i == len(r.b)
-}
-
-// kept looks up a member's quoted key in keep. A key without escapes is
-// looked up as it stands (every key GitHub sends is): encoding/json would
-// read it the same, or, where its bytes are not UTF-8, as a key with U+FFFD
-// in it, which no tree holds. A key with escapes is decoded as encoding/json
-// would, and written back re-encoded.
-func kept(keep map[string]any, quoted []byte, escaped bool) (sub any, ok bool, key []byte) {
-	if !escaped {
-		sub, ok = keep[string(quoted[1:len(quoted)-1])]
-		return sub, ok, quoted
-	}
-	k := jsonKey(quoted)
-	if sub, ok = keep[k]; ok {
-		key, _ = json.Marshal(k)
-	}
-	return sub, ok, key
 }
 
 // decodeJSON unmarshals b into v as encoding/json does, with
-// github.com/goccy/go-json's decoder: on a pull request's cut (490 bytes, two
-// dozen fields) encoding/json took 11-13 us of a consumer's CPU per message
-// and this one 2 (BENCHMARKS.md). FuzzDecodeJSON holds the two to the same
-// answers; the payloads it reads are cuts, which jsonCut has checked.
+// github.com/goccy/go-json's decoder, which checks all of b as encoding/json
+// does while it decodes only the fields v has. DecodeEvent's one pass over a
+// 25 KB pull_request payload with its typed fields takes 20-26 us here,
+// against 44-67 for this file's validating cut and encoding/json over the
+// cut (BENCHMARKS.md). FuzzDecodeJSON holds it to encoding/json's answers,
+// refusals included.
 func decodeJSON(b []byte, v any) error {
 	return gojson.Unmarshal(b, v)
 }
 
-// jsonField returns the raw value of key in the JSON object obj (the last
-// one, as encoding/json takes), or nil when obj is not an object or has no
-// such key. It reads all of obj: give it small objects (a cut's members).
-func jsonField(obj []byte, key string) []byte {
-	if len(obj) == 0 || obj[0] != '{' {
-		return nil
-	}
-	var v []byte
-	jsonMembers(obj, func(k string, value []byte) {
-		if k == key {
-			v = value
-		}
-	})
-	return v
+// isShapeError reports whether err, from decodeJSON, is a value of another
+// type than its field's (a number where a string belongs), in JSON that is
+// valid; any other error is JSON that is not.
+func isShapeError(err error) bool {
+	var te *gojson.UnmarshalTypeError
+	return errors.As(err, &te)
 }
 
 func (r *jsonReader) space() {
@@ -140,7 +90,7 @@ func (r *jsonReader) value() bool {
 	}
 	switch c := r.b[r.i]; {
 	case c == '{':
-		return r.object(nil, nil)
+		return r.object(nil)
 	case c == '[':
 		return r.array()
 	case c == '"':
@@ -158,24 +108,16 @@ func (r *jsonReader) value() bool {
 }
 
 // object reads the object at r.i, calling member (when set) with each of
-// its members. With keep set (jsonCut), it also writes to r.out the object
-// cut down to keep.
-func (r *jsonReader) object(member func(quoted, value []byte), keep map[string]any) bool {
+// its members.
+func (r *jsonReader) object(member func(quoted, value []byte)) bool {
 	if r.depth++; r.depth > maxJSONDepth {
 		return false
 	}
 	defer func() { r.depth-- }()
-	if keep != nil {
-		r.out.WriteByte('{')
-	}
-	written := false
 	r.i++ // {
 	r.space()
 	if r.i < len(r.b) && r.b[r.i] == '}' {
 		r.i++
-		if keep != nil {
-			r.out.WriteByte('}')
-		}
 		return true
 	}
 	for {
@@ -186,7 +128,7 @@ func (r *jsonReader) object(member func(quoted, value []byte), keep map[string]a
 		if !r.str() {
 			return false
 		}
-		key, escaped := r.b[start:r.i], r.escaped
+		key := r.b[start:r.i]
 		r.space()
 		if r.i >= len(r.b) || r.b[r.i] != ':' {
 			return false
@@ -194,31 +136,8 @@ func (r *jsonReader) object(member func(quoted, value []byte), keep map[string]a
 		r.i++
 		r.space()
 		vstart := r.i
-		if keep == nil {
-			if !r.value() {
-				return false
-			}
-		} else if sub, ok, quoted := kept(keep, key, escaped); !ok {
-			if !r.value() {
-				return false
-			}
-		} else {
-			if written {
-				r.out.WriteByte(',')
-			}
-			written = true
-			r.out.Write(quoted)
-			r.out.WriteByte(':')
-			if nested, _ := sub.(map[string]any); nested != nil && r.i < len(r.b) && r.b[r.i] == '{' {
-				if !r.object(nil, nested) {
-					return false
-				}
-			} else {
-				if !r.value() {
-					return false
-				}
-				r.out.Write(r.b[vstart:r.i])
-			}
+		if !r.value() {
+			return false
 		}
 		if member != nil {
 			member(key, r.b[vstart:r.i])
@@ -233,26 +152,11 @@ func (r *jsonReader) object(member func(quoted, value []byte), keep map[string]a
 			r.space()
 		case '}':
 			r.i++
-			if keep != nil {
-				r.out.WriteByte('}')
-			}
 			return true
 		default:
 			return false
 		}
 	}
-}
-
-// jsonKey decodes a quoted key as encoding/json does; keys with escapes or
-// bytes that are not UTF-8 (which it turns into U+FFFD) are rare and go the
-// slow way.
-func jsonKey(quoted []byte) string {
-	if bytes.IndexByte(quoted, '\\') < 0 && utf8.Valid(quoted) {
-		return string(quoted[1 : len(quoted)-1])
-	}
-	var s string
-	_ = json.Unmarshal(quoted, &s)
-	return s
 }
 
 func (r *jsonReader) array() bool {
@@ -289,7 +193,6 @@ func (r *jsonReader) array() bool {
 
 func (r *jsonReader) str() bool {
 	r.i++ // "
-	r.escaped = false
 	for r.i < len(r.b) {
 		r.i += plainRun(r.b[r.i:])
 		if r.i >= len(r.b) {
@@ -301,7 +204,6 @@ func (r *jsonReader) str() bool {
 			r.i++
 			return true
 		case c == '\\':
-			r.escaped = true
 			r.i++
 			if r.i >= len(r.b) {
 				return false

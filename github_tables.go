@@ -3,15 +3,14 @@ package main
 import (
 	"encoding/json"
 	"fmt"
-	"reflect"
 	"slices"
 	"strings"
 )
 
 // This file maps Events to the rows of the release-tracking and typed bot
-// tables (SPEC §9, §10): it decodes only the fields the tables need (the
-// payload cut down to tableFields, at the end of the file), and says which
-// rows an Event writes. store_tables.go writes them.
+// tables (SPEC §9, §10): it names the fields the tables read of each Event's
+// payload (newTablePayload), which DecodeEvent decodes with the Event, and
+// says which rows an Event writes. store_tables.go writes them.
 
 // isBotEvent reports whether the Event was delivered to the bot App's hook:
 // the typed tables are filled for those only.
@@ -74,80 +73,55 @@ func login(u *jsonUser) string {
 	return u.Login
 }
 
-// tablePayloads are the payload types the decoders below read: what the
-// typed tables take of a payload is derived from them alone (tableFields).
-var tablePayloads = []any{releasePayload{}, workflowRunPayload{}, branchPayload{}, issuePayload{},
-	pullRequestPayload{}, commentPayload{}, discussionPayload{}, checkRunPayload{}, pushPayload{},
-	installationPayload{}, repositoryPayload{}}
-
-// tableFields is what the typed tables read of a payload, taken from the
-// json tags of tablePayloads: for each top-level member, nil to keep it
-// whole, or the fields to keep of an object (nested the same way). The
-// payload is cut down to it (Event.tablePayload), so the decoders read a few
-// hundred bytes instead of the whole payload again, and a field a decoder's
-// type gains is kept without a second list to update.
-var tableFields = func() map[string]any {
-	all := map[string]any{}
-	for _, p := range tablePayloads {
-		mergeFields(all, jsonFields(reflect.TypeOf(p)))
+// newTablePayload is the payload type decodeTableRows reads for an Event
+// name, which DecodeEvent decodes the payload into: each embeds
+// eventPayload, so that one pass over the payload decodes what the Event
+// and its typed rows read. An Event whose payload no typed table reads gets
+// an eventPayload alone. A decoder handed another type decodes the payload
+// again (decodeInto), so this list only saves that second pass
+// (TestTablePayloadsInOnePass holds it to decodeTableRows).
+func newTablePayload(name string) tablePayload {
+	switch name {
+	case "release":
+		return new(releasePayload)
+	case "workflow_run":
+		return new(workflowRunPayload)
+	case "create", "delete":
+		return new(branchPayload)
+	case "issues":
+		return new(issuePayload)
+	case "pull_request":
+		return new(pullRequestPayload)
+	case "issue_comment", "pull_request_review_comment", "commit_comment":
+		return new(commentPayload)
+	case "discussion", "discussion_comment":
+		return new(discussionPayload)
+	case "check_run":
+		return new(checkRunPayload)
+	case "push":
+		return new(pushPayload)
+	case "installation", "installation_repositories":
+		return new(installationPayload)
+	case "repository":
+		return new(repositoryPayload)
 	}
-	return all
-}()
-
-// jsonFields is the tree of members a struct type decodes: nil for one kept
-// whole (a scalar, an array), a subtree for an object. Every field must have
-// a json tag: encoding/json would match an untagged one case-insensitively,
-// which the cut-down payload does not.
-func jsonFields(t reflect.Type) map[string]any {
-	m := map[string]any{}
-	for f := range t.Fields() {
-		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
-		if !f.IsExported() || name == "-" {
-			continue
-		}
-		if name == "" {
-			panic("github_tables.go: " + t.String() + "." + f.Name + " has no json tag")
-		}
-		ft := f.Type
-		for ft.Kind() == reflect.Pointer {
-			ft = ft.Elem()
-		}
-		if ft.Kind() == reflect.Struct {
-			m[name] = jsonFields(ft)
-		} else {
-			m[name] = nil
-		}
-	}
-	return m
+	return new(eventPayload)
 }
 
-// mergeFields adds src's tree to dst's, copying what it takes of src; a
-// member kept whole by either stays whole.
-func mergeFields(dst, src map[string]any) {
-	for k, v := range src {
-		cur, seen := dst[k]
-		switch {
-		case !seen:
-			if sub, ok := v.(map[string]any); ok {
-				v = map[string]any{}
-				mergeFields(v.(map[string]any), sub)
-			}
-			dst[k] = v
-		case cur == nil || v == nil:
-			dst[k] = nil
-		default:
-			mergeFields(cur.(map[string]any), v.(map[string]any))
-		}
+// decodeInto is the Event's payload as T: the one DecodeEvent decoded, or,
+// for an Event built by hand or of another name, the payload decoded now. A
+// payload that does not fit the Event's shape is a permanent failure.
+func decodeInto[T any](ev *Event) (*T, error) {
+	p, ok := any(ev.payload).(*T)
+	err := ev.payloadErr
+	if !ok {
+		p = new(T)
+		err = decodeJSON(ev.Payload, p)
 	}
-}
-
-// decodeInto unmarshals the payload into v; a payload that does not fit the
-// Event's shape is a permanent failure.
-func decodeInto(ev *Event, v any) error {
-	if err := decodeJSON(ev.tablePayload(), v); err != nil {
-		return permanent("%s: payload does not have the %s shape: %v", ev.Name, ev.Name, err)
+	if err != nil {
+		return nil, permanent("%s: payload does not have the %s shape: %v", ev.Name, ev.Name, err)
 	}
-	return nil
+	return p, nil
 }
 
 // Actions that change the typed rows. Others are acked and logged at debug.
@@ -228,7 +202,7 @@ type releaseRow struct {
 
 // releasePayload is what decodeRelease reads of a payload.
 type releasePayload struct {
-	Action  string `json:"action"`
+	eventPayload
 	Release *struct {
 		ID          int64     `json:"id"`
 		TagName     string    `json:"tag_name"`
@@ -241,12 +215,11 @@ type releasePayload struct {
 		PublishedAt *string   `json:"published_at"`
 		UpdatedAt   *string   `json:"updated_at"`
 	} `json:"release"`
-	Repository *jsonRepo `json:"repository"`
 }
 
 func decodeRelease(ev *Event) (*releaseRow, error) {
-	var p releasePayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[releasePayload](ev)
+	if err != nil {
 		return nil, err
 	}
 	if p.Release == nil || p.Release.ID == 0 || p.Release.TagName == "" {
@@ -293,6 +266,7 @@ type workflowRunRow struct {
 
 // workflowRunPayload is what decodeWorkflowRun reads of a payload.
 type workflowRunPayload struct {
+	eventPayload
 	WorkflowRun *struct {
 		ID         int64   `json:"id"`
 		Name       string  `json:"name"`
@@ -306,12 +280,11 @@ type workflowRunPayload struct {
 		HTMLURL    string  `json:"html_url"`
 		UpdatedAt  string  `json:"updated_at"`
 	} `json:"workflow_run"`
-	Repository *jsonRepo `json:"repository"`
 }
 
 func decodeWorkflowRun(ev *Event) (*workflowRunRow, error) {
-	var p workflowRunPayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[workflowRunPayload](ev)
+	if err != nil {
 		return nil, err
 	}
 	w := p.WorkflowRun
@@ -344,16 +317,15 @@ type branchRow struct {
 
 // branchPayload is what decodeBranch reads of a payload.
 type branchPayload struct {
-	Ref          string    `json:"ref"`
-	RefType      string    `json:"ref_type"`
-	MasterBranch string    `json:"master_branch"`
-	Repository   *jsonRepo `json:"repository"`
-	Sender       *jsonUser `json:"sender"`
+	eventPayload
+	Ref          string `json:"ref"`
+	RefType      string `json:"ref_type"`
+	MasterBranch string `json:"master_branch"`
 }
 
 func decodeBranch(ev *Event) (*branchRow, error) {
-	var p branchPayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[branchPayload](ev)
+	if err != nil {
 		return nil, err
 	}
 	if p.Ref == "" || p.RefType == "" {
@@ -380,6 +352,7 @@ type issueRow struct {
 
 // issuePayload is what decodeIssue reads of a payload.
 type issuePayload struct {
+	eventPayload
 	Issue *struct {
 		NodeID    string  `json:"node_id"`
 		Number    int64   `json:"number"`
@@ -387,16 +360,14 @@ type issuePayload struct {
 		State     string  `json:"state"`
 		UpdatedAt *string `json:"updated_at"`
 	} `json:"issue"`
-	Repository *jsonRepo `json:"repository"`
-	Sender     *jsonUser `json:"sender"`
 }
 
 func decodeIssue(ev *Event) (*issueRow, error) {
 	if !slices.Contains(issueActions, ev.Action) {
 		return nil, nil
 	}
-	var p issuePayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[issuePayload](ev)
+	if err != nil {
 		return nil, err
 	}
 	if p.Issue == nil || p.Issue.NodeID == "" || p.Issue.Number == 0 {
@@ -413,6 +384,7 @@ func decodeIssue(ev *Event) (*issueRow, error) {
 
 // pullRequestPayload is what decodePullRequest reads of a payload.
 type pullRequestPayload struct {
+	eventPayload
 	PullRequest *struct {
 		NodeID    string  `json:"node_id"`
 		Number    int64   `json:"number"`
@@ -426,16 +398,14 @@ type pullRequestPayload struct {
 			SHA string `json:"sha"`
 		} `json:"head"`
 	} `json:"pull_request"`
-	Repository *jsonRepo `json:"repository"`
-	Sender     *jsonUser `json:"sender"`
 }
 
 func decodePullRequest(ev *Event) (*issueRow, error) {
 	if !slices.Contains(pullActions, ev.Action) {
 		return nil, nil
 	}
-	var p pullRequestPayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[pullRequestPayload](ev)
+	if err != nil {
 		return nil, err
 	}
 	pr := p.PullRequest
@@ -462,6 +432,7 @@ type commentRow struct {
 
 // commentPayload is what decodeComment reads of a payload.
 type commentPayload struct {
+	eventPayload
 	Comment *struct {
 		ID        int64     `json:"id"`
 		CommitID  string    `json:"commit_id"`
@@ -477,15 +448,14 @@ type commentPayload struct {
 	PullRequest *struct {
 		Number int64 `json:"number"`
 	} `json:"pull_request"`
-	Repository *jsonRepo `json:"repository"`
 }
 
 func decodeComment(ev *Event) (*commentRow, error) {
 	if !slices.Contains(commentActions, ev.Action) {
 		return nil, nil
 	}
-	var p commentPayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[commentPayload](ev)
+	if err != nil {
 		return nil, err
 	}
 	c := p.Comment
@@ -520,6 +490,7 @@ type discussionRow struct {
 
 // discussionPayload is what decodeDiscussion reads of a payload.
 type discussionPayload struct {
+	eventPayload
 	Discussion *struct {
 		NodeID    string  `json:"node_id"`
 		Number    int64   `json:"number"`
@@ -533,8 +504,6 @@ type discussionPayload struct {
 	Comment *struct {
 		ID int64 `json:"id"`
 	} `json:"comment"`
-	Repository *jsonRepo `json:"repository"`
-	Sender     *jsonUser `json:"sender"`
 }
 
 func decodeDiscussion(ev *Event) (*discussionRow, error) {
@@ -545,8 +514,8 @@ func decodeDiscussion(ev *Event) (*discussionRow, error) {
 	if !slices.Contains(actions, ev.Action) {
 		return nil, nil
 	}
-	var p discussionPayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[discussionPayload](ev)
+	if err != nil {
 		return nil, err
 	}
 	d := p.Discussion
@@ -580,6 +549,7 @@ type checkRunRow struct {
 
 // checkRunPayload is what decodeCheckRun reads of a payload.
 type checkRunPayload struct {
+	eventPayload
 	CheckRun *struct {
 		ID          int64   `json:"id"`
 		Name        string  `json:"name"`
@@ -593,15 +563,14 @@ type checkRunPayload struct {
 	RequestedAction *struct {
 		Identifier string `json:"identifier"`
 	} `json:"requested_action"`
-	Repository *jsonRepo `json:"repository"`
 }
 
 func decodeCheckRun(ev *Event) (*checkRunRow, error) {
 	if !slices.Contains(checkRunActions, ev.Action) {
 		return nil, nil
 	}
-	var p checkRunPayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[checkRunPayload](ev)
+	if err != nil {
 		return nil, err
 	}
 	c := p.CheckRun
@@ -634,6 +603,7 @@ type pushRow struct {
 
 // pushPayload is what decodePush reads of a payload.
 type pushPayload struct {
+	eventPayload
 	Ref     string `json:"ref"`
 	Before  string `json:"before"`
 	After   string `json:"after"`
@@ -643,13 +613,12 @@ type pushPayload struct {
 	Pusher  *struct {
 		Name string `json:"name"`
 	} `json:"pusher"`
-	Commits    []json.RawMessage `json:"commits"`
-	Repository *jsonRepo         `json:"repository"`
+	Commits []json.RawMessage `json:"commits"`
 }
 
 func decodePush(ev *Event) (*pushRow, error) {
-	var p pushPayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[pushPayload](ev)
+	if err != nil {
 		return nil, err
 	}
 	if p.Ref == "" || p.After == "" {
@@ -684,28 +653,18 @@ type repositoryRow struct {
 
 // installationPayload is what decodeInstallation reads of a payload.
 type installationPayload struct {
-	Installation *struct {
-		ID                  int64   `json:"id"`
-		AppID               int64   `json:"app_id"`
-		RepositorySelection string  `json:"repository_selection"`
-		SuspendedAt         *string `json:"suspended_at"`
-		Account             *struct {
-			Login string `json:"login"`
-			Type  string `json:"type"`
-		} `json:"account"`
-	} `json:"installation"`
+	eventPayload
 	RepositorySelection string     `json:"repository_selection"`
 	Added               []jsonRepo `json:"repositories_added"`
 	Removed             []jsonRepo `json:"repositories_removed"`
-	Sender              *jsonUser  `json:"sender"`
 }
 
 func decodeInstallation(ev *Event) (*installationRow, []repositoryRow, error) {
 	if ev.Name == "installation" && !slices.Contains(installationActions, ev.Action) {
 		return nil, nil, nil
 	}
-	var p installationPayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[installationPayload](ev)
+	if err != nil {
 		return nil, nil, err
 	}
 	in := p.Installation
@@ -741,13 +700,12 @@ func decodeInstallation(ev *Event) (*installationRow, []repositoryRow, error) {
 
 // repositoryPayload is what decodeRepository reads of a payload.
 type repositoryPayload struct {
-	Repository *jsonRepo `json:"repository"`
-	Sender     *jsonUser `json:"sender"`
+	eventPayload
 }
 
 func decodeRepository(ev *Event) (repositoryRow, error) {
-	var p repositoryPayload
-	if err := decodeInto(ev, &p); err != nil {
+	p, err := decodeInto[repositoryPayload](ev)
+	if err != nil {
 		return repositoryRow{}, err
 	}
 	if _, _, err := repoParts(ev.Name, p.Repository); err != nil {
@@ -764,15 +722,4 @@ func (ev *Event) tableRows(botAppID int64) (*tableRows, error) {
 		ev.rows, ev.rowsErr = decodeTableRows(ev, botAppID)
 	}
 	return ev.rows, ev.rowsErr
-}
-
-// tablePayload is what the typed tables decode: the payload cut down to
-// decodedFields (tableFields and eventFields), which costs a fraction of
-// decoding the whole payload again. Without a pass from DecodeEvent (an
-// Event built by hand) it is the whole payload.
-func (ev *Event) tablePayload() []byte {
-	if ev.fields == nil {
-		return ev.Payload
-	}
-	return ev.fields.cut
 }

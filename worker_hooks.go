@@ -274,7 +274,7 @@ func (h *Hooks) Handle(ctx context.Context, _ *Tx, ev *Event) error {
 		return permanent("delivery %d: %v", m.DeliveryID, err)
 	}
 	payload := unwrapPayload(d.Request.Payload)
-	if _, err := decodePayload(payload); err != nil {
+	if _, _, err := decodePayload(payload, hdr.Get(hdrEvent)); err != nil {
 		return permanent("delivery %d: %v", m.DeliveryID, err)
 	}
 	b, err := h.brokers.Get(h.brokers.Cached().PublishTarget())
