@@ -198,14 +198,14 @@ func decodePayload(body []byte, name string) (p tablePayload, shapeErr, err erro
 	return p, shapeErr, nil
 }
 
-// memberCount is how many members the JSON object in b has, 0 when b is not
-// one.
+// memberCount is how many different keys the JSON object in b has, 0 when
+// b is not one.
 func memberCount(b []byte) int {
-	n := 0
-	if !jsonMembers(bytes.TrimSpace(b), func(_, _ []byte) { n++ }) {
+	var m map[string]json.RawMessage
+	if decodeJSON(b, &m) != nil {
 		return 0
 	}
-	return n
+	return len(m)
 }
 
 // decodeWrappedHeaders reads the original HTTP headers, each a string or a
