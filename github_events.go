@@ -29,11 +29,11 @@ type Event struct {
 	Payload        []byte // the webhook's JSON, byte for byte
 	ReceivedAt     time.Time
 
-	// payload is DecodeEvent's one pass over the payload, in the type the
-	// typed tables read (newTablePayload), and payloadErr the first of its
+	// decoded is DecodeEvent's one pass over the payload, in the type the
+	// typed tables read (newTablePayload), and shapeErr the first of its
 	// values that did not fit it (decodeInto).
-	payload    tablePayload
-	payloadErr error
+	decoded  tablePayload
+	shapeErr error
 	// rows and rowsErr are decodeTableRows' answer, kept by tableRows.
 	rows    *tableRows
 	rowsErr error
@@ -144,8 +144,8 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 		Sender:     login(env.Sender),
 		Payload:    body,
 		ReceivedAt: d.Timestamp,
-		payload:    p,
-		payloadErr: shapeErr,
+		decoded:    p,
+		shapeErr:   shapeErr,
 	}
 	if ev.DeliveryID == "" {
 		ev.DeliveryID = d.MessageId

@@ -112,8 +112,8 @@ func newTablePayload(name string) tablePayload {
 // for an Event built by hand or of another name, the payload decoded now. A
 // payload that does not fit the Event's shape is a permanent failure.
 func decodeInto[T any](ev *Event) (*T, error) {
-	p, ok := any(ev.payload).(*T)
-	err := ev.payloadErr
+	p, ok := any(ev.decoded).(*T)
+	err := ev.shapeErr
 	if !ok {
 		p = new(T)
 		err = decodeJSON(ev.Payload, p)

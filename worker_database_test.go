@@ -621,7 +621,7 @@ func TestTablePayloadsInOnePass(t *testing.T) {
 		}
 		onePass, fresh := *ev, *ev
 		onePass.Payload = nil
-		fresh.payload, fresh.payloadErr = nil, nil
+		fresh.decoded, fresh.shapeErr = nil, nil
 		want, wantErr := decodeTableRows(&fresh, testBotAppID)
 		for name, e := range map[string]*Event{"the one pass": ev, "the one pass alone": &onePass} {
 			got, err := decodeTableRows(e, testBotAppID)
