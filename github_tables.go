@@ -73,37 +73,64 @@ func login(u *jsonUser) string {
 	return u.Login
 }
 
-// newTablePayload is the payload type decodeTableRows reads for an Event
-// name, which DecodeEvent decodes the payload into: each embeds
-// eventPayload, so that one pass over the payload decodes what the Event
-// and its typed rows read. An Event whose payload no typed table reads gets
-// an eventPayload alone. A decoder handed another type decodes the payload
-// again (decodeInto), so this list only saves that second pass
-// (TestTablePayloadsInOnePass holds it to decodeTableRows).
+// tableDecoder is what the tables take of the Events of one name: the
+// payload type its decoder reads, which DecodeEvent decodes the payload into
+// (each embeds eventPayload, so that one pass decodes what the Event and its
+// rows read), and the decoder, which fills rows. Release tracking reads
+// every repository's Events (everyApp), the typed tables the bot App's only.
+type tableDecoder struct {
+	everyApp bool
+	payload  func() tablePayload
+	decode   func(ev *Event, rows *tableRows) error
+}
+
+// tableDecoders are the tableDecoder of each Event name the tables read.
+var tableDecoders = func() map[string]tableDecoder {
+	m := map[string]tableDecoder{}
+	add := func(d tableDecoder, names ...string) {
+		for _, n := range names {
+			m[n] = d
+		}
+	}
+	add(tableDecoder{everyApp: true, payload: func() tablePayload { return new(releasePayload) },
+		decode: func(ev *Event, r *tableRows) (err error) { r.Release, err = decodeRelease(ev); return err }}, "release")
+	add(tableDecoder{everyApp: true, payload: func() tablePayload { return new(workflowRunPayload) },
+		decode: func(ev *Event, r *tableRows) (err error) { r.WorkflowRun, err = decodeWorkflowRun(ev); return err }}, "workflow_run")
+	add(tableDecoder{payload: func() tablePayload { return new(branchPayload) },
+		decode: func(ev *Event, r *tableRows) (err error) { r.Branch, err = decodeBranch(ev); return err }}, "create", "delete")
+	add(tableDecoder{payload: func() tablePayload { return new(issuePayload) },
+		decode: func(ev *Event, r *tableRows) (err error) { r.Issue, err = decodeIssue(ev); return err }}, "issues")
+	add(tableDecoder{payload: func() tablePayload { return new(pullRequestPayload) },
+		decode: func(ev *Event, r *tableRows) (err error) { r.Issue, err = decodePullRequest(ev); return err }}, "pull_request")
+	add(tableDecoder{payload: func() tablePayload { return new(commentPayload) },
+		decode: func(ev *Event, r *tableRows) (err error) { r.Comment, err = decodeComment(ev); return err }},
+		"issue_comment", "pull_request_review_comment", "commit_comment")
+	add(tableDecoder{payload: func() tablePayload { return new(discussionPayload) },
+		decode: func(ev *Event, r *tableRows) (err error) { r.Discussion, err = decodeDiscussion(ev); return err }},
+		"discussion", "discussion_comment")
+	add(tableDecoder{payload: func() tablePayload { return new(checkRunPayload) },
+		decode: func(ev *Event, r *tableRows) (err error) { r.CheckRun, err = decodeCheckRun(ev); return err }}, "check_run")
+	add(tableDecoder{payload: func() tablePayload { return new(pushPayload) },
+		decode: func(ev *Event, r *tableRows) (err error) { r.Push, err = decodePush(ev); return err }}, "push")
+	add(tableDecoder{payload: func() tablePayload { return new(installationPayload) },
+		decode: func(ev *Event, r *tableRows) (err error) {
+			r.Installation, r.Repositories, err = decodeInstallation(ev)
+			return err
+		}}, "installation", "installation_repositories")
+	add(tableDecoder{payload: func() tablePayload { return new(repositoryPayload) },
+		decode: func(ev *Event, r *tableRows) error {
+			repo, err := decodeRepository(ev)
+			r.Repositories = []repositoryRow{repo}
+			return err
+		}}, "repository")
+	return m
+}()
+
+// newTablePayload is the payload type the tables read of an Event name
+// (tableDecoders), an eventPayload alone for a name they do not read.
 func newTablePayload(name string) tablePayload {
-	switch name {
-	case "release":
-		return new(releasePayload)
-	case "workflow_run":
-		return new(workflowRunPayload)
-	case "create", "delete":
-		return new(branchPayload)
-	case "issues":
-		return new(issuePayload)
-	case "pull_request":
-		return new(pullRequestPayload)
-	case "issue_comment", "pull_request_review_comment", "commit_comment":
-		return new(commentPayload)
-	case "discussion", "discussion_comment":
-		return new(discussionPayload)
-	case "check_run":
-		return new(checkRunPayload)
-	case "push":
-		return new(pushPayload)
-	case "installation", "installation_repositories":
-		return new(installationPayload)
-	case "repository":
-		return new(repositoryPayload)
+	if d, ok := tableDecoders[name]; ok {
+		return d.payload()
 	}
 	return new(eventPayload)
 }
@@ -153,42 +180,16 @@ func entityState(action string) string {
 // repository, then the typed tables for the bot App's Events.
 func decodeTableRows(ev *Event, botAppID int64) (*tableRows, error) {
 	rows := &tableRows{}
-	var err error
-	switch ev.Name {
-	case "release":
-		rows.Release, err = decodeRelease(ev)
-	case "workflow_run":
-		rows.WorkflowRun, err = decodeWorkflowRun(ev)
+	bot := isBotEvent(ev, botAppID)
+	if d, ok := tableDecoders[ev.Name]; ok && (d.everyApp || bot) {
+		if err := d.decode(ev, rows); err != nil || !bot {
+			return rows, err
+		}
 	}
-	if err != nil || !isBotEvent(ev, botAppID) {
-		return rows, err
-	}
-	switch ev.Name {
-	case "create", "delete":
-		rows.Branch, err = decodeBranch(ev)
-	case "issues":
-		rows.Issue, err = decodeIssue(ev)
-	case "pull_request":
-		rows.Issue, err = decodePullRequest(ev)
-	case "issue_comment", "pull_request_review_comment", "commit_comment":
-		rows.Comment, err = decodeComment(ev)
-	case "discussion", "discussion_comment":
-		rows.Discussion, err = decodeDiscussion(ev)
-	case "check_run":
-		rows.CheckRun, err = decodeCheckRun(ev)
-	case "push":
-		rows.Push, err = decodePush(ev)
-	case "installation", "installation_repositories":
-		rows.Installation, rows.Repositories, err = decodeInstallation(ev)
-	case "repository":
-		var r repositoryRow
-		r, err = decodeRepository(ev)
-		rows.Repositories = []repositoryRow{r}
-	}
-	if err == nil && rows.empty() {
+	if bot && rows.empty() {
 		rows.SkippedReason = fmt.Sprintf("no typed table uses %s.%s", ev.Name, ev.Action)
 	}
-	return rows, err
+	return rows, nil
 }
 
 // releaseRow is one github_releases row.
