@@ -588,16 +588,21 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	})
 }
 
-// A batch waits batchGap for each message it holds, never past its window:
-// a lone message waits 2 ms, not the window's 10.
+// A batch waits batchGap for its next message, and once it is filling
+// batchGap for each message it holds, never past its window: a lone message
+// waits 2 ms, not the window's 10, and so do the few that queued behind a
+// checkpoint.
 func TestBatchWait(t *testing.T) {
 	t.Parallel()
 	far := time.Now().Add(time.Hour)
 	if got := batchWait(1, far); got != batchGap {
 		t.Errorf("one message held: waits %v, want %v", got, batchGap)
 	}
-	if got := batchWait(5, far); got != 5*batchGap {
-		t.Errorf("five held: waits %v, want %v", got, 5*batchGap)
+	if got := batchWait(batchFilling-1, far); got != batchGap {
+		t.Errorf("%d held: waits %v, want %v", batchFilling-1, got, batchGap)
+	}
+	if got := batchWait(batchFilling+1, far); got != (batchFilling+1)*batchGap {
+		t.Errorf("%d held: waits %v, want %v", batchFilling+1, got, (batchFilling+1)*batchGap)
 	}
 	if got := batchWait(100, time.Now().Add(batchWindow)); got > batchWindow {
 		t.Errorf("a hundred held with the window ending in %v: waits %v", batchWindow, got)
