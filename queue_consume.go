@@ -21,7 +21,7 @@ import (
 // bounds what a steady stream adds to its first message. The few webhooks
 // that queue behind a commit's WAL checkpoint are not a backlog: had they
 // waited as one, each would have waited out the window as well (p99 at
-// 200/s 10.9-12.0 -> 9.0-9.6 ms, runs 38-45). More commits at 1,100
+// 200/s 10.5-11.7 -> 8.8-9.9 ms, runs 46 and 47). More commits at 1,100
 // webhooks/s over amqps cost 10-13 % more of the daemon's CPU per webhook,
 // which no field row's rate showed.
 const (
