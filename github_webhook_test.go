@@ -250,12 +250,12 @@ func TestWebhookRejectsBadRequests(t *testing.T) {
 	if got := queryInt(t, db, "SELECT count(*) FROM github"); got != 1 {
 		t.Errorf("github rows: got %d, want only the good delivery", got)
 	}
-	var payload string
-	if err := db.QueryRow("SELECT payload FROM github WHERE delivery_id = 'good-form-delivery'").Scan(&payload); err != nil {
+	var payload, kind string
+	if err := db.QueryRow("SELECT payload, typeof(payload) FROM github WHERE delivery_id = 'good-form-delivery'").Scan(&payload, &kind); err != nil {
 		t.Fatal(err)
 	}
-	if payload != string(body) {
-		t.Errorf("form payload not stored byte for byte")
+	if payload != string(body) || kind != "text" {
+		t.Errorf("form payload not stored byte for byte as text (stored as %s)", kind)
 	}
 	for _, q := range allQueues() {
 		if n := ready(t, vhost, q); n != 0 {
