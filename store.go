@@ -72,11 +72,13 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 		q.Set("_txlock", "immediate")
 		return "file:" + cfg.Path + "?" + q.Encode()
 	}
-	// The writer's page cache holds the random leaf pages of the
-	// delivery_id indexes that every insert touches: with a million rows in
-	// github the default 2 MB cache cost a fifth of end-to-end throughput
-	// (BENCHMARKS.md). Readers keep the default.
-	w, err := sql.Open("sqlite", dsn("cache_size(-8192)"))
+	// The writer's page cache holds the leaf pages of the delivery_id
+	// indexes that inserts touch, for a big github table. Each 4 KiB page
+	// takes an 8 KiB slot of the driver's allocator (page and headers,
+	// rounded up to a power of two), so n MiB of cache hold 2n MB of RSS:
+	// 8 MiB held 16 MB, and bought nothing over 4 MiB in the million-row
+	// row (BENCHMARKS.md). Readers keep the default.
+	w, err := sql.Open("sqlite", dsn("cache_size(-4096)"))
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
 	}
