@@ -621,7 +621,7 @@ func TestMigrateUpgradesInPlace(t *testing.T) {
 }
 
 // TestGCLimits: serve sets the configured soft memory limit and, under a
-// limit, GOGC 200; the environment's GOMEMLIMIT and GOGC win, and without a
+// limit, GOGC 150; the environment's GOMEMLIMIT and GOGC win, and without a
 // limit the collector keeps Go's default.
 func TestGCLimits(t *testing.T) {
 	percent, limit := debug.SetGCPercent(100), debug.SetMemoryLimit(-1)
