@@ -222,9 +222,9 @@ func TestAlertsSent(t *testing.T) {
 	cfg := alertConfig(t, smtp.addr, push.srv.URL, "pull_request.opened")
 	d := startDaemon(t, cfg)
 	pr := newGUID()
-	postWebhook(t, d.URL, "pull_request", pr, loadFixture(t, "pull_request", "opened.payload.json"))
+	postWebhook(t, d.URL, "pull_request", pr, loadFixture(t, "pull_request", "opened"))
 	other := newGUID()
-	postWebhook(t, d.URL, "issues", other, loadFixture(t, "issues", "opened.payload.json"))
+	postWebhook(t, d.URL, "issues", other, loadFixture(t, "issues", "opened"))
 
 	db := openDB(t, cfg.Database.Path)
 	eventually(t, 20*time.Second, "alert sent and recorded", func() bool {
@@ -269,7 +269,7 @@ func TestAlertRetriesOnlyTheAlert(t *testing.T) {
 	cfg := alertConfig(t, addr, push.srv.URL, "pull_request.*")
 	d := startDaemon(t, cfg)
 	guid := newGUID()
-	postWebhook(t, d.URL, "pull_request", guid, loadFixture(t, "pull_request", "opened.payload.json"))
+	postWebhook(t, d.URL, "pull_request", guid, loadFixture(t, "pull_request", "opened"))
 
 	eventually(t, 20*time.Second, "a retry of the email alert", func() bool {
 		return strings.Count(d.logs.String(), "alert not sent, will retry") >= 2
@@ -312,7 +312,7 @@ func TestForbiddenAlert(t *testing.T) {
 	cfg.GitHub.AllowedCIDRs = []string{"140.82.112.0/20"}
 	d := startDaemon(t, cfg)
 	guid := newGUID()
-	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened.payload.json"))
+	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))
 	db := openDB(t, cfg.Database.Path)
 	eventually(t, 20*time.Second, "forbidden row alerted", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND forbidden = 1 AND alerted_at IS NOT NULL", guid) == 1
@@ -341,7 +341,7 @@ func deliveriesIn(texts []string) map[string]bool {
 	return ids
 }
 
-// SPEC §12.3: with the SMTP and push servers stalled, 1,000 webhooks at
+// Alerts are sent after the commit: with the SMTP and push servers stalled, 1,000 webhooks at
 // prefetch 64 are all stored while the stall still holds, /readyz answers 200
 // and an operator switch is carried out; once the servers answer, every
 // alert goes out.
@@ -355,7 +355,7 @@ func TestStalledAlertsNeverSlowStoring(t *testing.T) {
 	defer releasePush()
 	d := startDaemon(t, cfg)
 	const n = 1000
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	var wg sync.WaitGroup
 	var next atomic.Int64
 	for c := 0; c < 16; c++ {

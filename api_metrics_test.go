@@ -47,7 +47,7 @@ func TestMetricsMove(t *testing.T) {
 	before := scrape(t, d.URL+"/metrics")
 
 	guid := newGUID()
-	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened.payload.json"))
+	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))
 	eventually(t, 20*time.Second, "stored by both workers", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1 &&
 			queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", guid) == 1

@@ -26,7 +26,7 @@ func statusScene(t *testing.T) (d *testDaemon, a, b string) {
 	cfg.Queue.RetryTTL = time.Hour
 	declareTestTopology(t, a, cfg.Queue.RetryTTL)
 	declareTestTopology(t, b, cfg.Queue.RetryTTL)
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	publishRaw(t, a, "", retryQueue(queueGitHub), eventMessage("issues", newGUID(), body))
 	failed := eventMessage("issues", newGUID(), body)
 	failed.Headers[hdrError] = "payload does not have the issues shape"

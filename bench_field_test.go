@@ -29,7 +29,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// The field rows of SPEC §12.7: switchyard as its users run it, against a
+// The field rows: switchyard as its users run it, against a
 // broker across a WAN link over amqps, with the default config. Each raw
 // baseline goes through the same proxy at the same concurrency.
 

@@ -144,7 +144,7 @@ func machineGauge(payload []byte) float64 {
 // paddedPayload is a real pull_request.opened payload padded to size bytes.
 func paddedPayload(b testing.TB, size int) []byte {
 	var p map[string]any
-	if err := json.Unmarshal(loadFixture(b, "pull_request", "opened.payload.json"), &p); err != nil {
+	if err := json.Unmarshal(loadFixture(b, "pull_request", "opened"), &p); err != nil {
 		b.Fatal(err)
 	}
 	base, _ := json.Marshal(p)
@@ -210,7 +210,7 @@ func ingestRounds(b *testing.B, cfg *Config, vhost, rawURL string, payload []byt
 		_ = ch.Confirm(false)
 		chans <- ch
 	}
-	// The raw publisher sends the message switchyard sends (SPEC §5: the
+	// The raw publisher sends the message switchyard sends (the
 	// same properties and headers, which the broker reads on every publish),
 	// so the ratio is switchyard's own cost, not the contract's.
 	raw := func(id string) error {
@@ -713,7 +713,7 @@ func benchSwitch(b *testing.B) (time.Duration, time.Duration) {
 		b.Fatal(err)
 	}
 	guid := "switch-" + randHex(4)
-	publishRaw(b, a, exchangeName, "", eventMessage("issues", guid, loadFixture(b, "issues", "opened.payload.json")))
+	publishRaw(b, a, exchangeName, "", eventMessage("issues", guid, loadFixture(b, "issues", "opened")))
 	db := openDB(b, cfg.Database.Path)
 	var flipped string
 	eventually(b, 60*time.Second, "the flip", func() bool {
@@ -743,7 +743,7 @@ func BenchmarkValidJSON(b *testing.B) {
 		payload []byte
 	}{
 		{"padded-25KB", paddedPayload(b, 25<<10)},
-		{"pull_request.opened", loadFixture(b, "pull_request", "opened.payload.json")},
+		{"pull_request.opened", loadFixture(b, "pull_request", "opened")},
 	} {
 		b.Run(c.name, func(b *testing.B) {
 			b.SetBytes(int64(len(c.payload)))

@@ -96,7 +96,7 @@ func activeIndex(t testing.TB, url string) int {
 	return int(m["active"].(map[string]any)["index"].(float64))
 }
 
-// The admin API: tokens, statuses, the JSON of SPEC §7, stale notifications
+// The admin API: tokens, statuses, the JSON operators script against, stale notifications
 // and cancelling.
 func TestBrokerAPI(t *testing.T) {
 	t.Parallel()
@@ -143,7 +143,7 @@ func TestBrokerAPI(t *testing.T) {
 		t.Fatalf("bad requests moved the broker to %d", got)
 	}
 
-	// GET: the shape of SPEC §7.
+	// GET: the shape operators script against.
 	code, m := apiCall(t, "GET", base, "operator-token-for-tests", "")
 	if code != 200 || m["pending_switch"] != nil || m["last_switch"] != nil {
 		t.Fatalf("GET: %d %v", code, m)
@@ -213,7 +213,7 @@ func TestBrokerAPI(t *testing.T) {
 	if got := activeIndex(t, d.URL); got != 1 {
 		t.Errorf("active after late notification: got %d, want 1", got)
 	}
-	// The settings rows are what SPEC §8 names.
+	// The settings rows keep the names the README gives them.
 	db := openDB(t, cfg.Database.Path)
 	var pending, watermark string
 	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.pending_switch'").Scan(&pending); err != nil || pending != "" {
@@ -270,7 +270,7 @@ func publishN(t testing.TB, vhost, prefix string, n int) []string {
 	if err := ch.Confirm(false); err != nil {
 		t.Fatal(err)
 	}
-	body := loadFixture(t, "pull_request", "synchronize.payload.json")
+	body := loadFixture(t, "pull_request", "synchronize")
 	var guids []string
 	var dcs []*amqp.DeferredConfirmation
 	for i := 0; i < n; i++ {
@@ -350,7 +350,7 @@ func TestProducerRotation(t *testing.T) {
 	cfg.Queue.RetryTTL = retryTTL
 
 	onA := publishN(t, a, "a", 20)
-	body := loadFixture(t, "pull_request", "closed.payload.json")
+	body := loadFixture(t, "pull_request", "closed")
 	var retrying []string
 	for _, q := range []string{queueGitHub, queueDatabase} {
 		g := "a-retry-" + q + "-" + randHex(4)
@@ -374,7 +374,7 @@ func TestProducerRotation(t *testing.T) {
 	// The producer now publishes to B, and so does the webhook endpoint.
 	onB := publishN(t, b, "b", 20)
 	viaWebhook := newGUID()
-	if code := postWebhook(t, d.URL, "pull_request", viaWebhook, loadFixture(t, "pull_request", "synchronize.payload.json")); code != 202 {
+	if code := postWebhook(t, d.URL, "pull_request", viaWebhook, loadFixture(t, "pull_request", "synchronize")); code != 202 {
 		t.Fatalf("webhook: %d", code)
 	}
 	onB = append(onB, viaWebhook)
@@ -430,7 +430,7 @@ func TestDoubleRotation(t *testing.T) {
 	onA := publishN(t, a, "a", 10)
 	// Something in A's retry keeps A from draining for retry_ttl.
 	holdA := "a-hold-" + randHex(4)
-	body := loadFixture(t, "pull_request", "closed.payload.json")
+	body := loadFixture(t, "pull_request", "closed")
 	publishRaw(t, a, "", retryQueue(queueGitHub), eventMessage("issues", holdA, body))
 	publishRaw(t, a, "", retryQueue(queueDatabase), eventMessage("issues", holdA, body))
 
@@ -492,7 +492,7 @@ func TestOperatorSwitchMovesWorkers(t *testing.T) {
 	}
 	onB := publishN(t, b, "b", 3)
 	forbidden := "forbidden-" + randHex(4)
-	publishRaw(t, b, "", queueForbidden, eventMessage("issues", forbidden, loadFixture(t, "issues", "opened.payload.json")))
+	publishRaw(t, b, "", queueForbidden, eventMessage("issues", forbidden, loadFixture(t, "issues", "opened")))
 
 	db := openDB(t, cfg.Database.Path)
 	eventually(t, cfg.Workers.Window/2, "all workers reading B within their windows", func() bool {
@@ -611,7 +611,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 	store, bs, q, log, sink := p.store, p.brokers, p.queues, p.log, p.logs
 
 	guid := "leftover-" + randHex(4)
-	publishRaw(t, b, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened.payload.json")))
+	publishRaw(t, b, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened")))
 	var mu sync.Mutex
 	calls := 0
 	service := serviceHandler(store, nil, false)
@@ -662,7 +662,7 @@ func TestQueuesAndReplayCommands(t *testing.T) {
 	proxy.Close()
 	dir := t.TempDir()
 	config := writeConfig(t, dir, freeAddr(t), dir+"/switchyard.db", amqpURL(a), proxy.URL("gone"))
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	for i, name := range allQueues() {
 		for j := 0; j <= i%3; j++ {
 			publishRaw(t, a, "", name, eventMessage("issues", fmt.Sprintf("%s-%d", name, j), body))
@@ -965,7 +965,7 @@ func TestReplayWhileServing(t *testing.T) {
 	eventually(t, 20*time.Second, "the 5 back in github-error", func() bool { return ready(t, a, errorQueue(queueGitHub)) == 5 })
 
 	// Stranded on the spare broker: -broker 1 moves them to the active one.
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	stranded := []string{newGUID(), newGUID()}
 	for _, g := range stranded {
 		publishRaw(t, b, "", errorQueue(queueGitHub), eventMessage("issues", g, body))

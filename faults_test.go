@@ -23,7 +23,7 @@ import (
 // caller can break things mid-stream. It returns the accepted GUIDs.
 func stream(t *testing.T, url func() string, n, clients int, deadline time.Duration) []string {
 	t.Helper()
-	body := loadFixture(t, "pull_request", "synchronize.payload.json")
+	body := loadFixture(t, "pull_request", "synchronize")
 	var next atomic.Int64
 	var mu sync.Mutex
 	var accepted []string
@@ -115,7 +115,7 @@ func TestFaultConnectionCuts(t *testing.T) {
 	// machine, so the wait is a condition with a generous deadline, not a
 	// time bound (a slow machine's backlog outlasted "15 s backoff + 10 s").
 	guid := "after-cuts-" + randHex(4)
-	if code, body := do(t, webhookRequest(t, d.URL, "pull_request", guid, loadFixture(t, "pull_request", "synchronize.payload.json"))); code != http.StatusAccepted {
+	if code, body := do(t, webhookRequest(t, d.URL, "pull_request", guid, loadFixture(t, "pull_request", "synchronize"))); code != http.StatusAccepted {
 		t.Fatalf("webhook after the cuts: %d %s", code, body)
 	}
 	storedExactlyOnce(t, cfg.Database.Path, append(accepted, guid), 3*time.Minute)
@@ -131,7 +131,7 @@ func TestFaultRabbitMQRestart(t *testing.T) {
 	d := startDaemon(t, cfg)
 	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "-q", "start_app").Run() })
 
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	probe := func() int { return postWebhook(t, d.URL, "issues", newGUID(), body) }
 	done := make(chan []string)
 	go func() { done <- stream(t, func() string { return d.URL }, 600, 4, 3*time.Minute) }()
@@ -192,7 +192,7 @@ func TestFaultStalledBroker(t *testing.T) {
 	cfg.Queue.CallTimeout = time.Second
 	cfg.Queue.PublishTimeout = time.Second
 	d := startDaemon(t, cfg)
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
 		t.Fatalf("before the stall: %d", code)
 	}

@@ -21,7 +21,7 @@ import (
 // permanent failure (an -error message), never a 5xx or a retry.
 
 func FuzzWebhookRequest(f *testing.F) {
-	for _, name := range []string{"opened.payload.json", "closed.payload.json"} {
+	for _, name := range []string{"opened", "closed"} {
 		f.Add(loadFixture(f, "pull_request", name), "application/json", "pull_request", "guid-1", true)
 	}
 	f.Add([]byte("payload=%7B%7D"), "application/x-www-form-urlencoded", "ping", "guid-2", true)
@@ -107,9 +107,9 @@ func FuzzBrokerURL(f *testing.F) {
 }
 
 func FuzzDecodeEvent(f *testing.F) {
-	for _, fx := range [][2]string{{"pull_request", "opened.payload.json"}, {"issues", "opened.payload.json"},
-		{"workflow_run", "completed.payload.json"}, {"release", "published.payload.json"},
-		{"installation_repositories", "added.payload.json"}, {"push", "payload.json"}} {
+	for _, fx := range [][2]string{{"pull_request", "opened"}, {"issues", "opened"},
+		{"workflow_run", "completed"}, {"release", "published"},
+		{"installation_repositories", "added"}, {"push", "branch"}} {
 		f.Add(loadFixture(f, fx[0], fx[1]), fx[0], "guid", "integration", "4242")
 	}
 	f.Add([]byte(`{"headers": {"X-GitHub-Event": "issues", "X-GitHub-Delivery": "g"}, "payload": {"action": "opened"}}`), "", "", "", "")
@@ -148,7 +148,7 @@ func FuzzValidJSON(f *testing.F) {
 			f.Add([]byte(`{"k":"` + strings.Repeat("a", off) + c + strings.Repeat("b", 9) + `"}`))
 		}
 	}
-	f.Add(loadFixture(f, "push", "payload.json"))
+	f.Add(loadFixture(f, "push", "branch"))
 	f.Add([]byte(`{"a":{"b":[1,{"c":"}]"}],"d":"x\\"},"e":[],"f":-1.5e3,"g":true ,"h" : null}`))
 	// Keys nested, escaped, repeated, and holding other types.
 	f.Add([]byte(`{"a":{"b":1,"c":{"k":[2],"x":3},"y":"z"},"d":{"q":1},"log\u0069n":"e","a":{"c":null},"e":{"f":1}}`))

@@ -124,7 +124,7 @@ func TestWebhookDuplicateDelivery(t *testing.T) {
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	guid := newGUID()
 	for i := 0; i < 2; i++ {
 		if code := postWebhook(t, d.URL, "issues", guid, body); code != http.StatusAccepted {
@@ -157,7 +157,7 @@ func TestWebhookRejectsBadRequests(t *testing.T) {
 	// Keep the workers off the queues for a long window so that anything
 	// published would still be there to count.
 	d := startDaemon(t, cfg)
-	body := loadFixture(t, "push", "payload.json")
+	body := loadFixture(t, "push", "branch")
 	huge := append(append([]byte(`{"padding":"`), bytes.Repeat([]byte("a"), maxWebhookBody)...), []byte(`"}`)...)
 
 	tests := []struct {
@@ -274,7 +274,7 @@ func TestWebhookForbiddenSource(t *testing.T) {
 	cfg.Server.TrustedProxies = []string{"127.0.0.1"}
 	cfg.GitHub.AllowedCIDRs = []string{"140.82.112.0/20"}
 	d := startDaemon(t, cfg)
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 
 	allowed, forbidden := newGUID(), newGUID()
 	r := webhookRequest(t, d.URL, "issues", allowed, body)
@@ -322,7 +322,7 @@ func TestWebhookBrokerUnavailable(t *testing.T) {
 	cfg := testConfig(t, proxy.URL(vhost))
 	cfg.Queue.PublishTimeout = time.Second
 	d := startDaemon(t, cfg)
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 
 	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
 		t.Fatalf("with the broker up: got %d, want 202", code)
@@ -458,7 +458,7 @@ func TestWebhookUnroutableIsNotAccepted(t *testing.T) {
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.DeclareTopology = false
 	d := startDaemon(t, cfg)
-	if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened.payload.json")); code != http.StatusServiceUnavailable {
+	if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusServiceUnavailable {
 		t.Errorf("got %d, want 503 for a message no queue takes", code)
 	}
 	if !strings.Contains(d.logs.String(), "routed to no queue") {
@@ -474,7 +474,7 @@ func TestOneConnectionPerBroker(t *testing.T) {
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	d := startDaemon(t, cfg)
 	for i := 0; i < 5; i++ {
-		if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened.payload.json")); code != http.StatusAccepted {
+		if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
 			t.Fatalf("got %d", code)
 		}
 	}
@@ -515,7 +515,7 @@ func TestWebhookHeaderLimits(t *testing.T) {
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
 		t.Fatalf("first webhook: got %d, want 202", code)
 	}
@@ -605,7 +605,7 @@ func TestWebhookHostileBodiesBounded(t *testing.T) {
 	config, addr, _ := processSetup(t)
 	cmd, _ := startProcess(t, config, addr)
 	base := "http://" + addr
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	for i := 0; i < 20; i++ { // warm up: pools, lanes, connections
 		if code := postWebhook(t, base, "issues", newGUID(), body); code != http.StatusAccepted {
 			t.Fatalf("warm-up webhook: got %d", code)

@@ -239,34 +239,53 @@ func postWebhook(t testing.TB, url, event, guid string, body []byte) int {
 	return code
 }
 
-// fixture is one real payload from ../shared/fixtures/github-payloads.
+// payloadDir holds the webhook payloads the tests send: one folder per
+// event, a file per action (or variant), written after the shapes GitHub
+// documents for each event; malformed/ holds the ones the workers refuse.
+const payloadDir = "testdata/payloads"
+
+// fixture is one payload of payloadDir, or of a recorded corpus.
 type fixture struct {
 	Event string
 	Name  string
 	Body  []byte
 }
 
+// loadFixtures reads every well-formed payload of payloadDir.
 func loadFixtures(t testing.TB) []fixture {
 	t.Helper()
-	paths, err := filepath.Glob("../shared/fixtures/github-payloads/*/*.json")
+	return readFixtures(t, payloadDir)
+}
+
+// readFixtures reads dir/EVENT/*.json, in a stable order, leaving out
+// malformed/.
+func readFixtures(t testing.TB, dir string) []fixture {
+	t.Helper()
+	paths, err := filepath.Glob(filepath.Join(dir, "*", "*.json"))
 	if err != nil || len(paths) == 0 {
-		t.Fatalf("no fixtures found under ../shared/fixtures/github-payloads: %v", err)
+		t.Fatalf("no payloads found under %s: %v", dir, err)
 	}
 	sort.Strings(paths)
 	var fs []fixture
 	for _, p := range paths {
+		event := filepath.Base(filepath.Dir(p))
+		if event == "malformed" {
+			continue
+		}
 		b, err := os.ReadFile(p)
 		if err != nil {
 			t.Fatal(err)
 		}
-		fs = append(fs, fixture{Event: filepath.Base(filepath.Dir(p)), Name: filepath.Base(p), Body: b})
+		fs = append(fs, fixture{Event: event, Name: filepath.Base(p), Body: b})
 	}
 	return fs
 }
 
+// loadFixture is one payload of payloadDir: the event's folder, the
+// action's (or variant's) file without ".json".
 func loadFixture(t testing.TB, event, name string) []byte {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join("../shared/fixtures/github-payloads", event, name))
+	b, err := os.ReadFile(filepath.Join(payloadDir, event, name+".json"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -155,7 +155,7 @@ func TestSIGTERMLosesNothing(t *testing.T) {
 	config, addr, dbPath := processSetup(t)
 	cmd, out := startProcess(t, config, addr)
 
-	body := loadFixture(t, "push", "payload.json")
+	body := loadFixture(t, "push", "branch")
 	var mu sync.Mutex
 	var accepted []string
 	stop := make(chan struct{})
@@ -272,6 +272,34 @@ url = "http://user:hunter2@example.com/"
 		t.Errorf("unknown key: got %v", err)
 	}
 
+	// Unknown keys, values of the wrong type and invalid values, all in one
+	// answer; a database directory that does not exist is named.
+	mixed := filepath.Join(dir, "mixed.toml")
+	os.WriteFile(mixed, []byte(`
+[server]
+colour = "blue"
+[database]
+path = "`+filepath.Join(dir, "no-such-dir", "switchyard.db")+`"
+busy_timeout = "soon"
+[queue]
+prefetch = "many"
+max_attempts = -1
+[frobnicate]
+x = 1
+[[brokers]]
+url = "amqp://guest:guest@127.0.0.1:5672/"
+vhostx = "y"
+`), 0o600)
+	err = run(context.Background(), []string{"check-config", "-config", mixed}, &stdout, &stdout)
+	for _, want := range []string{"server.colour: unknown key", "frobnicate: unknown key", "brokers.vhostx: unknown key",
+		`database.busy_timeout: line 6: invalid duration: "soon"`, "queue.prefetch: line 8: incompatible types",
+		"queue.max_attempts:", "api.operator_token: required", "github.webhook_secret: required",
+		"database.path: directory " + filepath.Join(dir, "no-such-dir") + " does not exist"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("check-config of a file with many mistakes lacks %q:\n%v", want, err)
+		}
+	}
+
 	stdout.Reset()
 	if err := run(context.Background(), []string{"check-config", "-config", "config.example.toml"}, &stdout, &stdout); err != nil {
 		t.Fatalf("config.example.toml: %v", err)
@@ -295,7 +323,7 @@ func TestConfigSecretRules(t *testing.T) {
 		cfg := DefaultConfig()
 		cfg.API.OperatorToken = strings.Repeat("o", 40)
 		cfg.API.ProducerToken = strings.Repeat("p", 40)
-		cfg.GitHub.WebhookSecret = "a-real-secret"
+		cfg.GitHub.WebhookSecret = "a-real-secret-of-some-length"
 		cfg.Brokers = []BrokerConfig{{URL: "amqp://guest:guest@127.0.0.1:5672/"}}
 		return cfg
 	}
@@ -332,6 +360,7 @@ func TestConfigSecretRules(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.API.ProducerToken = example.API.ProducerToken
+	c.GitHub.WebhookSecret = "abc"
 	if err := c.Validate(); err != nil {
 		t.Fatalf("warnings are not errors: %v", err)
 	}
@@ -339,7 +368,8 @@ func TestConfigSecretRules(t *testing.T) {
 	os.WriteFile(path, nil, 0o644)
 	os.Chmod(path, 0o644)
 	warnings := strings.Join(c.Warnings(path), "\n")
-	for _, want := range []string{"api.operator_token: 20 characters", "api.producer_token: still the placeholder", "readable by every user (mode 0644)"} {
+	for _, want := range []string{"api.operator_token: 20 characters", "api.producer_token: still the placeholder", "readable by every user (mode 0644)",
+		"github.webhook_secret: 3 characters; 16 or more"} {
 		if !strings.Contains(warnings, want) {
 			t.Errorf("warnings lack %q:\n%s", want, warnings)
 		}
@@ -493,7 +523,7 @@ func TestSIGHUPReloads(t *testing.T) {
 	config, addr, _ := processSetup(t)
 	cmd, out := startProcess(t, config, addr)
 	base := "http://" + addr
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	if code := postWebhook(t, base, "issues", newGUID(), body); code != http.StatusAccepted {
 		t.Fatalf("before reload: got %d", code)
 	}

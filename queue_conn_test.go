@@ -29,7 +29,7 @@ func TestAMQPSEndToEnd(t *testing.T) {
 	d := startDaemon(t, cfg)
 
 	guid := "amqps-" + randHex(4)
-	if code, body := do(t, webhookRequest(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened.payload.json"))); code != http.StatusAccepted {
+	if code, body := do(t, webhookRequest(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))); code != http.StatusAccepted {
 		t.Fatalf("webhook over amqps: %d %s", code, body)
 	}
 	storedAll(t, cfg.Database.Path, []string{guid}, 20*time.Second)

@@ -85,7 +85,7 @@ func TestRetryCycle(t *testing.T) {
 	if err := q.Reachable(context.Background(), brokers[0]); err != nil {
 		t.Fatal(err)
 	}
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	publishRaw(t, vhost, exchangeName, "", eventMessage("issues", failing, body))
 	publishRaw(t, vhost, exchangeName, "", eventMessage("issues", flaky, body))
 
@@ -149,7 +149,7 @@ func TestMalformedMessages(t *testing.T) {
 	eventually(t, 10*time.Second, "topology declared", func() bool {
 		return d.queues.Reachable(context.Background(), d.brokers.List()[0]) == nil
 	})
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 
 	bad := []struct {
 		name   string
@@ -234,7 +234,7 @@ func withDeath(msg amqp.Publishing, count any) amqp.Publishing {
 // The wrapped form {"headers": ..., "payload": ...} is read like a plain one.
 func TestDecodeWrappedMessage(t *testing.T) {
 	t.Parallel()
-	payload := loadFixture(t, "pull_request", "opened.payload.json")
+	payload := loadFixture(t, "pull_request", "opened")
 	body := []byte(`{"headers": {"X-GitHub-Event": "pull_request", "X-GitHub-Delivery": "wrapped-1",
 		"X-GitHub-Hook-ID": ["42"], "X-GitHub-Hook-Installation-Target-Type": "integration",
 		"X-GitHub-Hook-Installation-Target-ID": "9"}, "payload": ` + string(payload) + `}`)
@@ -299,7 +299,7 @@ func TestDatabaseLockedRetries(t *testing.T) {
 
 	// Another process's connection holds the write lock.
 	unlock := lockDatabase(t, cfg.Database.Path)
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	var guids []string
 	for i := 0; i < 5; i++ {
 		g := newGUID()
@@ -345,7 +345,7 @@ func TestMessageLogLines(t *testing.T) {
 	cfg := alertConfig(t, smtp.addr, push.srv.URL, "issues.opened")
 	d := startDaemon(t, cfg)
 	guid := newGUID()
-	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened.payload.json"))
+	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))
 	db := openDB(t, cfg.Database.Path)
 	eventually(t, 20*time.Second, "alert recorded", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NOT NULL", guid) == 1
@@ -394,7 +394,7 @@ func TestBatchedCommits(t *testing.T) {
 	p := newParts(t, cfg)
 	b := p.brokers.List()[0]
 
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	var guids []string
 	for i := 0; i < 200; i++ {
 		g := fmt.Sprintf("batch-%03d-%s", i, randHex(3))
@@ -467,7 +467,7 @@ func TestBatchDecodesAhead(t *testing.T) {
 	p := newParts(t, cfg)
 	b := p.brokers.List()[0]
 
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	var guids []string
 	for i := 0; i < 20; i++ {
 		g := fmt.Sprintf("ahead-%02d-%s", i, randHex(3))
@@ -579,7 +579,7 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	if got := p.queues.window(queueGitHub); got != 4 {
 		t.Errorf("window after 1 MB messages: %d, want 4", got)
 	}
-	small := loadFixture(t, "issues", "opened.payload.json")
+	small := loadFixture(t, "issues", "opened")
 	for i := 0; i < 20; i++ {
 		publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", fmt.Sprintf("small-%d", i), small))
 	}
@@ -651,7 +651,7 @@ func TestBatchFailuresSettledAfterCommit(t *testing.T) {
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.RetryTTL = time.Hour
 	p := newParts(t, cfg)
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	bad := "bad-" + randHex(4)
 	publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", bad, body))
 	for i := 0; i < 50; i++ {

@@ -41,7 +41,7 @@ func TestPublisherLanes(t *testing.T) {
 	t.Parallel()
 	vhost, q := publishQueues(t)
 	b := q.conns[0].broker
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	ctx := context.Background()
 	for i := 0; i < 50; i++ {
 		if err := q.Publish(ctx, b, exchangeName, "", eventMessage("issues", fmt.Sprint("seq-", i), body)); err != nil {
@@ -86,7 +86,7 @@ func TestPublisherOpensLanesInBackground(t *testing.T) {
 	t.Parallel()
 	_, q := publishQueues(t)
 	b := q.conns[0].broker
-	if err := q.Publish(context.Background(), b, exchangeName, "", eventMessage("issues", "first", loadFixture(t, "issues", "opened.payload.json"))); err != nil {
+	if err := q.Publish(context.Background(), b, exchangeName, "", eventMessage("issues", "first", loadFixture(t, "issues", "opened"))); err != nil {
 		t.Fatal(err)
 	}
 	p := q.conns[0].pub

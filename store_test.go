@@ -45,7 +45,7 @@ func TestBackupWhileServing(t *testing.T) {
 	d := startDaemon(t, cfg)
 	dir := t.TempDir()
 	config := writeConfig(t, dir, "127.0.0.1:1", cfg.Database.Path, amqpURL(vhost))
-	body := loadFixture(t, "push", "payload.json")
+	body := loadFixture(t, "push", "branch")
 
 	var sent atomic.Int64
 	var wg sync.WaitGroup
@@ -144,7 +144,7 @@ func TestNoSecretLeaks(t *testing.T) {
 	d := startDaemon(t, cfg)
 	var answers strings.Builder
 	collect := func(code int, body string) { answers.WriteString(body + "\n") }
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	r := webhookRequest(t, d.URL, "issues", newGUID(), body)
 	r.Header.Set("X-Hub-Signature-256", sign(cfg.GitHub.WebhookSecret, body))
 	collect(do(t, r))
@@ -214,7 +214,7 @@ func TestRawRetention(t *testing.T) {
 	ctx := context.Background()
 	p := newParts(t, cfg)
 	old := time.Now().Add(-100 * 24 * time.Hour)
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	err := p.store.Batch(ctx, func(tx *Tx) error {
 		for i := 0; i < 2500; i++ {
 			if _, err := p.store.InsertEvent(ctx, tx, &Event{DeliveryID: fmt.Sprintf("old-%d", i), Name: "issues", Action: "opened",
@@ -278,7 +278,7 @@ func TestMigrationFillsGitHubUpdatedAt(t *testing.T) {
 	if _, err := store.w.Exec("PRAGMA user_version = 4"); err != nil {
 		t.Fatal(err)
 	}
-	body := loadFixture(t, "pull_request", "closed.payload.json")
+	body := loadFixture(t, "pull_request", "closed")
 	ev := &Event{DeliveryID: "pr-closed", Name: "pull_request", Action: "closed", Payload: body, ReceivedAt: time.Now()}
 	if _, err := store.InsertEvent(ctx, nil, ev, false); err != nil {
 		t.Fatal(err)

@@ -3,8 +3,11 @@ package main
 import (
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
 	"reflect"
 	"strconv"
 	"strings"
@@ -220,7 +223,7 @@ func containsString(list []string, s string) bool {
 	return false
 }
 
-// The state table of SPEC §10, row by row, for pull requests and issues.
+// The state table, row by row, for pull requests and issues.
 func TestIssueTransition(t *testing.T) {
 	t.Parallel()
 	tests := []struct {
@@ -292,15 +295,15 @@ func runSequence(t *testing.T, d *testDaemon, db *sql.DB, event string, steps []
 		var body []byte
 		switch {
 		case event == "pull_request":
-			body = loadFixture(t, "pull_request", s.action+".payload.json")
+			body = loadFixture(t, "pull_request", s.action)
 		case s.action == "closed":
 			// There is no issues.closed fixture: a reopened one, closed.
-			body = mutate(t, loadFixture(t, "issues", "reopened.payload.json"), func(p map[string]any) {
+			body = mutate(t, loadFixture(t, "issues", "reopened"), func(p map[string]any) {
 				p["action"] = "closed"
 				obj(p, "issue")["state"] = "closed"
 			})
 		default:
-			body = loadFixture(t, "issues", s.action+".payload.json")
+			body = loadFixture(t, "issues", s.action)
 		}
 		body = mutate(t, body, func(p map[string]any) {
 			if event == "pull_request" {
@@ -362,7 +365,7 @@ func TestPullRequestAndIssueSequences(t *testing.T) {
 		})
 	}
 	// The merged flag comes with the close.
-	body := mutate(t, loadFixture(t, "pull_request", "closed.payload.json"), func(p map[string]any) {
+	body := mutate(t, loadFixture(t, "pull_request", "closed"), func(p map[string]any) {
 		pr := obj(p, "pull_request")
 		pr["node_id"], pr["merged"] = "merged-node", true
 	})
@@ -407,7 +410,7 @@ func TestOrderSafeRows(t *testing.T) {
 
 	// A comment edited twice, the newer edit first.
 	edit := func(body string, at int) string {
-		b := mutate(t, loadFixture(t, "issue_comment", "edited.payload.json"), func(p map[string]any) {
+		b := mutate(t, loadFixture(t, "issue_comment", "edited"), func(p map[string]any) {
 			c := obj(p, "comment")
 			c["id"], c["body"] = 777001, body
 			c["updated_at"] = prStep{at: at}.time(0)
@@ -440,7 +443,7 @@ func TestOrderSafeRows(t *testing.T) {
 func TestWorkflowRunOrdering(t *testing.T) {
 	t.Parallel()
 	d, _, db := botDaemon(t)
-	base := loadFixture(t, "workflow_run", "requested.payload.json")
+	base := loadFixture(t, "workflow_run", "requested")
 	run := func(status, conclusion, updated string) []byte {
 		return mutate(t, base, func(p map[string]any) {
 			w := obj(p, "workflow_run")
@@ -478,7 +481,7 @@ func TestWorkflowRunOrdering(t *testing.T) {
 	// The completed delivery again (a redelivery): nothing changes.
 	postAs(t, d.URL, "workflow_run", guids[0], completed, false)
 	later := newGUID()
-	postAs(t, d.URL, "ping", later, loadFixture(t, "ping", "payload.json"), false)
+	postAs(t, d.URL, "ping", later, loadFixture(t, "ping", "repository"), false)
 	waitDatabase(t, db, later)
 	before := updated
 	row()
@@ -510,7 +513,7 @@ func TestBotProcessingStates(t *testing.T) {
 	d, cfg, db := botDaemon(t)
 	node := "bot-node-" + randHex(4)
 	withNode := func(action string) []byte {
-		return mutate(t, loadFixture(t, "pull_request", action+".payload.json"), func(p map[string]any) {
+		return mutate(t, loadFixture(t, "pull_request", action), func(p map[string]any) {
 			obj(p, "pull_request")["node_id"] = node
 		})
 	}
@@ -556,14 +559,14 @@ func TestBotProcessingStates(t *testing.T) {
 
 	// Other tables: a check run the bot finished, requested again.
 	g = newGUID()
-	postAs(t, d.URL, "check_run", g, loadFixture(t, "check_run", "created.payload.json"), true)
+	postAs(t, d.URL, "check_run", g, loadFixture(t, "check_run", "created"), true)
 	waitDatabase(t, db, g)
 	if _, err := bot.Exec("UPDATE github_check_runs SET processing_state = 'PROCESSED' WHERE check_run_id = 128620228"); err != nil {
 		t.Fatal(err)
 	}
 	g2, g3 := newGUID(), newGUID()
-	postAs(t, d.URL, "check_run", g2, loadFixture(t, "check_run", "rerequested.payload.json"), true)
-	postAs(t, d.URL, "check_run", g3, loadFixture(t, "check_run", "completed.payload.json"), true)
+	postAs(t, d.URL, "check_run", g2, loadFixture(t, "check_run", "rerequested"), true)
+	postAs(t, d.URL, "check_run", g3, loadFixture(t, "check_run", "completed"), true)
 	waitDatabase(t, db, g2)
 	waitDatabase(t, db, g3)
 	var cs, status string
@@ -580,12 +583,12 @@ func TestBotProcessingStates(t *testing.T) {
 func TestDatabaseServiceMissingField(t *testing.T) {
 	t.Parallel()
 	d, _, db := botDaemon(t)
-	broken := mutate(t, loadFixture(t, "pull_request", "opened.payload.json"), func(p map[string]any) {
+	broken := mutate(t, loadFixture(t, "pull_request", "opened"), func(p map[string]any) {
 		delete(obj(p, "pull_request"), "node_id")
 	})
 	badGUID, good := newGUID(), newGUID()
 	postAs(t, d.URL, "pull_request", badGUID, broken, true)
-	postAs(t, d.URL, "pull_request", good, loadFixture(t, "pull_request", "opened.payload.json"), true)
+	postAs(t, d.URL, "pull_request", good, loadFixture(t, "pull_request", "opened"), true)
 	waitDatabase(t, db, good)
 	vhost := d.brokers.List()[0].Vhost
 	eventually(t, 10*time.Second, "the broken message in github-database-error", func() bool {
@@ -605,14 +608,41 @@ func TestDatabaseServiceMissingField(t *testing.T) {
 }
 
 // DecodeEvent decodes a payload once, into the type the typed tables read
-// for its name (newTablePayload): over every fixture, as a bot Event, the
+// for its name (newTablePayload): over every payload, as a bot Event, the
 // rows come from that one pass alone (with the payload gone they are the
 // same) and are the rows of decoding the payload anew for each decoder, as
 // an Event built by hand is.
 func TestTablePayloadsInOnePass(t *testing.T) {
 	t.Parallel()
-	compared := 0
-	for _, f := range loadFixtures(t) {
+	fixtures := loadFixtures(t)
+	if compared := compareOnePass(t, fixtures); compared != len(fixtures) {
+		t.Errorf("compared %d of %d payloads; every one of testdata should decode", compared, len(fixtures))
+	}
+}
+
+// recordedCorpus is a corpus of payloads recorded from GitHub (octokit's
+// webhooks fixtures), laid beside the repository on the machines that have
+// it. Nothing but TestRecordedCorpus reads it.
+const recordedCorpus = "../shared/fixtures/github-payloads"
+
+// The decoders and the typed tables' payload types agree over every
+// payload GitHub was recorded sending, when such a corpus is at hand.
+func TestRecordedCorpus(t *testing.T) {
+	t.Parallel()
+	if _, err := os.Stat(recordedCorpus); err != nil {
+		t.Skipf("no recorded corpus at %s: %v", recordedCorpus, err)
+	}
+	fixtures := readFixtures(t, recordedCorpus)
+	if compared := compareOnePass(t, fixtures); compared < len(fixtures)*3/4 {
+		t.Errorf("compared %d of %d recorded payloads, want most of them", compared, len(fixtures))
+	}
+}
+
+// compareOnePass checks TestTablePayloadsInOnePass's claim over fixtures
+// and returns how many decoded.
+func compareOnePass(t *testing.T, fixtures []fixture) (compared int) {
+	t.Helper()
+	for _, f := range fixtures {
 		msg := eventMessage(f.Event, "fixture-"+f.Event+"-"+f.Name, f.Body)
 		msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
 		ev, err := DecodeEvent(delivered(msg))
@@ -635,7 +665,34 @@ func TestTablePayloadsInOnePass(t *testing.T) {
 		}
 		compared++
 	}
-	if compared < 200 {
-		t.Errorf("compared %d fixtures, want most of them", compared)
+	return compared
+}
+
+// Every payload of testdata/payloads/malformed is refused for good: by
+// DecodeEvent, or by the typed tables of a bot Event; never a retry.
+func TestMalformedPayloads(t *testing.T) {
+	t.Parallel()
+	paths, err := filepath.Glob(filepath.Join(payloadDir, "malformed", "*.json"))
+	if err != nil || len(paths) < 10 {
+		t.Fatalf("malformed payloads: %d found, %v", len(paths), err)
+	}
+	for _, p := range paths {
+		event, _, _ := strings.Cut(filepath.Base(p), ".")
+		t.Run(filepath.Base(p), func(t *testing.T) {
+			body, err := os.ReadFile(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			msg := eventMessage(event, "malformed-"+filepath.Base(p), body)
+			msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
+			ev, err := DecodeEvent(delivered(msg))
+			if err == nil {
+				_, err = decodeTableRows(ev, testBotAppID)
+			}
+			var perm *permanentError
+			if !errors.As(err, &perm) {
+				t.Fatalf("got %v, want a permanent failure", err)
+			}
+		})
 	}
 }

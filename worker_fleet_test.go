@@ -76,7 +76,7 @@ func TestFleetKeepaliveAndGauges(t *testing.T) {
 	})
 	eventually(t, 30*time.Second, "the deleted queue back on the spare", func() bool { return queueExists(t, spare, deleted) })
 
-	publishRaw(t, spare, "", errorQueue(queueGitHub), eventMessage("issues", newGUID(), loadFixture(t, "issues", "opened.payload.json")))
+	publishRaw(t, spare, "", errorQueue(queueGitHub), eventMessage("issues", newGUID(), loadFixture(t, "issues", "opened")))
 	eventually(t, 30*time.Second, "the spare's -error depth in the gauges", func() bool {
 		return scrape(t, d.URL+"/metrics")[`switchyard_queue_messages{broker="1",queue="github-error"}`] == 1
 	})

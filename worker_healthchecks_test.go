@@ -85,7 +85,7 @@ func TestHealthChecksDown(t *testing.T) {
 	declareTestTopology(t, vhost, 200*time.Millisecond)
 	store, sink := runWorker(t, amqpURL(vhost), "http://"+reserveAddr(t)+"/ping/uuid")
 	guid := newGUID()
-	publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened.payload.json")))
+	publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened")))
 	eventually(t, 10*time.Second, "message stored with HealthChecks down", func() bool {
 		var n int
 		_ = store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = ?", guid).Scan(&n)

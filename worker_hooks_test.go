@@ -247,7 +247,7 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 	cfg, _ := hooksConfig(t, gh)
 	cfg.GitHub.BotAppID = testAppID
 
-	payload := loadFixture(t, "pull_request", "opened.payload.json")
+	payload := loadFixture(t, "pull_request", "opened")
 	now := time.Now().UTC().Add(-10 * time.Minute)
 	failed, retriedOK, ok, stored := newGUID(), newGUID(), newGUID(), newGUID()
 	gh.add(hookDelivery{ID: 1, GUID: failed, DeliveredAt: now, Status: "Service Unavailable", StatusCode: 503, Event: "pull_request", Action: ptr("opened")}, payload)
@@ -257,7 +257,7 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 	gh.add(hookDelivery{ID: 5, GUID: stored, DeliveredAt: now, Status: "Timeout", StatusCode: 0, Event: "issues"}, nil)
 
 	// The "stored" one reached us after all (GitHub timed out on the answer).
-	storedBefore(t, cfg, &Event{DeliveryID: stored, Name: "issues", Payload: loadFixture(t, "issues", "opened.payload.json"), ReceivedAt: time.Now()})
+	storedBefore(t, cfg, &Event{DeliveryID: stored, Name: "issues", Payload: loadFixture(t, "issues", "opened"), ReceivedAt: time.Now()})
 
 	d := startDaemon(t, cfg)
 	db := openDB(t, cfg.Database.Path)
@@ -381,7 +381,7 @@ func TestHooksGitHubErrors(t *testing.T) {
 	gh := newFakeGitHub(t)
 	guid := newGUID()
 	gh.add(hookDelivery{ID: 7, GUID: guid, DeliveredAt: time.Now().UTC().Add(-time.Minute), StatusCode: 503, Event: "issues"},
-		loadFixture(t, "issues", "opened.payload.json"))
+		loadFixture(t, "issues", "opened"))
 	gh.failNext = []int{500, 403}
 	hooks, vhost, store, appLog := hooksForTest(t, gh)
 	sink := &logSink{t: t}
@@ -500,7 +500,7 @@ func TestHooksRateLimits(t *testing.T) {
 	}
 }
 
-// The delivery ledger against GitHub's record (SPEC §12.4), with the daemon
+// The delivery ledger against GitHub's record, with the daemon
 // running: a 2xx delivery that is not stored becomes a gap after the grace,
 // is alerted once, is redelivered through the attempts endpoint and is
 // resolved once the redelivered webhook is stored; a 2xx delivery still
@@ -515,7 +515,7 @@ func TestDeliveryLedgerGaps(t *testing.T) {
 		Push: PushConfig{URL: push.srv.URL + "/gaps", Token: "push-secret-token"}}
 	cfg.Queue.RetryTTL = time.Hour // a message on the retry cycle stays there for the test
 
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	now := time.Now().UTC()
 	lost, onRetry, stored := newGUID(), newGUID(), newGUID()
 	// GitHub's record: several attempts per GUID, as GitHub shapes them.
@@ -584,7 +584,7 @@ func TestDeliveryGapReplayedFromErrorQueue(t *testing.T) {
 	gh := newFakeGitHub(t)
 	cfg, vhost := hooksConfig(t, gh)
 	cfg.GitHub.RedeliverGaps = false
-	body := loadFixture(t, "issues", "opened.payload.json")
+	body := loadFixture(t, "issues", "opened")
 	now := time.Now().UTC()
 	inError, other := newGUID(), newGUID()
 	gh.add(hookDelivery{ID: 41, GUID: inError, DeliveredAt: now.Add(-5 * time.Hour), Status: "Accepted", StatusCode: 202, Event: "issues"}, body)
