@@ -15,7 +15,7 @@ import (
 	mail "github.com/wneessen/go-mail"
 )
 
-// Alerter sends the alerts of SPEC §9: rules select Events by "event.action"
+// Alerter sends the alerts: rules select Events by "event.action"
 // patterns, and name the channels (email, push) that announce them.
 type Alerter struct {
 	cfg  atomic.Pointer[AlertsConfig] // a SIGHUP may change it

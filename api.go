@@ -162,7 +162,7 @@ func (a *API) producer(h httprouter.Handle) httprouter.Handle {
 
 // bounded reads the request body, at most maxAdminBody bytes, before h
 // runs, on every admin route, whether or not h reads it: a body over the
-// limit is 413 and changes nothing (SPEC §12.1).
+// limit is 413 and changes nothing.
 func (a *API) bounded(h httprouter.Handle) httprouter.Handle {
 	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
 		if r.ContentLength > maxAdminBody {

@@ -37,7 +37,7 @@ type pendingJSON struct {
 	RecordedAt time.Time `json:"recorded_at"`
 }
 
-// BrokerStatus is the answer of GET /api/v1/broker (SPEC §7).
+// BrokerStatus is the answer of GET /api/v1/broker.
 type BrokerStatus struct {
 	Active        brokerRef     `json:"active"`
 	Brokers       []brokerEntry `json:"brokers"`

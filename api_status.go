@@ -20,7 +20,7 @@ import (
 // one that does not answer must not hold the page.
 const statusTimeout = 3 * time.Second
 
-// Status is what an operator wants at a glance (SPEC §12.6): GET /status
+// Status is what an operator wants at a glance: GET /status
 // renders it, GET /api/v1/status and `switchyard status -json` return it.
 type Status struct {
 	Version   string    `json:"version"`

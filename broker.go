@@ -92,7 +92,7 @@ type SwitchState struct {
 	Watermark time.Time
 }
 
-// Settings keys of the state machine (SPEC §8).
+// Settings keys of the state machine.
 const (
 	keyActiveIndex   = "broker.active_index"
 	keyPendingSwitch = "broker.pending_switch"

@@ -39,7 +39,7 @@ type Event struct {
 	rowsErr error
 }
 
-// Message header names (SPEC §5).
+// Message header names.
 const (
 	hdrEvent      = "x-github-event"
 	hdrDelivery   = "x-github-delivery"
@@ -55,7 +55,7 @@ const (
 var eventHeaders = []string{hdrEvent, hdrDelivery, hdrHookID, hdrTargetID, hdrTargetType}
 
 // newPublishing builds the message for one webhook delivery: the raw payload as
-// body and the GitHub headers as message headers (SPEC §5).
+// body and the GitHub headers as message headers.
 func newPublishing(h http.Header, payload []byte, sourceIP string, now time.Time) amqp.Publishing {
 	headers := amqp.Table{hdrSourceIP: sourceIP}
 	for _, k := range eventHeaders {

@@ -8,7 +8,7 @@ import (
 )
 
 // This file maps Events to the rows of the release-tracking and typed bot
-// tables (SPEC §9, §10): it names the fields the tables read of each Event's
+// tables: it names the fields the tables read of each Event's
 // payload (newTablePayload), which DecodeEvent decodes with the Event, and
 // says which rows an Event writes. store_tables.go writes them.
 

@@ -240,7 +240,7 @@ const firstReserve = 64 << 10
 // being read at once. 503 with Retry-After.
 var ErrBusy = fmt.Errorf("%w: too many webhook bytes in flight", ErrUnavailable)
 
-// bodyBudget bounds the webhook body bytes held at once (SPEC §12.1): every
+// bodyBudget bounds the webhook body bytes held at once: every
 // body takes its size from it before it is read, and gives it back when the
 // request ends. Bytes beyond a body's first firstReserve may hold at most
 // three quarters of it together: the last quarter is kept for ordinary
@@ -326,7 +326,7 @@ func (wh *Webhook) readBody(w http.ResponseWriter, r *http.Request, buf *[]byte)
 	}
 }
 
-// Limits on the request headers copied into the AMQP message (SPEC §12.1):
+// Limits on the request headers copied into the AMQP message:
 // AMQP short strings (message_id, type) hold 255 bytes, and a header table
 // larger than the broker's frame size closes the connection every worker
 // shares, so nothing unchecked may reach a publish.
@@ -346,7 +346,7 @@ func checkHeaders(h http.Header) error {
 	if len(delivery) > maxDeliveryLen || strings.IndexFunc(delivery, func(c rune) bool { return c <= ' ' || c > '~' }) >= 0 {
 		return fmt.Errorf("%w: X-GitHub-Delivery: want 1 to %d bytes of printable ASCII without spaces", ErrBadRequest, maxDeliveryLen)
 	}
-	// SPEC §12.1 says [a-z_]; GitHub's own event names have digits too
+	// Not [a-z_] alone: GitHub's own event names have digits too
 	// (projects_v2_item), and refusing them would lose real deliveries.
 	if len(event) > maxEventLen || strings.IndexFunc(event, func(c rune) bool { return (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '_' }) >= 0 {
 		return fmt.Errorf("%w: X-GitHub-Event: want 1 to %d bytes of a-z, 0-9 and _", ErrBadRequest, maxEventLen)

@@ -13,7 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// The topology of SPEC §4.
+// The topology: one fanout exchange, four queues, each with -retry and -error.
 const exchangeName = "github-exchange"
 
 // Logical queue names; each has a -retry and an -error sibling.

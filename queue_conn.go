@@ -11,7 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// The connections of SPEC §8: one per broker, shared by the webhook endpoint
+// The connections: one per broker, shared by the webhook endpoint
 // and every worker, dialed on demand with backoff and jitter; channels per
 // use; every AMQP call bounded by call_timeout.
 

@@ -14,16 +14,16 @@ import (
 // waits for its next delivery up to batchGap, and once it holds
 // batchFilling messages up to batchGap for every message it holds, at most
 // until batchWindow after its first (batchWait). A lone webhook waits 2 ms
-// for company, not the whole window: end to end at 200/s p50 10.6 -> 3.2 ms
-// against a batch that always took the window (BENCHMARKS.md, runs 22-28).
-// A batch that is filling waits longer for the next, so a backlog still
-// fills it while a broker on the same cores is slow to send; the window
-// bounds what a steady stream adds to its first message. The few webhooks
-// that queue behind a commit's WAL checkpoint are not a backlog: had they
-// waited as one, each would have waited out the window as well (p99 at
-// 200/s 10.5-11.7 -> 8.8-9.9 ms, runs 46 and 47). More commits at 1,100
-// webhooks/s over amqps cost 10-13 % more of the daemon's CPU per webhook,
-// which no field row's rate showed.
+// for company, not the whole window: at a steady 200/s a webhook's time to
+// its row drops to about a third of what a batch that always takes the
+// window costs (BENCHMARKS.md). A batch that is filling waits longer for
+// the next, so a backlog still fills it while a broker on the same cores is
+// slow to send; the window bounds what a steady stream adds to its first
+// message. The few webhooks that queue behind a commit's WAL checkpoint are
+// not a backlog: had they waited as one, each would have waited out the
+// window as well, which showed in the p99. The price is more commits at
+// high rates, a tenth more of the daemon's CPU per webhook at 1,100/s, which
+// no rate showed.
 const (
 	batchGap     = 2 * time.Millisecond
 	batchFilling = 8
@@ -278,7 +278,7 @@ func receive(ctx context.Context, deliveries <-chan amqp.Delivery, wait time.Dur
 const drainIdle = 100 * time.Millisecond
 
 // Drain takes up to limit messages from queue on broker b and handles each
-// like a consumed one: the Leftover Drain of SPEC §8. It takes at most what
+// like a consumed one: the Leftover Drain. It takes at most what
 // the queue held when it began and returns as soon as it has them, or when
 // none came for a while (another consumer took them), instead of waiting out
 // a window. Messages come through a consumer with the worker's window, not a

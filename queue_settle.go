@@ -12,7 +12,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// How consuming a message ends (SPEC §5), in one place: done and duplicate
+// How consuming a message ends, in one place: done and duplicate
 // are acked once their transaction committed; a permanent failure, a
 // broken x-death or the last of max_attempts failures is published to
 // QUEUE-error and acked; any other failure is nacked into QUEUE-retry.
@@ -37,7 +37,7 @@ func permanent(format string, args ...any) error {
 // ErrDuplicate is a handler's answer for a delivery it already finished.
 var ErrDuplicate = errors.New("duplicate delivery")
 
-// Outcome is how consuming one message ended (SPEC §5).
+// Outcome is how consuming one message ended.
 type Outcome string
 
 const (

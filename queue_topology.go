@@ -8,7 +8,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// The broker side of the topology (SPEC §4, §12.5): declaring it, and
+// The broker side of the topology: declaring it, and
 // reading what the queues hold. The names are in queue.go; the fleet's
 // keepalive and depth gauges (worker_fleet.go) and the drain check use these.
 

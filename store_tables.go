@@ -25,8 +25,8 @@ func newRowMeta(ev *Event) rowMeta {
 }
 
 // writeTableRows writes everything one Event maps to, inside tx. stale names
-// the order-safe table whose row was newer than the Event's object and kept
-// (SPEC §12.4), "" when every row was written.
+// the order-safe table whose row was newer than the Event's object and kept,
+// "" when every row was written.
 func (tx *Tx) writeTableRows(ctx context.Context, m rowMeta, r *tableRows) (stale string, err error) {
 	// done writes a table that is not order-safe: it is never stale.
 	done := func(err error) (bool, error) { return false, err }
@@ -66,10 +66,10 @@ func (tx *Tx) writeTableRows(ctx context.Context, m rowMeta, r *tableRows) (stal
 }
 
 // orderSafeTables are the typed tables whose rows keep github_updated_at and
-// are never overwritten by an older object (SPEC §12.4).
+// are never overwritten by an older object.
 var orderSafeTables = []string{"github_issues", "github_pull_requests", "github_comments", "github_discussions", "github_check_runs"}
 
-// newerOrSame is the condition of an order-safe upsert (SPEC §12.4): the
+// newerOrSame is the condition of an order-safe upsert: the
 // Event's object is not older than the stored row's. A time that is missing
 // on either side cannot say, and a NULL stored time reads as older than
 // anything, so both let the Event through.
@@ -148,7 +148,7 @@ func (tx *Tx) writeBranch(ctx context.Context, m rowMeta, r *branchRow) error {
 	return err
 }
 
-// issueTransition is SPEC §10's table for pull requests and issues: the new
+// issueTransition is the state table for pull requests and issues: the new
 // state and processing state for an action on a row in state cur ("" when the
 // row is absent), or change = false when the row stays as it is.
 func issueTransition(action, cur string) (state, processing string, change bool) {

@@ -36,7 +36,7 @@ type WorkerOptions struct {
 	Consumed []string
 }
 
-// Worker runs the cycle of SPEC §8 for one queue: complete a drained Pending
+// Worker runs the broker-following cycle for one queue: complete a drained Pending
 // Switch, drain leftovers from the other brokers, then consume the queue on the
 // active broker for one window.
 type Worker struct {
@@ -141,7 +141,7 @@ func (w *Worker) sleep(ctx context.Context, d time.Duration, watch <-chan struct
 	}
 }
 
-// cycle is one pass of SPEC §8, steps 1 to 4, after the worker's own poll
+// cycle is one pass of the broker-following cycle, after the worker's own poll
 // when one is due. A failed poll fails the cycle, but only after the rest of
 // it ran: the queue is still worked.
 func (w *Worker) cycle(ctx context.Context) error {

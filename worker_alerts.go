@@ -9,7 +9,7 @@ import (
 )
 
 // AlertSender sends the alerts that handlers queued in alert_outbox, after
-// their transactions committed (SPEC §12.3). Each channel has a loop of its
+// their transactions committed. Each channel has a loop of its
 // own, so a stalled SMTP server does not hold the push alerts back; a failed
 // send is tried again with backoff, and an alert goes out at least once.
 type AlertSender struct {

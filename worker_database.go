@@ -16,7 +16,7 @@ import (
 //
 // An Event whose object is older than the typed row it maps to (a late
 // synchronize after closed) leaves the row alone and is recorded with
-// outcome stale (SPEC §12.4).
+// outcome stale.
 func databaseHandler(store *Store, botAppID int64, metrics *Metrics, log *slog.Logger) Handler {
 	return func(ctx context.Context, tx *Tx, ev *Event) error {
 		rows, err := ev.tableRows(botAppID)

@@ -10,7 +10,7 @@ import (
 // refreshed.
 const depthEvery = time.Minute
 
-// Fleet looks after every configured broker, read or not (SPEC §12.5): the
+// Fleet looks after every configured broker, read or not: the
 // depths of its 12 queues for the gauges, refreshed every depthEvery, and
 // every keepalive a check that none of them is missing. Free plans delete a
 // queue that nobody declared, consumed or read for 28 days, and a spare

@@ -18,7 +18,7 @@ const deliveryRetention = 72 * time.Hour
 // GitHub records late must not fall between two polls.
 const checkpointOverlap = 2 * time.Minute
 
-// Hooks is the hooks worker's work: keep the delivery ledger (SPEC §12.4)
+// Hooks is the hooks worker's work: keep the delivery ledger
 // against GitHub's record of its deliveries, queue each delivery that never
 // got a 2xx once on github-hooks, and republish what the queue asks for.
 type Hooks struct {
@@ -42,7 +42,7 @@ type hookMessage struct {
 	GUID       string `json:"guid"`
 }
 
-// What became of one delivery GitHub made (SPEC §12.4).
+// What became of one delivery GitHub made.
 const (
 	ledgerStored      = "stored"      // in github
 	ledgerInFlight    = "in flight"   // a 2xx attempt younger than the grace: on its way through the retry cycle

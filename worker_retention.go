@@ -6,8 +6,8 @@ import (
 	"time"
 )
 
-// Retention deletes raw github rows older than database.raw_retention
-// (SPEC §12.2): a VPS disk is not bottomless, and the payloads are most of
+// Retention deletes raw github rows older than database.raw_retention:
+// a VPS disk is not bottomless, and the payloads are most of
 // the database. The cleanup worker runs it once a cycle.
 type Retention struct {
 	store *Store
