@@ -1,14 +1,21 @@
 package main
 
 import (
+	"bytes"
+	"cmp"
 	_ "embed"
+	"encoding"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/netip"
 	"net/url"
 	"os"
+	"path/filepath"
+	"reflect"
+	"regexp"
 	"slices"
 	"sort"
 	"strconv"
@@ -20,7 +27,7 @@ import (
 )
 
 // Config is the whole of switchyard's configuration: one TOML file, decoded over
-// DefaultConfig. Its keys are the contract of SPEC §3.
+// DefaultConfig. Its keys are what operators write: never rename one.
 type Config struct {
 	Server       ServerConfig       `toml:"server"`
 	Database     DatabaseConfig     `toml:"database"`
@@ -45,7 +52,7 @@ type ServerConfig struct {
 	// instead of on listen.
 	MetricsListen string `toml:"metrics_listen"`
 	// MaxInflightBytes bounds the webhook bodies being read at once, all
-	// together (SPEC §12.1).
+	// together.
 	MaxInflightBytes int64 `toml:"max_inflight_bytes"`
 	// MemoryLimit is the Go runtime's soft memory limit in bytes (0: none);
 	// GOMEMLIMIT in the environment wins over it.
@@ -122,7 +129,7 @@ type BrokerConfig struct {
 	URL string `toml:"url"`
 }
 
-// AlertsConfig selects Events and where to announce them (SPEC §9).
+// AlertsConfig selects Events and where to announce them.
 type AlertsConfig struct {
 	Rules []AlertRule `toml:"rules"`
 	Email EmailConfig `toml:"email"`
@@ -180,7 +187,7 @@ func DefaultConfig() *Config {
 			MaxAttempts: 10,
 			// 4 consumers share a connection: 800 unacked, within CloudAMQP's
 			// 1,000 per connection on free plans. Over a 50 ms link a window of
-			// 1 is 20 messages a second (SPEC §12.7, BENCHMARKS.md).
+			// 1 is 20 messages a second (BENCHMARKS.md).
 			Prefetch:       200,
 			PublishTimeout: 5 * time.Second,
 			CallTimeout:    10 * time.Second,
@@ -202,36 +209,112 @@ func DefaultConfig() *Config {
 // LoadConfig reads path over the defaults and validates the result. A key the
 // Config does not know is an error: a typo must not silently fall back to a default.
 func LoadConfig(path string) (*Config, error) {
-	f, err := os.Open(path)
+	b, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
-	defer f.Close()
-	cfg, err := DecodeConfig(f)
+	cfg, err := ParseConfig(b)
 	if err != nil {
-		return nil, fmt.Errorf("config %s: %w", path, err)
-	}
-	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("config %s: %w", path, err)
 	}
 	return cfg, nil
 }
 
-// DecodeConfig decodes TOML over DefaultConfig without validating.
+// ParseConfig decodes TOML over DefaultConfig and validates the result. It
+// returns every problem at once: the keys it does not know, the values that
+// do not have their key's type, and what Validate finds in the rest. Only
+// TOML that does not parse at all stops it at the first error.
+func ParseConfig(b []byte) (*Config, error) {
+	cfg, err := DecodeConfig(bytes.NewReader(b))
+	if cfg == nil {
+		return nil, err
+	}
+	if err := errors.Join(err, cfg.Validate()); err != nil {
+		return nil, err
+	}
+	return cfg, nil
+}
+
+// DecodeConfig decodes TOML over DefaultConfig without validating. Each key
+// is decoded on its own, so that one bad value or unknown key does not hide
+// the next: the Config it returns holds every value that decoded, the
+// error every key that did not. A nil Config means the TOML did not parse.
 func DecodeConfig(r io.Reader) (*Config, error) {
 	cfg := DefaultConfig()
-	md, err := toml.NewDecoder(r).Decode(cfg)
+	var top toml.Primitive
+	md, err := toml.NewDecoder(r).Decode(&top)
 	if err != nil {
 		return nil, err
 	}
-	if undecoded := md.Undecoded(); len(undecoded) > 0 {
-		var errs []error
-		for _, k := range undecoded {
-			errs = append(errs, fmt.Errorf("%s: unknown key", k))
+	var errs []error
+	var unknown []string
+	decodeKeys(&md, top, reflect.ValueOf(cfg).Elem(), "", &errs, &unknown)
+	for _, k := range md.Undecoded() {
+		// Keys under a table already reported unknown, or under a value
+		// that failed to decode, are not news.
+		key := k.String()
+		covered := false
+		for _, u := range unknown {
+			if key == u || strings.HasPrefix(key, u+".") {
+				covered = true
+				break
+			}
 		}
-		return nil, errors.Join(errs...)
+		if !covered {
+			errs = append(errs, fmt.Errorf("%s: unknown key", key))
+		}
 	}
-	return cfg, nil
+	return cfg, errors.Join(errs...)
+}
+
+// decodeKeys decodes prim into v, a table into a struct key by key (a key
+// the struct has no field for is an unknown key), anything else in one go.
+// A value that does not decode is reported by its dotted path and leaves
+// the field as it was.
+func decodeKeys(md *toml.MetaData, prim toml.Primitive, v reflect.Value, path string, errs *[]error, unknown *[]string) {
+	_, leaf := v.Addr().Interface().(encoding.TextUnmarshaler)
+	if v.Kind() != reflect.Struct || leaf {
+		if err := md.PrimitiveDecode(prim, v.Addr().Interface()); err != nil {
+			*errs = append(*errs, fmt.Errorf("%s: %s", path, tomlMessage(err)))
+			*unknown = append(*unknown, path)
+		}
+		return
+	}
+	var keys map[string]toml.Primitive
+	if err := md.PrimitiveDecode(prim, &keys); err != nil {
+		*errs = append(*errs, fmt.Errorf("%s: want a table: %s", cmp.Or(path, "config"), tomlMessage(err)))
+		*unknown = append(*unknown, path)
+		return
+	}
+	fields := map[string]int{}
+	for i := range v.NumField() {
+		if tag := v.Type().Field(i).Tag.Get("toml"); tag != "" {
+			fields[tag] = i
+		}
+	}
+	for _, k := range slices.Sorted(maps.Keys(keys)) {
+		sub := k
+		if path != "" {
+			sub = path + "." + k
+		}
+		i, ok := fields[k]
+		if !ok {
+			*errs = append(*errs, fmt.Errorf("%s: unknown key", sub))
+			*unknown = append(*unknown, sub)
+			continue
+		}
+		decodeKeys(md, keys[k], v.Field(i), sub, errs, unknown)
+	}
+}
+
+// lastKey is the part of the TOML library's messages that repeats the key
+// the message is already prefixed with.
+var lastKey = regexp.MustCompile(` \(last key "[^"]*"\)`)
+
+// tomlMessage is a decoding error of the TOML library without its prefix
+// and without the key that decodeKeys names anyway.
+func tomlMessage(err error) string {
+	return lastKey.ReplaceAllString(strings.TrimPrefix(err.Error(), "toml: "), "")
 }
 
 // Validate returns every problem at once, each naming its field.
@@ -266,6 +349,8 @@ func (c *Config) Validate() error {
 
 	if c.Database.Path == "" {
 		bad("database.path", "required")
+	} else if dir := filepath.Dir(c.Database.Path); !isDir(dir) {
+		bad("database.path", "directory %s does not exist (serve creates the file, not its directory)", dir)
 	}
 	if !slices.Contains([]string{"FULL", "NORMAL", "EXTRA"}, strings.ToUpper(c.Database.Synchronous)) {
 		bad("database.synchronous", "want FULL, NORMAL or EXTRA, got %q", c.Database.Synchronous)
@@ -424,7 +509,16 @@ func (c *Config) ConsumedQueues() []string {
 const (
 	minTokenLen  = 16
 	warnTokenLen = 32
+	// warnSecretLen is the webhook secret below which check-config warns:
+	// GitHub takes any secret, but a short one can be guessed.
+	warnSecretLen = 16
 )
+
+// isDir reports whether path is a directory that exists.
+func isDir(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && fi.IsDir()
+}
 
 //go:embed config.example.toml
 var exampleConfig string
@@ -448,6 +542,9 @@ func (c *Config) Warnings(path string) []string {
 		} else if s.token && len(s.value) < warnTokenLen {
 			ws = append(ws, fmt.Sprintf("%s: %d characters; %d or more is safer (openssl rand -hex 32)", s.field, len(s.value), warnTokenLen))
 		}
+	}
+	if n := len(c.GitHub.WebhookSecret); n > 0 && n < warnSecretLen && c.GitHub.WebhookSecret != example.GitHub.WebhookSecret {
+		ws = append(ws, fmt.Sprintf("github.webhook_secret: %d characters; %d or more is safer (openssl rand -hex 32)", n, warnSecretLen))
 	}
 	if path != "" {
 		if fi, err := os.Stat(path); err == nil && fi.Mode().Perm()&0o004 != 0 {

@@ -1,6 +1,6 @@
 // Command switchyard takes GitHub webhooks through RabbitMQ into SQLite, and
 // follows its producer from broker to broker without losing or reordering an
-// Event. See README.md and SPEC.md.
+// Event. See README.md.
 package main
 
 import (
@@ -360,15 +360,11 @@ func (p *prefixWriter) Write(b []byte) (int, error) {
 // checkConfig validates the file and prints a summary with secrets masked and
 // any warnings, or every problem, one per line.
 func checkConfig(path string, stdout io.Writer) error {
-	f, err := os.Open(path)
+	b, err := os.ReadFile(path)
 	if err != nil {
 		return fmt.Errorf("config: %w", err)
 	}
-	defer f.Close()
-	cfg, err := DecodeConfig(f)
-	if err == nil {
-		err = cfg.Validate()
-	}
+	cfg, err := ParseConfig(b)
 	if err != nil {
 		return fmt.Errorf("%s is not valid:\n  %s", path, strings.ReplaceAll(err.Error(), "\n", "\n  "))
 	}
@@ -1007,7 +1003,7 @@ func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, 
 	return err
 }
 
-// reloadable are the config keys a SIGHUP applies at once (SPEC §12.2);
+// reloadable are the config keys a SIGHUP applies at once;
 // a key ending in "." stands for its whole section.
 var reloadable = []string{"log.level", "github.webhook_secret", "github.previous_webhook_secrets",
 	"github.allowed_cidrs", "github.meta_file", "server.trusted_proxies", "api.operator_token",
