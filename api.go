@@ -54,6 +54,10 @@ func (a *API) Handler() http.Handler {
 	r.DELETE("/api/v1/broker/watermark", a.operator(a.clearWatermark))
 	r.GET("/api/v1/status", a.operator(a.getStatus))
 	r.GET("/status", a.statusPage)
+	// A browser pointed at the daemon wants the status page.
+	r.GET("/", func(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+		http.Redirect(w, r, "/status", http.StatusFound)
+	})
 
 	r.GET("/healthz", func(w http.ResponseWriter, _ *http.Request, _ httprouter.Params) {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
@@ -85,7 +89,7 @@ var (
 // statusOf maps an error to its HTTP status, in one place.
 func statusOf(err error) int {
 	switch {
-	case errors.Is(err, ErrBadSignature), errors.Is(err, ErrUnauthorized):
+	case errors.Is(err, ErrNoSignature), errors.Is(err, ErrBadSignature), errors.Is(err, ErrUnauthorized):
 		return http.StatusUnauthorized
 	case errors.Is(err, ErrForbidden):
 		return http.StatusForbidden

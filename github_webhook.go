@@ -40,7 +40,11 @@ var githubHooksCIDRs = []string{
 
 // Request errors of the webhook endpoint; api.go maps them to statuses.
 var (
-	ErrBadSignature = errors.New("missing or invalid X-Hub-Signature-256")
+	// Apart, because GitHub's Recent Deliveries shows the operator the
+	// answer: a missing signature means the hook has no secret set, a wrong
+	// one that it has another secret than switchyard.
+	ErrNoSignature  = errors.New("missing X-Hub-Signature-256: set the hook's secret in GitHub to github.webhook_secret")
+	ErrBadSignature = errors.New("invalid X-Hub-Signature-256: the hook's secret in GitHub is not github.webhook_secret")
 	ErrBadRequest   = errors.New("bad request")
 	ErrTooLarge     = errors.New("body too large")
 	ErrUnavailable  = errors.New("broker unavailable, retry later")
@@ -369,7 +373,11 @@ func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request, buf *[]by
 	if err != nil {
 		return nil, release, err
 	}
-	if !wh.verifySignature(body, r.Header.Get("X-Hub-Signature-256")) {
+	sig := r.Header.Get("X-Hub-Signature-256")
+	if sig == "" {
+		return nil, release, ErrNoSignature
+	}
+	if !wh.verifySignature(body, sig) {
 		return nil, release, ErrBadSignature
 	}
 	if err := checkHeaders(r.Header); err != nil {
@@ -398,10 +406,13 @@ func isForm(contentType string) bool {
 	return mt == "application/x-www-form-urlencoded"
 }
 
-// queued is the 202 answer.
+// queued is the 202 answer. Queue is set for a webhook from outside the
+// allowed sources, which waits in github-forbidden for the cleanup worker:
+// whoever sent it by hand learns why no row appears at once.
 type queued struct {
 	Status     string `json:"status"`
 	DeliveryID string `json:"delivery_id"`
+	Queue      string `json:"queue,omitempty"`
 }
 
 // rejectOutcome names a refused webhook for the metrics and the log.
@@ -488,7 +499,7 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		wh.log.Debug("webhook queued", "delivery_id", msg.MessageId, "event", msg.Type, "source_ip", addrText(src),
 			"broker", b.String(), "forbidden", key != "")
 	}
-	writeJSON(w, http.StatusAccepted, queued{Status: "queued", DeliveryID: msg.MessageId})
+	writeJSON(w, http.StatusAccepted, queued{Status: "queued", DeliveryID: msg.MessageId, Queue: key})
 }
 
 // logLimiter lets one log line per key through per period, and counts the

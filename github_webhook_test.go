@@ -164,43 +164,44 @@ func TestWebhookRejectsBadRequests(t *testing.T) {
 		name   string
 		req    func() *http.Request
 		status int
+		want   string // in the error, where it says more than the status
 	}{
 		{"wrong signature", func() *http.Request {
 			r := webhookRequest(t, d.URL, "push", newGUID(), body)
 			r.Header.Set("X-Hub-Signature-256", sign("another-secret", body))
 			return r
-		}, 401},
+		}, 401, "invalid X-Hub-Signature-256"},
 		{"missing signature", func() *http.Request {
 			r := webhookRequest(t, d.URL, "push", newGUID(), body)
 			r.Header.Del("X-Hub-Signature-256")
 			return r
-		}, 401},
+		}, 401, "missing X-Hub-Signature-256"},
 		{"sha1 signature only", func() *http.Request {
 			r := webhookRequest(t, d.URL, "push", newGUID(), body)
 			r.Header.Set("X-Hub-Signature-256", strings.Replace(sign(testSecret, body), "sha256=", "sha1=", 1))
 			return r
-		}, 401},
+		}, 401, "invalid X-Hub-Signature-256"},
 		{"missing event header", func() *http.Request {
 			r := webhookRequest(t, d.URL, "push", newGUID(), body)
 			r.Header.Del("X-GitHub-Event")
 			return r
-		}, 400},
+		}, 400, ""},
 		{"missing delivery header", func() *http.Request {
 			r := webhookRequest(t, d.URL, "push", newGUID(), body)
 			r.Header.Del("X-GitHub-Delivery")
 			return r
-		}, 400},
-		{"over 25 MiB", func() *http.Request { return webhookRequest(t, d.URL, "push", newGUID(), huge) }, 413},
+		}, 400, ""},
+		{"over 25 MiB", func() *http.Request { return webhookRequest(t, d.URL, "push", newGUID(), huge) }, 413, ""},
 		{"not JSON", func() *http.Request {
 			return webhookRequest(t, d.URL, "push", newGUID(), []byte("this is not json"))
-		}, 400},
-		{"JSON but not an object", func() *http.Request { return webhookRequest(t, d.URL, "push", newGUID(), []byte(`[1,2]`)) }, 400},
+		}, 400, ""},
+		{"JSON but not an object", func() *http.Request { return webhookRequest(t, d.URL, "push", newGUID(), []byte(`[1,2]`)) }, 400, ""},
 		{"form without payload", func() *http.Request {
 			b := []byte("other=1")
 			r := webhookRequest(t, d.URL, "push", newGUID(), b)
 			r.Header.Set("Content-Type", "application/x-www-form-urlencoded")
 			return r
-		}, 400},
+		}, 400, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -211,6 +212,9 @@ func TestWebhookRejectsBadRequests(t *testing.T) {
 			var e struct{ Error string }
 			if err := json.Unmarshal([]byte(body), &e); err != nil || e.Error == "" {
 				t.Errorf("body %q: want {\"error\": ...}", body)
+			}
+			if !strings.Contains(e.Error, tt.want) {
+				t.Errorf("error %q, want it to say %q", e.Error, tt.want)
 			}
 		})
 	}
@@ -279,13 +283,20 @@ func TestWebhookForbiddenSource(t *testing.T) {
 	allowed, forbidden := newGUID(), newGUID()
 	r := webhookRequest(t, d.URL, "issues", allowed, body)
 	r.Header.Set("X-Forwarded-For", "203.0.113.9, 140.82.115.4")
-	if code, b := do(t, r); code != http.StatusAccepted {
-		t.Fatalf("allowed: got %d %s", code, b)
+	if code, b := do(t, r); code != http.StatusAccepted || strings.Contains(b, `"queue"`) {
+		t.Fatalf("allowed: got %d %s, want 202 without a queue", code, b)
 	}
 	r = webhookRequest(t, d.URL, "issues", forbidden, body)
 	r.Header.Set("X-Forwarded-For", "140.82.115.4, 203.0.113.9")
-	if code, b := do(t, r); code != http.StatusAccepted {
+	code, b := do(t, r)
+	if code != http.StatusAccepted {
 		t.Fatalf("forbidden: got %d %s", code, b)
+	}
+	// The answer says where it went, so a webhook sent by hand does not
+	// seem to vanish until the cleanup worker's next window.
+	var q struct{ Status, Queue string }
+	if err := json.Unmarshal([]byte(b), &q); err != nil || q.Status != "queued" || q.Queue != queueForbidden {
+		t.Errorf("forbidden: got %s, want status queued and queue %s", b, queueForbidden)
 	}
 
 	db := openDB(t, cfg.Database.Path)
