@@ -42,6 +42,52 @@ type Status struct {
 	Statistics []StatisticsBucket `json:"statistics"` // the last 7 days, 6 hours a bucket
 	Database   DatabaseStatus     `json:"database"`
 	Gaps       []deliveryGap      `json:"open_gaps"`
+
+	// Problems names each thing that needs the operator, [] when all is
+	// well: `switchyard status` exits 1 when there is one.
+	Problems []string `json:"problems"`
+}
+
+// pendingTooLong is how long a Pending Switch may wait for its drain before
+// the status calls it a problem (the alert rule's threshold too).
+const pendingTooLong = time.Hour
+
+// problems names what needs the operator in st, each on its own.
+func (st *Status) problems() []string {
+	ps := []string{}
+	for _, b := range st.Brokers {
+		switch {
+		case !b.Up:
+			ps = append(ps, fmt.Sprintf("broker #%d (%s vhost %s) is down: %s", b.Index, b.Host, b.Vhost, b.Error))
+		case len(b.Missing) > 0:
+			ps = append(ps, fmt.Sprintf("broker #%d (%s vhost %s) lacks %s", b.Index, b.Host, b.Vhost, strings.Join(b.Missing, ", ")))
+		}
+		for _, q := range logicalQueues {
+			if n := b.Queues[errorQueue(q)].Ready; n > 0 {
+				ps = append(ps, fmt.Sprintf("%s on broker #%d holds %s (switchyard replay %s)", errorQueue(q), b.Index, plural(n, "message"), q))
+			}
+		}
+	}
+	if p := st.Pending; p != nil && st.Now.Sub(p.RecordedAt) > pendingTooLong {
+		ps = append(ps, fmt.Sprintf("the pending switch to broker #%d has waited %s for the drain", p.Index, st.Now.Sub(p.RecordedAt).Round(time.Minute)))
+	}
+	for _, w := range st.Workers {
+		if w.Failures > 0 {
+			ps = append(ps, fmt.Sprintf("worker %s failed its last %s: %s", w.Name, plural(w.Failures, "cycle"), w.LastError))
+		}
+	}
+	if n := len(st.Gaps); n > 0 {
+		ps = append(ps, fmt.Sprintf("%s open (switchyard deliveries -gaps)", plural(n, "delivery gap")))
+	}
+	return ps
+}
+
+// plural is n and the noun, with an s when n is not 1.
+func plural(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
 }
 
 // PendingHold is a Pending Switch and what holds it: the consumed queues of
@@ -165,6 +211,10 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 	if st.Gaps, err = a.store.OpenGaps(ctx); err != nil {
 		return st, err
 	}
+	if st.Gaps == nil {
+		st.Gaps = []deliveryGap{}
+	}
+	st.Problems = st.problems()
 	return st, nil
 }
 
@@ -210,8 +260,11 @@ func (a *API) renderStatus(w http.ResponseWriter, r *http.Request, _ httprouter.
 var statusHTML string
 
 var statusTemplate = template.Must(template.New("status").Funcs(template.FuncMap{
-	"ago":  ago,
-	"when": func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05 UTC") },
+	"ago":           ago,
+	"lastCycle":     lastCycle,
+	"forbiddenRead": forbiddenRead,
+	"plural":        plural,
+	"when":          func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05 UTC") },
 	"bytes": func(n int64) string {
 		switch {
 		case n >= 1<<30:
@@ -240,6 +293,45 @@ func ago(now, t time.Time) string {
 		return "never"
 	}
 	return max(now.Sub(t).Round(time.Second), 0).String() + " ago"
+}
+
+// lastCycle says when a worker's last cycle ended well, or, before its
+// first, when its window or pause ends: a worker in its first window is
+// not stuck.
+func lastCycle(now time.Time, w WorkerState) string {
+	switch {
+	case !w.LastCycle.IsZero():
+		return ago(now, w.LastCycle)
+	case !w.WindowEnds.IsZero():
+		return "first window ends in " + until(now, w.WindowEnds)
+	case !w.NextCycle.IsZero():
+		return "next cycle in " + until(now, w.NextCycle)
+	}
+	return "starting"
+}
+
+// until says how long after now t is, to the second.
+func until(now, t time.Time) string {
+	return max(t.Sub(now).Round(time.Second), 0).String()
+}
+
+// forbiddenRead says when github-forbidden is read next: now, until the
+// cleanup worker's window ends, or when its next cycle starts. "" when no
+// worker reads it.
+func forbiddenRead(now time.Time, workers []WorkerState) string {
+	for _, w := range workers {
+		if w.Queue != queueForbidden {
+			continue
+		}
+		switch {
+		case !w.WindowEnds.IsZero():
+			return "being read now, until " + until(now, w.WindowEnds) + " from now"
+		case !w.NextCycle.IsZero():
+			return "next read in " + until(now, w.NextCycle)
+		}
+		return "read at the next cycle"
+	}
+	return ""
 }
 
 // statisticsChart draws the 6-hour buckets as an inline SVG bar chart, one

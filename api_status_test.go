@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
@@ -96,25 +97,37 @@ func TestStatusAPI(t *testing.T) {
 	cfg := *d.cfg
 	cfg.Server.Listen = strings.TrimPrefix(d.URL, "http://")
 	var text, js strings.Builder
-	if err := printStatus(context.Background(), &cfg, false, &text); err != nil {
-		t.Fatal(err)
+	// The message in the spare's github-error needs the operator: exit 1,
+	// naming it.
+	errorProblem := "github-error on broker #1 holds 1 message"
+	err := printStatus(context.Background(), &cfg, false, &text)
+	if code := exitCode(err, io.Discard); code != 1 || !strings.Contains(err.Error(), errorProblem) {
+		t.Errorf("switchyard status: exit %d (%v), want 1 naming %q", code, err, errorProblem)
 	}
-	for _, want := range []string{"active broker: #0 127.0.0.1", "pending switch: to #1", "waits for github-retry on #0: 1 messages",
-		"messages in -error queues: 1", "github-error=1", "service"} {
+	for _, want := range []string{"active broker: #0 127.0.0.1", "pending switch: to #1", "waits for github-retry on #0: 1 message\n",
+		"messages in -error queues: 1", "github-error=1", "service", "needs the operator:\n  " + errorProblem} {
 		if !strings.Contains(text.String(), want) {
 			t.Errorf("switchyard status lacks %q:\n%s", want, text.String())
 		}
 	}
-	if err := printStatus(context.Background(), &cfg, true, &js); err != nil {
-		t.Fatal(err)
+	err = printStatus(context.Background(), &cfg, true, &js)
+	if code := exitCode(err, io.Discard); code != 1 {
+		t.Errorf("switchyard status -json: exit %d (%v), want 1", code, err)
 	}
 	var fromJSON Status
 	if err := json.Unmarshal([]byte(js.String()), &fromJSON); err != nil || fromJSON.Pending == nil || fromJSON.ErrorMessages != 1 {
 		t.Errorf("switchyard status -json: %v %+v", err, fromJSON)
 	}
+	// No Go zero times and no null lists: a field without a value is absent.
+	for _, absent := range []string{"0001-01-01", `"open_gaps":null`, `"problems":null`} {
+		if strings.Contains(js.String(), absent) {
+			t.Errorf("switchyard status -json has %s:\n%s", absent, js.String())
+		}
+	}
 	cfg.API.OperatorToken = "wrong-token-wrong-token"
-	if err := printStatus(context.Background(), &cfg, false, &text); err == nil || !strings.Contains(err.Error(), "401") {
-		t.Errorf("switchyard status with a wrong token: %v", err)
+	err = printStatus(context.Background(), &cfg, false, &text)
+	if code := exitCode(err, io.Discard); code != exitUnreachable || !strings.Contains(err.Error(), "401") {
+		t.Errorf("switchyard status with a wrong token: exit %d (%v), want %d saying 401", code, err, exitUnreachable)
 	}
 
 	for _, tok := range []string{"", "producer-token-for-tests"} {
@@ -135,6 +148,56 @@ func TestStatusAPI(t *testing.T) {
 		if resp.StatusCode != http.StatusUnauthorized || !strings.HasPrefix(resp.Header.Get("WWW-Authenticate"), "Basic ") {
 			t.Errorf("GET /status as %v: %d %q, want 401 asking for Basic auth", creds, resp.StatusCode, resp.Header.Get("WWW-Authenticate"))
 		}
+	}
+}
+
+// switchyard status exits 0 when all is well, 1 naming what needs the
+// operator (here a broker that stopped answering), and 3 when the daemon
+// cannot be reached.
+func TestStatusExitCodes(t *testing.T) {
+	t.Parallel()
+	a, b := newVhost(t), newVhost(t)
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	d := startDaemon(t, testConfig(t, amqpURL(a), proxy.URL(b)))
+	eventually(t, 30*time.Second, "the spare's topology declared", func() bool { return queueExists(t, b, queueGitHub) })
+	cfg := *d.cfg
+	cfg.Server.Listen = strings.TrimPrefix(d.URL, "http://")
+	status := func() (int, error, string) {
+		var out strings.Builder
+		err := printStatus(context.Background(), &cfg, false, &out)
+		return exitCode(err, io.Discard), err, out.String()
+	}
+
+	eventually(t, 30*time.Second, "status exits 0", func() bool { code, _, _ := status(); return code == 0 })
+	if _, _, out := status(); !strings.Contains(out, "all is well") {
+		t.Errorf("status with nothing wrong does not say so:\n%s", out)
+	}
+
+	proxy.Close()
+	down := "broker #1 (127.0.0.1 vhost " + b + ") is down"
+	eventually(t, 30*time.Second, "status exits 1 naming the stopped broker", func() bool {
+		code, err, out := status()
+		return code == 1 && strings.Contains(err.Error(), down) && strings.Contains(out, down)
+	})
+
+	d.stop(t)
+	if code, err, _ := status(); code != exitUnreachable || !strings.Contains(err.Error(), "is switchyard serving") {
+		t.Errorf("status of a stopped daemon: exit %d (%v), want %d", code, err, exitUnreachable)
+	}
+}
+
+// GET / sends a browser to the status page.
+func TestRootRedirectsToStatus(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t, testConfig(t, amqpURL(newVhost(t))))
+	client := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	resp, err := client.Get(d.URL + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusFound || resp.Header.Get("Location") != "/status" {
+		t.Errorf("GET /: %d to %q, want 302 to /status", resp.StatusCode, resp.Header.Get("Location"))
 	}
 }
 
@@ -192,8 +255,8 @@ func TestStatusPageInBrowser(t *testing.T) {
 	for what, want := range map[string]string{
 		"the active broker":        "Reading broker #0: 127.0.0.1 vhost " + a,
 		"the pending switch":       "Pending switch to broker #1 (127.0.0.1 vhost " + b + ")",
-		"what holds it":            "<b>github-retry</b> on broker #0 (1 messages)",
-		"the -error messages":      `id="errors">1 messages in -error queues`,
+		"what holds it":            "<b>github-retry</b> on broker #0 (1 message)",
+		"the -error messages":      `id="errors">1 message in -error queues`,
 		"the -error depth, marked": `<td>github-error</td><td class="n alert">1</td>`,
 		"the chart":                `<svg class="chart"`,
 	} {
@@ -280,5 +343,37 @@ func TestStatusWithStalledBroker(t *testing.T) {
 	}
 	if e, _ := brokers[1].(map[string]any)["error"].(string); e == "" {
 		t.Errorf("the stalled broker is down without saying why")
+	}
+}
+
+// A worker before its first cycle is in its first window, not "never";
+// github-forbidden's next read is said from the cleanup worker's schedule.
+func TestWorkerScheduleWords(t *testing.T) {
+	t.Parallel()
+	now := time.Date(2026, 12, 2, 10, 0, 0, 0, time.UTC)
+	for _, tt := range []struct {
+		name string
+		w    WorkerState
+		want string
+	}{
+		{"in its first window", WorkerState{WindowEnds: now.Add(4 * time.Minute)}, "first window ends in 4m0s"},
+		{"pausing before its second", WorkerState{NextCycle: now.Add(time.Hour)}, "next cycle in 1h0m0s"},
+		{"cycled", WorkerState{LastCycle: now.Add(-3 * time.Second), WindowEnds: now.Add(time.Minute)}, "3s ago"},
+	} {
+		if got := lastCycle(now, tt.w); got != tt.want {
+			t.Errorf("%s: got %q, want %q", tt.name, got, tt.want)
+		}
+	}
+	cleanup := WorkerState{Queue: queueForbidden, NextCycle: now.Add(50 * time.Minute)}
+	if got := forbiddenRead(now, []WorkerState{{Queue: queueGitHub}, cleanup}); got != "next read in 50m0s" {
+		t.Errorf("github-forbidden: got %q, want the next read in 50m0s", got)
+	}
+	cleanup.NextCycle, cleanup.WindowEnds = time.Time{}, now.Add(30*time.Second)
+	if got := forbiddenRead(now, []WorkerState{cleanup}); got != "being read now, until 30s from now" {
+		t.Errorf("github-forbidden in its window: got %q", got)
+	}
+	b, _ := json.Marshal(WorkerState{Name: "service"})
+	if strings.Contains(string(b), "0001-01-01") {
+		t.Errorf("a worker that has not cycled marshals zero times: %s", b)
 	}
 }

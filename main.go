@@ -41,6 +41,20 @@ func main() {
 	os.Exit(exitCode(err, os.Stderr))
 }
 
+// exitError is a failure with an exit status of its own: `status` exits 1
+// when something needs the operator and 3 when it cannot read the daemon's
+// answer, so that a script can tell the two apart.
+type exitError struct {
+	code int
+	err  error
+}
+
+func (e *exitError) Error() string { return e.err.Error() }
+func (e *exitError) Unwrap() error { return e.err }
+
+// Exit statuses of `switchyard status` beyond 0, 1 and 2.
+const exitUnreachable = 3
+
 // usageError is bad usage: exit status 2.
 type usageError struct{ msg string }
 
@@ -57,6 +71,10 @@ func exitCode(err error, stderr io.Writer) int {
 	if errors.As(err, &ue) {
 		fmt.Fprintln(stderr, "Run 'switchyard help' for usage.")
 		return 2
+	}
+	var ee *exitError
+	if errors.As(err, &ee) {
+		return ee.code
 	}
 	return 1
 }
@@ -506,7 +524,10 @@ func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, asJSON bool,
 }
 
 // printStatus asks the running daemon for its status (GET /api/v1/status on
-// server.listen, with the operator token) and prints it.
+// server.listen, with the operator token) and prints it. It returns nil when
+// all is well, an error naming each problem when something needs the
+// operator (exit 1), and an exitError of exitUnreachable when it cannot read
+// the daemon's whole answer (exit 3).
 func printStatus(ctx context.Context, cfg *Config, asJSON bool, stdout io.Writer) error {
 	host, port, err := net.SplitHostPort(cfg.Server.Listen)
 	if err != nil {
@@ -516,6 +537,9 @@ func printStatus(ctx context.Context, cfg *Config, asJSON bool, stdout io.Writer
 		host = "127.0.0.1"
 	}
 	url := "http://" + net.JoinHostPort(host, port) + "/api/v1/status"
+	unreachable := func(format string, args ...any) error {
+		return &exitError{code: exitUnreachable, err: fmt.Errorf(format, args...)}
+	}
 	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
@@ -525,27 +549,38 @@ func printStatus(ctx context.Context, cfg *Config, asJSON bool, stdout io.Writer
 	req.Header.Set("Authorization", "Bearer "+cfg.API.OperatorToken)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return fmt.Errorf("is switchyard serving on %s? %w", cfg.Server.Listen, err)
+		return unreachable("is switchyard serving on %s? %w", cfg.Server.Listen, err)
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxStatusBytes+1))
 	if err != nil {
-		return err
+		return unreachable("GET %s: %w", url, err)
+	}
+	if len(body) > maxStatusBytes {
+		return unreachable("GET %s: the answer is over %d bytes", url, maxStatusBytes)
 	}
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("GET %s: %s: %s", url, resp.Status, strings.TrimSpace(string(body)))
-	}
-	if asJSON {
-		_, err := stdout.Write(body)
-		return err
+		return unreachable("GET %s: %s: %s", url, resp.Status, strings.TrimSpace(string(body)))
 	}
 	var st Status
 	if err := json.Unmarshal(body, &st); err != nil {
-		return fmt.Errorf("GET %s: %w", url, err)
+		return unreachable("GET %s: %w", url, err)
 	}
-	writeStatus(stdout, st)
+	if asJSON {
+		if _, err := stdout.Write(body); err != nil {
+			return err
+		}
+	} else {
+		writeStatus(stdout, st)
+	}
+	if len(st.Problems) > 0 {
+		return fmt.Errorf("needs the operator: %s", strings.Join(st.Problems, "; "))
+	}
 	return nil
 }
+
+// maxStatusBytes bounds the daemon's answer that `status` reads.
+const maxStatusBytes = 16 << 20
 
 // writeStatus prints a Status for a terminal.
 func writeStatus(w io.Writer, st Status) {
@@ -558,7 +593,7 @@ func writeStatus(w io.Writer, st Status) {
 	if p := st.Pending; p != nil {
 		fmt.Fprintf(w, "pending switch: to #%d (%s vhost %s), switched at %s\n", p.Index, p.Host, p.Vhost, p.SwitchedAt.Format(time.RFC3339))
 		for _, h := range p.HeldBy {
-			fmt.Fprintf(w, "  waits for %s on #%d: %d messages\n", h.Queue, h.Broker, h.Messages)
+			fmt.Fprintf(w, "  waits for %s on #%d: %s\n", h.Queue, h.Broker, plural(h.Messages, "message"))
 		}
 	} else {
 		fmt.Fprintln(w, "pending switch: none")
@@ -581,9 +616,12 @@ func writeStatus(w io.Writer, st Status) {
 	}
 	fmt.Fprintln(tw, "\nWORKER\tLAST CYCLE\tLAST STORED\tFAILURES")
 	for _, wk := range st.Workers {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d %s\n", wk.Name, ago(st.Now, wk.LastCycle), ago(st.Now, wk.LastStored), wk.Failures, wk.LastError)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d %s\n", wk.Name, lastCycle(st.Now, wk), ago(st.Now, wk.LastStored), wk.Failures, wk.LastError)
 	}
 	tw.Flush()
+	if f := forbiddenRead(st.Now, st.Workers); f != "" {
+		fmt.Fprintf(w, "github-forbidden: %s\n", f)
+	}
 	total := 0
 	for _, b := range st.Statistics {
 		total += b.Count
@@ -592,6 +630,14 @@ func writeStatus(w io.Writer, st Status) {
 		total, st.Database.Path, st.Database.SizeBytes, st.Database.Rows["github"], len(st.Gaps))
 	for _, g := range st.Gaps {
 		fmt.Fprintf(w, "  %s %s delivered %s\n", g.GUID, g.Event, g.DeliveredAt.Format(time.RFC3339))
+	}
+	if len(st.Problems) == 0 {
+		fmt.Fprintln(w, "\nall is well")
+		return
+	}
+	fmt.Fprintln(w, "\nneeds the operator:")
+	for _, p := range st.Problems {
+		fmt.Fprintf(w, "  %s\n", p)
 	}
 }
 

@@ -56,14 +56,22 @@ type Worker struct {
 type WorkerState struct {
 	Name  string `json:"name"`
 	Queue string `json:"queue"`
-	// LastCycle is when the last cycle ended well; Failures counts the
-	// cycles failed since, LastError says why the last one failed.
-	LastCycle time.Time `json:"last_cycle"`
+	// LastCycle is when the last cycle ended well (absent before the
+	// first); Failures counts the cycles failed since, LastError says why
+	// the last one failed.
+	LastCycle time.Time `json:"last_cycle,omitzero"`
 	Failures  int       `json:"failures"`
 	LastError string    `json:"last_error,omitempty"`
 	// LastStored is when a message of its queue last ended done, since
-	// the daemon started.
-	LastStored time.Time `json:"last_stored"`
+	// the daemon started (absent before the first).
+	LastStored time.Time `json:"last_stored,omitzero"`
+	// WindowEnds is when the window the worker consumes in now ends, and
+	// NextCycle when its next cycle starts while it pauses between cycles
+	// (cleanup reads github-forbidden once an hour): a worker that has not
+	// finished a cycle yet is not stuck, and a webhook in github-forbidden
+	// is read at NextCycle.
+	WindowEnds time.Time `json:"window_ends,omitzero"`
+	NextCycle  time.Time `json:"next_cycle,omitzero"`
 }
 
 // State returns the worker's state as of its last cycle.
@@ -124,10 +132,19 @@ func (w *Worker) Run(ctx context.Context) error {
 			if w.brokers.Cached().Pending != nil {
 				pause = min(pause, w.cfg.PendingCheckInterval)
 			}
+			w.setSchedule(time.Time{}, time.Now().Add(pause))
 			w.sleep(ctx, pause, watch)
 		}
 	}
 	return nil
+}
+
+// setSchedule records the current window's end and the next cycle's start
+// for the status; a zero time is none.
+func (w *Worker) setSchedule(windowEnds, nextCycle time.Time) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.state.WindowEnds, w.state.NextCycle = windowEnds.UTC(), nextCycle.UTC()
 }
 
 // sleep waits d, or less when ctx ends or the broker state changes.
@@ -188,6 +205,8 @@ func (w *Worker) work(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	w.setSchedule(time.Now().Add(window), time.Time{})
+	defer w.setSchedule(time.Time{}, time.Time{})
 	_, err = w.queues.Consume(ctx, active, w.consumeOptions(w.log.With("broker", active.String())), window, watch)
 	return err
 }
