@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"runtime/debug"
 	"strings"
@@ -682,5 +683,67 @@ func TestGCLimits(t *testing.T) {
 				t.Errorf("memory limit %d, want %d", got, c.wantMemoryLimit)
 			}
 		})
+	}
+}
+
+// The README's two webhooks, run as written against `make run`'s config
+// (its address, database and broker moved to the test's), store a row in
+// github for each and one in github_pull_requests.
+func TestReadmeDevWebhooks(t *testing.T) {
+	t.Parallel()
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, block, ok := strings.Cut(string(readme), "<!-- make run: webhooks -->\n```sh\n")
+	block, _, ok2 := strings.Cut(block, "```")
+	if !ok || !ok2 {
+		t.Fatal("README.md has no ```sh block after <!-- make run: webhooks -->")
+	}
+	makefile, _ := os.ReadFile("Makefile")
+	if !regexp.MustCompile(`(?m)^CONFIG\s*\?= config\.dev\.toml$`).Match(makefile) {
+		t.Fatal("make run does not use config.dev.toml")
+	}
+	cfg, err := LoadConfig("config.dev.toml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const devAddr = "http://127.0.0.1:8080"
+	if !strings.Contains(block, devAddr) || cfg.Server.Listen != strings.TrimPrefix(devAddr, "http://") {
+		t.Fatalf("the README's webhooks and config.dev.toml do not both use %s", devAddr)
+	}
+	cfg.Server.Listen = "127.0.0.1:0"
+	cfg.Database.Path = filepath.Join(t.TempDir(), "switchyard.db")
+	cfg.Brokers = []BrokerConfig{{URL: amqpURL(newVhost(t))}}
+	d := startDaemon(t, cfg)
+
+	out, err := exec.Command("bash", "-euo", "pipefail", "-c", strings.ReplaceAll(block, devAddr, d.URL)).CombinedOutput()
+	if err != nil || strings.Count(string(out), `{"status":"queued"`) != 2 {
+		t.Fatalf("the README's webhooks: %v\n%s", err, out)
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "a github row for each and a github_pull_requests row", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github") == 2 && queryInt(t, db, "SELECT count(*) FROM github_pull_requests") == 1
+	})
+	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE forbidden = 0 AND event IN ('ping', 'pull_request')"); n != 2 {
+		t.Errorf("got %d rows of ping and pull_request taken as GitHub's, want 2", n)
+	}
+}
+
+// config.example.toml shows every key with its default: decoded, it is
+// DefaultConfig but for the values that have none (secrets, brokers).
+func TestExampleConfigShowsDefaults(t *testing.T) {
+	t.Parallel()
+	example, err := DecodeConfig(strings.NewReader(exampleConfig))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := DefaultConfig()
+	want.API.OperatorToken, want.API.ProducerToken = example.API.OperatorToken, example.API.ProducerToken
+	want.GitHub.WebhookSecret = example.GitHub.WebhookSecret
+	want.Brokers = example.Brokers
+	// Printed, so that an empty list and none compare equal.
+	if got, want := fmt.Sprintf("%+v", example), fmt.Sprintf("%+v", want); got != want {
+		t.Errorf("config.example.toml differs from the defaults:\n got %s\nwant %s", got, want)
 	}
 }
