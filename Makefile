@@ -1,7 +1,12 @@
 # switchyard: see README.md.
-VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+# One version for the binary (--version) and the Debian package: the release
+# this tree leads to, the commit, and .dirty for uncommitted changes (Debian
+# versions start with a digit; "+" sorts builds of one release by nothing
+# else, which is fine for packages built from one branch).
+RELEASE ?= 0.3.0
+VERSION ?= $(RELEASE)+git$(shell git rev-parse --short HEAD 2>/dev/null || echo 0)$(shell git diff --quiet HEAD 2>/dev/null || echo .dirty)
 GO      ?= go
-CONFIG  ?= config.example.toml
+CONFIG  ?= config.dev.toml
 PREFIX  ?= /usr/local
 STATICCHECK_VERSION ?= v0.8.2
 
@@ -18,13 +23,12 @@ TOOLS    := .tools
 PROMTOOL := $(TOOLS)/promtool
 SUDO     := $(if $(filter 0,$(shell id -u)),,sudo)
 NFPM     := github.com/goreleaser/nfpm/v2/cmd/nfpm@v2.45.2
-# Debian versions start with a digit.
-DEB_VERSION ?= 0.2.0+git$(shell git rev-parse --short HEAD 2>/dev/null || echo 0)
 
 build:
 	$(GO) build -trimpath -ldflags "-s -w -X main.version=$(VERSION)" -o switchyard .
 
-# The daemon with the example config, a local database file and the local RabbitMQ.
+# The daemon with the development config (CONFIG=PATH for another), a local
+# database file and the local RabbitMQ.
 run: build ensure-rabbitmq
 	./switchyard serve -config $(CONFIG)
 
@@ -67,7 +71,7 @@ deb: build
 	{ echo "# switchyard under systemd, from the Debian package (its postinst created the user)."; \
 	  sed '/^# switchyard under systemd/,/^\[Unit\]/{/^#/d}; s|/usr/local/bin/switchyard|/usr/bin/switchyard|g; s|/usr/local/share/doc|/usr/share/doc|g' deploy/switchyard.service; \
 	} > dist/deb/switchyard.service
-	SWITCHYARD_DEB_VERSION=$(DEB_VERSION) $(GO) run $(NFPM) package -f deploy/nfpm.yaml -p deb -t dist/
+	SWITCHYARD_DEB_VERSION=$(VERSION) $(GO) run $(NFPM) package -f deploy/nfpm.yaml -p deb -t dist/
 	@ls dist/*.deb
 
 # docs/status.png, the README's picture of the status page: two brokers, a

@@ -195,7 +195,7 @@ func TestDebPackage(t *testing.T) {
 		t.Fatal("dpkg-deb is needed to check the package (Debian's dpkg)")
 	}
 	out := t.TempDir()
-	cmd := exec.Command("make", "deb", "DEB_VERSION=9.9.9")
+	cmd := exec.Command("make", "deb", "VERSION=9.9.9")
 	cmd.Env = append(os.Environ(), "GOFLAGS=-buildvcs=false")
 	if b, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("make deb: %v\n%s", err, b)
@@ -235,7 +235,7 @@ func TestDebPackage(t *testing.T) {
 	}
 	postinst, _ := os.ReadFile(filepath.Join(control, "postinst"))
 	for _, want := range []string{"adduser --system --ingroup switchyard", "chown switchyard:switchyard /var/lib/switchyard",
-		"chown root:switchyard /etc/switchyard/switchyard.toml"} {
+		"chown root:switchyard /etc/switchyard/switchyard.toml", "install -d -o switchyard -g switchyard -m 0750 /var/backups/switchyard"} {
 		if !strings.Contains(string(postinst), want) {
 			t.Errorf("postinst lacks %q", want)
 		}
@@ -243,8 +243,9 @@ func TestDebPackage(t *testing.T) {
 	if conffiles, _ := os.ReadFile(filepath.Join(control, "conffiles")); strings.TrimSpace(string(conffiles)) != "/etc/switchyard/switchyard.toml" {
 		t.Errorf("conffiles: %q", conffiles)
 	}
-	v, err := exec.Command(filepath.Join(out, "usr/bin/switchyard"), "version").CombinedOutput()
-	if err != nil || !strings.HasPrefix(string(v), "switchyard ") {
-		t.Errorf("the packaged binary: %v %s", err, v)
+	// The package's version is the binary's.
+	v, err := exec.Command(filepath.Join(out, "usr/bin/switchyard"), "--version").CombinedOutput()
+	if err != nil || !strings.HasPrefix(string(v), "switchyard 9.9.9 (") {
+		t.Errorf("the packaged binary's --version: %v %q, want switchyard 9.9.9, the package's", err, v)
 	}
 }
