@@ -70,7 +70,7 @@ func BenchmarkSwitchyard(b *testing.B) {
 		}
 		if want("e2e") {
 			e2e := benchEndToEnd(b, payload)
-			add("end to end, sustained 60 s (localhost, prefetch 64)", e2e.rate, 0, "webhooks/s", ">= 1,000/s")
+			add("end to end, sustained 60 s (localhost, prefetch 64)", e2e.rate, 0, "webhooks/s", "printed")
 			rows = append(rows, row{name: "end to end at 200/s: p50 / p99", ours: fmt.Sprintf("%.1f / %.1f ms", e2e.p50, e2e.p99), aim: "p99 < 100 ms"})
 			rows = append(rows, row{name: "peak RSS during end to end", ours: fmt.Sprintf("%.0f MB", e2e.rssMB), aim: "< 100 MB"})
 		}
@@ -85,7 +85,7 @@ func BenchmarkSwitchyard(b *testing.B) {
 			}
 			if want("wan-e2e") {
 				rate, daemon, broker, bench := benchWANEndToEnd(b, payload, rtt)
-				add(fmt.Sprintf("end to end over amqps at %s, default config, 64 clients", rtt), rate, 0, "webhooks/s", ">= 1,000/s")
+				add(fmt.Sprintf("end to end over amqps at %s, default config, 64 clients", rtt), rate, 0, "webhooks/s", "printed")
 				rows = append(rows, row{name: fmt.Sprintf("end to end over amqps at %s: CPU per webhook", rtt),
 					ours: fmt.Sprintf("daemon %d us", daemon.Microseconds()),
 					base: fmt.Sprintf("broker %d, bench %d us", broker.Microseconds(), bench.Microseconds()), aim: "printed"})
@@ -97,11 +97,11 @@ func BenchmarkSwitchyard(b *testing.B) {
 		}
 		if want("wan-drain") {
 			ours, base := benchWANDrain(b, payload, 50*time.Millisecond)
-			add("leftover drain of 5,000 at 50ms (baseline: basic_get loop)", ours, base, "msg/s", ">= 500 msg/s")
+			add("leftover drain of 5,000 at 50ms (baseline: basic_get loop)", ours, base, "msg/s", "printed")
 		}
 		if want("dbsize") {
 			total, payloads := benchDatabaseBytes(b)
-			rows = append(rows, row{name: "database bytes per 10,000 webhooks (fixtures)",
+			rows = append(rows, row{name: "database bytes per 10,000 webhooks (testdata payloads)",
 				ours: fmt.Sprintf("%.1f MB, raw payload %.0f%%", float64(total)/1e6, 100*float64(payloads)/float64(total)), aim: "printed"})
 		}
 		if want("bigtable") {
