@@ -325,7 +325,7 @@ func forbiddenRead(now time.Time, workers []WorkerState) string {
 		}
 		switch {
 		case !w.WindowEnds.IsZero():
-			return "being read now, until " + until(now, w.WindowEnds) + " from now"
+			return "being read now (its window ends in " + until(now, w.WindowEnds) + ")"
 		case !w.NextCycle.IsZero():
 			return "next read in " + until(now, w.NextCycle)
 		}

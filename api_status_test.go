@@ -369,7 +369,7 @@ func TestWorkerScheduleWords(t *testing.T) {
 		t.Errorf("github-forbidden: got %q, want the next read in 50m0s", got)
 	}
 	cleanup.NextCycle, cleanup.WindowEnds = time.Time{}, now.Add(30*time.Second)
-	if got := forbiddenRead(now, []WorkerState{cleanup}); got != "being read now, until 30s from now" {
+	if got := forbiddenRead(now, []WorkerState{cleanup}); got != "being read now (its window ends in 30s)" {
 		t.Errorf("github-forbidden in its window: got %q", got)
 	}
 	b, _ := json.Marshal(WorkerState{Name: "service"})
