@@ -63,7 +63,7 @@ func (a *API) Handler() http.Handler {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 	})
 	r.GET("/readyz", a.ready)
-	if a.cfg.Server.MetricsListen == "" {
+	if a.cfg.Server.metricsOnAPI() {
 		r.Handler(http.MethodGet, "/metrics", a.metrics.Handler())
 	}
 

@@ -85,9 +85,14 @@ func TestMetricsMove(t *testing.T) {
 	}
 }
 
-// metrics_listen moves /metrics to its own address.
+// /metrics is not on the public listener by default: it names every
+// broker's vhost. metrics_listen moves it to its own address, loopback
+// unless the operator says otherwise.
 func TestMetricsListen(t *testing.T) {
 	t.Parallel()
+	if def := DefaultConfig().Server; def.metricsOnAPI() || !strings.HasPrefix(def.MetricsListen, "127.0.0.1:") {
+		t.Errorf("default metrics_listen %q, listen %q: want its own loopback address", def.MetricsListen, def.Listen)
+	}
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Server.MetricsListen = freeAddr(t)

@@ -72,7 +72,7 @@ func startBenchProcess(b testing.TB, brokerURL, dbPath string, extra ...string) 
 	}
 	addr := freeAddr(b)
 	sections := map[string][]string{
-		"server":   {fmt.Sprintf("listen = %q", addr)},
+		"server":   {fmt.Sprintf("listen = %q", addr), fmt.Sprintf("metrics_listen = %q", addr)},
 		"database": {fmt.Sprintf("path = %q", dbPath)},
 		"api":      {`operator_token = "bench-operator-token-0123456789abcdef"`, `producer_token = "bench-producer-token-0123456789abcdef"`},
 		"github":   {fmt.Sprintf("webhook_secret = %q", testSecret), `allowed_cidrs = ["127.0.0.0/8"]`, fmt.Sprintf("bot_app_id = %d", testBotAppID)},

@@ -48,8 +48,9 @@ type ServerConfig struct {
 	// ShutdownTimeout bounds the whole shutdown after SIGTERM; systemd's
 	// TimeoutStopSec must be longer.
 	ShutdownTimeout time.Duration `toml:"shutdown_timeout"`
-	// MetricsListen, when set, serves /metrics on this address alone
-	// instead of on listen.
+	// MetricsListen is where /metrics is served: its own listener, on
+	// loopback by default, since the metrics name every broker's vhost (on
+	// shared plans, its user); the address of listen serves it there.
 	MetricsListen string `toml:"metrics_listen"`
 	// MaxInflightBytes bounds the webhook bodies being read at once, all
 	// together.
@@ -59,15 +60,28 @@ type ServerConfig struct {
 	MemoryLimit int64 `toml:"memory_limit"`
 }
 
+// metricsOnAPI reports whether /metrics is served on the API listener: only
+// when the operator gave metrics_listen the same address.
+func (c ServerConfig) metricsOnAPI() bool { return c.MetricsListen == c.Listen }
+
 // DatabaseConfig is the SQLite file.
 type DatabaseConfig struct {
 	Path        string        `toml:"path"`
 	Synchronous string        `toml:"synchronous"`
 	BusyTimeout time.Duration `toml:"busy_timeout"`
-	// RawRetention is how long rows of the raw github table are kept;
-	// zero keeps them forever. It takes days too ("90d").
+	// RawRetention is how long the raw payloads of the github table are
+	// kept; zero keeps them forever. It takes days too ("90d").
 	RawRetention Duration `toml:"raw_retention"`
+	// DeliveryRetention is how long a delivery's identity (its github row
+	// without the payload, which workers finished it) is kept: at least as
+	// long as its payload, so that a redelivery is known as a duplicate.
+	DeliveryRetention Duration `toml:"delivery_retention"`
 }
+
+// githubRedeliveryWindow is how long GitHub keeps a delivery and can deliver
+// it again: a payload or identity pruned sooner would let a redelivery
+// count twice, or the ledger call a stored delivery a gap.
+const githubRedeliveryWindow = 72 * time.Hour
 
 // APIConfig holds the bearer tokens of the broker admin API.
 type APIConfig struct {
@@ -176,10 +190,10 @@ type LogConfig struct {
 // DefaultConfig returns the configuration an empty file would give.
 func DefaultConfig() *Config {
 	return &Config{
-		Server: ServerConfig{Listen: "127.0.0.1:8080", ShutdownTimeout: 25 * time.Second, MaxInflightBytes: 64 << 20,
+		Server: ServerConfig{Listen: "127.0.0.1:8080", MetricsListen: "127.0.0.1:9185", ShutdownTimeout: 25 * time.Second, MaxInflightBytes: 64 << 20,
 			MemoryLimit: 48 << 20},
 		Database: DatabaseConfig{Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
-			RawRetention: Duration(90 * 24 * time.Hour)},
+			RawRetention: Duration(90 * 24 * time.Hour), DeliveryRetention: Duration(30 * 24 * time.Hour)},
 		API:    APIConfig{MaxClockSkew: 5 * time.Minute},
 		GitHub: GitHubConfig{APIURL: "https://api.github.com", ReconcileGrace: 2 * time.Hour, RedeliverGaps: true},
 		Queue: QueueConfig{
@@ -327,10 +341,8 @@ func (c *Config) Validate() error {
 	if _, _, err := net.SplitHostPort(c.Server.Listen); err != nil {
 		bad("server.listen", "want host:port, got %q", c.Server.Listen)
 	}
-	if c.Server.MetricsListen != "" {
-		if _, _, err := net.SplitHostPort(c.Server.MetricsListen); err != nil {
-			bad("server.metrics_listen", "want host:port, got %q", c.Server.MetricsListen)
-		}
+	if _, _, err := net.SplitHostPort(c.Server.MetricsListen); err != nil {
+		bad("server.metrics_listen", "want host:port (server.listen's to serve /metrics there), got %q", c.Server.MetricsListen)
 	}
 	for i, p := range c.Server.TrustedProxies {
 		if _, err := parsePrefix(p); err != nil {
@@ -358,8 +370,11 @@ func (c *Config) Validate() error {
 	if c.Database.BusyTimeout <= 0 {
 		bad("database.busy_timeout", "must be positive")
 	}
-	if c.Database.RawRetention < 0 {
-		bad("database.raw_retention", "must not be negative (0 keeps rows forever)")
+	if r := c.Database.RawRetention; r < 0 || r > 0 && time.Duration(r) < githubRedeliveryWindow {
+		bad("database.raw_retention", "0 (keep forever) or at least 72h, GitHub's redelivery window, got %s", r)
+	}
+	if time.Duration(c.Database.DeliveryRetention) < githubRedeliveryWindow {
+		bad("database.delivery_retention", "at least 72h, GitHub's redelivery window, got %s", c.Database.DeliveryRetention)
 	}
 
 	for field, tok := range map[string]string{"api.operator_token": c.API.OperatorToken, "api.producer_token": c.API.ProducerToken} {
@@ -632,12 +647,10 @@ func (c *Config) Summary(w io.Writer) {
 	p := func(format string, args ...any) { fmt.Fprintf(w, format+"\n", args...) }
 	p("server.listen = %q", c.Server.Listen)
 	p("server.trusted_proxies = %q", c.Server.TrustedProxies)
-	if c.Server.MetricsListen != "" {
-		p("server.metrics_listen = %q", c.Server.MetricsListen)
-	}
+	p("server.metrics_listen = %q", c.Server.MetricsListen)
 	p("database.path = %q", c.Database.Path)
 	p("database.synchronous = %q", strings.ToUpper(c.Database.Synchronous))
-	p("database.raw_retention = %s", c.Database.RawRetention)
+	p("database.raw_retention = %s, delivery_retention = %s", c.Database.RawRetention, c.Database.DeliveryRetention)
 	p("server.max_inflight_bytes = %d, memory_limit = %d", c.Server.MaxInflightBytes, c.Server.MemoryLimit)
 	p("api.operator_token = %s", mask(c.API.OperatorToken))
 	p("api.producer_token = %s", mask(c.API.ProducerToken))

@@ -84,7 +84,8 @@ func amqpURL(vhost string) string { return "amqp://guest:guest@127.0.0.1:5672/" 
 func testConfig(t testing.TB, brokerURLs ...string) *Config {
 	t.Helper()
 	cfg := DefaultConfig()
-	cfg.Server.Listen = "127.0.0.1:0"
+	// /metrics on the API listener, which tests scrape.
+	cfg.Server.Listen, cfg.Server.MetricsListen = "127.0.0.1:0", "127.0.0.1:0"
 	cfg.Server.TrustedProxies = []string{"127.0.0.2"}
 	cfg.Database.Path = filepath.Join(t.TempDir(), "switchyard.db")
 	cfg.API.OperatorToken = "operator-token-for-tests"

@@ -831,7 +831,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		o.Consumed = consumed
 		return NewWorker(o, w, brokers, queues, log)
 	}
-	retention := &Retention{store: store, keep: time.Duration(cfg.Database.RawRetention), log: log.With("worker", "cleanup")}
+	retention := NewRetention(store, cfg.Database, log.With("worker", "cleanup"))
 	d.workers = []*Worker{
 		worker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(store, alerter, false),
 			Batch: store, Window: w.Window, Health: hc(cfg.HealthChecks.Service, "service")}),
@@ -841,7 +841,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 			Batch:   store, Window: w.Window, Health: hc(cfg.HealthChecks.DatabaseService, "database-service")}),
 		worker(WorkerOptions{Name: "cleanup", Queue: queueForbidden, Handle: serviceHandler(store, alerter, true),
 			Batch: store, Window: w.CleanupWindow, Every: w.CleanupEvery, Health: hc(cfg.HealthChecks.Cleanup, "cleanup"),
-			Poll: func(ctx context.Context) error { _, err := retention.Prune(ctx); return err }, PollEvery: w.CleanupEvery}),
+			Poll: func(ctx context.Context) error { _, _, err := retention.Prune(ctx); return err }, PollEvery: w.CleanupEvery}),
 	}
 	if cfg.GitHub.AppID > 0 {
 		app, err := NewGitHubApp(cfg.GitHub, log.With("component", "github"))
@@ -953,7 +953,7 @@ func (d *Daemon) httpServers(ln net.Listener) ([]*http.Server, []net.Listener, e
 		ErrorLog:          slog.NewLogLogger(d.log.Handler(), slog.LevelWarn),
 	}}
 	listeners := []net.Listener{ln}
-	if addr := d.cfg.Server.MetricsListen; addr != "" {
+	if addr := d.cfg.Server.MetricsListen; !d.cfg.Server.metricsOnAPI() {
 		mln, err := net.Listen("tcp", addr)
 		if err != nil {
 			ln.Close()

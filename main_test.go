@@ -26,6 +26,7 @@ func writeConfig(t testing.TB, dir, listen, dbPath string, brokerURLs ...string)
 	var b strings.Builder
 	fmt.Fprintf(&b, `[server]
 listen = %q
+metrics_listen = %q
 [database]
 path = %q
 [api]
@@ -44,7 +45,7 @@ cleanup_every = "1s"
 cleanup_window = "500ms"
 [log]
 level = "info"
-`, listen, dbPath, testSecret)
+`, listen, listen, dbPath, testSecret)
 	for _, u := range brokerURLs {
 		fmt.Fprintf(&b, "[[brokers]]\nurl = %q\n", u)
 	}
@@ -339,6 +340,8 @@ func TestConfigSecretRules(t *testing.T) {
 		{"token of spaces", "api.operator_token", func(c *Config) { c.API.OperatorToken = strings.Repeat(" ", 20) }},
 		{"inflight budget under 1 MiB", "server.max_inflight_bytes", func(c *Config) { c.Server.MaxInflightBytes = 1000 }},
 		{"negative retention", "database.raw_retention", func(c *Config) { c.Database.RawRetention = -1 }},
+		{"retention under GitHub's redelivery window", "database.raw_retention", func(c *Config) { c.Database.RawRetention = Duration(48 * time.Hour) }},
+		{"identities kept under GitHub's redelivery window", "database.delivery_retention", func(c *Config) { c.Database.DeliveryRetention = Duration(24 * time.Hour) }},
 		{"no clock skew", "api.max_clock_skew", func(c *Config) { c.API.MaxClockSkew = 0 }},
 	}
 	if err := base().Validate(); err != nil {
@@ -712,7 +715,7 @@ func TestReadmeDevWebhooks(t *testing.T) {
 	if !strings.Contains(block, devAddr) || cfg.Server.Listen != strings.TrimPrefix(devAddr, "http://") {
 		t.Fatalf("the README's webhooks and config.dev.toml do not both use %s", devAddr)
 	}
-	cfg.Server.Listen = "127.0.0.1:0"
+	cfg.Server.Listen, cfg.Server.MetricsListen = "127.0.0.1:0", "127.0.0.1:0"
 	cfg.Database.Path = filepath.Join(t.TempDir(), "switchyard.db")
 	cfg.Brokers = []BrokerConfig{{URL: amqpURL(newVhost(t))}}
 	d := startDaemon(t, cfg)

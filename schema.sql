@@ -406,3 +406,18 @@ CREATE TABLE delivery_gaps (
     resolved_at    TEXT               -- when the GUID was found stored
 ) STRICT;
 CREATE INDEX delivery_gaps_open ON delivery_gaps (found_at) WHERE resolved_at IS NULL;
+
+-- migration 6: identities that outlive payloads, unrecoverable gaps
+-- github.payload_pruned_at: when retention emptied the payload
+-- (database.raw_retention). The row stays as the delivery's identity (its
+-- GUID, when it was received) until database.delivery_retention, so that a
+-- redelivery of it is a duplicate and the ledger counts it stored.
+ALTER TABLE github ADD COLUMN payload_pruned_at TEXT;
+-- delivery_gaps.refusals: redeliveries GitHub refused (404, 410, 422);
+-- unrecoverable_at: when the gap was given up on (three refusals, or a
+-- GUID, event or header from GitHub's API that no message may carry), with
+-- last_error saying why. An unrecoverable gap is never asked for again.
+ALTER TABLE delivery_gaps ADD COLUMN refusals INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE delivery_gaps ADD COLUMN unrecoverable_at TEXT;
+ALTER TABLE delivery_gaps ADD COLUMN last_error TEXT NOT NULL DEFAULT '';
+CREATE INDEX worker_deliveries_processed_at ON worker_deliveries (processed_at);

@@ -474,23 +474,50 @@ func (s *Store) Backup(ctx context.Context, dest string) error {
 	return nil
 }
 
-// retentionBatch is the most raw rows one retention transaction deletes, so
+// retentionBatch is the most raw rows one retention transaction changes, so
 // that writers never wait long behind it.
 const retentionBatch = 1000
 
-// DeleteRawBefore deletes at most retentionBatch rows of the raw github table
-// received before cutoff, in one transaction, and returns how many it
-// deleted. Statistics, typed tables and the idempotency records stay.
-func (s *Store) DeleteRawBefore(ctx context.Context, cutoff time.Time) (int64, error) {
+// PrunePayloadsBefore empties the payload of at most retentionBatch raw
+// github rows received before cutoff, in one transaction, and returns how
+// many it pruned. The rows stay, as the deliveries' identities.
+func (s *Store) PrunePayloadsBefore(ctx context.Context, cutoff time.Time) (int64, error) {
 	var n int64
 	err := s.Batch(ctx, func(tx *Tx) error {
-		res, err := tx.tx.ExecContext(ctx, `DELETE FROM github WHERE id IN
-			(SELECT id FROM github WHERE received_at < ? ORDER BY received_at LIMIT ?)`, formatTime(cutoff), retentionBatch)
+		res, err := tx.exec(ctx, `UPDATE github SET payload = '', payload_pruned_at = ? WHERE id IN
+			(SELECT id FROM github WHERE received_at < ? AND payload_pruned_at IS NULL ORDER BY received_at LIMIT ?)`,
+			formatTime(time.Now()), formatTime(cutoff), retentionBatch)
 		if err != nil {
-			return fmt.Errorf("delete raw rows: %w", err)
+			return fmt.Errorf("prune raw payloads: %w", err)
 		}
 		n, err = res.RowsAffected()
 		return err
+	})
+	return n, err
+}
+
+// DeleteIdentitiesBefore deletes at most retentionBatch deliveries received
+// before cutoff, in one transaction: their github rows and the records of
+// which workers finished them. Statistics and typed tables stay. It returns
+// how many github rows it deleted.
+func (s *Store) DeleteIdentitiesBefore(ctx context.Context, cutoff time.Time) (int64, error) {
+	var n int64
+	err := s.Batch(ctx, func(tx *Tx) error {
+		res, err := tx.exec(ctx, `DELETE FROM github WHERE id IN
+			(SELECT id FROM github WHERE received_at < ? ORDER BY received_at LIMIT ?)`, formatTime(cutoff), retentionBatch)
+		if err != nil {
+			return fmt.Errorf("delete delivery identities: %w", err)
+		}
+		n, err = res.RowsAffected()
+		if err != nil {
+			return err
+		}
+		_, err = tx.exec(ctx, `DELETE FROM worker_deliveries WHERE (worker, delivery_id) IN
+			(SELECT worker, delivery_id FROM worker_deliveries WHERE processed_at < ? LIMIT ?)`, formatTime(cutoff), retentionBatch)
+		if err != nil {
+			return fmt.Errorf("delete worker records: %w", err)
+		}
+		return nil
 	})
 	return n, err
 }

@@ -203,22 +203,31 @@ url = "`+brokerURL+`"
 	}
 }
 
-// Raw rows older than database.raw_retention go, in transactions of at most
-// 1,000 rows, run by the cleanup worker; newer rows, statistics and the
-// idempotency records stay.
+// Payloads older than database.raw_retention are emptied and identities
+// older than database.delivery_retention deleted, in transactions of at
+// most 1,000 rows, by the cleanup worker; statistics stay. A delivery whose
+// payload was pruned is still known: GitHub's redelivery of it is a
+// duplicate, counted once, and the ledger counts it stored.
 func TestRawRetention(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
-	cfg.Database.RawRetention = Duration(90 * 24 * time.Hour)
+	cfg.Database.RawRetention = Duration(githubRedeliveryWindow)
+	cfg.Database.DeliveryRetention = Duration(30 * 24 * time.Hour)
 	ctx := context.Background()
 	p := newParts(t, cfg)
-	old := time.Now().Add(-100 * 24 * time.Hour)
+	forgotten, pruned := time.Now().Add(-40*24*time.Hour), time.Now().Add(-4*24*time.Hour)
 	body := loadFixture(t, "issues", "opened")
 	err := p.store.Batch(ctx, func(tx *Tx) error {
 		for i := 0; i < 2500; i++ {
 			if _, err := p.store.InsertEvent(ctx, tx, &Event{DeliveryID: fmt.Sprintf("old-%d", i), Name: "issues", Action: "opened",
-				Payload: body, ReceivedAt: old}, false); err != nil {
+				Payload: body, ReceivedAt: forgotten}, false); err != nil {
+				return err
+			}
+		}
+		for i := 0; i < 3; i++ {
+			if _, err := p.store.InsertEvent(ctx, tx, &Event{DeliveryID: fmt.Sprintf("pruned-%d", i), Name: "issues", Action: "opened",
+				Payload: body, ReceivedAt: pruned}, false); err != nil {
 				return err
 			}
 		}
@@ -228,28 +237,56 @@ func TestRawRetention(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.store.MarkDelivery(ctx, nil, "database-service", "old-1", nil); err != nil {
+	if _, err := p.store.MarkDelivery(ctx, nil, "database-service", "pruned-1", nil); err != nil {
 		t.Fatal(err)
 	}
-	// One call deletes one batch.
-	if n, err := p.store.DeleteRawBefore(ctx, time.Now().Add(-90*24*time.Hour)); err != nil || n != retentionBatch {
-		t.Fatalf("one batch: deleted %d, %v; want %d", n, err, retentionBatch)
+	// One call does one batch.
+	if n, err := p.store.PrunePayloadsBefore(ctx, time.Now().Add(-time.Duration(cfg.Database.RawRetention))); err != nil || n != retentionBatch {
+		t.Fatalf("one batch: pruned %d, %v; want %d", n, err, retentionBatch)
 	}
 	p.store.Close()
 
-	startDaemon(t, cfg)
+	d := startDaemon(t, cfg)
 	db := openDB(t, cfg.Database.Path)
-	eventually(t, 20*time.Second, "old rows deleted by cleanup", func() bool {
+	eventually(t, 20*time.Second, "old deliveries forgotten by cleanup", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id LIKE 'old-%'") == 0
 	})
-	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = 'recent'"); n != 1 {
-		t.Errorf("the recent row: %d, want kept", n)
+	eventually(t, 20*time.Second, "payloads past raw_retention emptied", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id LIKE 'pruned-%' AND payload = '' AND payload_pruned_at IS NOT NULL") == 3
+	})
+	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = 'recent' AND payload != '' AND payload_pruned_at IS NULL"); n != 1 {
+		t.Errorf("the recent row: %d, want kept with its payload", n)
 	}
-	if n := queryInt(t, db, "SELECT coalesce(sum(count), 0) FROM github_statistics_6h"); n != 2501 {
-		t.Errorf("statistics: %d, want all 2,501 kept", n)
+	if n := queryInt(t, db, "SELECT coalesce(sum(count), 0) FROM github_statistics_6h"); n != 2504 {
+		t.Errorf("statistics: %d, want all 2,504 kept", n)
 	}
-	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = 'old-1'"); n != 1 {
-		t.Errorf("idempotency record of a deleted row: %d, want kept", n)
+	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = 'pruned-1'"); n != 1 {
+		t.Errorf("the worker record of a pruned delivery: %d, want kept", n)
+	}
+
+	// GitHub redelivers a pruned delivery: both workers take it as a
+	// duplicate, and nothing is counted twice.
+	if code := postWebhook(t, d.URL, "issues", "pruned-2", body); code != http.StatusAccepted {
+		t.Fatalf("redelivery: %d", code)
+	}
+	eventually(t, 20*time.Second, "the redelivery taken as a duplicate by the service worker", func() bool {
+		return scrape(t, d.URL+"/metrics")[`switchyard_messages_consumed_total{outcome="duplicate",queue="github"}`] == 1
+	})
+	if n := queryInt(t, db, "SELECT coalesce(sum(count), 0) FROM github_statistics_6h"); n != 2504 {
+		t.Errorf("statistics after the redelivery of a pruned delivery: %d, want 2,504", n)
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = 'pruned-2' AND payload = ''"); n != 1 {
+		t.Errorf("the pruned delivery's row: %d, want it as it was", n)
+	}
+	// The ledger counts a pruned delivery stored.
+	s, err := OpenStore(ctx, cfg.Database, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	stored, _, err := s.LedgerLookup(ctx, []string{"pruned-0", "old-0", "recent"})
+	if err != nil || !stored["pruned-0"] || !stored["recent"] || stored["old-0"] {
+		t.Errorf("ledger: stored %v (%v), want pruned-0 and recent", stored, err)
 	}
 }
 

@@ -6,30 +6,56 @@ import (
 	"time"
 )
 
-// Retention deletes raw github rows older than database.raw_retention:
-// a VPS disk is not bottomless, and the payloads are most of
-// the database. The cleanup worker runs it once a cycle.
+// Retention keeps the database's size in hand without breaking
+// idempotency: a VPS disk is not bottomless, and the payloads are most of
+// the database. Payloads older than database.raw_retention are emptied;
+// each delivery's identity (its github row without the payload, and the
+// records of which workers finished it) stays until
+// database.delivery_retention, and never less long than the payload, so a
+// redelivery of a pruned delivery is still a duplicate. The cleanup worker
+// runs it once a cycle.
 type Retention struct {
-	store *Store
-	keep  time.Duration // 0 keeps every row
-	log   *slog.Logger
+	store        *Store
+	keepPayload  time.Duration // 0 keeps everything
+	keepIdentity time.Duration
+	log          *slog.Logger
 }
 
-// Prune deletes batch after batch, each in its own short transaction, until
-// no row older than the retention is left, and returns how many it deleted.
-func (r *Retention) Prune(ctx context.Context) (int64, error) {
-	if r.keep <= 0 {
-		return 0, nil
+// NewRetention is the retention of cfg.
+func NewRetention(store *Store, cfg DatabaseConfig, log *slog.Logger) *Retention {
+	return &Retention{store: store, keepPayload: time.Duration(cfg.RawRetention),
+		keepIdentity: max(time.Duration(cfg.RawRetention), time.Duration(cfg.DeliveryRetention)), log: log}
+}
+
+// Prune empties payloads, then deletes identities, batch after batch, each
+// in its own short transaction, until nothing past its retention is left.
+// It returns how many payloads it emptied and identities it deleted.
+func (r *Retention) Prune(ctx context.Context) (payloads, identities int64, err error) {
+	if r.keepPayload <= 0 {
+		return 0, 0, nil
 	}
-	cutoff := time.Now().Add(-r.keep)
+	now := time.Now()
+	payloads, err = r.batches(ctx, now.Add(-r.keepPayload), r.store.PrunePayloadsBefore)
+	if payloads > 0 {
+		r.log.Info("payloads past database.raw_retention emptied", "rows", payloads)
+	}
+	if err != nil {
+		return payloads, 0, err
+	}
+	identities, err = r.batches(ctx, now.Add(-r.keepIdentity), r.store.DeleteIdentitiesBefore)
+	if identities > 0 {
+		r.log.Info("deliveries past database.delivery_retention forgotten", "rows", identities)
+	}
+	return payloads, identities, err
+}
+
+// batches calls step until it does less than a batch.
+func (r *Retention) batches(ctx context.Context, cutoff time.Time, step func(context.Context, time.Time) (int64, error)) (int64, error) {
 	var total int64
 	for ctx.Err() == nil {
-		n, err := r.store.DeleteRawBefore(ctx, cutoff)
+		n, err := step(ctx, cutoff)
 		total += n
 		if err != nil || n < retentionBatch {
-			if total > 0 {
-				r.log.Info("raw rows past database.raw_retention deleted", "rows", total, "before", formatTime(cutoff))
-			}
 			return total, err
 		}
 	}
