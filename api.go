@@ -30,13 +30,14 @@ type API struct {
 	metrics *Metrics
 	workers []*Worker // for the status
 	started time.Time
+	auth    *authGuard
 	log     *slog.Logger
 }
 
 // NewAPI builds the HTTP surface over the daemon's parts.
 func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, workers []*Worker, log *slog.Logger) *API {
 	a := &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics,
-		workers: workers, started: time.Now().UTC(), log: log}
+		workers: workers, started: time.Now().UTC(), auth: newAuthGuard(log), log: log}
 	tokens := cfg.API
 	a.tokens.Store(&tokens)
 	return a
@@ -53,7 +54,7 @@ func (a *API) Handler() http.Handler {
 	r.DELETE("/api/v1/broker/pending-switch", a.operator(a.cancelSwitch))
 	r.DELETE("/api/v1/broker/watermark", a.operator(a.clearWatermark))
 	r.GET("/api/v1/status", a.operator(a.getStatus))
-	r.GET("/status", a.statusPage)
+	r.GET("/status", a.guarded(a.statusPage))
 	// A browser pointed at the daemon wants the status page.
 	r.GET("/", func(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
 		http.Redirect(w, r, "/status", http.StatusFound)
@@ -139,7 +140,7 @@ func tokenIs(got, want string) bool {
 
 // operator lets only the operator token in; the producer token gets 403.
 func (a *API) operator(h httprouter.Handle) httprouter.Handle {
-	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+	return a.guarded(func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
 		tok, tokens := bearer(r), a.tokens.Load()
 		switch {
 		case tokenIs(tok, tokens.OperatorToken):
@@ -147,21 +148,23 @@ func (a *API) operator(h httprouter.Handle) httprouter.Handle {
 		case tokenIs(tok, tokens.ProducerToken):
 			writeError(w, r, a.log, ErrForbidden)
 		default:
+			a.authFailed(r)
 			writeError(w, r, a.log, ErrUnauthorized)
 		}
-	}
+	})
 }
 
 // producer lets the producer token and the operator token in.
 func (a *API) producer(h httprouter.Handle) httprouter.Handle {
-	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+	return a.guarded(func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
 		tok, tokens := bearer(r), a.tokens.Load()
 		if tokenIs(tok, tokens.ProducerToken) || tokenIs(tok, tokens.OperatorToken) {
 			a.bounded(h)(w, r, ps)
 			return
 		}
+		a.authFailed(r)
 		writeError(w, r, a.log, ErrUnauthorized)
-	}
+	})
 }
 
 // bounded reads the request body, at most maxAdminBody bytes, before h

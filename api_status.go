@@ -234,6 +234,11 @@ func (a *API) getStatus(w http.ResponseWriter, r *http.Request, _ httprouter.Par
 func (a *API) statusPage(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
 	user, pass, ok := r.BasicAuth()
 	if !ok || subtle.ConstantTimeCompare([]byte(user), []byte("operator")) != 1 || !tokenIs(pass, a.tokens.Load().OperatorToken) {
+		if ok {
+			// A browser asks without credentials first: only a wrong
+			// password is a failed authentication.
+			a.authFailed(r)
+		}
 		w.Header().Set("WWW-Authenticate", `Basic realm="switchyard", charset="UTF-8"`)
 		http.Error(w, "401 unauthorized: user operator, the operator token as password", http.StatusUnauthorized)
 		return

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
@@ -375,5 +376,55 @@ func TestWorkerScheduleWords(t *testing.T) {
 	b, _ := json.Marshal(WorkerState{Name: "service"})
 	if strings.Contains(string(b), "0001-01-01") {
 		t.Errorf("a worker that has not cycled marshals zero times: %s", b)
+	}
+}
+
+// Wrong passwords are logged and, past 20 in a minute from one address,
+// answered 429 with Retry-After whatever that address sends, the right
+// password and the admin API included; another address is not held.
+func TestFailedLoginsThrottled(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t, testConfig(t, amqpURL(newVhost(t))))
+	get := func(client *http.Client, path, user, pass string) *http.Response {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodGet, d.URL+path, nil)
+		req.SetBasicAuth(user, pass)
+		if pass == "bearer" {
+			req.Header.Set("Authorization", "Bearer operator-token-for-tests")
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp
+	}
+	for i := range authFailLimit {
+		if resp := get(http.DefaultClient, "/status", "operator", fmt.Sprintf("guess-%d", i)); resp.StatusCode != http.StatusUnauthorized {
+			t.Fatalf("wrong password %d: %d, want 401", i+1, resp.StatusCode)
+		}
+	}
+	for _, c := range []struct{ what, path, pass string }{
+		{"a 21st guess", "/status", "guess-21"},
+		{"the right password", "/status", "operator-token-for-tests"},
+		{"the admin API with the right token", "/api/v1/broker", "bearer"},
+	} {
+		resp := get(http.DefaultClient, c.path, "operator", c.pass)
+		if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") == "" {
+			t.Errorf("%s after %d failures: %d, Retry-After %q; want 429 with Retry-After", c.what, authFailLimit, resp.StatusCode, resp.Header.Get("Retry-After"))
+		}
+	}
+	other := &http.Client{Transport: &http.Transport{DialContext: (&net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 3)}}).DialContext}}
+	if resp := get(other, "/status", "operator", "operator-token-for-tests"); resp.StatusCode != http.StatusOK {
+		t.Errorf("another address: %d, want 200", resp.StatusCode)
+	}
+	logs := d.logs.String()
+	for _, want := range []string{"authentication failed", "source refused for a minute", "source_ip=127.0.0.1"} {
+		if !strings.Contains(logs, want) {
+			t.Errorf("the log lacks %q", want)
+		}
+	}
+	if n := strings.Count(logs, `msg="authentication failed"`); n > 2 {
+		t.Errorf("%d log lines for %d failures in a moment; want them rate-limited", n, authFailLimit)
 	}
 }
