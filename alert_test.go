@@ -236,8 +236,8 @@ func TestAlertsSent(t *testing.T) {
 	if len(msgs) != 1 {
 		t.Fatalf("emails: %d, want 1", len(msgs))
 	}
-	for _, want := range []string{"Subject: pull_request.opened on Codertocat/Hello-World by Codertocat",
-		"https://github.com/Codertocat/Hello-World/pull/2", "Action:     opened", pr} {
+	for _, want := range []string{"Subject: pull_request.opened on octo-org/switchyard-demo by mona",
+		"https://github.com/octo-org/switchyard-demo/pull/42", "Action:     opened", pr} {
 		if !strings.Contains(msgs[0], want) {
 			t.Errorf("email lacks %q:\n%s", want, msgs[0])
 		}
@@ -247,8 +247,8 @@ func TestAlertsSent(t *testing.T) {
 		t.Fatalf("pushes: %d, want 1", len(reqs))
 	}
 	p := reqs[0]
-	if p.title != "pull_request.opened on Codertocat/Hello-World by Codertocat" || p.click != "https://github.com/Codertocat/Hello-World/pull/2" ||
-		!strings.Contains(p.tags, "pull_request") || p.auth != "Bearer push-secret-token" || !strings.Contains(p.body, "Codertocat/Hello-World") {
+	if p.title != "pull_request.opened on octo-org/switchyard-demo by mona" || p.click != "https://github.com/octo-org/switchyard-demo/pull/42" ||
+		!strings.Contains(p.tags, "pull_request") || p.auth != "Bearer push-secret-token" || !strings.Contains(p.body, "octo-org/switchyard-demo") {
 		t.Errorf("push: %+v", p)
 	}
 	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NULL", other); n != 1 {
@@ -319,7 +319,7 @@ func TestForbiddenAlert(t *testing.T) {
 	})
 	d.stop(t)
 	msgs := smtp.messages()
-	if len(msgs) != 1 || !strings.Contains(msgs[0], "Subject: [Forbidden] issues.opened on Codertocat/Hello-World") {
+	if len(msgs) != 1 || !strings.Contains(msgs[0], "Subject: [Forbidden] issues.opened on octo-org/switchyard-demo") {
 		t.Errorf("emails: %q", msgs)
 	}
 	reqs := push.requests()

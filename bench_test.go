@@ -158,7 +158,7 @@ func paddedPayload(b testing.TB, size int) []byte {
 // withNode returns payload with its pull request's node id replaced, so each
 // delivery writes its own typed row.
 func withNode(payload []byte, node string) []byte {
-	return []byte(strings.Replace(string(payload), `"MDExOlB1bGxSZXF1ZXN0Mjc5MTQ3NDM3"`, `"`+node+`"`, 1))
+	return []byte(strings.Replace(string(payload), `"PR_kwDOKtN3FM5yp7Bb"`, `"`+node+`"`, 1))
 }
 
 // benchIngest: signed POSTs answered 202 after the confirm, 16 clients,

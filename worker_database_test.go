@@ -469,7 +469,7 @@ func TestWorkflowRunOrdering(t *testing.T) {
 	var status, conclusion, updated, delivery string
 	row := func() {
 		t.Helper()
-		if err := db.QueryRow("SELECT status, conclusion, github_updated_at, delivery_id FROM github_release_workflow_runs WHERE run_id = 289782451").
+		if err := db.QueryRow("SELECT status, conclusion, github_updated_at, delivery_id FROM github_release_workflow_runs WHERE run_id = 11987344211").
 			Scan(&status, &conclusion, &updated, &delivery); err != nil {
 			t.Fatal(err)
 		}
@@ -561,7 +561,7 @@ func TestBotProcessingStates(t *testing.T) {
 	g = newGUID()
 	postAs(t, d.URL, "check_run", g, loadFixture(t, "check_run", "created"), true)
 	waitDatabase(t, db, g)
-	if _, err := bot.Exec("UPDATE github_check_runs SET processing_state = 'PROCESSED' WHERE check_run_id = 128620228"); err != nil {
+	if _, err := bot.Exec("UPDATE github_check_runs SET processing_state = 'PROCESSED' WHERE check_run_id = 19204477011"); err != nil {
 		t.Fatal(err)
 	}
 	g2, g3 := newGUID(), newGUID()
@@ -570,7 +570,7 @@ func TestBotProcessingStates(t *testing.T) {
 	waitDatabase(t, db, g2)
 	waitDatabase(t, db, g3)
 	var cs, status string
-	if err := db.QueryRow("SELECT processing_state, status FROM github_check_runs WHERE check_run_id = 128620228").Scan(&cs, &status); err != nil {
+	if err := db.QueryRow("SELECT processing_state, status FROM github_check_runs WHERE check_run_id = 19204477011").Scan(&cs, &status); err != nil {
 		t.Fatal(err)
 	}
 	if cs != "UPDATED" || status != "completed" {
