@@ -146,8 +146,11 @@ func alertLink(payload []byte) string {
 
 // alertText is what a person reads: what happened, where, by whom, and a link.
 func alertText(ev *Event, forbidden bool) (subject, body, link string) {
-	if ev.Name == "gap" {
+	switch ev.Name {
+	case "gap":
 		return gapText(ev)
+	case "unrecoverable":
+		return unrecoverableText(ev)
 	}
 	what := ev.Name
 	if ev.Action != "" {
@@ -199,6 +202,25 @@ sit in an -error queue. switchyard asks GitHub to deliver it again when
 github.redeliver_gaps is on; "switchyard deliveries -gaps" lists the open gaps,
 and the README says what to do about one.
 `, ev.DeliveryID, ev.Action, ev.ReceivedAt.UTC().Format(time.RFC3339))
+	return subject, body, ""
+}
+
+// unrecoverableText announces a gap given up on: ev.Action is the missing
+// delivery's event, ev.Payload why.
+func unrecoverableText(ev *Event) (subject, body, link string) {
+	subject = fmt.Sprintf("Delivery gap unrecoverable: %s %s", ev.Action, ev.DeliveryID)
+	body = fmt.Sprintf(`switchyard gave up on this delivery gap: it will not ask GitHub for it again.
+
+Delivery:   %s
+Event:      %s
+Delivered:  %s
+Why:        %s
+
+GitHub refused its redelivery three times (it no longer has the delivery, or
+will not deliver it again), or its API described it in a way no message may
+carry. What it held is lost unless its source sends it again;
+"switchyard deliveries -gaps" lists the gaps.
+`, ev.DeliveryID, ev.Action, ev.ReceivedAt.UTC().Format(time.RFC3339), ev.Payload)
 	return subject, body, ""
 }
 

@@ -246,6 +246,7 @@ func (m *Metrics) healthCheckFailed(worker string) {
 func (m *Metrics) countStore(store *Store) {
 	m.gaugeFunc("switchyard_alerts_pending", "Alerts queued in alert_outbox and not sent yet.", store.AlertsPending)
 	m.gaugeFunc("switchyard_delivery_gaps", "Open delivery gaps: deliveries GitHub made with a 2xx answer that are not stored after github.reconcile_grace.", store.OpenGapCount)
+	m.gaugeFunc("switchyard_delivery_gaps_unrecoverable", "Open delivery gaps given up on: GitHub refused their redelivery three times, or its API listed them in a way no message may carry.", store.UnrecoverableGapCount)
 	m.gaugeFunc("switchyard_database_writable", "1 when the database takes a write lock within 2 s, else 0.", func(ctx context.Context) (int, error) {
 		if store.Writable(ctx) != nil {
 			return 0, nil

@@ -41,12 +41,20 @@ type Status struct {
 	Workers    []WorkerState      `json:"workers"`
 	Statistics []StatisticsBucket `json:"statistics"` // the last 7 days, 6 hours a bucket
 	Database   DatabaseStatus     `json:"database"`
-	Gaps       []deliveryGap      `json:"open_gaps"`
+	// Gaps are the newest open gaps, at most statusGaps of them, and
+	// GapsTotal how many are open in all (Unrecoverable of them given up
+	// on): the page stays small whatever the database holds.
+	Gaps          []deliveryGap `json:"open_gaps"`
+	GapsTotal     int           `json:"open_gaps_total"`
+	Unrecoverable int           `json:"unrecoverable_gaps"`
 
 	// Problems names each thing that needs the operator, [] when all is
 	// well: `switchyard status` exits 1 when there is one.
 	Problems []string `json:"problems"`
 }
+
+// statusGaps is the most gaps the status lists.
+const statusGaps = 100
 
 // pendingTooLong is how long a Pending Switch may wait for its drain before
 // the status calls it a problem (the alert rule's threshold too).
@@ -76,8 +84,12 @@ func (st *Status) problems() []string {
 			ps = append(ps, fmt.Sprintf("worker %s failed its last %s: %s", w.Name, plural(w.Failures, "cycle"), w.LastError))
 		}
 	}
-	if n := len(st.Gaps); n > 0 {
-		ps = append(ps, fmt.Sprintf("%s open (switchyard deliveries -gaps)", plural(n, "delivery gap")))
+	if n := st.GapsTotal; n > 0 {
+		p := fmt.Sprintf("%s open (switchyard deliveries -gaps)", plural(n, "delivery gap"))
+		if st.Unrecoverable > 0 {
+			p += fmt.Sprintf(", %d of them unrecoverable: GitHub will not deliver them again", st.Unrecoverable)
+		}
+		ps = append(ps, p)
 	}
 	return ps
 }
@@ -208,11 +220,13 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 	if st.Database, err = a.store.DatabaseStatus(ctx); err != nil {
 		return st, err
 	}
-	if st.Gaps, err = a.store.OpenGaps(ctx); err != nil {
+	if st.Gaps, st.GapsTotal, err = a.store.OpenGaps(ctx, statusGaps); err != nil {
 		return st, err
 	}
-	if st.Gaps == nil {
-		st.Gaps = []deliveryGap{}
+	if st.GapsTotal > 0 {
+		if st.Unrecoverable, err = a.store.UnrecoverableGapCount(ctx); err != nil {
+			return st, err
+		}
 	}
 	st.Problems = st.problems()
 	return st, nil

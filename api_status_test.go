@@ -428,3 +428,61 @@ func TestFailedLoginsThrottled(t *testing.T) {
 		t.Errorf("%d log lines for %d failures in a moment; want them rate-limited", n, authFailLimit)
 	}
 }
+
+// With 100,000 open gaps the status stays small: 100 listed beside their
+// total, the page and the JSON under 1 MiB, and `status` reads its answer
+// whole (exit 1 for the gaps, not 3).
+func TestStatusBoundedWithManyGaps(t *testing.T) {
+	t.Parallel()
+	cfg := testConfig(t, amqpURL(newVhost(t)))
+	ctx := context.Background()
+	store, err := OpenStore(ctx, cfg.Database, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	err = store.Batch(ctx, func(tx *Tx) error {
+		_, err := tx.exec(ctx, `WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 100000)
+			INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at)
+			SELECT printf('gap-%06d', i), i, 'issues', ?, ? FROM n`, formatTime(time.Now().Add(-5*time.Hour)), formatTime(time.Now()))
+		return err
+	})
+	store.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := startDaemon(t, cfg)
+
+	req, _ := http.NewRequest(http.MethodGet, d.URL+"/status", nil)
+	req.SetBasicAuth("operator", "operator-token-for-tests")
+	code, page := do(t, req)
+	if code != http.StatusOK || len(page) >= 1<<20 || !strings.Contains(page, "100000 open gaps") {
+		t.Errorf("/status: %d, %d bytes, want 200 under 1 MiB saying 100000 open gaps", code, len(page))
+	}
+	code, raw := do(t, mustRequestAuth(t, d.URL+"/api/v1/status"))
+	var st Status
+	if err := json.Unmarshal([]byte(raw), &st); err != nil || code != http.StatusOK || len(raw) >= 1<<20 ||
+		st.GapsTotal != 100000 || len(st.Gaps) != statusGaps {
+		t.Errorf("/api/v1/status: %d, %d bytes, %d of %d gaps (%v); want under 1 MiB, %d of 100000", code, len(raw), len(st.Gaps), st.GapsTotal, err, statusGaps)
+	}
+	c := *d.cfg
+	c.Server.Listen = strings.TrimPrefix(d.URL, "http://")
+	var out strings.Builder
+	err = printStatus(ctx, &c, false, &out)
+	if code := exitCode(err, io.Discard); code != 1 || !strings.Contains(out.String(), "open delivery gaps: 100000") {
+		t.Errorf("switchyard status: exit %d (%v), want 1 with the total:\n%s", code, err, out.String())
+	}
+}
+
+// mustRequestAuth is a GET with the operator's bearer token.
+func mustRequestAuth(t testing.TB, url string) *http.Request {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer operator-token-for-tests")
+	return req
+}

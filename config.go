@@ -107,6 +107,12 @@ type GitHubConfig struct {
 	ReconcileGrace time.Duration `toml:"reconcile_grace"`
 	// RedeliverGaps asks GitHub to deliver a gap again.
 	RedeliverGaps bool `toml:"redeliver_gaps"`
+	// MaxPagesPerPoll bounds the pages of deliveries one poll (and the
+	// deliveries command) reads; the next poll goes on from the checkpoint.
+	MaxPagesPerPoll int `toml:"max_pages_per_poll"`
+	// RedeliverPerMinute bounds the redeliveries asked of GitHub, whose
+	// content-creation limit is 80 a minute for everything the App does.
+	RedeliverPerMinute int `toml:"redeliver_per_minute"`
 }
 
 // QueueConfig is the AMQP side: topology, retries and publishing.
@@ -195,7 +201,8 @@ func DefaultConfig() *Config {
 		Database: DatabaseConfig{Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
 			RawRetention: Duration(90 * 24 * time.Hour), DeliveryRetention: Duration(30 * 24 * time.Hour)},
 		API:    APIConfig{MaxClockSkew: 5 * time.Minute},
-		GitHub: GitHubConfig{APIURL: "https://api.github.com", ReconcileGrace: 2 * time.Hour, RedeliverGaps: true},
+		GitHub: GitHubConfig{APIURL: "https://api.github.com", ReconcileGrace: 2 * time.Hour, RedeliverGaps: true,
+			MaxPagesPerPoll: 100, RedeliverPerMinute: 30},
 		Queue: QueueConfig{
 			RetryTTL:    10 * time.Minute,
 			MaxAttempts: 10,
@@ -421,6 +428,12 @@ func (c *Config) Validate() error {
 	}
 	if u, err := url.Parse(c.GitHub.APIURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		bad("github.api_url", "want an http(s) URL, got %q", c.GitHub.APIURL)
+	}
+	if c.GitHub.MaxPagesPerPoll < 1 || c.GitHub.MaxPagesPerPoll > 10000 {
+		bad("github.max_pages_per_poll", "want 1 to 10000, got %d", c.GitHub.MaxPagesPerPoll)
+	}
+	if c.GitHub.RedeliverPerMinute < 1 || c.GitHub.RedeliverPerMinute > 80 {
+		bad("github.redeliver_per_minute", "want 1 to 80 (GitHub's content-creation limit), got %d", c.GitHub.RedeliverPerMinute)
 	}
 	if c.GitHub.ReconcileGrace <= 0 || c.GitHub.ReconcileGrace >= deliveryRetention {
 		bad("github.reconcile_grace", "want more than 0 and less than GitHub's 72h of deliveries, got %s", c.GitHub.ReconcileGrace)
@@ -667,7 +680,8 @@ func (c *Config) Summary(w io.Writer) {
 	p("github.bot_app_id = %d", c.GitHub.BotAppID)
 	p("github.app_id = %d (hooks worker %s)", c.GitHub.AppID, map[bool]string{true: "on", false: "off"}[c.GitHub.AppID > 0])
 	p("github.api_url = %q", c.GitHub.APIURL)
-	p("github.reconcile_grace = %s, redeliver_gaps = %t", c.GitHub.ReconcileGrace, c.GitHub.RedeliverGaps)
+	p("github.reconcile_grace = %s, redeliver_gaps = %t, redeliver_per_minute = %d, max_pages_per_poll = %d",
+		c.GitHub.ReconcileGrace, c.GitHub.RedeliverGaps, c.GitHub.RedeliverPerMinute, c.GitHub.MaxPagesPerPoll)
 	p("queue.declare_topology = %t, keepalive_every = %s", c.Queue.DeclareTopology, c.Queue.KeepaliveEvery)
 	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
 		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)

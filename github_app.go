@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/url"
@@ -31,6 +32,9 @@ type GitHubApp struct {
 	client *github.Client
 	log    *slog.Logger
 
+	// redeliveries paces the redeliveries asked, every caller together.
+	redeliveries *rateWindow
+
 	mu         sync.Mutex
 	token      string
 	tokenExp   time.Time
@@ -48,7 +52,7 @@ func NewGitHubApp(cfg GitHubConfig, log *slog.Logger) (*GitHubApp, error) {
 	if err != nil {
 		return nil, fmt.Errorf("github.private_key_file: not an RSA private key in PEM: %w", err)
 	}
-	a := &GitHubApp{appID: cfg.AppID, key: key, log: log}
+	a := &GitHubApp{appID: cfg.AppID, key: key, log: log, redeliveries: newRateWindow(cfg.RedeliverPerMinute, time.Minute)}
 	a.client = github.NewClient(&http.Client{Timeout: 30 * time.Second, Transport: appTransport{app: a}})
 	if a.client.BaseURL, err = url.Parse(strings.TrimRight(cfg.APIURL, "/") + "/"); err != nil {
 		return nil, fmt.Errorf("github.api_url: %w", err)
@@ -74,7 +78,53 @@ func (t appTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	r = r.Clone(r.Context())
 	r.Header.Set("Authorization", "Bearer "+tok)
 	r.Header.Set("X-GitHub-Api-Version", "2022-11-28")
-	return http.DefaultTransport.RoundTrip(r)
+	resp, err := http.DefaultTransport.RoundTrip(r)
+	if err != nil {
+		return nil, err
+	}
+	// Every answer is bounded before it is decoded: a body that says it is
+	// larger is refused unread, one that turns out larger fails its decode.
+	limit := int64(maxAPIResponse)
+	if strings.HasSuffix(r.URL.Path, "/app/hook/deliveries") {
+		limit = maxDeliveriesPage
+	}
+	if resp.ContentLength > limit {
+		resp.Body.Close()
+		return nil, fmt.Errorf("%w: %s says %d bytes, over %d", ErrAPIResponseTooLarge, r.URL.Path, resp.ContentLength, limit)
+	}
+	resp.Body = &boundedBody{ReadCloser: resp.Body, left: limit}
+	return resp, nil
+}
+
+// maxAPIResponse bounds any answer of GitHub's API: a delivery with its
+// request holds a payload of up to GitHub's 25 MB webhook limit, but one
+// over 16 MiB is more than switchyard takes. maxDeliveriesPage bounds a
+// page of the deliveries list: 100 deliveries weigh some 70 KB, and the JSON
+// decoder holds the whole page before it decodes.
+const (
+	maxAPIResponse    = 16 << 20
+	maxDeliveriesPage = 1 << 20
+)
+
+// ErrAPIResponseTooLarge is an answer of GitHub's API over its bound.
+var ErrAPIResponseTooLarge = errors.New("GitHub API answer too large")
+
+// boundedBody fails a read past left bytes.
+type boundedBody struct {
+	io.ReadCloser
+	left int64
+}
+
+func (b *boundedBody) Read(p []byte) (int, error) {
+	if b.left <= 0 {
+		return 0, ErrAPIResponseTooLarge
+	}
+	if int64(len(p)) > b.left {
+		p = p[:b.left]
+	}
+	n, err := b.ReadCloser.Read(p)
+	b.left -= int64(n)
+	return n, err
 }
 
 // jwt returns the App JWT: RS256, issued 60 s in the past against clock
@@ -182,28 +232,53 @@ func fromGitHub(d *github.HookDelivery) hookDelivery {
 		Status: d.GetStatus(), StatusCode: d.GetStatusCode(), Event: d.GetEvent(), Action: d.Action}
 }
 
-// ListDeliveries pages through the App's deliveries, newest first, back to
-// since, and returns the attempts delivered at or after it.
-func (a *GitHubApp) ListDeliveries(ctx context.Context, since time.Time) ([]hookDelivery, error) {
-	var all []hookDelivery
-	opts := &github.ListCursorOptions{PerPage: 100}
-	for {
+// deliveriesPage is the page size asked of GET /app/hook/deliveries, the
+// most GitHub gives.
+const deliveriesPage = 100
+
+// EachDeliveryPage pages through the App's deliveries, newest first, back to
+// since, and hands fn each page's attempts delivered at or after it, one
+// page at a time. It reads at most maxPages pages and stops at a cursor it
+// has seen before (an API that loops), and at a page longer than asked.
+// complete reports whether it got back to since; when it did not, the
+// caller's checkpoint must not move past what it did not see.
+func (a *GitHubApp) EachDeliveryPage(ctx context.Context, since time.Time, maxPages int, fn func([]hookDelivery) error) (complete bool, err error) {
+	opts := &github.ListCursorOptions{PerPage: deliveriesPage}
+	seen := map[string]bool{}
+	for pages := 0; ; pages++ {
+		if pages == maxPages {
+			a.log.Warn("GitHub's deliveries: stopped after github.max_pages_per_poll pages; the next poll goes on from the checkpoint",
+				"pages", pages, "since", formatTime(since))
+			return false, nil
+		}
 		page, resp, err := a.client.Apps.ListHookDeliveries(ctx, opts)
 		if err != nil {
-			return nil, a.apiError(err)
+			return false, a.apiError(err)
+		}
+		if len(page) > deliveriesPage {
+			return false, fmt.Errorf("GitHub's deliveries: a page of %d, asked for %d", len(page), deliveriesPage)
 		}
 		older := false
+		batch := make([]hookDelivery, 0, len(page))
 		for _, d := range page {
 			hd := fromGitHub(d)
 			if hd.DeliveredAt.Before(since) {
 				older = true // older than the checkpoint: this page is the last one needed
 				continue
 			}
-			all = append(all, hd)
+			batch = append(batch, hd)
+		}
+		if err := fn(batch); err != nil {
+			return false, err
 		}
 		if older || resp.Cursor == "" {
-			return all, nil
+			return true, nil
 		}
+		if seen[resp.Cursor] {
+			a.log.Warn("GitHub's deliveries: a cursor came back again; the poll stops there", "pages", pages+1)
+			return false, nil
+		}
+		seen[resp.Cursor] = true
 		opts.Cursor = resp.Cursor
 	}
 }
@@ -224,10 +299,19 @@ func (a *GitHubApp) Delivery(ctx context.Context, id int64) (*hookDeliveryDetail
 	return out, nil
 }
 
+// ErrRedeliveryPaced is a redelivery not asked because
+// github.redeliver_per_minute were asked in the last minute.
+var ErrRedeliveryPaced = errors.New("github.redeliver_per_minute reached; asked later")
+
 // Redeliver asks GitHub to deliver an attempt again (POST
 // /app/hook/deliveries/{id}/attempts): the webhook comes back through the
-// endpoint like any other, with redelivery set.
+// endpoint like any other, with redelivery set. At most
+// github.redeliver_per_minute are asked in any minute; past that it returns
+// ErrRedeliveryPaced without asking.
 func (a *GitHubApp) Redeliver(ctx context.Context, id int64) error {
+	if !a.redeliveries.take(time.Now()) {
+		return ErrRedeliveryPaced
+	}
 	if _, _, err := a.client.Apps.RedeliverHookDelivery(ctx, id); err != nil {
 		var accepted *github.AcceptedError // 202: queued by GitHub, which is what was asked
 		if errors.As(err, &accepted) {
@@ -236,4 +320,31 @@ func (a *GitHubApp) Redeliver(ctx context.Context, id int64) error {
 		return a.apiError(err)
 	}
 	return nil
+}
+
+// rateWindow lets at most n events through in any span of per.
+type rateWindow struct {
+	n   int
+	per time.Duration
+
+	mu    sync.Mutex
+	times []time.Time // the events of the last span, oldest first
+}
+
+func newRateWindow(n int, per time.Duration) *rateWindow {
+	return &rateWindow{n: max(n, 1), per: per}
+}
+
+// take reports whether one more event may happen at now, and counts it if so.
+func (w *rateWindow) take(now time.Time) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for len(w.times) > 0 && now.Sub(w.times[0]) >= w.per {
+		w.times = w.times[1:]
+	}
+	if len(w.times) >= w.n {
+		return false
+	}
+	w.times = append(w.times, now)
+	return true
 }

@@ -626,10 +626,17 @@ func writeStatus(w io.Writer, st Status) {
 	for _, b := range st.Statistics {
 		total += b.Count
 	}
-	fmt.Fprintf(w, "\nevents in the last 7 days: %d\ndatabase: %s, %d bytes, %d raw rows\nopen delivery gaps: %d\n",
-		total, st.Database.Path, st.Database.SizeBytes, st.Database.Rows["github"], len(st.Gaps))
+	fmt.Fprintf(w, "\nevents in the last 7 days: %d\ndatabase: %s, %d bytes, %d raw rows\nopen delivery gaps: %d (%d unrecoverable)\n",
+		total, st.Database.Path, st.Database.SizeBytes, st.Database.Rows["github"], st.GapsTotal, st.Unrecoverable)
 	for _, g := range st.Gaps {
-		fmt.Fprintf(w, "  %s %s delivered %s\n", g.GUID, g.Event, g.DeliveredAt.Format(time.RFC3339))
+		state := ""
+		if g.UnrecoverableAt != nil {
+			state = " (unrecoverable)"
+		}
+		fmt.Fprintf(w, "  %s %s delivered %s%s\n", g.GUID, g.Event, g.DeliveredAt.Format(time.RFC3339), state)
+	}
+	if st.GapsTotal > len(st.Gaps) {
+		fmt.Fprintf(w, "  ... the newest %d of %d listed; switchyard deliveries -gaps for more\n", len(st.Gaps), st.GapsTotal)
 	}
 	if len(st.Problems) == 0 {
 		fmt.Fprintln(w, "\nall is well")
@@ -640,6 +647,9 @@ func writeStatus(w io.Writer, st Status) {
 		fmt.Fprintf(w, "  %s\n", p)
 	}
 }
+
+// listedGaps is the most open gaps `deliveries` lists.
+const listedGaps = 1000
 
 // DeliveriesOptions are the deliveries command's flags.
 type DeliveriesOptions struct {
@@ -667,7 +677,9 @@ func listDeliveries(ctx context.Context, cfg *Config, log *slog.Logger, o Delive
 		}
 		now := time.Now().UTC()
 		since := now.Add(-min(max(o.Since, 0), deliveryRetention))
-		entries, _, err := ledger(ctx, app, store, since, now, cfg.GitHub.ReconcileGrace)
+		ctx, cancel := context.WithTimeout(ctx, ledgerTimeout)
+		defer cancel()
+		entries, _, complete, err := ledger(ctx, app, store, since, now, cfg.GitHub.ReconcileGrace, cfg.GitHub.MaxPagesPerPoll)
 		if err != nil {
 			return err
 		}
@@ -677,25 +689,40 @@ func listDeliveries(ctx context.Context, cfg *Config, log *slog.Logger, o Delive
 			counts[e.Outcome]++
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\n", e.Outcome, e.GUID, e.Event, e.Latest.DeliveredAt.UTC().Format(time.RFC3339), e.Latest.StatusCode)
 		}
-		fmt.Fprintf(tw, "\n%d deliveries since %s: %d stored, %d in flight, %d redelivered, %d gap\n\n", len(entries),
+		fmt.Fprintf(tw, "\n%d deliveries since %s: %d stored, %d in flight, %d redelivered, %d gap\n", len(entries),
 			since.Format(time.RFC3339), counts[ledgerStored], counts[ledgerInFlight], counts[ledgerRedelivered], counts[ledgerGap])
+		if !complete {
+			fmt.Fprintf(tw, "(GitHub's list stopped after github.max_pages_per_poll = %d pages, or at a repeated cursor: older deliveries not shown)\n",
+				cfg.GitHub.MaxPagesPerPoll)
+		}
+		fmt.Fprintln(tw)
 	}
-	gaps, err := store.OpenGaps(ctx)
+	gaps, total, err := store.OpenGaps(ctx, listedGaps)
 	if err != nil {
 		return err
 	}
-	if len(gaps) == 0 {
+	if total == 0 {
 		fmt.Fprintln(tw, "no open gaps")
 		return tw.Flush()
 	}
-	fmt.Fprintln(tw, "OPEN GAP\tEVENT\tDELIVERED\tFOUND\tREDELIVERED")
+	fmt.Fprintln(tw, "OPEN GAP\tEVENT\tDELIVERED\tFOUND\tREDELIVERED\tSTATE")
 	for _, g := range gaps {
 		redelivered := "-"
 		if g.RedeliveredAt != nil {
 			redelivered = g.RedeliveredAt.UTC().Format(time.RFC3339)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", g.GUID, g.Event, g.DeliveredAt.UTC().Format(time.RFC3339),
-			g.FoundAt.UTC().Format(time.RFC3339), redelivered)
+		state := "open"
+		switch {
+		case g.UnrecoverableAt != nil:
+			state = "unrecoverable: " + g.LastError
+		case g.Refusals > 0:
+			state = fmt.Sprintf("open, %s: %s", plural(g.Refusals, "refusal"), g.LastError)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", g.GUID, g.Event, g.DeliveredAt.UTC().Format(time.RFC3339),
+			g.FoundAt.UTC().Format(time.RFC3339), redelivered, state)
+	}
+	if total > len(gaps) {
+		fmt.Fprintf(tw, "\n%d open gaps in all; the newest %d listed\n", total, len(gaps))
 	}
 	return tw.Flush()
 }
@@ -850,7 +877,8 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 			return fail(err)
 		}
 		hooks := &Hooks{app: app, store: store, brokers: brokers, queues: queues, alerter: alerter, timeout: cfg.Queue.PublishTimeout,
-			grace: cfg.GitHub.ReconcileGrace, redeliver: cfg.GitHub.RedeliverGaps, log: log.With("worker", "hooks")}
+			grace: cfg.GitHub.ReconcileGrace, redeliver: cfg.GitHub.RedeliverGaps, maxPages: cfg.GitHub.MaxPagesPerPoll,
+			log: log.With("worker", "hooks")}
 		// The hooks worker talks to GitHub per message: it is not batched
 		// (no network I/O inside a transaction). Its poll runs between
 		// windows: a window longer than hooks_poll_every would stretch it.

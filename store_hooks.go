@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -83,7 +84,17 @@ type deliveryGap struct {
 	DeliveredAt   time.Time  `json:"delivered_at"`
 	FoundAt       time.Time  `json:"found_at"`
 	RedeliveredAt *time.Time `json:"redelivered_at,omitempty"`
+	// Refusals counts the redeliveries GitHub refused for good; at
+	// maxRefusals, or at once for a delivery no message may carry, the gap
+	// is unrecoverable: never asked for again. LastError says why.
+	Refusals        int        `json:"refusals,omitempty"`
+	UnrecoverableAt *time.Time `json:"unrecoverable_at,omitempty"`
+	LastError       string     `json:"last_error,omitempty"`
 }
+
+// unrecoverableAlertID is the alert_outbox delivery_id of the alert that a
+// gap was given up on.
+func unrecoverableAlertID(guid string) string { return "unrecoverable:" + guid }
 
 // gapAlertID is the alert_outbox delivery_id of a gap's alert: apart from the
 // alerts of the Event itself, which may come once it is stored.
@@ -93,9 +104,13 @@ func gapAlertID(guid string) string { return "gap:" + guid }
 // transaction. It reports false, changing nothing, when the gap is known.
 func (s *Store) RecordGap(ctx context.Context, g deliveryGap, channels []string) (recorded bool, err error) {
 	err = s.Batch(ctx, func(tx *Tx) error {
-		res, err := tx.exec(ctx, `INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at)
-			VALUES (?, ?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`,
-			g.GUID, g.DeliveryID, g.Event, formatTime(g.DeliveredAt), formatTime(g.FoundAt))
+		var unrecoverable any
+		if g.UnrecoverableAt != nil {
+			unrecoverable = formatTime(*g.UnrecoverableAt)
+		}
+		res, err := tx.exec(ctx, `INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at, unrecoverable_at, last_error)
+			VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`,
+			g.GUID, g.DeliveryID, g.Event, formatTime(g.DeliveredAt), formatTime(g.FoundAt), unrecoverable, g.LastError)
 		if err != nil {
 			return fmt.Errorf("record gap: %w", err)
 		}
@@ -104,9 +119,45 @@ func (s *Store) RecordGap(ctx context.Context, g deliveryGap, channels []string)
 		}
 		recorded = true
 		s.gapsOpen.Store(true)
+		if g.UnrecoverableAt != nil {
+			return tx.queueAlerts(ctx, unrecoverableAlertID(g.GUID), channels)
+		}
 		return tx.queueAlerts(ctx, gapAlertID(g.GUID), channels)
 	})
 	return recorded, err
+}
+
+// GapRefused counts one refusal for good of a gap's redelivery, with its
+// reason. At limit refusals the gap becomes unrecoverable and its alert is
+// queued on each of channels, in the same transaction; gaveUp reports it.
+func (s *Store) GapRefused(ctx context.Context, guid, reason string, limit int, channels []string) (gaveUp bool, err error) {
+	err = s.Batch(ctx, func(tx *Tx) error {
+		var refusals int
+		err := tx.queryRow(ctx, `UPDATE delivery_gaps SET refusals = refusals + 1, last_error = ?
+			WHERE guid = ? AND unrecoverable_at IS NULL RETURNING refusals`, reason, guid).Scan(&refusals)
+		if errors.Is(err, sql.ErrNoRows) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("count a refused redelivery: %w", err)
+		}
+		if refusals < limit {
+			return nil
+		}
+		if _, err := tx.exec(ctx, "UPDATE delivery_gaps SET unrecoverable_at = ? WHERE guid = ?", formatTime(time.Now()), guid); err != nil {
+			return fmt.Errorf("give up a gap: %w", err)
+		}
+		gaveUp = true
+		return tx.queueAlerts(ctx, unrecoverableAlertID(guid), channels)
+	})
+	return gaveUp, err
+}
+
+// GapsToRedeliver lists at most limit open gaps that GitHub was not asked
+// to redeliver yet and that are not given up on, oldest first.
+func (s *Store) GapsToRedeliver(ctx context.Context, limit int) ([]deliveryGap, error) {
+	return s.gaps(ctx, `WHERE resolved_at IS NULL AND redelivered_at IS NULL AND unrecoverable_at IS NULL
+		ORDER BY delivered_at, guid LIMIT ?`, limit)
 }
 
 // GapRedelivered records that GitHub was asked to deliver a gap again.
@@ -156,31 +207,59 @@ func (s *Store) ResolveStoredGaps(ctx context.Context) (int64, error) {
 	return n, err
 }
 
-// OpenGaps lists the gaps not resolved yet, oldest first.
-func (s *Store) OpenGaps(ctx context.Context) ([]deliveryGap, error) {
-	rows, err := s.r.QueryContext(ctx, `SELECT guid, delivery_id, event, delivered_at, found_at, redelivered_at
-		FROM delivery_gaps WHERE resolved_at IS NULL ORDER BY delivered_at, guid`)
+// OpenGaps lists at most limit of the gaps not resolved yet, the newest
+// first, and counts them all: a database with a hundred thousand gaps must
+// not make a page or an answer of their size.
+func (s *Store) OpenGaps(ctx context.Context, limit int) (gaps []deliveryGap, total int, err error) {
+	if total, err = s.OpenGapCount(ctx); err != nil || total == 0 {
+		return []deliveryGap{}, total, err
+	}
+	gaps, err = s.gaps(ctx, "WHERE resolved_at IS NULL ORDER BY delivered_at DESC, guid LIMIT ?", limit)
+	return gaps, total, err
+}
+
+// gaps reads the delivery_gaps rows the clause selects.
+func (s *Store) gaps(ctx context.Context, clause string, args ...any) ([]deliveryGap, error) {
+	rows, err := s.r.QueryContext(ctx, `SELECT guid, delivery_id, event, delivered_at, found_at, redelivered_at,
+		refusals, unrecoverable_at, last_error FROM delivery_gaps `+clause, args...)
 	if err != nil {
-		return nil, fmt.Errorf("read open gaps: %w", err)
+		return nil, fmt.Errorf("read gaps: %w", err)
 	}
 	defer rows.Close()
-	var out []deliveryGap
+	out := []deliveryGap{}
 	for rows.Next() {
 		var g deliveryGap
 		var delivered, found string
-		var redelivered sql.NullString
-		if err := rows.Scan(&g.GUID, &g.DeliveryID, &g.Event, &delivered, &found, &redelivered); err != nil {
-			return nil, fmt.Errorf("read open gaps: %w", err)
+		var redelivered, unrecoverable sql.NullString
+		if err := rows.Scan(&g.GUID, &g.DeliveryID, &g.Event, &delivered, &found, &redelivered,
+			&g.Refusals, &unrecoverable, &g.LastError); err != nil {
+			return nil, fmt.Errorf("read gaps: %w", err)
 		}
 		g.DeliveredAt, _ = time.Parse(time.RFC3339Nano, delivered)
 		g.FoundAt, _ = time.Parse(time.RFC3339Nano, found)
-		if redelivered.Valid {
-			t, _ := time.Parse(time.RFC3339Nano, redelivered.String)
-			g.RedeliveredAt = &t
-		}
+		g.RedeliveredAt = parseTimePtr(redelivered)
+		g.UnrecoverableAt = parseTimePtr(unrecoverable)
 		out = append(out, g)
 	}
 	return out, rows.Err()
+}
+
+// parseTimePtr reads a nullable time column.
+func parseTimePtr(s sql.NullString) *time.Time {
+	if !s.Valid {
+		return nil
+	}
+	t, _ := time.Parse(time.RFC3339Nano, s.String)
+	return &t
+}
+
+// UnrecoverableGapCount counts the open gaps given up on.
+func (s *Store) UnrecoverableGapCount(ctx context.Context) (int, error) {
+	var n int
+	if err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL AND unrecoverable_at IS NOT NULL").Scan(&n); err != nil {
+		return 0, fmt.Errorf("count unrecoverable gaps: %w", err)
+	}
+	return n, nil
 }
 
 // OpenGapCount counts the open gaps, for the metric.

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"time"
 )
 
@@ -28,10 +29,14 @@ type Hooks struct {
 	queues  *Queues
 	alerter *Alerter
 	timeout time.Duration
-	// grace is github.reconcile_grace; redeliver is github.redeliver_gaps.
+	// grace is github.reconcile_grace; redeliver is github.redeliver_gaps;
+	// maxPages is github.max_pages_per_poll.
 	grace     time.Duration
 	redeliver bool
-	log       *slog.Logger
+	maxPages  int
+	// pollTimeout bounds one poll; zero is ledgerTimeout.
+	pollTimeout time.Duration
+	log         *slog.Logger
 }
 
 const keyHooksCheckpoint = "hooks.checkpoint"
@@ -59,20 +64,28 @@ type ledgerEntry struct {
 	Outcome string
 }
 
-// foldAttempts groups GitHub's attempts by GUID, in the order GitHub listed
-// the GUIDs (newest first).
-func foldAttempts(deliveries []hookDelivery) []*ledgerEntry {
-	byGUID := map[string]*ledgerEntry{}
-	var out []*ledgerEntry
-	for _, d := range deliveries {
+// ledgerBook folds GitHub's attempts, page by page, into one entry per
+// GUID, in the order GitHub listed the GUIDs (newest first). It holds a
+// small entry per GUID, never GitHub's pages, and no more GUIDs than
+// github.max_pages_per_poll pages list.
+type ledgerBook struct {
+	byGUID  map[string]*ledgerEntry
+	entries []*ledgerEntry
+}
+
+func newLedgerBook() *ledgerBook { return &ledgerBook{byGUID: map[string]*ledgerEntry{}} }
+
+// add folds one page of attempts in.
+func (b *ledgerBook) add(page []hookDelivery) {
+	for _, d := range page {
 		if d.GUID == "" {
 			continue
 		}
-		e := byGUID[d.GUID]
+		e := b.byGUID[d.GUID]
 		if e == nil {
 			e = &ledgerEntry{GUID: d.GUID, Event: d.Event, Latest: d}
-			byGUID[d.GUID] = e
-			out = append(out, e)
+			b.byGUID[d.GUID] = e
+			b.entries = append(b.entries, e)
 		}
 		if d.StatusCode >= 200 && d.StatusCode < 300 && (e.FirstOK.IsZero() || d.DeliveredAt.Before(e.FirstOK)) {
 			e.FirstOK = d.DeliveredAt
@@ -81,7 +94,6 @@ func foldAttempts(deliveries []hookDelivery) []*ledgerEntry {
 			e.Latest = d
 		}
 	}
-	return out
 }
 
 // classify sets each entry's outcome from what is stored, as of now.
@@ -100,33 +112,48 @@ func classify(entries []*ledgerEntry, stored map[string]bool, now time.Time, gra
 	}
 }
 
-// ledger lists GitHub's deliveries since since and classifies them.
-func ledger(ctx context.Context, app *GitHubApp, store *Store, since, now time.Time, grace time.Duration) (entries []*ledgerEntry, queued map[string]bool, err error) {
-	deliveries, err := app.ListDeliveries(ctx, since)
+// ledgerTimeout bounds one read of GitHub's deliveries, a poll's or the
+// deliveries command's: an API that answers slowly, or forever, must not
+// hold the hooks worker.
+const ledgerTimeout = 2 * time.Minute
+
+// ledger lists GitHub's deliveries since since, at most maxPages pages, and
+// classifies them. complete reports whether the listing got back to since.
+func ledger(ctx context.Context, app *GitHubApp, store *Store, since, now time.Time, grace time.Duration, maxPages int) (
+	entries []*ledgerEntry, queued map[string]bool, complete bool, err error) {
+	book := newLedgerBook()
+	complete, err = app.EachDeliveryPage(ctx, since, maxPages, func(page []hookDelivery) error {
+		book.add(page)
+		return nil
+	})
 	if err != nil {
-		return nil, nil, fmt.Errorf("list hook deliveries: %w", err)
+		return nil, nil, false, fmt.Errorf("list hook deliveries: %w", err)
 	}
-	entries = foldAttempts(deliveries)
-	guids := make([]string, len(entries))
-	for i, e := range entries {
+	guids := make([]string, len(book.entries))
+	for i, e := range book.entries {
 		guids[i] = e.GUID
 	}
 	stored, queued, err := store.LedgerLookup(ctx, guids)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, false, err
 	}
-	classify(entries, stored, now, grace)
-	return entries, queued, nil
+	classify(book.entries, stored, now, grace)
+	return book.entries, queued, complete, nil
 }
 
 // Poll pages every delivery since the checkpoint (never more than GitHub's 3
-// days) and accounts for each GUID: one with no 2xx attempt, neither stored
-// nor queued already, is queued on github-hooks; a gap is recorded, alerted
-// once and, with redeliver on, redelivered by GitHub; every open gap whose
-// GUID is stored now is resolved. The checkpoint moves to now, but never past
-// a delivery still in flight: later polls look at it again until it is stored
-// or a gap. It moves only after a poll that did all it found.
+// days, nor github.max_pages_per_poll pages, within ledgerTimeout) and
+// accounts for each GUID: one with no 2xx attempt, neither stored nor queued
+// already, is queued on github-hooks; a gap is recorded, alerted once and,
+// with redeliver on, redelivered by GitHub at the pace
+// github.redeliver_per_minute allows; every open gap whose GUID is stored
+// now is resolved. A GUID or event from the API that no message may carry
+// makes an unrecoverable gap instead. The checkpoint moves to now, but never
+// past a delivery still in flight, nor when the listing stopped short: later
+// polls look again. It moves only after a poll that did all it found.
 func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
+	ctx, cancel := context.WithTimeout(ctx, cmp.Or(h.pollTimeout, ledgerTimeout))
+	defer cancel()
 	now := time.Now().UTC()
 	since := now.Add(-deliveryRetention)
 	cp, err := h.store.Setting(ctx, keyHooksCheckpoint)
@@ -136,12 +163,24 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 	if t, err := time.Parse(time.RFC3339Nano, cp); err == nil && t.Add(-checkpointOverlap).After(since) {
 		since = t.Add(-checkpointOverlap)
 	}
-	entries, known, err := ledger(ctx, h.app, h.store, since, now, h.grace)
+	entries, known, complete, err := ledger(ctx, h.app, h.store, since, now, h.grace, cmp.Or(h.maxPages, 100))
 	if err != nil {
 		return 0, err
 	}
 	checkpoint := now
+	if !complete {
+		checkpoint = since.Add(checkpointOverlap)
+	}
 	for _, e := range entries {
+		if e.Outcome == ledgerStored {
+			continue
+		}
+		if reason := apiDeliveryProblem(e); reason != "" {
+			if err := h.unrecoverable(ctx, e, now, reason); err != nil {
+				return queued, err
+			}
+			continue
+		}
 		switch e.Outcome {
 		case ledgerRedelivered:
 			if known[e.GUID] {
@@ -175,6 +214,20 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 	return queued, nil
 }
 
+// apiDeliveryProblem says why a delivery GitHub's API listed cannot become a
+// message, "" when it can: its GUID and event become message headers, and
+// are held to a webhook's rules (checkHeaders), so that nothing the API
+// says can break an AMQP frame and the shared connection with it.
+func apiDeliveryProblem(e *ledgerEntry) string {
+	hdr := http.Header{}
+	hdr.Set(hdrDelivery, e.GUID)
+	hdr.Set(hdrEvent, e.Event)
+	if err := checkHeaders(hdr); err != nil {
+		return "GitHub's API listed a delivery no message may carry: " + err.Error()
+	}
+	return ""
+}
+
 // gap records a gap the first time a poll finds it, with its alert.
 func (h *Hooks) gap(ctx context.Context, e *ledgerEntry, now time.Time) error {
 	g := deliveryGap{GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: e.FirstOK, FoundAt: now}
@@ -190,22 +243,63 @@ func (h *Hooks) gap(ctx context.Context, e *ledgerEntry, now time.Time) error {
 	return nil
 }
 
-// redeliverGaps asks GitHub to deliver each open gap not asked for yet once
-// more. A refusal is logged and tried again at the next poll.
+// unrecoverable records e as a gap given up on at once, with its alert,
+// the first time a poll finds it: reason says why.
+func (h *Hooks) unrecoverable(ctx context.Context, e *ledgerEntry, now time.Time, reason string) error {
+	g := deliveryGap{GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: cmp.Or(e.FirstOK, e.Latest.DeliveredAt),
+		FoundAt: now, UnrecoverableAt: &now, LastError: reason}
+	recorded, err := h.store.RecordGap(ctx, g, h.alerter.Channels(&Event{Name: "gap", Action: "unrecoverable", DeliveryID: e.GUID}))
+	if err != nil {
+		return err
+	}
+	if recorded {
+		h.log.Warn("delivery gap, unrecoverable", "github_delivery", e.Latest.ID, "reason", reason)
+	}
+	return nil
+}
+
+// refusedForGood are GitHub's answers to a redelivery that asking again
+// will not change: the delivery is gone (404, 410) or cannot be redelivered
+// (422).
+var refusedForGood = []int{http.StatusNotFound, http.StatusGone, http.StatusUnprocessableEntity}
+
+// maxRefusals is how many such answers make a gap unrecoverable.
+const maxRefusals = 3
+
+// redeliverGaps asks GitHub to deliver open gaps once more, the oldest
+// first, as many as github.redeliver_per_minute lets through now; the rest
+// wait for the next poll. A refusal is logged and asked again at a later
+// poll; the third refusal for good makes the gap unrecoverable, alerted
+// once and never asked for again.
 func (h *Hooks) redeliverGaps(ctx context.Context) error {
 	if !h.redeliver {
 		return nil
 	}
-	gaps, err := h.store.OpenGaps(ctx)
+	gaps, err := h.store.GapsToRedeliver(ctx, h.app.redeliveries.n)
 	if err != nil {
 		return err
 	}
 	for _, g := range gaps {
-		if g.RedeliveredAt != nil {
-			continue
+		err := h.app.Redeliver(ctx, g.DeliveryID)
+		if errors.Is(err, ErrRedeliveryPaced) {
+			h.log.Debug("redeliveries paced: the rest wait for the next poll", "delivery_id", g.GUID)
+			return nil
 		}
-		if err := h.app.Redeliver(ctx, g.DeliveryID); err != nil {
-			h.log.Warn("GitHub did not take the redelivery of a gap, the next poll asks again",
+		var se *githubStatusError
+		if errors.As(err, &se) && slices.Contains(refusedForGood, se.Status) {
+			gaveUp, rerr := h.store.GapRefused(ctx, g.GUID, err.Error(), maxRefusals,
+				h.alerter.Channels(&Event{Name: "gap", Action: "unrecoverable", DeliveryID: g.GUID}))
+			if rerr != nil {
+				return rerr
+			}
+			if gaveUp {
+				h.log.Warn("delivery gap, unrecoverable: GitHub refused its redelivery three times",
+					"delivery_id", g.GUID, "github_delivery", g.DeliveryID, "error", err)
+				continue
+			}
+		}
+		if err != nil {
+			h.log.Warn("GitHub did not take the redelivery of a gap, a later poll asks again",
 				"delivery_id", g.GUID, "github_delivery", g.DeliveryID, "error", err)
 			continue
 		}

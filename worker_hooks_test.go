@@ -319,14 +319,26 @@ func hooksConfig(t *testing.T, gh *fakeGitHub) (*Config, string) {
 // hooksForTest builds the hooks worker's parts over a real store and broker.
 func hooksForTest(t *testing.T, gh *fakeGitHub) (*Hooks, string, *Store, *logSink) {
 	t.Helper()
+	return hooksForTestAt(t, gh, gh.srv.URL)
+}
+
+// hooksForTestAt is hooksForTest with the App's API at apiURL, signing with
+// gh's key. Gap alerts go to a push channel that is never sent to (no
+// alert sender runs), so that alert_outbox shows what was queued.
+func hooksForTestAt(t *testing.T, gh *fakeGitHub, apiURL string) (*Hooks, string, *Store, *logSink) {
+	t.Helper()
 	cfg, vhost := hooksConfig(t, gh)
+	cfg.GitHub.APIURL = apiURL
 	p := newParts(t, cfg)
 	app, err := NewGitHubApp(cfg.GitHub, p.log)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &Hooks{app: app, store: p.store, brokers: p.brokers, queues: p.queues, timeout: 5 * time.Second,
-		grace: cfg.GitHub.ReconcileGrace, redeliver: cfg.GitHub.RedeliverGaps, log: p.log}, vhost, p.store, p.logs
+	alerter := NewAlerter(AlertsConfig{Rules: []AlertRule{{Events: []string{"gap"}, Channels: []string{"push"}}},
+		Push: PushConfig{URL: "http://127.0.0.1:1/never"}}, p.log)
+	return &Hooks{app: app, store: p.store, brokers: p.brokers, queues: p.queues, alerter: alerter, timeout: 5 * time.Second,
+		grace: cfg.GitHub.ReconcileGrace, redeliver: cfg.GitHub.RedeliverGaps, maxPages: cfg.GitHub.MaxPagesPerPoll,
+		log: p.log}, vhost, p.store, p.logs
 }
 
 // 250 deliveries over three pages are all seen; the checkpoint stops the next
@@ -694,7 +706,7 @@ func TestGapRedeliveryRetried(t *testing.T) {
 	if _, err := hooks.Poll(ctx); err != nil {
 		t.Fatal(err)
 	}
-	gaps, err := store.OpenGaps(ctx)
+	gaps, _, err := store.OpenGaps(ctx, 100)
 	if err != nil || len(gaps) != 1 || gaps[0].GUID != guid || gaps[0].RedeliveredAt != nil {
 		t.Fatalf("after a refused redelivery: %+v %v, want the gap open and not marked redelivered", gaps, err)
 	}
@@ -707,7 +719,7 @@ func TestGapRedeliveryRetried(t *testing.T) {
 	if got := gh.redelivered(); len(got) != 1 || got[0] != 51 {
 		t.Errorf("redeliveries taken: %v, want 51 once, at the second poll", got)
 	}
-	if gaps, _ := store.OpenGaps(ctx); len(gaps) != 1 || gaps[0].RedeliveredAt == nil {
+	if gaps, _, _ := store.OpenGaps(ctx, 100); len(gaps) != 1 || gaps[0].RedeliveredAt == nil {
 		t.Errorf("after the second poll: %+v, want the gap marked redelivered", gaps)
 	}
 }
