@@ -6,7 +6,7 @@
 -- shipped; add a new one below. Times are RFC 3339 UTC text.
 
 -- migration 1: settings, the raw event log and its statistics
--- settings: small key/value state. The broker switch lives here (SPEC §8):
+-- settings: small key/value state. The broker switch lives here:
 -- broker.active_index, broker.pending_switch (JSON, "" for none),
 -- broker.last_switch (JSON, "" for none), broker.switch_watermark (RFC 3339).
 CREATE TABLE settings (
@@ -129,7 +129,7 @@ CREATE TABLE github_branches (
     updated_at       TEXT NOT NULL
 ) STRICT;
 
--- github_issues: one row per issue (node id); states as SPEC §10's table.
+-- github_issues: one row per issue (node id); states as the README's table for pull requests and issues.
 CREATE TABLE github_issues (
     id               INTEGER PRIMARY KEY,
     node_id          TEXT NOT NULL UNIQUE,      -- issue.node_id
@@ -151,7 +151,7 @@ CREATE TABLE github_issues (
     updated_at       TEXT NOT NULL
 ) STRICT;
 
--- github_pull_requests: one row per pull request (node id); states as SPEC §10.
+-- github_pull_requests: one row per pull request (node id); states as the README's table for pull requests and issues.
 CREATE TABLE github_pull_requests (
     id               INTEGER PRIMARY KEY,
     node_id          TEXT NOT NULL UNIQUE,      -- pull_request.node_id
@@ -345,7 +345,7 @@ CREATE TABLE alert_sends (
 
 -- migration 4: alerts sent after the commit
 -- alert_outbox: an alert to send, written in the Event's own transaction and
--- sent by the alert sender after the commit (SPEC §12.3), so that no network
+-- sent by the alert sender after the commit, so that no network
 -- I/O happens while a transaction is open and a stalled SMTP or push server
 -- never slows storing. One row per delivery and channel; github.alerted_at is
 -- set when the last of a delivery's rows is sent. alert_sends (migration 3)
@@ -366,7 +366,7 @@ CREATE INDEX alert_outbox_due ON alert_outbox (channel, next_at) WHERE sent_at I
 -- migration 5: order-safe typed rows and the delivery ledger
 -- github_updated_at: the payload object's updated_at (a check run has none:
 -- its completed_at, else started_at), in the stored time format. A row is
--- never overwritten by an Event whose object is older (SPEC §12.4); such an
+-- never overwritten by an Event whose object is older; such an
 -- Event is recorded in worker_deliveries with outcome 'stale'. NULL reads as
 -- older than anything. Rows written before this migration take the time
 -- from the payload of the delivery that last wrote them, while its raw row
@@ -393,7 +393,7 @@ UPDATE github_check_runs SET github_updated_at = (SELECT strftime('%Y-%m-%dT%H:%
 ALTER TABLE worker_deliveries ADD COLUMN outcome TEXT NOT NULL DEFAULT 'done' CHECK (outcome IN ('done', 'stale'));
 
 -- delivery_gaps: deliveries GitHub made with a 2xx answer that are not stored
--- after github.reconcile_grace (SPEC §12.4): lost by a broker, stranded on
+-- after github.reconcile_grace: lost by a broker, stranded on
 -- a broker nobody reads, or waiting in an -error queue. Resolved when the
 -- GUID is stored.
 CREATE TABLE delivery_gaps (
