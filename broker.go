@@ -197,7 +197,7 @@ func (bs *Brokers) Cached() SwitchState {
 
 // publish records a committed state and wakes everyone watching.
 func (bs *Brokers) publish(st SwitchState) {
-	bs.metrics.brokerState(st)
+	bs.metrics.brokerState(st.Active, st.Pending != nil)
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
 	bs.version++
@@ -223,7 +223,7 @@ func (bs *Brokers) State(ctx context.Context) (SwitchState, error) {
 	defer bs.mu.Unlock()
 	if bs.version == version {
 		bs.cached = st
-		bs.metrics.brokerState(st)
+		bs.metrics.brokerState(st.Active, st.Pending != nil)
 	}
 	return st, nil
 }

@@ -26,6 +26,10 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
+// version is the build's version, set with -ldflags "-X main.version=...";
+// it sits with the configuration because every layer may report it.
+var version = "dev"
+
 // Config is the whole of switchyard's configuration: one TOML file, decoded over
 // DefaultConfig. Its keys are what operators write: never rename one.
 type Config struct {

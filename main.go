@@ -31,8 +31,6 @@ import (
 	"golang.org/x/sync/errgroup"
 )
 
-// version is set at build time with -ldflags "-X main.version=...".
-var version = "dev"
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
@@ -820,7 +818,8 @@ type Daemon struct {
 // NewDaemon opens and migrates the database and wires everything; nothing runs
 // until Run.
 func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, error) {
-	metrics := NewMetrics()
+	metrics := NewMetrics(MetricLabels{Version: version, Queues: logicalQueues, Tables: orderSafeTables,
+		Outcomes: []string{string(OutcomeDone), string(OutcomeDuplicate), string(OutcomeRetry), string(OutcomeError)}})
 	store, err := OpenStore(ctx, cfg.Database, metrics)
 	if err != nil {
 		return nil, err
@@ -841,7 +840,9 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		return fail(err)
 	}
 	queues := NewQueues(cfg.Queue, brokers.List(), metrics, log)
-	metrics.brokers(brokers.List())
+	for _, b := range brokers.List() {
+		metrics.broker(b.Index, b.Host, b.Vhost)
+	}
 	webhook, err := NewWebhook(cfg, brokers, queues, metrics, log)
 	if err != nil {
 		return fail(err)
@@ -851,7 +852,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
 	d.fleet = NewFleet(cfg.Queue, brokers.List(), queues, metrics, log)
-	metrics.countStore(store)
+	store.RegisterMetrics(metrics)
 	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
 	consumed := cfg.ConsumedQueues()
 	worker := func(o WorkerOptions) *Worker {

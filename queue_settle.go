@@ -303,7 +303,7 @@ func (q *Queues) settleBatch(b *Broker, ds []amqp.Delivery, o ConsumeOptions) er
 
 // consumed records how one message of queue ended.
 func (q *Queues) consumed(queue string, outcome Outcome, start time.Time) {
-	q.metrics.consume(queue, outcome, time.Since(start))
+	q.metrics.consume(queue, string(outcome), time.Since(start))
 	if outcome == OutcomeDone {
 		q.markDone(queue)
 	}

@@ -60,7 +60,7 @@ func (f *Fleet) Run(ctx context.Context) error {
 func (f *Fleet) look(ctx context.Context, b *Broker, keepalive bool) {
 	log := f.log.With("broker", b.String())
 	_, missing, err := f.queues.Inspect(ctx, b)
-	f.metrics.brokerSeen(b, err)
+	f.metrics.brokerSeen(b.Index, err)
 	if err != nil {
 		if ctx.Err() == nil {
 			log.Warn("cannot read the broker's queues", "error", err)

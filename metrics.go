@@ -39,8 +39,18 @@ type Metrics struct {
 	workerFailures *prometheus.GaugeVec
 }
 
+// MetricLabels are the label values known before anything happens, so that
+// their counters start at 0: rate() and increase() then see a first event.
+// The owners of the names hand them in; metrics knows none of them.
+type MetricLabels struct {
+	Version  string   // the build's, for switchyard_build_info
+	Queues   []string // the four logical queues
+	Outcomes []string // how consuming a message ends
+	Tables   []string // the order-safe typed tables
+}
+
 // NewMetrics registers every metric, plus the Go runtime and process ones.
-func NewMetrics() *Metrics {
+func NewMetrics(labels MetricLabels) *Metrics {
 	latency := []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}
 	m := &Metrics{
 		reg: prometheus.NewRegistry(),
@@ -88,49 +98,47 @@ func NewMetrics() *Metrics {
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
 		m.staleEvents, m.queueMessages, m.brokerUp, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	m.buildInfo.WithLabelValues(version, runtime.Version()).Set(1)
+	m.buildInfo.WithLabelValues(labels.Version, runtime.Version()).Set(1)
 	// Counters whose label values are known start at 0, so that rate() and
 	// increase() see their first event.
 	for _, o := range []string{"accepted", "forbidden", "unauthorized", "bad_request", "too_large", "unavailable"} {
 		m.webhooks.WithLabelValues(o)
 	}
-	for _, q := range logicalQueues {
+	for _, q := range labels.Queues {
 		m.leftovers.WithLabelValues(q)
-		for _, o := range []Outcome{OutcomeDone, OutcomeDuplicate, OutcomeRetry, OutcomeError} {
-			m.consumed.WithLabelValues(q, string(o))
+		for _, o := range labels.Outcomes {
+			m.consumed.WithLabelValues(q, o)
 		}
 	}
 	for _, r := range []string{"drained", "operator"} {
 		m.switches.WithLabelValues(r)
 	}
-	for _, t := range orderSafeTables {
+	for _, t := range labels.Tables {
 		m.staleEvents.WithLabelValues(t)
 	}
 	return m
 }
 
-// brokers records the configured brokers: their info, and their publish
+// broker records one configured broker: its info, and its publish
 // counters at 0.
-func (m *Metrics) brokers(list []*Broker) {
+func (m *Metrics) broker(index int, host, vhost string) {
 	if m == nil {
 		return
 	}
-	for _, b := range list {
-		i := strconv.Itoa(b.Index)
-		m.brokerInfo.WithLabelValues(i, b.Host, b.Vhost).Set(1)
-		m.publishes.WithLabelValues(i, "confirmed")
-		m.publishes.WithLabelValues(i, "failed")
-	}
+	i := strconv.Itoa(index)
+	m.brokerInfo.WithLabelValues(i, host, vhost).Set(1)
+	m.publishes.WithLabelValues(i, "confirmed")
+	m.publishes.WithLabelValues(i, "failed")
 }
 
 // brokerSeen records whether broker b answered the fleet check (its depths
 // were recorded by the passive declares, see ready); a broker that did not
 // answer loses its depth series rather than showing stale ones.
-func (m *Metrics) brokerSeen(b *Broker, err error) {
+func (m *Metrics) brokerSeen(index int, err error) {
 	if m == nil {
 		return
 	}
-	i := strconv.Itoa(b.Index)
+	i := strconv.Itoa(index)
 	if err != nil {
 		m.brokerUp.WithLabelValues(i).Set(0)
 		m.queueMessages.DeletePartialMatch(prometheus.Labels{"broker": i})
@@ -191,9 +199,9 @@ func (m *Metrics) publish(broker int, err error, took time.Duration) {
 	m.publishes.WithLabelValues(b, outcome).Inc()
 }
 
-func (m *Metrics) consume(queue string, outcome Outcome, took time.Duration) {
+func (m *Metrics) consume(queue, outcome string, took time.Duration) {
 	if m != nil {
-		m.consumed.WithLabelValues(queue, string(outcome)).Inc()
+		m.consumed.WithLabelValues(queue, outcome).Inc()
 		m.processSeconds.WithLabelValues(queue).Observe(took.Seconds())
 	}
 }
@@ -204,12 +212,12 @@ func (m *Metrics) ready(broker int, queue string, n int) {
 	}
 }
 
-func (m *Metrics) brokerState(st SwitchState) {
+func (m *Metrics) brokerState(active int, pending bool) {
 	if m == nil {
 		return
 	}
-	m.activeBroker.Set(float64(st.Active))
-	if st.Pending != nil {
+	m.activeBroker.Set(float64(active))
+	if pending {
 		m.pendingSwitch.Set(1)
 	} else {
 		m.pendingSwitch.Set(0)
@@ -240,24 +248,9 @@ func (m *Metrics) healthCheckFailed(worker string) {
 	}
 }
 
-// countStore registers the gauges read from the database at each scrape,
-// never from a worker's memory: the alert sender may be stuck on a stalled
-// server, or the hooks worker on GitHub, exactly when the number matters.
-func (m *Metrics) countStore(store *Store) {
-	m.gaugeFunc("switchyard_alerts_pending", "Alerts queued in alert_outbox and not sent yet.", store.AlertsPending)
-	m.gaugeFunc("switchyard_delivery_gaps", "Open delivery gaps: deliveries GitHub made with a 2xx answer that are not stored after github.reconcile_grace.", store.OpenGapCount)
-	m.gaugeFunc("switchyard_delivery_gaps_unrecoverable", "Open delivery gaps given up on: GitHub refused their redelivery three times, or its API listed them in a way no message may carry.", store.UnrecoverableGapCount)
-	m.gaugeFunc("switchyard_database_writable", "1 when the database takes a write lock within 2 s, else 0.", func(ctx context.Context) (int, error) {
-		if store.Writable(ctx) != nil {
-			return 0, nil
-		}
-		return 1, nil
-	})
-}
-
-// gaugeFunc registers a gauge that count reads at each scrape (NaN when it
-// cannot).
-func (m *Metrics) gaugeFunc(name, help string, count func(ctx context.Context) (int, error)) {
+// GaugeFunc registers a gauge that count reads at each scrape (NaN when it
+// cannot). The owner of what is counted registers it: metrics only receive.
+func (m *Metrics) GaugeFunc(name, help string, count func(ctx context.Context) (int, error)) {
 	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
