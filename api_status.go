@@ -203,7 +203,7 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 	if sw.Pending != nil {
 		st.Pending = &PendingHold{PendingSwitch: *sw.Pending, HeldBy: []QueueHold{}}
 		active := st.Brokers[sw.Active]
-		for _, q := range a.cfg.ConsumedQueues() {
+		for _, q := range consumedQueues(a.cfg) {
 			for _, name := range []string{q, retryQueue(q)} {
 				if n := active.Queues[name].Ready; n > 0 {
 					st.Pending.HeldBy = append(st.Pending.HeldBy, QueueHold{Broker: sw.Active, Queue: name, Messages: n})

@@ -11,8 +11,6 @@ import (
 	"strings"
 	"sync"
 	"time"
-
-	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 // Sentinel errors of the broker state machine; the API maps them to statuses.
@@ -34,29 +32,11 @@ type Broker struct {
 // ParseBroker reads a broker URL the way amqp091-go dials it: the vhost is the
 // URL-decoded path, and an empty path means "/".
 func ParseBroker(index int, raw string) (*Broker, error) {
-	if raw == "" {
-		return nil, errors.New("missing")
-	}
-	u, err := amqp.ParseURI(raw)
+	u, err := parseBrokerURL(raw)
 	if err != nil {
-		// ParseURI's message can quote the URL; keep the password out of it.
-		return nil, errors.New("not an amqp:// or amqps:// URL")
-	}
-	if u.Host == "" {
-		return nil, errors.New("missing host")
-	}
-	if u.Port <= 0 || u.Port > 65535 {
-		return nil, fmt.Errorf("port %d out of range", u.Port)
+		return nil, err
 	}
 	return &Broker{Index: index, URL: raw, Scheme: u.Scheme, Host: u.Host, Port: u.Port, Vhost: normalizeVhost(u.Vhost)}, nil
-}
-
-// normalizeVhost makes "" and "/" the same default vhost.
-func normalizeVhost(v string) string {
-	if v == "" {
-		return "/"
-	}
-	return v
 }
 
 // String names the broker without its credentials.

@@ -5,6 +5,7 @@ import (
 	"cmp"
 	_ "embed"
 	"encoding"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -204,7 +205,7 @@ func DefaultConfig() *Config {
 			MemoryLimit: 48 << 20},
 		Database: DatabaseConfig{Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
 			RawRetention: Duration(90 * 24 * time.Hour), DeliveryRetention: Duration(30 * 24 * time.Hour)},
-		API:    APIConfig{MaxClockSkew: 5 * time.Minute},
+		API: APIConfig{MaxClockSkew: 5 * time.Minute},
 		GitHub: GitHubConfig{APIURL: "https://api.github.com", ReconcileGrace: 2 * time.Hour, RedeliverGaps: true,
 			MaxPagesPerPoll: 100, RedeliverPerMinute: 30},
 		Queue: QueueConfig{
@@ -439,7 +440,7 @@ func (c *Config) Validate() error {
 	if c.GitHub.RedeliverPerMinute < 1 || c.GitHub.RedeliverPerMinute > 80 {
 		bad("github.redeliver_per_minute", "want 1 to 80 (GitHub's content-creation limit), got %d", c.GitHub.RedeliverPerMinute)
 	}
-	if c.GitHub.ReconcileGrace <= 0 || c.GitHub.ReconcileGrace >= deliveryRetention {
+	if c.GitHub.ReconcileGrace <= 0 || c.GitHub.ReconcileGrace >= githubRedeliveryWindow {
 		bad("github.reconcile_grace", "want more than 0 and less than GitHub's 72h of deliveries, got %s", c.GitHub.ReconcileGrace)
 	}
 
@@ -485,7 +486,7 @@ func (c *Config) Validate() error {
 		bad("brokers", "at least one [[brokers]] entry is required")
 	}
 	for i, b := range c.Brokers {
-		if _, err := ParseBroker(i, b.URL); err != nil {
+		if _, err := parseBrokerURL(b.URL); err != nil {
 			bad(fmt.Sprintf("brokers[%d].url", i), "%v", err)
 		}
 	}
@@ -525,15 +526,6 @@ func (c *Config) Validate() error {
 	// Map iteration is random; sort so the same file always reads the same.
 	sort.SliceStable(errs, func(i, j int) bool { return errs[i].Error() < errs[j].Error() })
 	return errors.Join(errs...)
-}
-
-// ConsumedQueues are the logical queues a worker of this configuration reads:
-// all four, less github-hooks when the hooks worker is off (app_id = 0).
-func (c *Config) ConsumedQueues() []string {
-	if c.GitHub.AppID > 0 {
-		return logicalQueues
-	}
-	return []string{queueGitHub, queueDatabase, queueForbidden}
 }
 
 // minTokenLen is the shortest API token accepted; warnTokenLen the shortest
@@ -619,6 +611,57 @@ func (d Duration) String() string {
 		return fmt.Sprintf("%dd", v/(24*time.Hour))
 	}
 	return v.String()
+}
+
+// parseBrokerURL reads a [[brokers]] url the way amqp091-go dials it,
+// refusing what it could not dial, and never quoting the URL (it holds the
+// password) in its errors.
+func parseBrokerURL(raw string) (amqp.URI, error) {
+	if raw == "" {
+		return amqp.URI{}, errors.New("missing")
+	}
+	u, err := amqp.ParseURI(raw)
+	if err != nil {
+		return amqp.URI{}, errors.New("not an amqp:// or amqps:// URL")
+	}
+	if u.Host == "" {
+		return amqp.URI{}, errors.New("missing host")
+	}
+	if u.Port <= 0 || u.Port > 65535 {
+		return amqp.URI{}, fmt.Errorf("port %d out of range", u.Port)
+	}
+	return u, nil
+}
+
+// normalizeVhost makes "" and "/" the same default vhost.
+func normalizeVhost(v string) string {
+	if v == "" {
+		return "/"
+	}
+	return v
+}
+
+// loadMetaHooks reads the "hooks" list of a saved GitHub /meta answer.
+func loadMetaHooks(path string) ([]string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var meta struct {
+		Hooks []string `json:"hooks"`
+	}
+	if err := json.Unmarshal(b, &meta); err != nil {
+		return nil, fmt.Errorf("not GitHub /meta JSON: %w", err)
+	}
+	if len(meta.Hooks) == 0 {
+		return nil, errors.New(`no "hooks" ranges in it`)
+	}
+	for _, c := range meta.Hooks {
+		if _, err := parsePrefix(c); err != nil {
+			return nil, fmt.Errorf("hooks: %w", err)
+		}
+	}
+	return meta.Hooks, nil
 }
 
 // parsePrefix accepts a CIDR or a bare address (a /32 or /128).

@@ -6,7 +6,6 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -16,7 +15,6 @@ import (
 	"net/http"
 	"net/netip"
 	"net/url"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -49,29 +47,6 @@ var (
 	ErrTooLarge     = errors.New("body too large")
 	ErrUnavailable  = errors.New("broker unavailable, retry later")
 )
-
-// loadMetaHooks reads the "hooks" list of a saved GitHub /meta answer.
-func loadMetaHooks(path string) ([]string, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	var meta struct {
-		Hooks []string `json:"hooks"`
-	}
-	if err := json.Unmarshal(b, &meta); err != nil {
-		return nil, fmt.Errorf("not GitHub /meta JSON: %w", err)
-	}
-	if len(meta.Hooks) == 0 {
-		return nil, errors.New(`no "hooks" ranges in it`)
-	}
-	for _, c := range meta.Hooks {
-		if _, err := parsePrefix(c); err != nil {
-			return nil, fmt.Errorf("hooks: %w", err)
-		}
-	}
-	return meta.Hooks, nil
-}
 
 // prefixSet is a list of networks an address can be tested against.
 type prefixSet []netip.Prefix

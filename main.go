@@ -31,7 +31,6 @@ import (
 	"golang.org/x/sync/errgroup"
 )
 
-
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
@@ -114,7 +113,7 @@ var commands = []command{
 		}},
 	{name: "deliveries", summary: "GitHub's deliveries by what became of them (stored, in flight, redelivered, gap), then the open gaps",
 		flags: func(fs *flag.FlagSet, o *options) {
-			fs.DurationVar(&o.deliveries.Since, "since", deliveryRetention, "look this far back (GitHub keeps 72h)")
+			fs.DurationVar(&o.deliveries.Since, "since", githubRedeliveryWindow, "look this far back (GitHub keeps 72h)")
 			fs.BoolVar(&o.deliveries.Gaps, "gaps", false, "list only the open gaps the hooks worker recorded, without asking GitHub")
 		}},
 	{name: "version", noConfig: true, summary: "print the version and the Go version"},
@@ -674,7 +673,7 @@ func listDeliveries(ctx context.Context, cfg *Config, log *slog.Logger, o Delive
 			return err
 		}
 		now := time.Now().UTC()
-		since := now.Add(-min(max(o.Since, 0), deliveryRetention))
+		since := now.Add(-min(max(o.Since, 0), githubRedeliveryWindow))
 		ctx, cancel := context.WithTimeout(ctx, ledgerTimeout)
 		defer cancel()
 		entries, _, complete, err := ledger(ctx, app, store, since, now, cfg.GitHub.ReconcileGrace, cfg.GitHub.MaxPagesPerPoll)
@@ -854,7 +853,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	d.fleet = NewFleet(cfg.Queue, brokers.List(), queues, metrics, log)
 	store.RegisterMetrics(metrics)
 	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
-	consumed := cfg.ConsumedQueues()
+	consumed := consumedQueues(cfg)
 	worker := func(o WorkerOptions) *Worker {
 		o.Consumed = consumed
 		return NewWorker(o, w, brokers, queues, log)

@@ -47,6 +47,15 @@ var (
 	ErrCallTimeout       = errors.New("AMQP call timed out")
 )
 
+// consumedQueues are the logical queues the workers of cfg read: all
+// four, less github-hooks when the hooks worker is off (app_id = 0).
+func consumedQueues(cfg *Config) []string {
+	if cfg.GitHub.AppID > 0 {
+		return logicalQueues
+	}
+	return []string{queueGitHub, queueDatabase, queueForbidden}
+}
+
 // Queues is the AMQP side of switchyard: one connection per broker, shared by
 // every worker and the webhook endpoint, dialed on demand with backoff; channels
 // are opened per use.

@@ -12,9 +12,6 @@ import (
 	"time"
 )
 
-// GitHub keeps hook deliveries for 3 days; older ones cannot be fetched.
-const deliveryRetention = 72 * time.Hour
-
 // checkpointOverlap re-reads a little before the last checkpoint: a delivery
 // GitHub records late must not fall between two polls.
 const checkpointOverlap = 2 * time.Minute
@@ -155,7 +152,7 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 	ctx, cancel := context.WithTimeout(ctx, cmp.Or(h.pollTimeout, ledgerTimeout))
 	defer cancel()
 	now := time.Now().UTC()
-	since := now.Add(-deliveryRetention)
+	since := now.Add(-githubRedeliveryWindow)
 	cp, err := h.store.Setting(ctx, keyHooksCheckpoint)
 	if err != nil {
 		return 0, err
