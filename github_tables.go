@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 )
 
 // This file maps Events to the rows of the release-tracking and typed bot
@@ -244,6 +245,24 @@ func decodeRelease(ev *Event) (*releaseRow, error) {
 		row.GitHubUpdated = &t
 	}
 	return row, nil
+}
+
+// timeFormat is how every time is stored, and how typed rows carry the
+// payload's times: RFC 3339 in UTC with a fixed six fraction digits, so that
+// text order is time order (GitHub's own times, with no fraction, would
+// otherwise sort after the same second with one).
+const timeFormat = "2006-01-02T15:04:05.000000Z"
+
+func formatTime(t time.Time) string { return t.UTC().Format(timeFormat) }
+
+// normalizeTime rewrites an RFC 3339 time from a payload in timeFormat; ok is
+// false when s is not one.
+func normalizeTime(s string) (string, bool) {
+	t, err := time.Parse(time.RFC3339Nano, s)
+	if err != nil {
+		return "", false
+	}
+	return formatTime(t), true
 }
 
 // normalizedPtr rewrites a payload time in timeFormat; nil or unparsable is nil.

@@ -37,23 +37,6 @@ type Store struct {
 	gapsOpen atomic.Bool
 }
 
-// timeFormat is how every time is stored: RFC 3339 in UTC with a fixed six
-// fraction digits, so that text order is time order (GitHub's own times, with
-// no fraction, would otherwise sort after the same second with one).
-const timeFormat = "2006-01-02T15:04:05.000000Z"
-
-func formatTime(t time.Time) string { return t.UTC().Format(timeFormat) }
-
-// normalizeTime rewrites an RFC 3339 time from a payload in timeFormat; ok is
-// false when s is not one.
-func normalizeTime(s string) (string, bool) {
-	t, err := time.Parse(time.RFC3339Nano, s)
-	if err != nil {
-		return "", false
-	}
-	return formatTime(t), true
-}
-
 // OpenStore opens (creating when needed) the database at cfg.Path with the
 // pragmas set on every connection, and checks that WAL mode really took.
 // metrics may be nil (the commands that record none).
