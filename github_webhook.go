@@ -1,29 +1,22 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
-	"log/slog"
-	"mime"
-	"net"
 	"net/http"
-	"net/netip"
-	"net/url"
-	"slices"
 	"strings"
-	"sync"
-	"sync/atomic"
-	"time"
 )
 
-// maxWebhookBody is GitHub's own cap on a webhook payload.
-const maxWebhookBody = 25 << 20
+// What GitHub's webhooks are and how they are told from forgeries: its
+// published source ranges, its signature, and the headers a delivery
+// carries, checked before any of them is copied into a message, whether
+// the delivery came to the webhook endpoint or from GitHub's API.
+
+// ErrBadRequest is a delivery whose headers or body break GitHub's rules.
+var ErrBadRequest = errors.New("bad request")
 
 // githubHooksCIDRs are the "hooks" ranges of GitHub's /meta endpoint, used when
 // neither allowed_cidrs nor meta_file is configured.
@@ -36,123 +29,9 @@ var githubHooksCIDRs = []string{
 	"2606:50c0::/32",
 }
 
-// Request errors of the webhook endpoint; api.go maps them to statuses.
-var (
-	// Apart, because GitHub's Recent Deliveries shows the operator the
-	// answer: a missing signature means the hook has no secret set, a wrong
-	// one that it has another secret than switchyard.
-	ErrNoSignature  = errors.New("missing X-Hub-Signature-256: set the hook's secret in GitHub to github.webhook_secret")
-	ErrBadSignature = errors.New("invalid X-Hub-Signature-256: the hook's secret in GitHub is not github.webhook_secret")
-	ErrBadRequest   = errors.New("bad request")
-	ErrTooLarge     = errors.New("body too large")
-	ErrUnavailable  = errors.New("broker unavailable, retry later")
-)
-
-// prefixSet is a list of networks an address can be tested against.
-type prefixSet []netip.Prefix
-
-func newPrefixSet(cidrs []string) (prefixSet, error) {
-	var s prefixSet
-	for _, c := range cidrs {
-		p, err := parsePrefix(c)
-		if err != nil {
-			return nil, err
-		}
-		s = append(s, p)
-	}
-	return s, nil
-}
-
-func (s prefixSet) contains(a netip.Addr) bool {
-	a = a.Unmap()
-	for _, p := range s {
-		if p.Contains(a) {
-			return true
-		}
-	}
-	return false
-}
-
-// Webhook is the POST /webhooks/github endpoint: bound, verify, then publish.
-type Webhook struct {
-	// auth is what a SIGHUP may change: secrets, allow list, proxies.
-	auth    atomic.Pointer[webhookAuth]
-	timeout time.Duration
-	brokers *Brokers
-	queues  *Queues
-	log     *slog.Logger
-	metrics *Metrics
-	budget  *bodyBudget
-	rejects *logLimiter
-
-	// bodies holds request body buffers between webhooks: a 25 KB payload
-	// would otherwise be allocated and zeroed for each one, and collected.
-	bodies sync.Pool
-}
-
-// webhookAuth is who may deliver: the accepted secrets, the sources
-// allowed into github-exchange and the proxies believed for the source.
-type webhookAuth struct {
-	secrets [][]byte
-	allowed prefixSet
-	proxies prefixSet
-}
-
-// newWebhookAuth reads the config's secrets and networks; the allow list is
-// meta_file's hooks, else allowed_cidrs, else GitHub's ranges built in.
-func newWebhookAuth(cfg *Config) (*webhookAuth, error) {
-	cidrs := githubHooksCIDRs
-	if len(cfg.GitHub.AllowedCIDRs) > 0 {
-		cidrs = cfg.GitHub.AllowedCIDRs
-	}
-	if cfg.GitHub.MetaFile != "" {
-		hooks, err := loadMetaHooks(cfg.GitHub.MetaFile)
-		if err != nil {
-			return nil, fmt.Errorf("github.meta_file: %w", err)
-		}
-		cidrs = hooks
-	}
-	allowed, err := newPrefixSet(cidrs)
-	if err != nil {
-		return nil, err
-	}
-	proxies, err := newPrefixSet(cfg.Server.TrustedProxies)
-	if err != nil {
-		return nil, err
-	}
-	auth := &webhookAuth{allowed: allowed, proxies: proxies}
-	for _, s := range append([]string{cfg.GitHub.WebhookSecret}, cfg.GitHub.PreviousWebhookSecrets...) {
-		auth.secrets = append(auth.secrets, []byte(s))
-	}
-	return auth, nil
-}
-
-// NewWebhook builds the endpoint from the config.
-func NewWebhook(cfg *Config, brokers *Brokers, queues *Queues, metrics *Metrics, log *slog.Logger) (*Webhook, error) {
-	auth, err := newWebhookAuth(cfg)
-	if err != nil {
-		return nil, err
-	}
-	wh := &Webhook{timeout: cfg.Queue.PublishTimeout, brokers: brokers, queues: queues, metrics: metrics, log: log,
-		budget: newBodyBudget(cfg.Server.MaxInflightBytes), rejects: newLogLimiter(10 * time.Second)}
-	wh.auth.Store(auth)
-	wh.bodies.New = func() any { return new([]byte) }
-	return wh, nil
-}
-
-// Reload takes new secrets, allow list and proxies from cfg (SIGHUP).
-func (wh *Webhook) Reload(cfg *Config) error {
-	auth, err := newWebhookAuth(cfg)
-	if err != nil {
-		return err
-	}
-	wh.auth.Store(auth)
-	return nil
-}
-
-// verifySignature checks X-Hub-Signature-256 against every accepted secret,
-// in constant time per secret.
-func (wh *Webhook) verifySignature(body []byte, header string) bool {
+// validSignature checks an X-Hub-Signature-256 header against every
+// accepted secret, in constant time per secret.
+func validSignature(secrets [][]byte, body []byte, header string) bool {
 	sig, ok := strings.CutPrefix(header, "sha256=")
 	if !ok {
 		return false
@@ -162,7 +41,7 @@ func (wh *Webhook) verifySignature(body []byte, header string) bool {
 		return false
 	}
 	valid := false
-	for _, secret := range wh.auth.Load().secrets {
+	for _, secret := range secrets {
 		mac := hmac.New(sha256.New, secret)
 		mac.Write(body)
 		if hmac.Equal(mac.Sum(nil), want) {
@@ -170,139 +49,6 @@ func (wh *Webhook) verifySignature(body []byte, header string) bool {
 		}
 	}
 	return valid
-}
-
-// sourceIP is the peer address, or, when the peer is a trusted proxy, the
-// right-most X-Forwarded-For address that is not one.
-func (wh *Webhook) sourceIP(r *http.Request) netip.Addr {
-	host, _, err := net.SplitHostPort(r.RemoteAddr)
-	if err != nil {
-		host = r.RemoteAddr
-	}
-	peer, err := netip.ParseAddr(host)
-	if err != nil {
-		return netip.Addr{}
-	}
-	peer = peer.Unmap()
-	proxies := wh.auth.Load().proxies
-	if !proxies.contains(peer) {
-		return peer
-	}
-	var hops []string
-	for _, v := range r.Header.Values("X-Forwarded-For") {
-		hops = append(hops, strings.Split(v, ",")...)
-	}
-	addr := peer
-	for i := len(hops) - 1; i >= 0; i-- {
-		a, err := netip.ParseAddr(strings.TrimSpace(hops[i]))
-		if err != nil {
-			break // a garbled hop: trust nothing left of it
-		}
-		addr = a.Unmap()
-		if !proxies.contains(addr) {
-			break
-		}
-	}
-	return addr
-}
-
-// maxPooledBody is the largest buffer kept for reuse; a rare multi-megabyte
-// payload is left to the collector instead of being held forever.
-const maxPooledBody = 1 << 20
-
-// firstReserve is the most reserved for a body before any of it arrived:
-// Content-Length is a claim, not bytes, and it is believed only as far as
-// this; beyond it the buffer grows as bytes come.
-const firstReserve = 64 << 10
-
-// ErrBusy is a webhook refused for lack of room: too many body bytes are
-// being read at once. 503 with Retry-After.
-var ErrBusy = fmt.Errorf("%w: too many webhook bytes in flight", ErrUnavailable)
-
-// bodyBudget bounds the webhook body bytes held at once: every
-// body takes its size from it before it is read, and gives it back when the
-// request ends. Bytes beyond a body's first firstReserve may hold at most
-// three quarters of it together: the last quarter is kept for ordinary
-// webhooks (GitHub's are tens of KB), so that a flood of large or slow
-// bodies, signed or not, cannot starve them.
-type bodyBudget struct {
-	mu           sync.Mutex
-	limit        int64
-	used, large  int64 // all bytes taken; the part of them beyond firstReserve
-	maxLargePart int64
-}
-
-func newBodyBudget(limit int64) *bodyBudget {
-	return &bodyBudget{limit: limit, maxLargePart: limit * 3 / 4}
-}
-
-// take reserves n more bytes for a body that already holds had; false, and
-// nothing taken, when they do not fit.
-func (b *bodyBudget) take(had, n int64) bool {
-	large := max(0, had+n-firstReserve) - max(0, had-firstReserve)
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.used+n > b.limit || b.large+large > b.maxLargePart {
-		return false
-	}
-	b.used += n
-	b.large += large
-	return true
-}
-
-// give returns a body's whole reservation of n bytes.
-func (b *bodyBudget) give(n int64) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.used -= n
-	b.large -= max(0, n-firstReserve)
-}
-
-// readBody reads the request body within the budget and returns it in
-// *buf's memory. A Content-Length over 25 MiB is refused before reading; so is
-// one that does not fit the budget (ErrBusy). A body of unknown length is
-// charged step by step as it arrives. Either way the buffer grows only as
-// bytes come, and never past what was charged. release gives the charge back;
-// call it once the body is no longer used.
-func (wh *Webhook) readBody(w http.ResponseWriter, r *http.Request, buf *[]byte) (body []byte, release func(), err error) {
-	var charged int64
-	release = func() { wh.budget.give(charged) }
-	if r.ContentLength > maxWebhookBody {
-		return nil, release, fmt.Errorf("%w: Content-Length over %d bytes", ErrTooLarge, maxWebhookBody)
-	}
-	if n := r.ContentLength; n >= 0 {
-		// One byte more than claimed, to read the end of the body.
-		if !wh.budget.take(0, n+1) {
-			return nil, release, ErrBusy
-		}
-		charged = n + 1
-	}
-	src := http.MaxBytesReader(w, r.Body, maxWebhookBody)
-	b := (*buf)[:0]
-	defer func() { *buf = b }()
-	for {
-		if int64(len(b)) == charged {
-			step := min(max(firstReserve, charged), maxWebhookBody+1-charged)
-			if !wh.budget.take(charged, step) {
-				return nil, release, ErrBusy
-			}
-			charged += step
-		}
-		if len(b) == cap(b) {
-			b = slices.Grow(b, int(min(max(firstReserve, int64(cap(b))), charged-int64(len(b)))))
-		}
-		k, err := src.Read(b[len(b):min(int64(cap(b)), charged)])
-		b = b[:len(b)+k]
-		var mbe *http.MaxBytesError
-		switch {
-		case err == io.EOF:
-			return b, release, nil
-		case errors.As(err, &mbe):
-			return nil, release, fmt.Errorf("%w: over %d bytes", ErrTooLarge, maxWebhookBody)
-		case err != nil:
-			return nil, release, fmt.Errorf("%w: read body: %v", ErrBadRequest, err)
-		}
-	}
 }
 
 // Limits on the request headers copied into the AMQP message:
@@ -338,168 +84,4 @@ func checkHeaders(h http.Header) error {
 		}
 	}
 	return nil
-}
-
-// readPayload reads the body into buf, checks the signature over it, and
-// returns the JSON payload (the body itself, or its payload= field when
-// form-encoded), which may share buf's memory.
-func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request, buf *[]byte) (payload []byte, release func(), err error) {
-	body, release, err := wh.readBody(w, r, buf)
-	if err != nil {
-		return nil, release, err
-	}
-	sig := r.Header.Get("X-Hub-Signature-256")
-	if sig == "" {
-		return nil, release, ErrNoSignature
-	}
-	if !wh.verifySignature(body, sig) {
-		return nil, release, ErrBadSignature
-	}
-	if err := checkHeaders(r.Header); err != nil {
-		return nil, release, err
-	}
-	payload = body
-	if isForm(r.Header.Get("Content-Type")) {
-		form, err := url.ParseQuery(string(body))
-		if err != nil || !form.Has("payload") {
-			return nil, release, fmt.Errorf("%w: form body without payload=", ErrBadRequest)
-		}
-		payload = []byte(form.Get("payload"))
-	}
-	if t := bytes.TrimSpace(payload); len(t) == 0 || t[0] != '{' || !validJSON(t) {
-		return nil, release, fmt.Errorf("%w: payload is not a JSON object", ErrBadRequest)
-	}
-	return payload, release, nil
-}
-
-// isForm tells a form-encoded body (payload=...) from the usual JSON one.
-func isForm(contentType string) bool {
-	if contentType == "application/json" {
-		return false // GitHub's default, without parsing
-	}
-	mt, _, _ := mime.ParseMediaType(contentType)
-	return mt == "application/x-www-form-urlencoded"
-}
-
-// queued is the 202 answer. Queue is set for a webhook from outside the
-// allowed sources, which waits in github-forbidden for the cleanup worker:
-// whoever sent it by hand learns why no row appears at once.
-type queued struct {
-	Status     string `json:"status"`
-	DeliveryID string `json:"delivery_id"`
-	Queue      string `json:"queue,omitempty"`
-}
-
-// rejectOutcome names a refused webhook for the metrics and the log.
-func rejectOutcome(err error) string {
-	switch statusOf(err) {
-	case http.StatusUnauthorized:
-		return "unauthorized"
-	case http.StatusRequestEntityTooLarge:
-		return "too_large"
-	case http.StatusServiceUnavailable:
-		return "unavailable"
-	}
-	return "bad_request"
-}
-
-// reject answers a refused webhook, counts it, and logs it at warn with the
-// reason and source, at most one line per outcome per 10 s: a flood of bad
-// requests must not flood the journal too.
-func (wh *Webhook) reject(w http.ResponseWriter, r *http.Request, err error, src netip.Addr) {
-	outcome := rejectOutcome(err)
-	wh.metrics.webhook(outcome)
-	if ok, suppressed := wh.rejects.allow(outcome, time.Now()); ok {
-		args := []any{"outcome", outcome, "status", statusOf(err), "source_ip", addrText(src), "error", err}
-		if suppressed > 0 {
-			args = append(args, "suppressed", suppressed)
-		}
-		wh.log.Warn("webhook rejected", args...)
-	}
-	msg := err.Error()
-	if statusOf(err) == http.StatusServiceUnavailable {
-		w.Header().Set("Retry-After", "30")
-	}
-	writeJSON(w, statusOf(err), map[string]string{"error": msg})
-}
-
-func addrText(a netip.Addr) string {
-	if !a.IsValid() {
-		return ""
-	}
-	return a.String()
-}
-
-// ServeHTTP answers 202 only once the broker confirmed the message.
-func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	buf := wh.bodies.Get().(*[]byte)
-	defer func() {
-		// Publish has written the body to the connection by the time it
-		// returns, whatever the outcome: nothing holds buf after this.
-		if cap(*buf) <= maxPooledBody {
-			*buf = (*buf)[:0]
-			wh.bodies.Put(buf)
-		}
-	}()
-	src := wh.sourceIP(r)
-	payload, release, err := wh.readPayload(w, r, buf)
-	defer release()
-	if err != nil {
-		wh.reject(w, r, err, src)
-		return
-	}
-	exchange, key := exchangeName, ""
-	if !src.IsValid() || !wh.auth.Load().allowed.contains(src) {
-		exchange, key = "", queueForbidden
-	}
-	msg := newPublishing(r.Header, payload, addrText(src), time.Now())
-
-	st := wh.brokers.Cached()
-	b, err := wh.brokers.Get(st.PublishTarget())
-	if err == nil {
-		ctx, cancel := context.WithTimeout(r.Context(), wh.timeout)
-		err = wh.queues.Publish(ctx, b, exchange, key, msg)
-		cancel()
-	}
-	if err != nil {
-		wh.reject(w, r, fmt.Errorf("%w: delivery %s not queued: %v", ErrUnavailable, msg.MessageId, err), src)
-		return
-	}
-	outcome := "accepted"
-	if key != "" {
-		outcome = "forbidden"
-	}
-	wh.metrics.webhook(outcome)
-	if wh.log.Enabled(r.Context(), slog.LevelDebug) {
-		wh.log.Debug("webhook queued", "delivery_id", msg.MessageId, "event", msg.Type, "source_ip", addrText(src),
-			"broker", b.String(), "forbidden", key != "")
-	}
-	writeJSON(w, http.StatusAccepted, queued{Status: "queued", DeliveryID: msg.MessageId, Queue: key})
-}
-
-// logLimiter lets one log line per key through per period, and counts the
-// ones it held back.
-type logLimiter struct {
-	every time.Duration
-	mu    sync.Mutex
-	last  map[string]time.Time
-	held  map[string]int
-}
-
-func newLogLimiter(every time.Duration) *logLimiter {
-	return &logLimiter{every: every, last: map[string]time.Time{}, held: map[string]int{}}
-}
-
-// allow reports whether a line for key may be logged at now, and how many
-// were held back since the last one.
-func (l *logLimiter) allow(key string, now time.Time) (ok bool, suppressed int) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if last, seen := l.last[key]; seen && now.Sub(last) < l.every {
-		l.held[key]++
-		return false, 0
-	}
-	suppressed = l.held[key]
-	l.last[key], l.held[key] = now, 0
-	return true, suppressed
 }

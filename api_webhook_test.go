@@ -412,7 +412,7 @@ func TestVerifySignature(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := wh.verifySignature(body, tt.header); got != tt.want {
+			if got := validSignature(wh.auth.Load().secrets, body, tt.header); got != tt.want {
 				t.Errorf("got %v, want %v", got, tt.want)
 			}
 		})
