@@ -52,9 +52,19 @@ func matchPattern(pattern, event, action string) bool {
 	return pa == action
 }
 
-// Channels returns the channels that must announce ev, in a stable order. A
-// rule without channels means every configured channel.
+// AlertIntent is what an alert is about, as the rules match it: an Event's
+// name and action, or switchyard's own ("gap" with the missing delivery's
+// event, "gap" "unrecoverable").
+type AlertIntent struct{ Name, Action string }
+
+// Channels returns the channels that must announce ev, in a stable order.
 func (a *Alerter) Channels(ev *Event) []string {
+	return a.ChannelsFor(AlertIntent{Name: ev.Name, Action: ev.Action})
+}
+
+// ChannelsFor returns the channels that must announce in, in a stable
+// order. A rule without channels means every configured channel.
+func (a *Alerter) ChannelsFor(in AlertIntent) []string {
 	if a == nil {
 		return nil
 	}
@@ -62,7 +72,7 @@ func (a *Alerter) Channels(ev *Event) []string {
 	for _, r := range a.cfg.Load().Rules {
 		matched := false
 		for _, p := range r.Events {
-			if matchPattern(p, ev.Name, ev.Action) {
+			if matchPattern(p, in.Name, in.Action) {
 				matched = true
 				break
 			}

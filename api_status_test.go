@@ -31,7 +31,7 @@ func statusScene(t *testing.T) (d *testDaemon, a, b string) {
 	body := loadFixture(t, "issues", "opened")
 	publishRaw(t, a, "", retryQueue(queueGitHub), eventMessage("issues", newGUID(), body))
 	failed := eventMessage("issues", newGUID(), body)
-	failed.Headers[hdrError] = "payload does not have the issues shape"
+	failed.Headers[hdrErrorReason] = "payload does not have the issues shape"
 	publishRaw(t, b, "", errorQueue(queueGitHub), failed)
 	d = startDaemon(t, cfg)
 	for i := 0; i < 3; i++ {

@@ -401,7 +401,7 @@ func benchDatabaseBytes(b *testing.B) (total, payloads int64) {
 				if err := svc(ctx, tx, ev); err != nil {
 					return err
 				}
-				var perm *permanentError
+				var perm *MalformedError
 				if err := dbh(ctx, tx, ev); err != nil && !errors.As(err, &perm) && !errors.Is(err, ErrDuplicate) {
 					return err
 				}

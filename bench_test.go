@@ -493,7 +493,7 @@ func benchConsume(b *testing.B, payload []byte) consumeResult {
 		defer cancel()
 		cpu := selfCPU()
 		start := time.Now()
-		go consumeUntil(ctx, q, q.conns[0].broker, ConsumeOptions{Queue: queueDatabase, Handle: counted, Prepare: databasePrepare(testBotAppID), Batch: store, Log: log})
+		go consumeUntil(ctx, q, q.conns[0].broker, EventOptions{Queue: queueDatabase, Handle: counted, Prepare: databasePrepare(testBotAppID), Batch: store, Log: log}.consume())
 		for done.Load() < n {
 			time.Sleep(time.Millisecond)
 		}
@@ -571,7 +571,7 @@ func drainRate(b testing.TB, store *Store, cfg *Config, brokerURL string, n int)
 	always := func() bool { return true }
 	start := time.Now()
 	got, err := q.Drain(context.Background(), q.conns[0].broker,
-		ConsumeOptions{Queue: queueGitHub, Handle: serviceHandler(store, nil, false), Batch: store, Log: log}, n, always)
+		EventOptions{Queue: queueGitHub, Handle: serviceHandler(store, nil, false), Batch: store, Log: log}.consume(), n, always)
 	if err != nil || got != n {
 		b.Fatalf("drain: %d, %v", got, err)
 	}

@@ -723,7 +723,7 @@ func TestQueuesAndReplayCommands(t *testing.T) {
 	// A replayed message starts its attempts anew.
 	for i := 0; i < 4; i++ {
 		m := getOne(t, a, queueGitHub)
-		if m.Headers[hdrError] != nil || m.Headers["x-death"] != nil {
+		if m.Headers[hdrErrorReason] != nil || m.Headers["x-death"] != nil {
 			t.Errorf("replayed message keeps its error headers: %v", m.Headers)
 		}
 	}
@@ -932,8 +932,8 @@ func TestReplayWhileServing(t *testing.T) {
 	declareTestTopology(t, b, cfg.Queue.RetryTTL)
 	for i := 0; i < 5; i++ {
 		msg := eventMessage("issues", fmt.Sprintf("bad-%d", i), []byte("<html>not json</html>"))
-		msg.Headers[hdrError] = "payload is not a JSON object"
-		msg.Headers[hdrAttempts] = int64(3)
+		msg.Headers[hdrErrorReason] = "payload is not a JSON object"
+		msg.Headers[hdrErrorAttempts] = int64(3)
 		publishRaw(t, a, "", errorQueue(queueGitHub), msg)
 	}
 	d := startDaemon(t, cfg)

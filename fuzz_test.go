@@ -117,8 +117,8 @@ func FuzzDecodeEvent(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte, event, guid, targetType, targetID string) {
 		d := &amqp.Delivery{Body: body, MessageId: guid, Type: event,
 			Headers: amqp.Table{hdrTargetType: targetType, hdrTargetID: targetID}}
-		ev, err := DecodeEvent(d)
-		var perm *permanentError
+		ev, err := DecodeEvent(deliveryOf(d))
+		var perm *MalformedError
 		if err != nil {
 			if !errors.As(err, &perm) {
 				t.Fatalf("decode error %v is not permanent", err)

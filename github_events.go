@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -47,9 +46,17 @@ const (
 	hdrTargetID   = "x-github-hook-installation-target-id"
 	hdrTargetType = "x-github-hook-installation-target-type"
 	hdrSourceIP   = "x-source-ip"
-	hdrError      = "x-error-reason"
-	hdrAttempts   = "x-attempts"
 )
+
+// MalformedError is a delivery that does not have the shape GitHub's
+// deliveries have: no retry can help it.
+type MalformedError struct{ Reason string }
+
+func (e *MalformedError) Error() string { return e.Reason }
+
+func malformed(format string, args ...any) error {
+	return &MalformedError{Reason: fmt.Sprintf(format, args...)}
+}
 
 // eventHeaders are the GitHub request headers a message carries, lower-cased.
 var eventHeaders = []string{hdrEvent, hdrDelivery, hdrHookID, hdrTargetID, hdrTargetType}
@@ -106,12 +113,22 @@ type tablePayload interface{ event() *eventPayload }
 
 func (p *eventPayload) event() *eventPayload { return p }
 
+// Delivery is a message as DecodeEvent reads it: its AMQP message id, type,
+// a reader of its headers, its body and when it was published.
+type Delivery struct {
+	MessageID string
+	Type      string
+	Header    func(k string) string
+	Body      []byte
+	Timestamp time.Time
+}
+
 // DecodeEvent reads a message into an Event. A message without a delivery
-// GUID or event name, or with a body that is not a JSON object, is a permanent
-// failure.
-func DecodeEvent(d *amqp.Delivery) (*Event, error) {
+// GUID or event name, or with a body that is not a JSON object, is malformed:
+// no retry can help.
+func DecodeEvent(d Delivery) (*Event, error) {
 	body := d.Body
-	get := func(k string) string { return tableString(d.Headers, k) }
+	get := d.Header
 
 	p, shapeErr, err := decodePayload(body, cmp.Or(get(hdrEvent), d.Type))
 	if err != nil {
@@ -126,7 +143,7 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 			if v := wrapped.Get(k); v != "" {
 				return v
 			}
-			return tableString(d.Headers, k)
+			return d.Header(k)
 		}
 		body = unwrapPayload(env.Payload)
 		if p, shapeErr, err = decodePayload(body, cmp.Or(get(hdrEvent), d.Type)); err != nil {
@@ -148,16 +165,16 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 		shapeErr:   shapeErr,
 	}
 	if ev.DeliveryID == "" {
-		ev.DeliveryID = d.MessageId
+		ev.DeliveryID = d.MessageID
 	}
 	if ev.Name == "" {
 		ev.Name = d.Type
 	}
 	if ev.DeliveryID == "" {
-		return nil, permanent("no delivery GUID (x-github-delivery header or message_id)")
+		return nil, malformed("no delivery GUID (x-github-delivery header or message_id)")
 	}
 	if ev.Name == "" {
-		return nil, permanent("no event name (x-github-event header or type)")
+		return nil, malformed("no event name (x-github-event header or type)")
 	}
 	ev.HookID, _ = strconv.ParseInt(get(hdrHookID), 10, 64)
 	ev.TargetID, _ = strconv.ParseInt(get(hdrTargetID), 10, 64)
@@ -183,15 +200,15 @@ func DecodeEvent(d *amqp.Delivery) (*Event, error) {
 func decodePayload(body []byte, name string) (p tablePayload, shapeErr, err error) {
 	body = bytes.TrimSpace(body)
 	if len(body) == 0 {
-		return nil, nil, permanent("empty body")
+		return nil, nil, malformed("empty body")
 	}
 	if body[0] != '{' {
-		return nil, nil, permanent("body is not a JSON object")
+		return nil, nil, malformed("body is not a JSON object")
 	}
 	p = newTablePayload(name)
 	if err := decodeJSON(body, p); err != nil {
 		if !isShapeError(err) {
-			return nil, nil, permanent("body is not valid JSON")
+			return nil, nil, malformed("body is not valid JSON")
 		}
 		shapeErr = err
 	}
@@ -213,7 +230,7 @@ func memberCount(b []byte) int {
 func decodeWrappedHeaders(raw json.RawMessage) (http.Header, error) {
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(raw, &m); err != nil {
-		return nil, permanent("wrapped message: headers is not an object")
+		return nil, malformed("wrapped message: headers is not an object")
 	}
 	h := http.Header{}
 	for k, v := range m {
@@ -245,20 +262,4 @@ func unwrapPayload(raw json.RawMessage) []byte {
 		return []byte(s)
 	}
 	return raw
-}
-
-// tableString reads a header as text, whatever AMQP type carried it.
-func tableString(t amqp.Table, k string) string {
-	switch v := t[k].(type) {
-	case string:
-		return v
-	case []byte:
-		return string(v)
-	case int64, int32, int16, int8, int, uint8, uint16, uint32, uint64:
-		return fmt.Sprint(v)
-	case nil:
-		return ""
-	default:
-		return strings.TrimSpace(fmt.Sprint(v))
-	}
 }

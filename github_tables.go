@@ -58,11 +58,11 @@ type (
 // repoParts splits the repository into owner and name, requiring both.
 func repoParts(event string, r *jsonRepo) (owner, name string, err error) {
 	if r == nil || r.FullName == "" {
-		return "", "", permanent("%s: payload has no repository.full_name", event)
+		return "", "", malformed("%s: payload has no repository.full_name", event)
 	}
 	owner, name, ok := strings.Cut(r.FullName, "/")
 	if !ok || owner == "" || name == "" {
-		return "", "", permanent("%s: repository.full_name %q is not owner/name", event, r.FullName)
+		return "", "", malformed("%s: repository.full_name %q is not owner/name", event, r.FullName)
 	}
 	return owner, name, nil
 }
@@ -147,7 +147,7 @@ func decodeInto[T any](ev *Event) (*T, error) {
 		err = decodeJSON(ev.Payload, p)
 	}
 	if err != nil {
-		return nil, permanent("%s: payload does not have the %s shape: %v", ev.Name, ev.Name, err)
+		return nil, malformed("%s: payload does not have the %s shape: %v", ev.Name, ev.Name, err)
 	}
 	return p, nil
 }
@@ -225,7 +225,7 @@ func decodeRelease(ev *Event) (*releaseRow, error) {
 		return nil, err
 	}
 	if p.Release == nil || p.Release.ID == 0 || p.Release.TagName == "" {
-		return nil, permanent("release: payload has no release.id or release.tag_name")
+		return nil, malformed("release: payload has no release.id or release.tag_name")
 	}
 	if _, _, err := repoParts(ev.Name, p.Repository); err != nil {
 		return nil, err
@@ -309,11 +309,11 @@ func decodeWorkflowRun(ev *Event) (*workflowRunRow, error) {
 	}
 	w := p.WorkflowRun
 	if w == nil || w.ID == 0 {
-		return nil, permanent("workflow_run: payload has no workflow_run.id")
+		return nil, malformed("workflow_run: payload has no workflow_run.id")
 	}
 	updated, ok := normalizeTime(w.UpdatedAt)
 	if !ok {
-		return nil, permanent("workflow_run: workflow_run.updated_at %q is not a time", w.UpdatedAt)
+		return nil, malformed("workflow_run: workflow_run.updated_at %q is not a time", w.UpdatedAt)
 	}
 	if _, _, err := repoParts(ev.Name, p.Repository); err != nil {
 		return nil, err
@@ -349,7 +349,7 @@ func decodeBranch(ev *Event) (*branchRow, error) {
 		return nil, err
 	}
 	if p.Ref == "" || p.RefType == "" {
-		return nil, permanent("%s: payload has no ref or ref_type", ev.Name)
+		return nil, malformed("%s: payload has no ref or ref_type", ev.Name)
 	}
 	if _, _, err := repoParts(ev.Name, p.Repository); err != nil {
 		return nil, err
@@ -391,7 +391,7 @@ func decodeIssue(ev *Event) (*issueRow, error) {
 		return nil, err
 	}
 	if p.Issue == nil || p.Issue.NodeID == "" || p.Issue.Number == 0 {
-		return nil, permanent("issues: payload has no issue.node_id or issue.number")
+		return nil, malformed("issues: payload has no issue.node_id or issue.number")
 	}
 	owner, name, err := repoParts(ev.Name, p.Repository)
 	if err != nil {
@@ -430,7 +430,7 @@ func decodePullRequest(ev *Event) (*issueRow, error) {
 	}
 	pr := p.PullRequest
 	if pr == nil || pr.NodeID == "" || pr.Number == 0 || pr.Head == nil || pr.Head.SHA == "" {
-		return nil, permanent("pull_request: payload has no pull_request.node_id, number or head.sha")
+		return nil, malformed("pull_request: payload has no pull_request.node_id, number or head.sha")
 	}
 	owner, name, err := repoParts(ev.Name, p.Repository)
 	if err != nil {
@@ -480,7 +480,7 @@ func decodeComment(ev *Event) (*commentRow, error) {
 	}
 	c := p.Comment
 	if c == nil || c.ID == 0 {
-		return nil, permanent("%s: payload has no comment.id", ev.Name)
+		return nil, malformed("%s: payload has no comment.id", ev.Name)
 	}
 	if _, _, err := repoParts(ev.Name, p.Repository); err != nil {
 		return nil, err
@@ -540,10 +540,10 @@ func decodeDiscussion(ev *Event) (*discussionRow, error) {
 	}
 	d := p.Discussion
 	if d == nil || d.NodeID == "" || d.Number == 0 {
-		return nil, permanent("%s: payload has no discussion.node_id or discussion.number", ev.Name)
+		return nil, malformed("%s: payload has no discussion.node_id or discussion.number", ev.Name)
 	}
 	if ev.Name == "discussion_comment" && (p.Comment == nil || p.Comment.ID == 0) {
-		return nil, permanent("discussion_comment: payload has no comment.id")
+		return nil, malformed("discussion_comment: payload has no comment.id")
 	}
 	if _, _, err := repoParts(ev.Name, p.Repository); err != nil {
 		return nil, err
@@ -595,7 +595,7 @@ func decodeCheckRun(ev *Event) (*checkRunRow, error) {
 	}
 	c := p.CheckRun
 	if c == nil || c.ID == 0 {
-		return nil, permanent("check_run: payload has no check_run.id")
+		return nil, malformed("check_run: payload has no check_run.id")
 	}
 	if _, _, err := repoParts(ev.Name, p.Repository); err != nil {
 		return nil, err
@@ -642,7 +642,7 @@ func decodePush(ev *Event) (*pushRow, error) {
 		return nil, err
 	}
 	if p.Ref == "" || p.After == "" {
-		return nil, permanent("push: payload has no ref or after")
+		return nil, malformed("push: payload has no ref or after")
 	}
 	if _, _, err := repoParts(ev.Name, p.Repository); err != nil {
 		return nil, err
@@ -689,7 +689,7 @@ func decodeInstallation(ev *Event) (*installationRow, []repositoryRow, error) {
 	}
 	in := p.Installation
 	if in == nil || in.ID == 0 {
-		return nil, nil, permanent("%s: payload has no installation.id", ev.Name)
+		return nil, nil, malformed("%s: payload has no installation.id", ev.Name)
 	}
 	row := &installationRow{ID: in.ID, AppID: in.AppID, RepositorySelection: in.RepositorySelection,
 		Event: ev.Name, Action: ev.Action, Deleted: ev.Action == "deleted",
@@ -708,7 +708,7 @@ func decodeInstallation(ev *Event) (*installationRow, []repositoryRow, error) {
 		}{{"added", p.Added}, {"removed", p.Removed}} {
 			for _, r := range set.list {
 				if r.FullName == "" {
-					return nil, nil, permanent("installation_repositories: a repository without full_name")
+					return nil, nil, malformed("installation_repositories: a repository without full_name")
 				}
 				repos = append(repos, repositoryRow{Event: ev.Name, Action: set.action, Repository: r.FullName,
 					Sender: login(p.Sender), RepositoryID: r.ID, Private: r.Private})

@@ -429,9 +429,15 @@ func eventMessage(event, guid string, body []byte) amqp.Publishing {
 }
 
 // delivered is msg as a consumer receives it, for decoding without a broker.
-func delivered(msg amqp.Publishing) *amqp.Delivery {
-	return &amqp.Delivery{Headers: msg.Headers, MessageId: msg.MessageId, Type: msg.Type,
-		ContentType: msg.ContentType, Timestamp: msg.Timestamp, Body: msg.Body}
+func delivered(msg amqp.Publishing) Delivery {
+	return deliveryOf(&amqp.Delivery{Headers: msg.Headers, MessageId: msg.MessageId, Type: msg.Type,
+		ContentType: msg.ContentType, Timestamp: msg.Timestamp, Body: msg.Body})
+}
+
+// deliveryOf is an AMQP delivery as DecodeEvent reads it.
+func deliveryOf(d *amqp.Delivery) Delivery {
+	return Delivery{MessageID: d.MessageId, Type: d.Type, Header: func(k string) string { return tableString(d.Headers, k) },
+		Body: d.Body, Timestamp: d.Timestamp}
 }
 
 // getOne takes one message from queue on vhost, failing when there is none.

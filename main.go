@@ -781,10 +781,10 @@ func replay(ctx context.Context, cfg *Config, log *slog.Logger, queue string, op
 		fmt.Fprintln(tw, "DELIVERY\tEVENT\tATTEMPTS\tREASON")
 		n, err := queues.PeekErrors(ctx, from, queue, opts.Limit, func(d *amqp.Delivery) {
 			attempts := "-"
-			if v, ok := d.Headers[hdrAttempts]; ok {
+			if v, ok := d.Headers[hdrErrorAttempts]; ok {
 				attempts = fmt.Sprint(v)
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", d.MessageId, d.Type, attempts, tableString(d.Headers, hdrError))
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", d.MessageId, d.Type, attempts, tableString(d.Headers, hdrErrorReason))
 		})
 		tw.Flush()
 		fmt.Fprintf(stdout, "dry run: %d message(s) in %s on %s; nothing moved\n", n, errorQueue(queue), from)
@@ -818,7 +818,7 @@ type Daemon struct {
 // until Run.
 func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, error) {
 	metrics := NewMetrics(MetricLabels{Version: version, Queues: logicalQueues, Tables: orderSafeTables,
-		Outcomes: []string{string(OutcomeDone), string(OutcomeDuplicate), string(OutcomeRetry), string(OutcomeError)}})
+		Outcomes: outcomes})
 	store, err := OpenStore(ctx, cfg.Database, metrics)
 	if err != nil {
 		return nil, err
@@ -882,7 +882,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		// The hooks worker talks to GitHub per message: it is not batched
 		// (no network I/O inside a transaction). Its poll runs between
 		// windows: a window longer than hooks_poll_every would stretch it.
-		d.workers = append(d.workers, worker(WorkerOptions{Name: "hooks", Queue: queueHooks, Handle: hooks.Handle,
+		d.workers = append(d.workers, worker(WorkerOptions{Name: "hooks", Queue: queueHooks, HandleMessages: hooks.HandleMessages,
 			Window: min(w.Window, w.HooksPollEvery), Health: hc(cfg.HealthChecks.Hooks, "hooks"), PollEvery: w.HooksPollEvery,
 			Poll: func(ctx context.Context) error {
 				n, err := hooks.Poll(ctx)

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -73,30 +72,28 @@ type Queues struct {
 	drainQuiet time.Duration
 	// sizes are the message sizes seen per queue, for the windows.
 	sizes messageSizes
-	// lastDone is, per queue, when a message last ended done (Unix
-	// nanoseconds in an *atomic.Int64), for the status page.
-	lastDone sync.Map
+	// lastDone is, per logical queue, when a message last ended done
+	// (Unix nanoseconds), for the status page. The map is made once and
+	// only read after: each value is set atomically, with no allocation.
+	lastDone map[string]*atomic.Int64
 }
 
 // LastDone is when a message of queue last ended done in this process; zero
 // when none has since the start.
 func (q *Queues) LastDone(queue string) time.Time {
-	if v, ok := q.lastDone.Load(queue); ok {
-		if ns := v.(*atomic.Int64).Load(); ns > 0 {
+	if v := q.lastDone[queue]; v != nil {
+		if ns := v.Load(); ns > 0 {
 			return time.Unix(0, ns)
 		}
 	}
 	return time.Time{}
 }
 
-// markDone records that a message of queue ended done now: an atomic store
-// per message, no allocation once the queue is known.
+// markDone records that a message of queue ended done now.
 func (q *Queues) markDone(queue string) {
-	v, ok := q.lastDone.Load(queue)
-	if !ok {
-		v, _ = q.lastDone.LoadOrStore(queue, new(atomic.Int64))
+	if v := q.lastDone[queue]; v != nil {
+		v.Swap(time.Now().UnixNano())
 	}
-	v.(*atomic.Int64).Store(time.Now().UnixNano())
 }
 
 // brokerConn is the one connection to one broker, and its publisher.
@@ -118,7 +115,11 @@ type brokerConn struct {
 // NewQueues prepares connections to the brokers; nothing is dialed yet.
 // metrics may be nil (the commands that record none).
 func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.Logger) *Queues {
-	q := &Queues{cfg: cfg, metrics: metrics, log: log, minBackoff: 200 * time.Millisecond, maxBackoff: 15 * time.Second, drainQuiet: time.Second}
+	q := &Queues{cfg: cfg, metrics: metrics, log: log, minBackoff: 200 * time.Millisecond, maxBackoff: 15 * time.Second, drainQuiet: time.Second,
+		lastDone: map[string]*atomic.Int64{}}
+	for _, name := range logicalQueues {
+		q.lastDone[name] = new(atomic.Int64)
+	}
 	for _, b := range brokers {
 		q.conns = append(q.conns, &brokerConn{broker: b, lock: make(chan struct{}, 1)})
 	}

@@ -160,12 +160,10 @@ func (c *consumer) resize(limit int) error {
 // ConsumeOptions say what a consumer does with a queue's messages.
 type ConsumeOptions struct {
 	Queue  string
-	Handle Handler
-	// Prepare, when set, does the handler's decoding ahead of it.
-	Prepare Preparer
-	// Batch, when set, commits a window's half at once; nil handles each
-	// message on its own.
-	Batch Batcher
+	Handle BatchHandler
+	// Batch lets a window's half be handed over at once; otherwise each
+	// message is handed over on its own.
+	Batch bool
 	Log   *slog.Logger
 }
 
@@ -216,7 +214,7 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, windo
 			ds := []amqp.Delivery{d}
 			size := int64(len(d.Body))
 			until := time.Now().Add(batchWindow)
-			for batch != nil && !q.batchFull(c.win, len(ds), size) {
+			for batch && !q.batchFull(c.win, len(ds), size) {
 				d, ok := receive(ctx, c.deliveries, batchWait(len(ds), until))
 				if !ok {
 					break
@@ -304,7 +302,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 	}
 	want := min(limit, ready)
 	win := min(q.window(queue), want)
-	if batch == nil {
+	if !batch {
 		win = 1
 	}
 	start := time.Now()
@@ -351,7 +349,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 		if changed {
 			break
 		}
-		if batch != nil && n < want {
+		if batch && n < want {
 			if err := c.resize(want); err != nil {
 				return n, fmt.Errorf("drain %s on %s: %w", queue, b, err)
 			}

@@ -92,7 +92,7 @@ func TestRetryCycle(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, q, brokers[0], ConsumeOptions{Queue: queueGitHub, Handle: h, Log: log})
+		consumeUntil(ctx, q, brokers[0], EventOptions{Queue: queueGitHub, Handle: h, Log: log}.consume())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -102,10 +102,10 @@ func TestRetryCycle(t *testing.T) {
 	if d.MessageId != failing {
 		t.Errorf("error queue holds %s, want %s", d.MessageId, failing)
 	}
-	if got := tableString(d.Headers, hdrAttempts); got != "4" {
+	if got := tableString(d.Headers, hdrErrorAttempts); got != "4" {
 		t.Errorf("x-attempts: got %q, want 4 (max_attempts 3, then the 4th failure)", got)
 	}
-	if got := tableString(d.Headers, hdrError); !strings.Contains(got, "database is locked") {
+	if got := tableString(d.Headers, hdrErrorReason); !strings.Contains(got, "database is locked") {
 		t.Errorf("x-error-reason: got %q", got)
 	}
 	if string(d.Body) != string(body) {
@@ -179,7 +179,7 @@ func TestMalformedMessages(t *testing.T) {
 	}
 	for _, b := range bad {
 		m := getOne(t, vhost, errorQueue(queueGitHub))
-		if got := tableString(m.Headers, hdrError); !strings.Contains(got, b.reason) {
+		if got := tableString(m.Headers, hdrErrorReason); !strings.Contains(got, b.reason) {
 			t.Errorf("%s: x-error-reason %q, want it to say %q", b.name, got, b.reason)
 		}
 	}
@@ -238,7 +238,7 @@ func TestDecodeWrappedMessage(t *testing.T) {
 	body := []byte(`{"headers": {"X-GitHub-Event": "pull_request", "X-GitHub-Delivery": "wrapped-1",
 		"X-GitHub-Hook-ID": ["42"], "X-GitHub-Hook-Installation-Target-Type": "integration",
 		"X-GitHub-Hook-Installation-Target-ID": "9"}, "payload": ` + string(payload) + `}`)
-	ev, err := DecodeEvent(&amqp.Delivery{Body: body})
+	ev, err := DecodeEvent(deliveryOf(&amqp.Delivery{Body: body}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -252,7 +252,7 @@ func TestDecodeWrappedMessage(t *testing.T) {
 	// An object that merely has headers and payload among other keys is a
 	// plain payload.
 	plain := []byte(`{"headers": {}, "payload": {}, "action": "x"}`)
-	ev, err = DecodeEvent(&amqp.Delivery{Body: plain, MessageId: "p", Type: "custom"})
+	ev, err = DecodeEvent(deliveryOf(&amqp.Delivery{Body: plain, MessageId: "p", Type: "custom"}))
 	if err != nil || ev.Action != "x" || string(ev.Payload) != string(plain) {
 		t.Errorf("got %+v, %v", ev, err)
 	}
@@ -423,7 +423,7 @@ func TestBatchedCommits(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, b, ConsumeOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log})
+		consumeUntil(ctx, p.queues, b, EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.consume())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -496,7 +496,7 @@ func TestBatchDecodesAhead(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, b, ConsumeOptions{Queue: queueGitHub, Handle: h, Prepare: prepare, Batch: p.store, Log: p.log})
+		consumeUntil(ctx, p.queues, b, EventOptions{Queue: queueGitHub, Handle: h, Prepare: prepare, Batch: p.store, Log: p.log}.consume())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -569,7 +569,7 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go consumeUntil(ctx, p.queues, p.brokers.List()[0], ConsumeOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log})
+	go consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.consume())
 	eventually(t, 10*time.Second, "the first delivery handled", func() bool { return handled.Load() == 1 })
 	if n := unacked(t, vhost, queueGitHub); n > 4 {
 		t.Errorf("unacked 1 MB messages with a 4 MiB bound: %d, want at most 4", n)
@@ -680,7 +680,7 @@ func TestBatchFailuresSettledAfterCommit(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, p.brokers.List()[0], ConsumeOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log})
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.consume())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()

@@ -38,7 +38,7 @@ func (q *Queues) Replay(ctx context.Context, from, to *Broker, queue string, lim
 			headers[k] = v
 		}
 		for _, k := range []string{"x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
-			"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", hdrError, hdrAttempts} {
+			"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", hdrErrorReason, hdrErrorAttempts} {
 			delete(headers, k)
 		}
 		pctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)

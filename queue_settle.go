@@ -7,9 +7,17 @@ import (
 	"log/slog"
 	"math"
 	"reflect"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// The headers an -error message carries: why it is there, and after how
+// many attempts when it exhausted its retries.
+const (
+	hdrErrorReason   = "x-error-reason"
+	hdrErrorAttempts = "x-attempts"
 )
 
 // How consuming a message ends, in one place: done and duplicate
@@ -17,24 +25,42 @@ import (
 // broken x-death or the last of max_attempts failures is published to
 // QUEUE-error and acked; any other failure is nacked into QUEUE-retry.
 
-// Handler processes one Event. It returns nil when done, ErrDuplicate when the
-// worker already finished this delivery, a permanentError when no retry can
-// help, and any other error for a transient failure. tx is the batch's
-// transaction, which the message is acked after; when tx is nil (a worker
-// that does not batch) the handler commits its own before it returns nil.
-// A handler handed a tx must not touch the network.
-type Handler func(ctx context.Context, tx *Tx, ev *Event) error
+// Message is one delivery as a consumer hands it over: the queue's plain
+// view, with nothing of what the body means.
+type Message struct {
+	ID        string // message_id
+	Type      string // type
+	Headers   amqp.Table
+	Body      []byte
+	Timestamp time.Time
+	// Attempts is how often the message failed on this queue before
+	// (its x-death count).
+	Attempts int64
+}
+
+// Header reads one header as text, whatever AMQP type carried it.
+func (m *Message) Header(k string) string { return tableString(m.Headers, k) }
+
+// BatchHandler handles a batch of messages, in order, and returns one
+// verdict per message: nil when done, ErrDuplicate when it was done
+// before, a Permanent error when no retry can help, any other error for a
+// transient failure. err is a failure of the batch as a whole (a commit
+// that failed): then no done or duplicate verdict stands, and those
+// messages retry. The handler does not touch the broker: what the broker
+// hears of the verdicts is the queue's job, after the handler returned.
+type BatchHandler func(ctx context.Context, msgs []Message) (verdicts []error, err error)
 
 // permanentError marks a message that no retry can fix: it goes to -error.
 type permanentError struct{ reason string }
 
 func (e *permanentError) Error() string { return e.reason }
 
+// permanent is the verdict for a message no retry can help.
 func permanent(format string, args ...any) error {
 	return &permanentError{reason: fmt.Sprintf(format, args...)}
 }
 
-// ErrDuplicate is a handler's answer for a delivery it already finished.
+// ErrDuplicate is the verdict for a message whose work was done before.
 var ErrDuplicate = errors.New("duplicate delivery")
 
 // Outcome is how consuming one message ended.
@@ -47,25 +73,11 @@ const (
 	OutcomeError     Outcome = "error"
 )
 
-type loggerKey struct{}
+// outcomes are every Outcome, for the metrics' labels.
+var outcomes = []string{string(OutcomeDone), string(OutcomeDuplicate), string(OutcomeRetry), string(OutcomeError)}
 
-// withLogger hands a handler the message's logger, which carries worker,
-// queue, broker, delivery_id and event, so that its lines say which message
-// they are about.
-func withLogger(ctx context.Context, log *slog.Logger) context.Context {
-	return context.WithValue(ctx, loggerKey{}, log)
-}
-
-// loggerFrom returns the message's logger, or fallback outside a message.
-func loggerFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
-	if l, ok := ctx.Value(loggerKey{}).(*slog.Logger); ok {
-		return l
-	}
-	return fallback
-}
-
-// handleTimeout bounds one message's processing. It does not follow the
-// worker's context: on shutdown the message in hand is finished and acked.
+// handleTimeout bounds one batch's processing. It does not follow the
+// worker's context: on shutdown the messages in hand are finished and acked.
 const handleTimeout = 2 * time.Minute
 
 // deathCount is the attempt number of a message: the count of its x-death
@@ -96,83 +108,20 @@ func deathCount(h amqp.Table, queue string) (n int64, ok bool) {
 // reasonBadDeath is the x-error-reason of a message whose x-death is broken.
 const reasonBadDeath = "invalid x-death header"
 
-// Batcher runs a batch of messages' handlers in one transaction; *Store is
-// one (Store.Batch).
-type Batcher interface {
-	Batch(ctx context.Context, fn func(tx *Tx) error) error
-}
-
-// Preparer does ahead of time the part of a handler's work that needs
-// neither the database nor the network (decoding the payload for the typed
-// tables), keeping what it found in ev for the handler. In a batch it runs
-// on the goroutine that decodes the next messages while the transaction
-// writes the earlier ones.
-type Preparer func(ev *Event)
-
-// decoded is one delivery read for its handler: the Event and its logger, or
-// why the delivery is no Event.
-type decoded struct {
-	ev  *Event
-	log *slog.Logger
-	err error
-}
-
-// decode reads one delivery taken from queue into an Event and prepares it.
-// It talks to nobody: it may run ahead of the transaction, on another
-// goroutine.
-func decode(queue string, d *amqp.Delivery, prepare Preparer, log *slog.Logger) decoded {
-	if _, ok := deathCount(d.Headers, queue); !ok {
-		// A count of -1,000,000 would otherwise buy a million retries.
-		return decoded{log: log.With("delivery_id", d.MessageId), err: permanent("%s", reasonBadDeath)}
+// tableString reads a header as text, whatever AMQP type carried it.
+func tableString(t amqp.Table, k string) string {
+	switch v := t[k].(type) {
+	case string:
+		return v
+	case []byte:
+		return string(v)
+	case int64, int32, int16, int8, int, uint8, uint16, uint32, uint64:
+		return fmt.Sprint(v)
+	case nil:
+		return ""
+	default:
+		return strings.TrimSpace(fmt.Sprint(v))
 	}
-	ev, err := DecodeEvent(d)
-	if err != nil {
-		if d.MessageId != "" {
-			log = log.With("delivery_id", d.MessageId)
-		}
-		return decoded{log: log, err: err}
-	}
-	if prepare != nil {
-		prepare(ev)
-	}
-	return decoded{ev: ev, log: log.With("delivery_id", ev.DeliveryID, "event", ev.Name)}
-}
-
-// decodeAhead decodes ds, in order, on a goroutine of its own, so that a
-// batch's transaction writes one message while the next is decoded: the
-// consumer keeps two cores busy instead of one. The function it returns
-// waits for message i; ask for them in order.
-func decodeAhead(queue string, ds []amqp.Delivery, prepare Preparer, log *slog.Logger) func(i int) decoded {
-	out := make([]decoded, len(ds))
-	ready := make(chan struct{}, len(ds)) // never blocks: the goroutine ends even if nobody waits
-	go func() {
-		for i := range ds {
-			out[i] = decode(queue, &ds[i], prepare, log)
-			ready <- struct{}{}
-		}
-	}()
-	got := 0
-	return func(i int) decoded {
-		for ; got <= i; got++ {
-			<-ready
-		}
-		return out[i]
-	}
-}
-
-// handle runs h on a decoded message, in tx when one is given (inside a
-// savepoint, so a failure undoes this message only). It talks to nobody but
-// the database: what the broker hears of the result is finish's job, once any
-// transaction is over. It returns h's verdict.
-func (m decoded) handle(ctx context.Context, tx *Tx, h Handler) error {
-	if m.err != nil {
-		return m.err
-	}
-	ctx = withLogger(ctx, m.log)
-	if tx == nil {
-		return h(ctx, nil, m.ev)
-	}
-	return tx.Savepoint(ctx, func() error { return h(ctx, tx, m.ev) })
 }
 
 // settled reports whether a verdict is one the caller acks: done or
@@ -185,6 +134,14 @@ func settled(verdict error) (Outcome, bool) {
 		return OutcomeDuplicate, true
 	}
 	return "", false
+}
+
+// messageLog is the logger of one delivery.
+func messageLog(log *slog.Logger, d *amqp.Delivery) *slog.Logger {
+	if d.MessageId == "" {
+		return log
+	}
+	return log.With("delivery_id", d.MessageId)
 }
 
 // finish tells the broker how a failed delivery ended: a permanent failure
@@ -203,7 +160,7 @@ func (q *Queues) finish(ctx context.Context, b *Broker, queue string, d *amqp.De
 // queue-retry, or once it has failed max_attempts times, publish it to
 // queue-error with the reason and the attempts.
 func (q *Queues) retry(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, cause error, log *slog.Logger) (Outcome, error) {
-	attempts, _ := deathCount(d.Headers, queue) // checked in handle
+	attempts, _ := deathCount(d.Headers, queue) // checked in settleBatch
 	if attempts >= int64(q.cfg.MaxAttempts) {
 		return q.toError(ctx, b, queue, d, cause.Error(), attempts+1, log)
 	}
@@ -211,85 +168,62 @@ func (q *Queues) retry(ctx context.Context, b *Broker, queue string, d *amqp.Del
 	return OutcomeRetry, d.Nack(false, false)
 }
 
-// settle handles one delivery with the handler's own transaction, then acks,
-// nacks or moves it.
-func (q *Queues) settle(b *Broker, d *amqp.Delivery, o ConsumeOptions) (Outcome, error) {
-	start := time.Now()
-	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
-	defer cancel()
-	m := decode(o.Queue, d, o.Prepare, o.Log)
-	log, verdict := m.log, m.handle(ctx, nil, o.Handle)
-	outcome, ok := settled(verdict)
-	var err error
-	if ok {
-		if outcome == OutcomeDuplicate {
-			log.Debug("duplicate delivery")
-		}
-		err = d.Ack(false)
-	} else {
-		outcome, err = q.finish(ctx, b, o.Queue, d, verdict, log)
-	}
-	q.consumed(o.Queue, outcome, start)
-	return outcome, err
-}
-
-// settleBatch handles deliveries, in order, in one transaction, decoded
-// ahead of it (decodeAhead). Once it is over, and only then, the broker hears
-// of them: each failed one is nacked or moved to -error on its own, then the
-// done and duplicate ones are acked with a single multiple ack, which covers
-// exactly these (every other delivery up to the last of them was settled
-// before). If the commit fails, none of them was stored, and each goes
-// through the retry rules.
+// settleBatch hands deliveries, in order, to the handler, then settles each
+// by its verdict: each failed one is nacked or moved to -error on its own,
+// then the done and duplicate ones are acked with a single multiple ack,
+// which covers exactly these (every other delivery up to the last of them
+// was settled before). A message whose x-death is broken never reaches the
+// handler: a count of -1,000,000 would otherwise buy a million retries.
 func (q *Queues) settleBatch(b *Broker, ds []amqp.Delivery, o ConsumeOptions) error {
 	queue, log := o.Queue, o.Log
 	inHand := &q.conns[b.Index].inHand
 	defer inHand.Add(-int64(len(ds)))
-	if len(ds) == 1 || o.Batch == nil {
-		for i := range ds {
-			if _, err := q.settle(b, &ds[i], o); err != nil {
-				return err
-			}
-		}
-		return nil
-	}
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
 	defer cancel()
-	logs := make([]*slog.Logger, len(ds))
 	verdicts := make([]error, len(ds))
-	next := decodeAhead(queue, ds, o.Prepare, log)
-	err := o.Batch.Batch(ctx, func(tx *Tx) error {
-		for i := range ds {
-			m := next(i)
-			logs[i], verdicts[i] = m.log, m.handle(ctx, tx, o.Handle)
+	var msgs []Message
+	var at []int // msgs[j] is ds[at[j]]
+	for i := range ds {
+		d := &ds[i]
+		attempts, ok := deathCount(d.Headers, queue)
+		if !ok {
+			verdicts[i] = permanent("%s", reasonBadDeath)
+			continue
 		}
-		return ctx.Err()
-	})
-	if err != nil {
-		// Nothing of the batch was stored: what would have been acked
-		// retries, and so does what the batch never reached (a BEGIN that
-		// found the database locked).
-		log.Warn("batch not committed, its messages will retry", "messages", len(ds), "error", err)
-		for i := range ds {
-			if _, ok := settled(verdicts[i]); ok || logs[i] == nil {
+		msgs = append(msgs, Message{ID: d.MessageId, Type: d.Type, Headers: d.Headers, Body: d.Body,
+			Timestamp: d.Timestamp, Attempts: attempts})
+		at = append(at, i)
+	}
+	if len(msgs) > 0 {
+		got, err := o.Handle(ctx, msgs)
+		for j, i := range at {
+			switch {
+			case j < len(got):
+				verdicts[i] = got[j]
+			default:
+				verdicts[i] = errors.New("no verdict from the handler")
+			}
+			if _, ok := settled(verdicts[i]); ok && err != nil {
 				verdicts[i] = err
 			}
-			if logs[i] == nil {
-				logs[i] = log.With("delivery_id", ds[i].MessageId)
-			}
+		}
+		if err != nil {
+			log.Warn("batch not committed, its messages will retry", "messages", len(msgs), "error", err)
 		}
 	}
 	last := -1
 	for i := range ds {
+		mlog := messageLog(log, &ds[i])
 		outcome, ok := settled(verdicts[i])
 		if !ok {
 			var ferr error
-			if outcome, ferr = q.finish(ctx, b, queue, &ds[i], verdicts[i], logs[i]); ferr != nil {
+			if outcome, ferr = q.finish(ctx, b, queue, &ds[i], verdicts[i], mlog); ferr != nil {
 				return ferr
 			}
 		} else {
 			if outcome == OutcomeDuplicate {
-				logs[i].Debug("duplicate delivery")
+				mlog.Debug("duplicate delivery")
 			}
 			last = i
 		}
@@ -317,9 +251,9 @@ func (q *Queues) toError(ctx context.Context, b *Broker, queue string, d *amqp.D
 	for k, v := range d.Headers {
 		headers[k] = v
 	}
-	headers[hdrError] = reason
+	headers[hdrErrorReason] = reason
 	if attempts > 0 {
-		headers[hdrAttempts] = attempts
+		headers[hdrErrorAttempts] = attempts
 	}
 	msg := amqp.Publishing{
 		Headers: headers, ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,

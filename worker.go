@@ -15,6 +15,10 @@ type WorkerOptions struct {
 	Name   string
 	Queue  string
 	Handle Handler
+	// HandleMessages, when set, handles the queue's messages as they are,
+	// not as Events (the hooks worker's own messages); Handle, Prepare
+	// and Batch are then unused.
+	HandleMessages BatchHandler
 	// Prepare, when set, is the handler's decoding, done ahead of it.
 	Prepare Preparer
 	// Batch, when set, lets a cycle commit several messages at once (a
@@ -245,5 +249,8 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 // consumeOptions are what the worker's consumers and drains do with its
 // queue's messages.
 func (w *Worker) consumeOptions(log *slog.Logger) ConsumeOptions {
-	return ConsumeOptions{Queue: w.Queue, Handle: w.Handle, Prepare: w.Prepare, Batch: w.Batch, Log: log}
+	if w.HandleMessages != nil {
+		return ConsumeOptions{Queue: w.Queue, Handle: w.HandleMessages, Log: log}
+	}
+	return EventOptions{Queue: w.Queue, Handle: w.Handle, Prepare: w.Prepare, Batch: w.Batch, Log: log}.consume()
 }

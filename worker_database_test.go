@@ -595,8 +595,8 @@ func TestDatabaseServiceMissingField(t *testing.T) {
 		return ready(t, vhost, errorQueue(queueDatabase)) == 1
 	})
 	m := getOne(t, vhost, errorQueue(queueDatabase))
-	if m.MessageId != badGUID || !strings.Contains(tableString(m.Headers, hdrError), "node_id") {
-		t.Errorf("error message %s with reason %q", m.MessageId, tableString(m.Headers, hdrError))
+	if m.MessageId != badGUID || !strings.Contains(tableString(m.Headers, hdrErrorReason), "node_id") {
+		t.Errorf("error message %s with reason %q", m.MessageId, tableString(m.Headers, hdrErrorReason))
 	}
 	// The raw log still has it: the service worker does not need the field.
 	eventually(t, 10*time.Second, "raw row stored", func() bool {
@@ -689,8 +689,7 @@ func TestMalformedPayloads(t *testing.T) {
 			if err == nil {
 				_, err = decodeTableRows(ev, testBotAppID)
 			}
-			var perm *permanentError
-			if !errors.As(err, &perm) {
+			if !errors.As(verdict(err), new(*permanentError)) {
 				t.Fatalf("got %v, want a permanent failure", err)
 			}
 		})

@@ -228,7 +228,7 @@ func apiDeliveryProblem(e *ledgerEntry) string {
 // gap records a gap the first time a poll finds it, with its alert.
 func (h *Hooks) gap(ctx context.Context, e *ledgerEntry, now time.Time) error {
 	g := deliveryGap{GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: e.FirstOK, FoundAt: now}
-	recorded, err := h.store.RecordGap(ctx, g, h.alerter.Channels(&Event{Name: "gap", Action: e.Event, DeliveryID: e.GUID}))
+	recorded, err := h.store.RecordGap(ctx, g, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: e.Event}))
 	if err != nil {
 		return err
 	}
@@ -245,7 +245,7 @@ func (h *Hooks) gap(ctx context.Context, e *ledgerEntry, now time.Time) error {
 func (h *Hooks) unrecoverable(ctx context.Context, e *ledgerEntry, now time.Time, reason string) error {
 	g := deliveryGap{GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: cmp.Or(e.FirstOK, e.Latest.DeliveredAt),
 		FoundAt: now, UnrecoverableAt: &now, LastError: reason}
-	recorded, err := h.store.RecordGap(ctx, g, h.alerter.Channels(&Event{Name: "gap", Action: "unrecoverable", DeliveryID: e.GUID}))
+	recorded, err := h.store.RecordGap(ctx, g, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"}))
 	if err != nil {
 		return err
 	}
@@ -285,7 +285,7 @@ func (h *Hooks) redeliverGaps(ctx context.Context) error {
 		var se *githubStatusError
 		if errors.As(err, &se) && slices.Contains(refusedForGood, se.Status) {
 			gaveUp, rerr := h.store.GapRefused(ctx, g.GUID, err.Error(), maxRefusals,
-				h.alerter.Channels(&Event{Name: "gap", Action: "unrecoverable", DeliveryID: g.GUID}))
+				h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"}))
 			if rerr != nil {
 				return rerr
 			}
@@ -328,17 +328,27 @@ func (h *Hooks) queue(ctx context.Context, d hookDelivery) error {
 	return h.store.HookQueued(ctx, d.GUID, d.ID, d.Event)
 }
 
-// Handle is the github-hooks consumer: fetch the original request of the
-// delivery and republish it through github-exchange, so that both the raw log
-// and the typed tables get the Event. It talks to GitHub and the broker, so
-// its worker never batches: it is never handed a transaction, and opens its
-// own once the network is done with.
-func (h *Hooks) Handle(ctx context.Context, _ *Tx, ev *Event) error {
-	var m hookMessage
-	if err := json.Unmarshal(ev.Payload, &m); err != nil || m.DeliveryID == 0 {
-		return permanent("github-hooks message without delivery_id")
+// HandleMessages is the github-hooks consumer. Its messages are its own
+// (hookMessage), never read as Events: each names a delivery whose
+// original request is fetched from GitHub and republished through
+// github-exchange, so that both the raw log and the typed tables get the
+// Event. It talks to GitHub and the broker, so it never batches: it opens a
+// transaction of its own once the network is done with.
+func (h *Hooks) HandleMessages(ctx context.Context, msgs []Message) ([]error, error) {
+	verdicts := make([]error, len(msgs))
+	for i := range msgs {
+		verdicts[i] = h.handle(ctx, &msgs[i])
 	}
-	if done, err := h.store.Finished(ctx, "hooks", ev.DeliveryID); err != nil || done {
+	return verdicts, nil
+}
+
+// handle republishes the delivery one github-hooks message names.
+func (h *Hooks) handle(ctx context.Context, msg *Message) error {
+	var m hookMessage
+	if err := json.Unmarshal(msg.Body, &m); err != nil || m.DeliveryID == 0 || m.GUID == "" {
+		return permanent("github-hooks message without delivery_id or guid")
+	}
+	if done, err := h.store.Finished(ctx, "hooks", m.GUID); err != nil || done {
 		return cmp.Or(err, ErrDuplicate)
 	}
 	d, err := h.app.Delivery(ctx, m.DeliveryID)
@@ -374,12 +384,11 @@ func (h *Hooks) Handle(ctx context.Context, _ *Tx, ev *Event) error {
 	}
 	pctx, cancel := context.WithTimeout(ctx, h.timeout)
 	defer cancel()
-	msg := newPublishing(hdr, payload, "", time.Now())
-	if err := h.queues.Publish(pctx, b, exchangeName, "", msg); err != nil {
+	if err := h.queues.Publish(pctx, b, exchangeName, "", newPublishing(hdr, payload, "", time.Now())); err != nil {
 		return fmt.Errorf("republish %s: %w", d.GUID, err)
 	}
-	_, err = h.store.MarkDelivery(ctx, nil, "hooks", ev.DeliveryID, func(tx *Tx) (string, error) {
-		return "", tx.hookRepublished(ctx, ev.DeliveryID)
+	_, err = h.store.MarkDelivery(ctx, nil, "hooks", m.GUID, func(tx *Tx) (string, error) {
+		return "", tx.hookRepublished(ctx, m.GUID)
 	})
 	return err
 }

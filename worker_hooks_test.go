@@ -406,7 +406,7 @@ func TestHooksGitHubErrors(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, hooks.queues, b, ConsumeOptions{Queue: queueHooks, Handle: hooks.Handle, Log: log})
+		consumeUntil(ctx, hooks.queues, b, ConsumeOptions{Queue: queueHooks, Handle: hooks.HandleMessages, Log: log})
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -603,7 +603,7 @@ func TestDeliveryGapReplayedFromErrorQueue(t *testing.T) {
 	gh.add(hookDelivery{ID: 42, GUID: other, DeliveredAt: now.Add(-4 * time.Hour), Status: "Accepted", StatusCode: 202, Event: "push"}, nil)
 	declareTestTopology(t, vhost, cfg.Queue.RetryTTL)
 	msg := eventMessage("issues", inError, body)
-	msg.Headers[hdrError] = "database is locked"
+	msg.Headers[hdrErrorReason] = "database is locked"
 	publishRaw(t, vhost, "", errorQueue(queueGitHub), msg)
 
 	d := startDaemon(t, cfg)

@@ -1,0 +1,163 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+)
+
+// The worker side of consuming: the queue hands over plain messages and
+// takes back one verdict each; here they become Events, are handled in one
+// store transaction with a savepoint each, and GitHub's decode errors
+// become the queue's verdicts.
+
+// Handler processes one Event. It returns nil when done, ErrDuplicate when
+// the worker already finished this delivery, a permanent verdict or a
+// MalformedError when no retry can help, and any other error for a
+// transient failure. tx is the batch's transaction, which the message is
+// acked after; when tx is nil (a worker that does not batch) the handler
+// commits its own before it returns nil. A handler handed a tx must not
+// touch the network.
+type Handler func(ctx context.Context, tx *Tx, ev *Event) error
+
+// Preparer does ahead of time the part of a handler's work that needs
+// neither the database nor the network (decoding the payload for the typed
+// tables), keeping what it found in ev for the handler. In a batch it runs
+// on the goroutine that decodes the next messages while the transaction
+// writes the earlier ones.
+type Preparer func(ev *Event)
+
+// Batcher runs a batch of messages' handlers in one transaction; *Store is
+// one (Store.Batch).
+type Batcher interface {
+	Batch(ctx context.Context, fn func(tx *Tx) error) error
+}
+
+// EventOptions say how a worker handles its queue's messages as Events.
+type EventOptions struct {
+	Queue  string
+	Handle Handler
+	// Prepare, when set, does the handler's decoding ahead of it.
+	Prepare Preparer
+	// Batch, when set, commits a window's half at once; nil handles each
+	// message on its own.
+	Batch Batcher
+	Log   *slog.Logger
+}
+
+// consume is what the queue's consumer does with o's messages.
+func (o EventOptions) consume() ConsumeOptions {
+	return ConsumeOptions{Queue: o.Queue, Handle: o.handleBatch, Batch: o.Batch != nil, Log: o.Log}
+}
+
+// handleBatch decodes msgs ahead of the transaction, on a goroutine of its
+// own, and handles them in order: in one transaction with a savepoint each
+// (a failure undoes that message only) when o batches, else each on its
+// own (a lone message too). It returns the verdicts, and the transaction's
+// failure.
+func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error, error) {
+	verdicts := make([]error, len(msgs))
+	next := decodeAhead(msgs, o.Prepare, o.Log)
+	if o.Batch == nil || len(msgs) == 1 {
+		// A lone message is handled in the handler's own transaction,
+		// without a savepoint.
+		for i := range msgs {
+			verdicts[i] = next(i).handle(ctx, nil, o.Handle)
+		}
+		return verdicts, nil
+	}
+	err := o.Batch.Batch(ctx, func(tx *Tx) error {
+		for i := range msgs {
+			verdicts[i] = next(i).handle(ctx, tx, o.Handle)
+		}
+		return ctx.Err()
+	})
+	return verdicts, err
+}
+
+// decoded is one message read for its handler: the Event and its logger,
+// or why the message is no Event.
+type decoded struct {
+	ev  *Event
+	log *slog.Logger
+	err error
+}
+
+// decodeEvent reads one message into an Event and prepares it. It talks to
+// nobody: it may run ahead of the transaction, on another goroutine.
+func decodeEvent(m *Message, prepare Preparer, log *slog.Logger) decoded {
+	ev, err := DecodeEvent(Delivery{MessageID: m.ID, Type: m.Type, Header: m.Header, Body: m.Body, Timestamp: m.Timestamp})
+	if err != nil {
+		if m.ID != "" {
+			log = log.With("delivery_id", m.ID)
+		}
+		return decoded{log: log, err: err}
+	}
+	if prepare != nil {
+		prepare(ev)
+	}
+	return decoded{ev: ev, log: log.With("delivery_id", ev.DeliveryID, "event", ev.Name)}
+}
+
+// decodeAhead decodes msgs, in order, on a goroutine of its own, so that a
+// batch's transaction writes one message while the next is decoded: the
+// consumer keeps two cores busy instead of one. The function it returns
+// waits for message i; ask for them in order.
+func decodeAhead(msgs []Message, prepare Preparer, log *slog.Logger) func(i int) decoded {
+	out := make([]decoded, len(msgs))
+	ready := make(chan struct{}, len(msgs)) // never blocks: the goroutine ends even if nobody waits
+	go func() {
+		for i := range msgs {
+			out[i] = decodeEvent(&msgs[i], prepare, log)
+			ready <- struct{}{}
+		}
+	}()
+	got := 0
+	return func(i int) decoded {
+		for ; got <= i; got++ {
+			<-ready
+		}
+		return out[i]
+	}
+}
+
+// handle runs h on a decoded message, in tx when one is given (inside a
+// savepoint, so a failure undoes this message only), and returns its
+// verdict in the queue's words.
+func (m decoded) handle(ctx context.Context, tx *Tx, h Handler) error {
+	if m.err != nil {
+		return verdict(m.err)
+	}
+	ctx = withLogger(ctx, m.log)
+	if tx == nil {
+		return verdict(h(ctx, nil, m.ev))
+	}
+	return verdict(tx.Savepoint(ctx, func() error { return h(ctx, tx, m.ev) }))
+}
+
+// verdict maps a handler's error to the queue's verdict: GitHub's decode
+// errors are permanent, the rest are already the queue's words.
+func verdict(err error) error {
+	var mal *MalformedError
+	if errors.As(err, &mal) {
+		return permanent("%s", mal.Reason)
+	}
+	return err
+}
+
+type loggerKey struct{}
+
+// withLogger hands a handler the message's logger, which carries worker,
+// queue, broker, delivery_id and event, so that its lines say which message
+// they are about.
+func withLogger(ctx context.Context, log *slog.Logger) context.Context {
+	return context.WithValue(ctx, loggerKey{}, log)
+}
+
+// loggerFrom returns the message's logger, or fallback outside a message.
+func loggerFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
+	if l, ok := ctx.Value(loggerKey{}).(*slog.Logger); ok {
+		return l
+	}
+	return fallback
+}
