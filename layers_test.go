@@ -1,0 +1,192 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"go/ast"
+	"go/importer"
+	"go/parser"
+	"go/token"
+	"go/types"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+)
+
+// roomOf is a file's room: its name before the first "_" or ".go".
+func roomOf(file string) string {
+	name := strings.TrimSuffix(filepath.Base(file), ".go")
+	room, _, _ := strings.Cut(name, "_")
+	return room
+}
+
+// readLayers reads a rules file: "room: rooms it may use", # comments.
+func readLayers(path string) (map[string][]string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	rules := map[string][]string{}
+	sc := bufio.NewScanner(f)
+	for n := 1; sc.Scan(); n++ {
+		line, _, _ := strings.Cut(sc.Text(), "#")
+		if strings.TrimSpace(line) == "" {
+			continue
+		}
+		room, uses, ok := strings.Cut(line, ":")
+		if !ok {
+			return nil, fmt.Errorf("%s:%d: want \"room: rooms\"", path, n)
+		}
+		rules[strings.TrimSpace(room)] = strings.Fields(uses)
+	}
+	return rules, sc.Err()
+}
+
+// roomUse is one name a file uses from another room.
+type roomUse struct {
+	file, name, from, to string
+}
+
+// roomUses type-checks the package's production files against the export
+// data of its dependencies (go list -export) and returns every use of a
+// name (package-level, method or field) declared in another room.
+func roomUses(t *testing.T, dir string) []roomUse {
+	t.Helper()
+	out, err := exec.Command("go", "list", "-export", "-deps", "-json=ImportPath,Export", dir).Output()
+	if err != nil {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			err = fmt.Errorf("%w: %s", err, ee.Stderr)
+		}
+		t.Fatalf("go list -export: %v", err)
+	}
+	exports := map[string]string{}
+	dec := json.NewDecoder(strings.NewReader(string(out)))
+	for {
+		var p struct{ ImportPath, Export string }
+		if err := dec.Decode(&p); err == io.EOF {
+			break
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		exports[p.ImportPath] = p.Export
+	}
+	fset := token.NewFileSet()
+	paths, _ := filepath.Glob(filepath.Join(dir, "*.go"))
+	var files []*ast.File
+	for _, p := range paths {
+		if strings.HasSuffix(p, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, p, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		files = append(files, f)
+	}
+	conf := types.Config{Importer: importer.ForCompiler(fset, "gc", func(path string) (io.ReadCloser, error) {
+		if exports[path] == "" {
+			return nil, fmt.Errorf("no export data for %s", path)
+		}
+		return os.Open(exports[path])
+	})}
+	info := &types.Info{Uses: map[*ast.Ident]types.Object{}}
+	pkg, err := conf.Check("main", fset, files, info)
+	if err != nil {
+		t.Fatalf("type-check: %v", err)
+	}
+	var uses []roomUse
+	for id, obj := range info.Uses {
+		if obj.Pkg() != pkg || !obj.Pos().IsValid() {
+			continue // the standard library's, a dependency's, or a builtin
+		}
+		if v, ok := obj.(*types.Var); ok && !v.IsField() && obj.Parent() != pkg.Scope() {
+			continue // a local variable or parameter
+		}
+		if _, ok := obj.(*types.PkgName); ok {
+			continue
+		}
+		if obj.Parent() != nil && obj.Parent() != pkg.Scope() && obj.Parent() != types.Universe {
+			if _, isFunc := obj.(*types.Func); !isFunc {
+				continue // declared inside a function
+			}
+		}
+		user, decl := fset.Position(id.Pos()).Filename, fset.Position(obj.Pos()).Filename
+		if from, to := roomOf(user), roomOf(decl); from != to {
+			uses = append(uses, roomUse{file: filepath.Base(user), name: obj.Name(), from: from, to: to})
+		}
+	}
+	sort.Slice(uses, func(i, j int) bool {
+		a, b := uses[i], uses[j]
+		return a.file+a.name < b.file+b.name
+	})
+	return uses
+}
+
+// broken lists the uses rules forbid, one message each, naming the file,
+// the name and the rule.
+func broken(uses []roomUse, rules map[string][]string) []string {
+	var out []string
+	seen := map[string]bool{}
+	for _, u := range uses {
+		allowed, ok := rules[u.from]
+		var msg string
+		switch {
+		case !ok:
+			msg = fmt.Sprintf("%s uses %s of room %s, but room %s has no line in layers.rules: add it in its layer", u.file, u.name, u.to, u.from)
+		case !slices.Contains(allowed, u.to):
+			msg = fmt.Sprintf("%s uses %s of room %s; layers.rules says %s: %s", u.file, u.name, u.to, u.from, strings.Join(allowed, " "))
+		default:
+			continue
+		}
+		if !seen[msg] {
+			seen[msg] = true
+			out = append(out, msg)
+		}
+	}
+	return out
+}
+
+// The rooms keep their layers: every use across rooms is one layers.rules
+// allows, and no two rooms use each other.
+func TestLayers(t *testing.T) {
+	t.Parallel()
+	rules, err := readLayers("layers.rules")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for room, uses := range rules {
+		for _, other := range uses {
+			if slices.Contains(rules[other], room) {
+				t.Errorf("layers.rules lets %s and %s use each other", room, other)
+			}
+		}
+	}
+	uses := roomUses(t, ".")
+	if len(uses) == 0 {
+		t.Fatal("no uses across rooms found: the walk saw nothing")
+	}
+	for _, msg := range broken(uses, rules) {
+		t.Error(msg)
+	}
+}
+
+// The check fails, naming file, name and rule, on a use the rules forbid.
+func TestLayersCatchAViolation(t *testing.T) {
+	t.Parallel()
+	uses := []roomUse{{file: "queue_settle.go", name: "Event", from: "queue", to: "github"}}
+	rules := map[string][]string{"queue": {"config", "metrics", "broker"}}
+	got := broken(uses, rules)
+	want := "queue_settle.go uses Event of room github; layers.rules says queue: config metrics broker"
+	if len(got) != 1 || got[0] != want {
+		t.Errorf("got %q, want %q", got, want)
+	}
+}
