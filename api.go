@@ -43,6 +43,17 @@ func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook
 	return a
 }
 
+// Reload takes the webhook's secrets, allow list and proxies and both API
+// tokens from cfg (SIGHUP); a config the webhook refuses changes nothing.
+func (a *API) Reload(cfg *Config) error {
+	if err := a.webhook.Reload(cfg); err != nil {
+		return err
+	}
+	tokens := cfg.API
+	a.tokens.Store(&tokens)
+	return nil
+}
+
 // Handler returns the router with every route.
 func (a *API) Handler() http.Handler {
 	r := httprouter.New()

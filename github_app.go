@@ -299,6 +299,10 @@ func (a *GitHubApp) Delivery(ctx context.Context, id int64) (*hookDeliveryDetail
 	return out, nil
 }
 
+// RedeliverPerMinute is github.redeliver_per_minute: the most
+// redeliveries Redeliver asks in any minute.
+func (a *GitHubApp) RedeliverPerMinute() int { return a.redeliveries.n }
+
 // ErrRedeliveryPaced is a redelivery not asked because
 // github.redeliver_per_minute were asked in the last minute.
 var ErrRedeliveryPaced = errors.New("github.redeliver_per_minute reached; asked later")

@@ -35,6 +35,9 @@ type WorkerOptions struct {
 	PollEvery time.Duration
 	// Health pings the worker's HealthChecks URL; nil pings nothing.
 	Health *HealthCheck
+	// Metrics records the worker's cycles and leftover drains; nil records
+	// nothing.
+	Metrics *Metrics
 	// Consumed are the logical queues the daemon's workers read, what a
 	// Pending Switch waits for (Config.ConsumedQueues); nil means all four.
 	Consumed []string
@@ -96,7 +99,7 @@ func (w *Worker) record(err error) {
 	} else {
 		w.state.LastCycle, w.state.Failures, w.state.LastError = time.Now(), 0, ""
 	}
-	w.queues.metrics.cycle(w.Name, w.state.Failures, w.state.LastCycle)
+	w.Metrics.cycle(w.Name, w.state.Failures, w.state.LastCycle)
 }
 
 // NewWorker builds a worker over the shared brokers and queues.
@@ -104,7 +107,7 @@ func NewWorker(o WorkerOptions, cfg WorkersConfig, brokers *Brokers, queues *Que
 	if o.Consumed == nil {
 		o.Consumed = logicalQueues
 	}
-	queues.metrics.worker(o.Name)
+	o.Metrics.worker(o.Name)
 	return &Worker{WorkerOptions: o, cfg: cfg, brokers: brokers, queues: queues, log: log.With("worker", o.Name, "queue", o.Queue)}
 }
 
@@ -234,7 +237,7 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 		log := w.log.With("broker", b.String())
 		n, err := w.queues.Drain(ctx, b, w.consumeOptions(log), remaining, unchanged)
 		remaining -= n
-		w.queues.metrics.leftover(w.Queue, n)
+		w.Metrics.leftover(w.Queue, n)
 		if n > 0 {
 			log.Info("leftover drain", "messages", n)
 		} else if err == nil {

@@ -36,6 +36,12 @@ type Hooks struct {
 	log         *slog.Logger
 }
 
+// NewHooks is the hooks worker's work for cfg, through app.
+func NewHooks(cfg *Config, app *GitHubApp, store *Store, brokers *Brokers, queues *Queues, alerter *Alerter, log *slog.Logger) *Hooks {
+	return &Hooks{app: app, store: store, brokers: brokers, queues: queues, alerter: alerter, timeout: cfg.Queue.PublishTimeout,
+		grace: cfg.GitHub.ReconcileGrace, redeliver: cfg.GitHub.RedeliverGaps, maxPages: cfg.GitHub.MaxPagesPerPoll, log: log}
+}
+
 const keyHooksCheckpoint = "hooks.checkpoint"
 
 // hookMessage is the body of a github-hooks message.
@@ -272,7 +278,7 @@ func (h *Hooks) redeliverGaps(ctx context.Context) error {
 	if !h.redeliver {
 		return nil
 	}
-	gaps, err := h.store.GapsToRedeliver(ctx, h.app.redeliveries.n)
+	gaps, err := h.store.GapsToRedeliver(ctx, h.app.RedeliverPerMinute())
 	if err != nil {
 		return err
 	}

@@ -336,9 +336,7 @@ func hooksForTestAt(t *testing.T, gh *fakeGitHub, apiURL string) (*Hooks, string
 	}
 	alerter := NewAlerter(AlertsConfig{Rules: []AlertRule{{Events: []string{"gap"}, Channels: []string{"push"}}},
 		Push: PushConfig{URL: "http://127.0.0.1:1/never"}}, p.log)
-	return &Hooks{app: app, store: p.store, brokers: p.brokers, queues: p.queues, alerter: alerter, timeout: 5 * time.Second,
-		grace: cfg.GitHub.ReconcileGrace, redeliver: cfg.GitHub.RedeliverGaps, maxPages: cfg.GitHub.MaxPagesPerPoll,
-		log: p.log}, vhost, p.store, p.logs
+	return NewHooks(cfg, app, p.store, p.brokers, p.queues, alerter, p.log), vhost, p.store, p.logs
 }
 
 // 250 deliveries over three pages are all seen; the checkpoint stops the next

@@ -1,0 +1,374 @@
+// The Daemon: serve's parts, built by NewDaemon, run by Run, closed by
+// Close, and reloaded on SIGHUP.
+
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"reflect"
+	"runtime/debug"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/coreos/go-systemd/v22/daemon"
+	"golang.org/x/sync/errgroup"
+)
+
+// Daemon is `switchyard serve`: the store, the brokers, the HTTP server and
+// the workers, with one lifetime.
+type Daemon struct {
+	cfg     *Config
+	log     *slog.Logger
+	store   *Store
+	brokers *Brokers
+	queues  *Queues
+	metrics *Metrics
+	api     *API
+	alerter *Alerter
+	alerts  *AlertSender
+	fleet   *Fleet
+	workers []*Worker
+}
+
+// NewDaemon opens and migrates the database and wires everything; nothing runs
+// until Run.
+func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, error) {
+	metrics := NewMetrics(MetricLabels{Version: version, Queues: logicalQueues, Tables: orderSafeTables,
+		Outcomes: outcomes})
+	store, err := OpenStore(ctx, cfg.Database, metrics)
+	if err != nil {
+		return nil, err
+	}
+	fail := func(err error) (*Daemon, error) {
+		store.Close()
+		return nil, err
+	}
+	from, to, err := store.Migrate(ctx)
+	if err != nil {
+		return fail(err)
+	}
+	if from != to {
+		log.Info("database migrated", "path", cfg.Database.Path, "from", from, "to", to)
+	}
+	brokers, err := NewBrokers(ctx, cfg.Brokers, store, metrics, log)
+	if err != nil {
+		return fail(err)
+	}
+	queues := NewQueues(cfg.Queue, brokers.List(), metrics, log)
+	for _, b := range brokers.List() {
+		metrics.broker(b.Index, b.Host, b.Vhost)
+	}
+	webhook, err := NewWebhook(cfg, brokers, queues, metrics, log)
+	if err != nil {
+		return fail(err)
+	}
+	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics}
+	w := cfg.Workers
+	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
+	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
+	d.fleet = NewFleet(cfg.Queue, brokers.List(), queues, metrics, log)
+	store.RegisterMetrics(metrics)
+	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
+	consumed := consumedQueues(cfg)
+	worker := func(o WorkerOptions) *Worker {
+		o.Consumed, o.Metrics = consumed, metrics
+		return NewWorker(o, w, brokers, queues, log)
+	}
+	retention := NewRetention(store, cfg.Database, log.With("worker", "cleanup"))
+	d.workers = []*Worker{
+		worker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(store, alerter, false),
+			Batch: store, Window: w.Window, Health: hc(cfg.HealthChecks.Service, "service")}),
+		worker(WorkerOptions{Name: "database-service", Queue: queueDatabase,
+			Handle:  databaseHandler(store, cfg.GitHub.BotAppID, metrics, log.With("worker", "database-service")),
+			Prepare: databasePrepare(cfg.GitHub.BotAppID),
+			Batch:   store, Window: w.Window, Health: hc(cfg.HealthChecks.DatabaseService, "database-service")}),
+		worker(WorkerOptions{Name: "cleanup", Queue: queueForbidden, Handle: serviceHandler(store, alerter, true),
+			Batch: store, Window: w.CleanupWindow, Every: w.CleanupEvery, Health: hc(cfg.HealthChecks.Cleanup, "cleanup"),
+			Poll: func(ctx context.Context) error { _, _, err := retention.Prune(ctx); return err }, PollEvery: w.CleanupEvery}),
+	}
+	if cfg.GitHub.AppID > 0 {
+		app, err := NewGitHubApp(cfg.GitHub, log.With("component", "github"))
+		if err != nil {
+			queues.Close()
+			return fail(err)
+		}
+		hooks := NewHooks(cfg, app, store, brokers, queues, alerter, log.With("worker", "hooks"))
+		// The hooks worker talks to GitHub per message: it is not batched
+		// (no network I/O inside a transaction). Its poll runs between
+		// windows: a window longer than hooks_poll_every would stretch it.
+		d.workers = append(d.workers, worker(WorkerOptions{Name: "hooks", Queue: queueHooks, HandleMessages: hooks.HandleMessages,
+			Window: min(w.Window, w.HooksPollEvery), Health: hc(cfg.HealthChecks.Hooks, "hooks"), PollEvery: w.HooksPollEvery,
+			Poll: func(ctx context.Context) error {
+				n, err := hooks.Poll(ctx)
+				if n > 0 {
+					log.Info("hooks poll queued failed deliveries", "worker", "hooks", "queued", n)
+				}
+				return err
+			}}))
+	}
+	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, log)
+	return d, nil
+}
+
+// Close closes what NewDaemon opened: the broker connections, then the
+// database. Call it once Run has returned.
+func (d *Daemon) Close() error {
+	return errors.Join(d.queues.Close(), d.store.Close())
+}
+
+// Run serves HTTP on ln and runs the workers until ctx ends (or a server or a
+// worker fails), then shuts down in order, within shutdown_timeout: stop
+// taking webhooks, then stop the workers, each of which finishes and acks the
+// message in hand. ready, if set, is called once the listener accepts. The
+// Daemon stays open: Close closes it.
+func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
+	servers, listeners, err := d.httpServers(ln)
+	if err != nil {
+		return err
+	}
+
+	// The workers' context does not follow ctx: they stop only after the
+	// HTTP servers have stopped taking webhooks.
+	workCtx, stopWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopWork()
+	work, wctx := errgroup.WithContext(workCtx)
+	for _, w := range d.workers {
+		work.Go(func() error { return w.Run(wctx) })
+	}
+	work.Go(func() error { return d.alerts.Run(wctx) })
+	work.Go(func() error { return d.fleet.Run(wctx) })
+	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
+		work.Go(func() error { d.watchdog(wctx, interval); return nil })
+	}
+	served := make(chan error, len(servers))
+	for i, s := range servers {
+		go func() { served <- s.Serve(listeners[i]) }()
+	}
+	d.log.Info("switchyard serving", "version", version, "listen", ln.Addr().String(),
+		"database", d.cfg.Database.Path, "brokers", len(d.brokers.List()))
+	if ready != nil {
+		ready()
+	}
+
+	// Until a signal, or a server or a worker fails.
+	var errs []error
+	select {
+	case <-ctx.Done():
+	case err := <-served:
+		errs = append(errs, fmt.Errorf("http: %w", err))
+	case <-wctx.Done():
+	}
+	d.log.Info("shutting down")
+	sdNotify(d.log, daemon.SdNotifyStopping)
+	deadline := time.Now().Add(d.cfg.Server.ShutdownTimeout)
+
+	// 1. Stop taking webhooks: every one answered 202 is on a broker.
+	sctx, cancel := context.WithDeadline(context.Background(), deadline.Add(-d.cfg.Server.ShutdownTimeout/4))
+	for _, s := range servers {
+		if err := s.Shutdown(sctx); err != nil {
+			errs = append(errs, fmt.Errorf("http shutdown: %w", err))
+		}
+	}
+	cancel()
+
+	// 2. Stop the workers; each finishes and acks the message in hand.
+	stopWork()
+	finished := make(chan error, 1)
+	go func() { finished <- work.Wait() }()
+	select {
+	case err := <-finished:
+		errs = append(errs, err)
+	case <-time.After(time.Until(deadline)):
+		errs = append(errs, fmt.Errorf("shutdown took longer than %s", d.cfg.Server.ShutdownTimeout))
+	}
+	return errors.Join(errs...)
+}
+
+// httpServers are the API server on ln and, with server.metrics_listen,
+// the metrics server on its own listener.
+func (d *Daemon) httpServers(ln net.Listener) ([]*http.Server, []net.Listener, error) {
+	servers := []*http.Server{{
+		Handler:           d.api.Handler(),
+		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       2 * time.Minute,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(d.log.Handler(), slog.LevelWarn),
+	}}
+	listeners := []net.Listener{ln}
+	if addr := d.cfg.Server.MetricsListen; !d.cfg.Server.metricsOnAPI() {
+		mln, err := net.Listen("tcp", addr)
+		if err != nil {
+			ln.Close()
+			return nil, nil, fmt.Errorf("listen %s (server.metrics_listen): %w", addr, err)
+		}
+		servers = append(servers, &http.Server{Handler: d.metrics.Handler(), ReadHeaderTimeout: 10 * time.Second})
+		listeners = append(listeners, mln)
+	}
+	return servers, listeners, nil
+}
+
+// watchdog proves to systemd (WatchdogSec) that the process is alive.
+func (d *Daemon) watchdog(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval / 2)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			sdNotify(d.log, daemon.SdNotifyWatchdog)
+		}
+	}
+}
+
+// sdNotify tells systemd the daemon's state when NOTIFY_SOCKET is set
+// (Type=notify); elsewhere it does nothing.
+func sdNotify(log *slog.Logger, state string) {
+	if _, err := daemon.SdNotify(false, state); err != nil {
+		log.Warn("cannot notify systemd", "state", state, "error", err)
+	}
+}
+
+// gcPercentUnderLimit is the collector's GOGC while a soft memory limit
+// holds the heap: end to end over amqps the default 100 ran 440 collections
+// in 30 s on a heap of ~20 MB, 5 to 10 % of the daemon's CPU per webhook
+// (BENCHMARKS.md). 200 gave that back but let the heap grow to three times
+// what is live: 6 MB more peak RSS end to end than 150. Since the payload
+// is no longer copied on its way to SQLite (a sixth less garbage per
+// webhook), 150 collects only a tenth more often than 200 did then.
+const gcPercentUnderLimit = 150
+
+// setGCLimits sets the Go runtime's soft memory limit (server.memory_limit;
+// GOMEMLIMIT in the environment wins) and, under a limit, collects less
+// often (gcPercentUnderLimit; GOGC in the environment wins). The limit makes
+// the collector work harder as the heap nears it, so that garbage from large
+// payloads does not double the footprint on a small VPS; below it, garbage
+// from 25 KB webhooks may wait longer.
+func setGCLimits(memoryLimit int64) {
+	limited := os.Getenv("GOMEMLIMIT") != ""
+	if !limited && memoryLimit > 0 {
+		debug.SetMemoryLimit(memoryLimit)
+		limited = true
+	}
+	if limited && os.Getenv("GOGC") == "" {
+		debug.SetGCPercent(gcPercentUnderLimit)
+	}
+}
+
+// serve is the serve command: listen, then run until SIGTERM or SIGINT.
+// SIGHUP reloads the config file at path.
+func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, log *slog.Logger, ready func()) error {
+	setGCLimits(cfg.Server.MemoryLimit)
+	d, err := NewDaemon(ctx, cfg, log)
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", cfg.Server.Listen)
+	if err != nil {
+		return errors.Join(fmt.Errorf("listen %s: %w", cfg.Server.Listen, err), d.Close())
+	}
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	reloads := make(chan struct{})
+	reloaded := make(chan struct{})
+	go func() {
+		defer close(reloaded)
+		for {
+			select {
+			case <-reloads:
+				return
+			case <-hup:
+				d.ReloadFile(path, level)
+			}
+		}
+	}()
+	err = d.Run(ctx, ln, ready)
+	close(reloads)
+	<-reloaded
+	err = errors.Join(err, d.Close())
+	log.Info("stopped", "error", err)
+	return err
+}
+
+// reloadable are the config keys a SIGHUP applies at once;
+// a key ending in "." stands for its whole section.
+var reloadable = []string{"log.level", "github.webhook_secret", "github.previous_webhook_secrets",
+	"github.allowed_cidrs", "github.meta_file", "server.trusted_proxies", "api.operator_token",
+	"api.producer_token", "alerts.", "healthchecks."}
+
+// ReloadFile reads the config file again and applies what may change while
+// running: log level, webhook secrets, allow list and meta file, trusted
+// proxies, API tokens, alerts and HealthChecks. Any other changed key is
+// logged as needing a restart. A file that does not validate changes
+// nothing, and every bad field is logged.
+func (d *Daemon) ReloadFile(path string, level *slog.LevelVar) {
+	cfg, err := LoadConfig(path)
+	if err != nil {
+		for _, line := range strings.Split(err.Error(), "\n") {
+			d.log.Error("config reload refused, the running config stays", "problem", line)
+		}
+		return
+	}
+	if err := d.api.Reload(cfg); err != nil {
+		d.log.Error("config reload refused, the running config stays", "problem", err)
+		return
+	}
+	level.Set(parseLevel(cfg.Log.Level))
+	d.alerter.Reload(cfg.Alerts)
+	urls := map[string]string{"service": cfg.HealthChecks.Service, "database-service": cfg.HealthChecks.DatabaseService,
+		"hooks": cfg.HealthChecks.Hooks, "cleanup": cfg.HealthChecks.Cleanup}
+	for _, w := range d.workers {
+		w.Health.SetURL(urls[w.Name])
+	}
+	var restart []string
+	for _, key := range changedKeys(d.cfg, cfg) {
+		if !slices.ContainsFunc(reloadable, func(r string) bool { return key == r || strings.HasSuffix(r, ".") && strings.HasPrefix(key, r) }) {
+			restart = append(restart, key)
+		}
+	}
+	for _, w := range cfg.Warnings(path) {
+		d.log.Warn("config: " + w)
+	}
+	d.log.Info("config reloaded", "path", path)
+	for _, key := range restart {
+		d.log.Warn("config key changed; it takes effect after a restart", "key", key)
+	}
+}
+
+// changedKeys names the config keys ("section.key", as in the file) whose
+// values differ between a and b.
+func changedKeys(a, b *Config) []string {
+	var keys []string
+	var walk func(prefix string, va, vb reflect.Value)
+	walk = func(prefix string, va, vb reflect.Value) {
+		if va.Kind() == reflect.Struct && va.Type() != reflect.TypeOf(time.Time{}) {
+			for i := 0; i < va.NumField(); i++ {
+				tag, _, _ := strings.Cut(va.Type().Field(i).Tag.Get("toml"), ",")
+				if tag == "" || tag == "-" {
+					continue
+				}
+				name := tag
+				if prefix != "" {
+					name = prefix + "." + tag
+				}
+				walk(name, va.Field(i), vb.Field(i))
+			}
+			return
+		}
+		if !reflect.DeepEqual(va.Interface(), vb.Interface()) {
+			keys = append(keys, prefix)
+		}
+	}
+	walk("", reflect.ValueOf(*a), reflect.ValueOf(*b))
+	return keys
+}
