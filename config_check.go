@@ -1,0 +1,332 @@
+// Checking a configuration: Validate's errors that name the field,
+// the warnings check-config and serve print, and the summary with every
+// secret masked.
+
+package main
+
+import (
+	_ "embed"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Validate returns every problem at once, each naming its field.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
+	}
+
+	if _, _, err := net.SplitHostPort(c.Server.Listen); err != nil {
+		bad("server.listen", "want host:port, got %q", c.Server.Listen)
+	}
+	if _, _, err := net.SplitHostPort(c.Server.MetricsListen); err != nil {
+		bad("server.metrics_listen", "want host:port (server.listen's to serve /metrics there), got %q", c.Server.MetricsListen)
+	}
+	for i, p := range c.Server.TrustedProxies {
+		if _, err := parsePrefix(p); err != nil {
+			bad(fmt.Sprintf("server.trusted_proxies[%d]", i), "%v", err)
+		}
+	}
+	if c.Server.ShutdownTimeout <= 0 {
+		bad("server.shutdown_timeout", "must be positive")
+	}
+	if c.Server.MemoryLimit < 0 {
+		bad("server.memory_limit", "must not be negative (0: no limit)")
+	}
+	if c.Server.MaxInflightBytes < 1<<20 {
+		bad("server.max_inflight_bytes", "at least 1 MiB (1048576), got %d", c.Server.MaxInflightBytes)
+	}
+
+	if c.Database.Path == "" {
+		bad("database.path", "required")
+	} else if dir := filepath.Dir(c.Database.Path); !isDir(dir) {
+		bad("database.path", "directory %s does not exist (serve creates the file, not its directory)", dir)
+	}
+	if !slices.Contains([]string{"FULL", "NORMAL", "EXTRA"}, strings.ToUpper(c.Database.Synchronous)) {
+		bad("database.synchronous", "want FULL, NORMAL or EXTRA, got %q", c.Database.Synchronous)
+	}
+	if c.Database.BusyTimeout <= 0 {
+		bad("database.busy_timeout", "must be positive")
+	}
+	if r := c.Database.RawRetention; r < 0 || r > 0 && time.Duration(r) < githubRedeliveryWindow {
+		bad("database.raw_retention", "0 (keep forever) or at least 72h, GitHub's redelivery window, got %s", r)
+	}
+	if time.Duration(c.Database.DeliveryRetention) < githubRedeliveryWindow {
+		bad("database.delivery_retention", "at least 72h, GitHub's redelivery window, got %s", c.Database.DeliveryRetention)
+	}
+
+	for field, tok := range map[string]string{"api.operator_token": c.API.OperatorToken, "api.producer_token": c.API.ProducerToken} {
+		switch {
+		case strings.TrimSpace(tok) == "":
+			bad(field, "required, and more than spaces")
+		case len(tok) < minTokenLen:
+			bad(field, "at least %d characters, got %d (generate one with: openssl rand -hex 32)", minTokenLen, len(tok))
+		}
+	}
+	if c.API.OperatorToken != "" && c.API.OperatorToken == c.API.ProducerToken {
+		bad("api.producer_token", "must differ from api.operator_token")
+	}
+	if c.API.MaxClockSkew <= 0 {
+		bad("api.max_clock_skew", "must be positive")
+	}
+
+	if strings.TrimSpace(c.GitHub.WebhookSecret) == "" {
+		bad("github.webhook_secret", "required, and more than spaces")
+	}
+	for i, s := range c.GitHub.PreviousWebhookSecrets {
+		if strings.TrimSpace(s) == "" {
+			bad(fmt.Sprintf("github.previous_webhook_secrets[%d]", i), "empty or only spaces")
+		}
+	}
+	for i, p := range c.GitHub.AllowedCIDRs {
+		if _, err := parsePrefix(p); err != nil {
+			bad(fmt.Sprintf("github.allowed_cidrs[%d]", i), "%v", err)
+		}
+	}
+	if c.GitHub.MetaFile != "" {
+		if _, err := loadMetaHooks(c.GitHub.MetaFile); err != nil {
+			bad("github.meta_file", "%v", err)
+		}
+	}
+	if c.GitHub.BotAppID < 0 {
+		bad("github.bot_app_id", "must not be negative")
+	}
+	if c.GitHub.AppID < 0 {
+		bad("github.app_id", "must not be negative")
+	}
+	if c.GitHub.AppID > 0 && c.GitHub.PrivateKeyFile == "" {
+		bad("github.private_key_file", "required when github.app_id is set")
+	}
+	if u, err := url.Parse(c.GitHub.APIURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		bad("github.api_url", "want an http(s) URL, got %q", c.GitHub.APIURL)
+	}
+	if c.GitHub.MaxPagesPerPoll < 1 || c.GitHub.MaxPagesPerPoll > 10000 {
+		bad("github.max_pages_per_poll", "want 1 to 10000, got %d", c.GitHub.MaxPagesPerPoll)
+	}
+	if c.GitHub.RedeliverPerMinute < 1 || c.GitHub.RedeliverPerMinute > 80 {
+		bad("github.redeliver_per_minute", "want 1 to 80 (GitHub's content-creation limit), got %d", c.GitHub.RedeliverPerMinute)
+	}
+	if c.GitHub.ReconcileGrace <= 0 || c.GitHub.ReconcileGrace >= githubRedeliveryWindow {
+		bad("github.reconcile_grace", "want more than 0 and less than GitHub's 72h of deliveries, got %s", c.GitHub.ReconcileGrace)
+	}
+
+	// RabbitMQ takes x-message-ttl in milliseconds as a non-negative 32-bit integer.
+	if c.Queue.RetryTTL < time.Millisecond || c.Queue.RetryTTL.Milliseconds() > 1<<31-1 {
+		bad("queue.retry_ttl", "want between 1ms and 24 days, got %s", c.Queue.RetryTTL)
+	}
+	if c.Queue.MaxAttempts < 0 {
+		bad("queue.max_attempts", "must not be negative")
+	}
+	if c.Queue.Prefetch < 1 || c.Queue.Prefetch > 65535 {
+		bad("queue.prefetch", "want 1 to 65535, got %d", c.Queue.Prefetch)
+	}
+	if c.Queue.PublishTimeout <= 0 {
+		bad("queue.publish_timeout", "must be positive")
+	}
+	if c.Queue.CallTimeout <= 0 {
+		bad("queue.call_timeout", "must be positive")
+	}
+	if c.Queue.KeepaliveEvery <= 0 || c.Queue.KeepaliveEvery > 7*24*time.Hour {
+		bad("queue.keepalive_every", "want more than 0 and at most 7 days (free plans delete queues unused for 28), got %s", c.Queue.KeepaliveEvery)
+	}
+	if c.Queue.MaxBatchBytes < 1<<20 {
+		bad("queue.max_batch_bytes", "at least 1 MiB (1048576), got %d", c.Queue.MaxBatchBytes)
+	}
+
+	for name, d := range map[string]time.Duration{
+		"workers.window":                 c.Workers.Window,
+		"workers.pending_check_interval": c.Workers.PendingCheckInterval,
+		"workers.cleanup_every":          c.Workers.CleanupEvery,
+		"workers.cleanup_window":         c.Workers.CleanupWindow,
+		"workers.hooks_poll_every":       c.Workers.HooksPollEvery,
+	} {
+		if d <= 0 {
+			bad(name, "must be positive")
+		}
+	}
+	if c.Workers.LeftoverDrainLimit < 0 {
+		bad("workers.leftover_drain_limit", "must not be negative")
+	}
+
+	if len(c.Brokers) == 0 {
+		bad("brokers", "at least one [[brokers]] entry is required")
+	}
+	for i, b := range c.Brokers {
+		if _, err := parseBrokerURL(b.URL); err != nil {
+			bad(fmt.Sprintf("brokers[%d].url", i), "%v", err)
+		}
+	}
+
+	for i, r := range c.Alerts.Rules {
+		if len(r.Events) == 0 {
+			bad(fmt.Sprintf("alerts.rules[%d].events", i), "required")
+		}
+		for _, ch := range r.Channels {
+			if ch != "email" && ch != "push" {
+				bad(fmt.Sprintf("alerts.rules[%d].channels", i), "want \"email\" or \"push\", got %q", ch)
+			}
+		}
+	}
+
+	for name, u := range map[string]string{
+		"healthchecks.service":          c.HealthChecks.Service,
+		"healthchecks.database_service": c.HealthChecks.DatabaseService,
+		"healthchecks.hooks":            c.HealthChecks.Hooks,
+		"healthchecks.cleanup":          c.HealthChecks.Cleanup,
+	} {
+		if u == "" {
+			continue
+		}
+		if pu, err := url.Parse(u); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") {
+			bad(name, "want an http(s) URL")
+		}
+	}
+
+	if !slices.Contains([]string{"debug", "info", "warn", "error"}, c.Log.Level) {
+		bad("log.level", "want debug, info, warn or error, got %q", c.Log.Level)
+	}
+	if c.Log.Format != "text" && c.Log.Format != "json" {
+		bad("log.format", "want text or json, got %q", c.Log.Format)
+	}
+
+	// Map iteration is random; sort so the same file always reads the same.
+	sort.SliceStable(errs, func(i, j int) bool { return errs[i].Error() < errs[j].Error() })
+	return errors.Join(errs...)
+}
+
+// minTokenLen is the shortest API token accepted; warnTokenLen the shortest
+// that passes without a warning.
+const (
+	minTokenLen  = 16
+	warnTokenLen = 32
+	// warnSecretLen is the webhook secret below which check-config warns:
+	// GitHub takes any secret, but a short one can be guessed.
+	warnSecretLen = 16
+)
+
+// isDir reports whether path is a directory that exists.
+func isDir(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && fi.IsDir()
+}
+
+//go:embed config.example.toml
+var exampleConfig string
+
+// Warnings are what check-config and serve point out without refusing the
+// config: short tokens, secrets still as config.example.toml has them, and a
+// file that others can read. path is the file's path, "" to skip its mode.
+func (c *Config) Warnings(path string) []string {
+	var ws []string
+	example, _ := DecodeConfig(strings.NewReader(exampleConfig))
+	for _, s := range []struct {
+		field, value, placeholder string
+		token                     bool
+	}{
+		{"api.operator_token", c.API.OperatorToken, example.API.OperatorToken, true},
+		{"api.producer_token", c.API.ProducerToken, example.API.ProducerToken, true},
+		{"github.webhook_secret", c.GitHub.WebhookSecret, example.GitHub.WebhookSecret, false},
+	} {
+		if s.value == s.placeholder {
+			ws = append(ws, fmt.Sprintf("%s: still the placeholder of config.example.toml; anyone who read it can use it", s.field))
+		} else if s.token && len(s.value) < warnTokenLen {
+			ws = append(ws, fmt.Sprintf("%s: %d characters; %d or more is safer (openssl rand -hex 32)", s.field, len(s.value), warnTokenLen))
+		}
+	}
+	if n := len(c.GitHub.WebhookSecret); n > 0 && n < warnSecretLen && c.GitHub.WebhookSecret != example.GitHub.WebhookSecret {
+		ws = append(ws, fmt.Sprintf("github.webhook_secret: %d characters; %d or more is safer (openssl rand -hex 32)", n, warnSecretLen))
+	}
+	if path != "" {
+		if fi, err := os.Stat(path); err == nil && fi.Mode().Perm()&0o004 != 0 {
+			ws = append(ws, fmt.Sprintf("%s: readable by every user (mode %04o), and it holds secrets: chmod 0640", path, fi.Mode().Perm()))
+		}
+	}
+	return ws
+}
+
+// mask hides a secret while saying whether it is set.
+func mask(s string) string {
+	if s == "" {
+		return "(unset)"
+	}
+	return "***"
+}
+
+// maskURL hides a URL's password, and its path and query, which for ping and
+// push URLs are often the secret itself.
+func maskURL(s string) string {
+	if s == "" {
+		return "(unset)"
+	}
+	u, err := url.Parse(s)
+	if err != nil {
+		return "***"
+	}
+	return u.Scheme + "://" + u.Host + "/***"
+}
+
+// Summary writes the configuration for check-config, every secret masked.
+func (c *Config) Summary(w io.Writer) {
+	p := func(format string, args ...any) { fmt.Fprintf(w, format+"\n", args...) }
+	p("server.listen = %q", c.Server.Listen)
+	p("server.trusted_proxies = %q", c.Server.TrustedProxies)
+	p("server.metrics_listen = %q", c.Server.MetricsListen)
+	p("database.path = %q", c.Database.Path)
+	p("database.synchronous = %q", strings.ToUpper(c.Database.Synchronous))
+	p("database.raw_retention = %s, delivery_retention = %s", c.Database.RawRetention, c.Database.DeliveryRetention)
+	p("server.max_inflight_bytes = %d, memory_limit = %d", c.Server.MaxInflightBytes, c.Server.MemoryLimit)
+	p("api.operator_token = %s", mask(c.API.OperatorToken))
+	p("api.producer_token = %s", mask(c.API.ProducerToken))
+	p("api.max_clock_skew = %s", c.API.MaxClockSkew)
+	p("github.webhook_secret = %s", mask(c.GitHub.WebhookSecret))
+	p("github.previous_webhook_secrets = %d set", len(c.GitHub.PreviousWebhookSecrets))
+	if c.GitHub.MetaFile != "" {
+		p("github.meta_file = %q", c.GitHub.MetaFile)
+	} else if len(c.GitHub.AllowedCIDRs) > 0 {
+		p("github.allowed_cidrs = %q", c.GitHub.AllowedCIDRs)
+	} else {
+		p("github.allowed_cidrs = GitHub's hooks ranges (built in)")
+	}
+	p("github.bot_app_id = %d", c.GitHub.BotAppID)
+	p("github.app_id = %d (hooks worker %s)", c.GitHub.AppID, map[bool]string{true: "on", false: "off"}[c.GitHub.AppID > 0])
+	p("github.api_url = %q", c.GitHub.APIURL)
+	p("github.reconcile_grace = %s, redeliver_gaps = %t, redeliver_per_minute = %d, max_pages_per_poll = %d",
+		c.GitHub.ReconcileGrace, c.GitHub.RedeliverGaps, c.GitHub.RedeliverPerMinute, c.GitHub.MaxPagesPerPoll)
+	p("queue.declare_topology = %t, keepalive_every = %s", c.Queue.DeclareTopology, c.Queue.KeepaliveEvery)
+	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
+		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)
+	p("workers.window = %s, pending_check_interval = %s, leftover_drain_limit = %d",
+		c.Workers.Window, c.Workers.PendingCheckInterval, c.Workers.LeftoverDrainLimit)
+	p("workers.cleanup_every = %s, cleanup_window = %s, hooks_poll_every = %s",
+		c.Workers.CleanupEvery, c.Workers.CleanupWindow, c.Workers.HooksPollEvery)
+	for i, b := range c.Brokers {
+		p("brokers[%d].url = %s", i, redactAMQPURL(b.URL))
+	}
+	p("alerts.rules = %d, email = %s, push = %s", len(c.Alerts.Rules),
+		map[bool]string{true: "on", false: "off"}[c.Alerts.Email.Host != ""], maskURL(c.Alerts.Push.URL))
+	p("healthchecks: service = %s, database_service = %s, hooks = %s, cleanup = %s",
+		maskURL(c.HealthChecks.Service), maskURL(c.HealthChecks.DatabaseService),
+		maskURL(c.HealthChecks.Hooks), maskURL(c.HealthChecks.Cleanup))
+	p("log.level = %q, log.format = %q", c.Log.Level, c.Log.Format)
+}
+
+// redactAMQPURL prints a broker URL as amqps://user:***@host/vhost.
+func redactAMQPURL(raw string) string {
+	u, err := amqp.ParseURI(raw)
+	if err != nil {
+		return "(unparseable URL)"
+	}
+	return u.Scheme + "://" + u.Username + ":***@" + net.JoinHostPort(u.Host, fmt.Sprint(u.Port)) + "/" + url.PathEscape(u.Vhost)
+}
