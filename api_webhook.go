@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -62,7 +61,6 @@ func (s prefixSet) contains(a netip.Addr) bool {
 type Webhook struct {
 	// auth is what a SIGHUP may change: secrets, allow list, proxies.
 	auth    atomic.Pointer[webhookAuth]
-	timeout time.Duration
 	brokers *Brokers
 	queues  *Queues
 	log     *slog.Logger
@@ -118,7 +116,7 @@ func NewWebhook(cfg *Config, brokers *Brokers, queues *Queues, metrics *Metrics,
 	if err != nil {
 		return nil, err
 	}
-	wh := &Webhook{timeout: cfg.Queue.PublishTimeout, brokers: brokers, queues: queues, metrics: metrics, log: log,
+	wh := &Webhook{brokers: brokers, queues: queues, metrics: metrics, log: log,
 		budget: newBodyBudget(cfg.Server.MaxInflightBytes), rejects: newLogLimiter(10 * time.Second)}
 	wh.auth.Store(auth)
 	wh.bodies.New = func() any { return new([]byte) }
@@ -382,13 +380,7 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	msg := newPublishing(r.Header, payload, addrText(src), time.Now())
 
-	st := wh.brokers.Cached()
-	b, err := wh.brokers.Get(st.PublishTarget())
-	if err == nil {
-		ctx, cancel := context.WithTimeout(r.Context(), wh.timeout)
-		err = wh.queues.Publish(ctx, b, exchange, key, msg)
-		cancel()
-	}
+	b, err := wh.queues.PublishToTarget(r.Context(), wh.brokers, exchange, key, msg)
 	if err != nil {
 		wh.reject(w, r, fmt.Errorf("%w: delivery %s not queued: %v", ErrUnavailable, msg.MessageId, err), src)
 		return

@@ -175,6 +175,21 @@ drain:
 	return false
 }
 
+// PublishToTarget publishes msg to the broker the switch state names as the
+// publish target now (a Pending Switch's target, else the active broker),
+// waiting at most publish_timeout for the confirm. It is the one path by
+// which webhooks and republished deliveries reach a broker, and it returns
+// the broker it chose.
+func (q *Queues) PublishToTarget(ctx context.Context, brokers *Brokers, exchange, key string, msg amqp.Publishing) (*Broker, error) {
+	b, err := brokers.Get(brokers.Cached().PublishTarget())
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
+	defer cancel()
+	return b, q.Publish(ctx, b, exchange, key, msg)
+}
+
 // Publish sends msg to broker b and waits for its publisher confirm until ctx
 // ends. Messages are mandatory: one that reaches no queue (a queue deleted on
 // the broker) is an error, never a silent success.

@@ -25,7 +25,6 @@ type Hooks struct {
 	brokers *Brokers
 	queues  *Queues
 	alerter *Alerter
-	timeout time.Duration
 	// grace is github.reconcile_grace; redeliver is github.redeliver_gaps;
 	// maxPages is github.max_pages_per_poll.
 	grace     time.Duration
@@ -38,7 +37,7 @@ type Hooks struct {
 
 // NewHooks is the hooks worker's work for cfg, through app.
 func NewHooks(cfg *Config, app *GitHubApp, store *Store, brokers *Brokers, queues *Queues, alerter *Alerter, log *slog.Logger) *Hooks {
-	return &Hooks{app: app, store: store, brokers: brokers, queues: queues, alerter: alerter, timeout: cfg.Queue.PublishTimeout,
+	return &Hooks{app: app, store: store, brokers: brokers, queues: queues, alerter: alerter,
 		grace: cfg.GitHub.ReconcileGrace, redeliver: cfg.GitHub.RedeliverGaps, maxPages: cfg.GitHub.MaxPagesPerPoll, log: log}
 }
 
@@ -320,14 +319,7 @@ func (h *Hooks) queue(ctx context.Context, d hookDelivery) error {
 	hdr := http.Header{}
 	hdr.Set(hdrDelivery, d.GUID)
 	hdr.Set(hdrEvent, d.Event)
-	msg := newPublishing(hdr, body, "", time.Now())
-	b, err := h.brokers.Get(h.brokers.Cached().PublishTarget())
-	if err != nil {
-		return err
-	}
-	pctx, cancel := context.WithTimeout(ctx, h.timeout)
-	defer cancel()
-	if err := h.queues.Publish(pctx, b, "", queueHooks, msg); err != nil {
+	if _, err := h.queues.PublishToTarget(ctx, h.brokers, "", queueHooks, newPublishing(hdr, body, "", time.Now())); err != nil {
 		return fmt.Errorf("queue redelivery of %s: %w", d.GUID, err)
 	}
 	h.log.Info("queued a failed delivery for redelivery", "delivery_id", d.GUID, "event", d.Event, "github_delivery", d.ID)
@@ -384,13 +376,7 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 	if _, _, err := decodePayload(payload, hdr.Get(hdrEvent)); err != nil {
 		return permanent("delivery %d: %v", m.DeliveryID, err)
 	}
-	b, err := h.brokers.Get(h.brokers.Cached().PublishTarget())
-	if err != nil {
-		return err
-	}
-	pctx, cancel := context.WithTimeout(ctx, h.timeout)
-	defer cancel()
-	if err := h.queues.Publish(pctx, b, exchangeName, "", newPublishing(hdr, payload, "", time.Now())); err != nil {
+	if _, err := h.queues.PublishToTarget(ctx, h.brokers, exchangeName, "", newPublishing(hdr, payload, "", time.Now())); err != nil {
 		return fmt.Errorf("republish %s: %w", d.GUID, err)
 	}
 	_, err = h.store.MarkDelivery(ctx, nil, "hooks", m.GUID, func(tx *Tx) (string, error) {
