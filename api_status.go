@@ -67,6 +67,9 @@ func (st *Status) problems() []string {
 		switch {
 		case !b.Up:
 			ps = append(ps, fmt.Sprintf("broker #%d (%s vhost %s) is down: %s", b.Index, b.Host, b.Vhost, b.Error))
+		case b.Blocked != "":
+			ps = append(ps, fmt.Sprintf("broker #%d (%s vhost %s) blocks publishing since %s: %s; webhooks sent to it answer 503",
+				b.Index, b.Host, b.Vhost, b.BlockedSince.Format(time.RFC3339), b.Blocked))
 		case len(b.Missing) > 0:
 			ps = append(ps, fmt.Sprintf("broker #%d (%s vhost %s) lacks %s", b.Index, b.Host, b.Vhost, strings.Join(b.Missing, ", ")))
 		}
@@ -125,6 +128,10 @@ type BrokerView struct {
 	Pending bool                 `json:"pending"` // a Pending Switch's target
 	Up      bool                 `json:"up"`
 	Error   string               `json:"error,omitempty"`
+	// Blocked is the broker's reason while it blocks switchyard's
+	// connection (connection.blocked), and BlockedSince since when.
+	Blocked      string    `json:"blocked,omitempty"`
+	BlockedSince time.Time `json:"blocked_since,omitzero"`
 	Missing []string             `json:"missing_queues,omitempty"`
 	Queues  map[string]queueInfo `json:"queues,omitempty"`
 }
@@ -168,6 +175,9 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 	for i, b := range list {
 		bs := BrokerView{Index: b.Index, Host: b.Host, Vhost: b.Vhost, Active: b.Index == sw.Active,
 			Pending: sw.Pending != nil && sw.Pending.Index == b.Index}
+		if blk, ok := a.queues.Blocked(b); ok {
+			bs.Blocked, bs.BlockedSince = blk.Reason, blk.Since
+		}
 		wg.Go(func() {
 			bctx, cancel := context.WithTimeout(ctx, statusTimeout)
 			defer cancel()

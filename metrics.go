@@ -33,6 +33,7 @@ type Metrics struct {
 	staleEvents    *prometheus.CounterVec
 	queueMessages  *prometheus.GaugeVec
 	brokerUp       *prometheus.GaugeVec
+	blockedBrokers *prometheus.GaugeVec
 	brokerInfo     *prometheus.GaugeVec
 	buildInfo      *prometheus.GaugeVec
 	workerCycle    *prometheus.GaugeVec
@@ -83,6 +84,8 @@ func NewMetrics(labels MetricLabels) *Metrics {
 		queueMessages: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_queue_messages",
 			Help: "Ready messages of each of the 12 queues on every broker (-error included), as the last passive declare saw them: the fleet check reads them all every 60 s; absent while a broker cannot be read."},
 			[]string{"broker", "queue"}),
+		blockedBrokers: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_broker_blocked",
+			Help: "1 while the broker blocks switchyard's connection (connection.blocked: a resource alarm or a quota), else 0."}, []string{"broker"}),
 		brokerUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_broker_up",
 			Help: "1 when the broker answered the last keepalive or depth check, else 0."}, []string{"broker"}),
 		brokerInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_broker_info",
@@ -96,7 +99,7 @@ func NewMetrics(labels MetricLabels) *Metrics {
 	}
 	m.reg.MustRegister(m.webhooks, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
-		m.staleEvents, m.queueMessages, m.brokerUp, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
+		m.staleEvents, m.queueMessages, m.brokerUp, m.blockedBrokers, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.buildInfo.WithLabelValues(labels.Version, runtime.Version()).Set(1)
 	// Counters whose label values are known start at 0, so that rate() and
@@ -127,6 +130,7 @@ func (m *Metrics) broker(index int, host, vhost string) {
 	}
 	i := strconv.Itoa(index)
 	m.brokerInfo.WithLabelValues(i, host, vhost).Set(1)
+	m.blockedBrokers.WithLabelValues(i).Set(0)
 	m.publishes.WithLabelValues(i, "confirmed")
 	m.publishes.WithLabelValues(i, "failed")
 }
@@ -222,6 +226,17 @@ func (m *Metrics) brokerState(active int, pending bool) {
 	} else {
 		m.pendingSwitch.Set(0)
 	}
+}
+
+func (m *Metrics) brokerBlocked(broker int, blocked bool) {
+	if m == nil {
+		return
+	}
+	v := 0.0
+	if blocked {
+		v = 1
+	}
+	m.blockedBrokers.WithLabelValues(strconv.Itoa(broker)).Set(v)
 }
 
 func (m *Metrics) switched(reason string) {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -44,6 +45,10 @@ var (
 	ErrPublishNacked     = errors.New("broker refused the message")
 	ErrUnroutable        = errors.New("message routed to no queue")
 	ErrCallTimeout       = errors.New("AMQP call timed out")
+	// ErrBrokerBlocked is a publish refused at once because the broker
+	// blocked the connection (connection.blocked: a resource alarm, or a
+	// plan's quota): waiting out publish_timeout would change nothing.
+	ErrBrokerBlocked = errors.New("broker blocked the connection")
 )
 
 // consumedQueues are the logical queues the workers of cfg read: all
@@ -110,6 +115,43 @@ type brokerConn struct {
 	// inHand counts deliveries from this broker that a worker has taken and
 	// not yet settled: the broker's ready counts do not show them.
 	inHand atomic.Int64
+	// blocked is the broker's reason while it blocks the connection
+	// (connection.blocked), nil otherwise; watchBlocked keeps it.
+	blocked atomic.Pointer[blockedState]
+}
+
+// blockedState is a block the broker announced: why, and since when.
+type blockedState struct {
+	Reason string
+	Since  time.Time
+}
+
+// Blocked reports whether broker b blocks its connection now, and why.
+func (q *Queues) Blocked(b *Broker) (blockedState, bool) {
+	if st := q.conns[b.Index].blocked.Load(); st != nil {
+		return *st, true
+	}
+	return blockedState{}, false
+}
+
+// watchBlocked follows the broker's connection.blocked and unblocked
+// notifications for one connection until it closes (amqp091-go closes the
+// channel then); a new connection starts unblocked.
+func (q *Queues) watchBlocked(bc *brokerConn, notes <-chan amqp.Blocking) {
+	for n := range notes {
+		if n.Active {
+			reason := cmp.Or(n.Reason, "no reason given")
+			bc.blocked.Store(&blockedState{Reason: reason, Since: time.Now().UTC()})
+			q.log.Warn("broker blocks publishing: webhooks answer 503 until it unblocks", "broker", bc.broker.String(), "reason", reason)
+		} else {
+			bc.blocked.Store(nil)
+			q.log.Info("broker unblocked publishing", "broker", bc.broker.String())
+		}
+		q.metrics.brokerBlocked(bc.broker.Index, n.Active)
+	}
+	if bc.blocked.Swap(nil) != nil {
+		q.metrics.brokerBlocked(bc.broker.Index, false)
+	}
 }
 
 // NewQueues prepares connections to the brokers; nothing is dialed yet.

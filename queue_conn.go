@@ -45,6 +45,7 @@ func (q *Queues) conn(ctx context.Context, b *Broker) (*amqp.Connection, *publis
 		q.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
 	}
 	bc.conn, bc.pub, bc.failures, bc.lastErr = conn, newPublisher(conn, q), 0, nil
+	go q.watchBlocked(bc, conn.NotifyBlocked(make(chan amqp.Blocking, 4)))
 	return conn, bc.pub, nil
 }
 

@@ -196,6 +196,9 @@ func (q *Queues) PublishToTarget(ctx context.Context, brokers *Brokers, exchange
 func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, msg amqp.Publishing) (err error) {
 	start := time.Now()
 	defer func() { q.metrics.publish(b.Index, err, time.Since(start)) }()
+	if st, blocked := q.Blocked(b); blocked {
+		return fmt.Errorf("%w: %s: %s, since %s", ErrBrokerBlocked, b, st.Reason, st.Since.Format(time.RFC3339))
+	}
 	_, p, err := q.conn(ctx, b)
 	if err != nil {
 		return err

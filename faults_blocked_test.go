@@ -1,0 +1,59 @@
+package main
+
+import (
+	"encoding/json"
+	"net/http"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+// A broker that blocks the connection (RabbitMQ's memory alarm here, as a
+// free plan's quota would): a webhook is answered 503 with Retry-After and
+// the reason while the block still holds, instead of waiting out
+// publish_timeout; the gauge and the status say so; once the alarm clears,
+// webhooks are 202 again and nothing accepted is lost. Not parallel: the
+// alarm blocks every test's publishers, so it runs in the sequential phase.
+func TestFaultBrokerBlocked(t *testing.T) {
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the block's, not the timeout's
+	cfg.Log.Level = "info"
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened")
+	before := newGUID()
+	if code := postWebhook(t, d.URL, "issues", before, body); code != http.StatusAccepted {
+		t.Fatalf("before the alarm: %d", code)
+	}
+
+	restore := func() { _ = exec.Command("rabbitmqctl", "-q", "set_vm_memory_high_watermark", "0.4").Run() }
+	t.Cleanup(restore)
+	rabbitmqctl(t, "set_vm_memory_high_watermark", "0.0000001")
+	eventually(t, 30*time.Second, "the block announced", func() bool {
+		return scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`] == 1
+	})
+	code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
+	stillBlocked := scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`] == 1
+	if code != http.StatusServiceUnavailable || !strings.Contains(answer, "blocked") || !stillBlocked {
+		t.Errorf("a webhook while the broker blocks: %d %s (block still on: %v), want 503 naming the block while it holds", code, answer, stillBlocked)
+	}
+	req := mustRequestAuth(t, d.URL+"/api/v1/status")
+	_, raw := do(t, req)
+	var st Status
+	if err := json.Unmarshal([]byte(raw), &st); err != nil || len(st.Brokers) != 1 || st.Brokers[0].Blocked == "" {
+		t.Errorf("the status while blocked: %v %+v, want broker #0 blocked", err, st.Brokers)
+	}
+
+	restore()
+	eventually(t, 60*time.Second, "webhooks accepted again", func() bool {
+		return postWebhook(t, d.URL, "issues", newGUID(), body) == http.StatusAccepted
+	})
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 60*time.Second, "the delivery accepted before the block stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", before) == 1
+	})
+	if v := scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`]; v != 0 {
+		t.Errorf("switchyard_broker_blocked after the alarm cleared: %v, want 0", v)
+	}
+}
