@@ -161,6 +161,8 @@ func alertText(ev *Event, forbidden bool) (subject, body, link string) {
 		return gapText(ev)
 	case "unrecoverable":
 		return unrecoverableText(ev)
+	case "budget":
+		return budgetText(ev)
 	}
 	what := ev.Name
 	if ev.Action != "" {
@@ -231,6 +233,28 @@ will not deliver it again), or its API described it in a way no message may
 carry. What it held is lost unless its source sends it again;
 "switchyard deliveries -gaps" lists the gaps.
 `, ev.DeliveryID, ev.Action, ev.ReceivedAt.UTC().Format(time.RFC3339), ev.Payload)
+	return subject, body, ""
+}
+
+// budgetText announces a broker passing its budget: ev.DeliveryID is
+// "budget:HOST/VHOST:MONTH-START:LEVEL".
+func budgetText(ev *Event) (subject, body, link string) {
+	rest := strings.TrimPrefix(ev.DeliveryID, "budget:")
+	level := rest[strings.LastIndex(rest, ":")+1:]
+	rest = strings.TrimSuffix(rest, ":"+level)
+	month := rest[strings.LastIndex(rest, ":")+1:]
+	broker := strings.TrimSuffix(rest, ":"+month)
+	what := "has spent its warning share of"
+	if level == "exhausted" {
+		what = "has spent all of"
+	}
+	subject = fmt.Sprintf("Broker budget: %s %s its monthly messages", broker, what)
+	body = fmt.Sprintf(`The broker %s %s its monthly_messages in the budget month that began %s.
+
+A free plan that runs out blocks or refuses the connection: webhooks then get 503.
+/status shows each broker's use and the month-end projection; move the producer to
+another broker, or raise the plan.
+`, broker, what, month)
 	return subject, body, ""
 }
 

@@ -29,15 +29,16 @@ type API struct {
 	webhook *Webhook
 	metrics *Metrics
 	workers []*Worker // for the status
+	budget  *Budget
 	started time.Time
 	auth    *authGuard
 	log     *slog.Logger
 }
 
 // NewAPI builds the HTTP surface over the daemon's parts.
-func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, workers []*Worker, log *slog.Logger) *API {
+func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, workers []*Worker, budget *Budget, log *slog.Logger) *API {
 	a := &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics,
-		workers: workers, started: time.Now().UTC(), auth: newAuthGuard(log), log: log}
+		workers: workers, budget: budget, started: time.Now().UTC(), auth: newAuthGuard(log), log: log}
 	tokens := cfg.API
 	a.tokens.Store(&tokens)
 	return a

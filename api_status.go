@@ -48,6 +48,9 @@ type Status struct {
 	GapsTotal     int           `json:"open_gaps_total"`
 	Unrecoverable int           `json:"unrecoverable_gaps"`
 
+	// Budgets are the brokers' spending this budget month.
+	Budgets []BudgetView `json:"budgets"`
+
 	// Problems names each thing that needs the operator, [] when all is
 	// well: `switchyard status` exits 1 when there is one.
 	Problems []string `json:"problems"`
@@ -77,6 +80,16 @@ func (st *Status) problems() []string {
 			if n := b.Queues[errorQueue(q)].Ready; n > 0 {
 				ps = append(ps, fmt.Sprintf("%s on broker #%d holds %s (switchyard replay %s)", errorQueue(q), b.Index, plural(n, "message"), q))
 			}
+		}
+	}
+	for _, v := range st.Budgets {
+		switch {
+		case v.Monthly > 0 && v.UsedRatio >= 1:
+			ps = append(ps, fmt.Sprintf("broker #%d has spent its monthly_messages (%d of %d) until %s", v.Broker,
+				v.Published+v.Delivered, v.Monthly, v.MonthEnd.Format("2006-01-02")))
+		case !v.RunsOut.IsZero():
+			ps = append(ps, fmt.Sprintf("broker #%d runs out of its monthly_messages on %s at the last 24 hours' rate (projected %d of %d)",
+				v.Broker, v.RunsOut.Format("2006-01-02"), v.Projected, v.Monthly))
 		}
 	}
 	if p := st.Pending; p != nil && st.Now.Sub(p.RecordedAt) > pendingTooLong {
@@ -238,6 +251,11 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 			return st, err
 		}
 	}
+	if a.budget != nil {
+		if st.Budgets, err = a.budget.Views(ctx, st.Now); err != nil {
+			return st, err
+		}
+	}
 	st.Problems = st.problems()
 	return st, nil
 }
@@ -293,6 +311,7 @@ var statusTemplate = template.Must(template.New("status").Funcs(template.FuncMap
 	"lastCycle":     lastCycle,
 	"forbiddenRead": forbiddenRead,
 	"plural":        plural,
+	"percent":       func(r float64) string { return fmt.Sprintf("%.1f %%", 100*r) },
 	"when":          func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05 UTC") },
 	"bytes": func(n int64) string {
 		switch {

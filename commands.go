@@ -15,6 +15,7 @@ import (
 	"net/http"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -290,6 +291,20 @@ func writeStatus(w io.Writer, st Status) {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%d %s\n", wk.Name, lastCycle(st.Now, wk), ago(st.Now, wk.LastStored), wk.Failures, wk.LastError)
 	}
 	tw.Flush()
+	if len(st.Budgets) > 0 {
+		fmt.Fprintln(tw, "\nBROKER\tPUBLISHED\tDELIVERED\tMONTHLY QUOTA\tUSED\tPROJECTED\tRUNS OUT")
+		for _, v := range st.Budgets {
+			quota, used, out := "none", "-", "-"
+			if v.Monthly > 0 {
+				quota, used = strconv.FormatInt(v.Monthly, 10), fmt.Sprintf("%.1f%%", 100*v.UsedRatio)
+			}
+			if !v.RunsOut.IsZero() {
+				out = v.RunsOut.Format("2006-01-02")
+			}
+			fmt.Fprintf(tw, "#%d\t%d\t%d\t%s\t%s\t%d\t%s\n", v.Broker, v.Published, v.Delivered, quota, used, v.Projected, out)
+		}
+		tw.Flush()
+	}
 	if f := forbiddenRead(st.Now, st.Workers); f != "" {
 		fmt.Fprintf(w, "github-forbidden: %s\n", f)
 	}

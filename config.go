@@ -133,6 +133,9 @@ type QueueConfig struct {
 	// (and, with declare_topology, declared again): free plans delete a
 	// queue nobody used for 28 days.
 	KeepaliveEvery time.Duration `toml:"keepalive_every"`
+	// BudgetWarnAt is the share of a broker's monthly_messages at which
+	// a budget alert goes out; the second goes out at 1.0.
+	BudgetWarnAt float64 `toml:"budget_warn_at"`
 }
 
 // WorkersConfig sets the cadence of the four workers.
@@ -148,7 +151,16 @@ type WorkersConfig struct {
 // BrokerConfig is one [[brokers]] entry; its position in the file is its index.
 type BrokerConfig struct {
 	URL string `toml:"url"`
+	// MonthlyMessages is the broker's monthly message quota (a free plan's;
+	// a publish and each delivery count), 0 for none.
+	MonthlyMessages int64 `toml:"monthly_messages"`
+	// BudgetResetsOn is the day of the month (1-28, UTC) its quota starts
+	// anew; 0 is the 1st.
+	BudgetResetsOn int `toml:"budget_resets_on"`
 }
+
+// resetDay is the day of the month the broker's budget starts anew.
+func (b BrokerConfig) resetDay() int { return max(b.BudgetResetsOn, 1) }
 
 // AlertsConfig selects Events and where to announce them.
 type AlertsConfig struct {
@@ -215,6 +227,7 @@ func DefaultConfig() *Config {
 			CallTimeout:    10 * time.Second,
 			MaxBatchBytes:  8 << 20,
 			KeepaliveEvery: 24 * time.Hour,
+			BudgetWarnAt:   0.8,
 		},
 		Workers: WorkersConfig{
 			Window:               5 * time.Minute,

@@ -167,6 +167,15 @@ func (c *Config) Validate() error {
 		if _, err := parseBrokerURL(b.URL); err != nil {
 			bad(fmt.Sprintf("brokers[%d].url", i), "%v", err)
 		}
+		if b.MonthlyMessages < 0 {
+			bad(fmt.Sprintf("brokers[%d].monthly_messages", i), "must not be negative (0: no quota)")
+		}
+		if b.BudgetResetsOn < 0 || b.BudgetResetsOn > 28 {
+			bad(fmt.Sprintf("brokers[%d].budget_resets_on", i), "want a day from 1 to 28, got %d", b.BudgetResetsOn)
+		}
+	}
+	if w := c.Queue.BudgetWarnAt; w <= 0 || w >= 1 {
+		bad("queue.budget_warn_at", "want more than 0 and less than 1, got %v", w)
 	}
 
 	for i, r := range c.Alerts.Rules {
@@ -312,7 +321,7 @@ func (c *Config) Summary(w io.Writer) {
 	p("workers.cleanup_every = %s, cleanup_window = %s, hooks_poll_every = %s",
 		c.Workers.CleanupEvery, c.Workers.CleanupWindow, c.Workers.HooksPollEvery)
 	for i, b := range c.Brokers {
-		p("brokers[%d].url = %s", i, redactAMQPURL(b.URL))
+		p("brokers[%d].url = %s, monthly_messages = %d, budget_resets_on = %d", i, redactAMQPURL(b.URL), b.MonthlyMessages, b.resetDay())
 	}
 	p("alerts.rules = %d, email = %s, push = %s", len(c.Alerts.Rules),
 		map[bool]string{true: "on", false: "off"}[c.Alerts.Email.Host != ""], maskURL(c.Alerts.Push.URL))

@@ -36,6 +36,7 @@ type Daemon struct {
 	alerter *Alerter
 	alerts  *AlertSender
 	fleet   *Fleet
+	budget  *Budget
 	workers []*Worker
 }
 
@@ -115,7 +116,8 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 				return err
 			}}))
 	}
-	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, log)
+	d.budget = NewBudget(cfg, brokers.List(), queues, store, d.alerter, metrics, log)
+	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.budget, log)
 	return d, nil
 }
 
@@ -146,6 +148,7 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	}
 	work.Go(func() error { return d.alerts.Run(wctx) })
 	work.Go(func() error { return d.fleet.Run(wctx) })
+	work.Go(func() error { return d.budget.Run(wctx) })
 	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
 		work.Go(func() error { d.watchdog(wctx, interval); return nil })
 	}

@@ -34,10 +34,13 @@ type Metrics struct {
 	queueMessages  *prometheus.GaugeVec
 	brokerUp       *prometheus.GaugeVec
 	blockedBrokers *prometheus.GaugeVec
-	brokerInfo     *prometheus.GaugeVec
-	buildInfo      *prometheus.GaugeVec
-	workerCycle    *prometheus.GaugeVec
-	workerFailures *prometheus.GaugeVec
+	// brokerMessageCount and budgetUsed are this budget month's spending.
+	brokerMessageCount *prometheus.GaugeVec
+	budgetUsed         *prometheus.GaugeVec
+	brokerInfo         *prometheus.GaugeVec
+	buildInfo          *prometheus.GaugeVec
+	workerCycle        *prometheus.GaugeVec
+	workerFailures     *prometheus.GaugeVec
 }
 
 // MetricLabels are the label values known before anything happens, so that
@@ -84,6 +87,11 @@ func NewMetrics(labels MetricLabels) *Metrics {
 		queueMessages: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_queue_messages",
 			Help: "Ready messages of each of the 12 queues on every broker (-error included), as the last passive declare saw them: the fleet check reads them all every 60 s; absent while a broker cannot be read."},
 			[]string{"broker", "queue"}),
+		brokerMessageCount: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_broker_messages",
+			Help: "Messages switchyard published to (kind published) and had delivered from (kind delivered) each broker this budget month: what a plan's monthly quota counts."},
+			[]string{"broker", "kind"}),
+		budgetUsed: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_broker_budget_used_ratio",
+			Help: "The share of the broker's monthly_messages spent this budget month; 0 without a quota."}, []string{"broker"}),
 		blockedBrokers: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_broker_blocked",
 			Help: "1 while the broker blocks switchyard's connection (connection.blocked: a resource alarm or a quota), else 0."}, []string{"broker"}),
 		brokerUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_broker_up",
@@ -99,7 +107,7 @@ func NewMetrics(labels MetricLabels) *Metrics {
 	}
 	m.reg.MustRegister(m.webhooks, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
-		m.staleEvents, m.queueMessages, m.brokerUp, m.blockedBrokers, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
+		m.staleEvents, m.queueMessages, m.brokerUp, m.blockedBrokers, m.brokerMessageCount, m.budgetUsed, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.buildInfo.WithLabelValues(labels.Version, runtime.Version()).Set(1)
 	// Counters whose label values are known start at 0, so that rate() and
@@ -237,6 +245,18 @@ func (m *Metrics) brokerBlocked(broker int, blocked bool) {
 		v = 1
 	}
 	m.blockedBrokers.WithLabelValues(strconv.Itoa(broker)).Set(v)
+}
+
+// brokerMessages records what a broker cost this budget month, and the
+// share of its monthly_messages (0 without a quota).
+func (m *Metrics) brokerMessages(broker int, published, delivered int64, ratio float64) {
+	if m == nil {
+		return
+	}
+	i := strconv.Itoa(broker)
+	m.brokerMessageCount.WithLabelValues(i, "published").Set(float64(published))
+	m.brokerMessageCount.WithLabelValues(i, "delivered").Set(float64(delivered))
+	m.budgetUsed.WithLabelValues(i).Set(ratio)
 }
 
 func (m *Metrics) switched(reason string) {

@@ -118,6 +118,37 @@ type brokerConn struct {
 	// blocked is the broker's reason while it blocks the connection
 	// (connection.blocked), nil otherwise; watchBlocked keeps it.
 	blocked atomic.Pointer[blockedState]
+	// published and delivered count the messages switchyard sent to this
+	// broker (confirmed publishes) and took from it (basic.deliver and
+	// basic.get-ok, redeliveries included) since TakeUsage last took them:
+	// what a plan's quota counts.
+	published, delivered atomic.Int64
+}
+
+// BrokerUsage is what one broker cost since the last TakeUsage.
+type BrokerUsage struct {
+	Broker               *Broker
+	Published, Delivered int64
+}
+
+// TakeUsage returns, per broker, the messages counted since the last call,
+// and starts counting again from zero. A caller that cannot keep them
+// hands them back with ReturnUsage.
+func (q *Queues) TakeUsage() []BrokerUsage {
+	out := make([]BrokerUsage, 0, len(q.conns))
+	for _, bc := range q.conns {
+		out = append(out, BrokerUsage{Broker: bc.broker, Published: bc.published.Swap(0), Delivered: bc.delivered.Swap(0)})
+	}
+	return out
+}
+
+// ReturnUsage adds usage taken by TakeUsage back to the counts.
+func (q *Queues) ReturnUsage(usage []BrokerUsage) {
+	for _, u := range usage {
+		bc := q.conns[u.Broker.Index]
+		bc.published.Add(u.Published)
+		bc.delivered.Add(u.Delivered)
+	}
 }
 
 // blockedState is a block the broker announced: why, and since when.

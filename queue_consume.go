@@ -208,6 +208,7 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, windo
 				return n, fmt.Errorf("consume %s on %s: %w: channel closed", queue, b, ErrBrokerUnreachable)
 			}
 			q.conns[b.Index].inHand.Add(1)
+			q.conns[b.Index].delivered.Add(1)
 			// Whatever else the broker sends close behind joins this
 			// message's batch (batchGap, batchWindow): one commit and one
 			// ack for all.
@@ -220,6 +221,7 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, windo
 					break
 				}
 				q.conns[b.Index].inHand.Add(1)
+				q.conns[b.Index].delivered.Add(1)
 				ds = append(ds, d)
 				size += int64(len(d.Body))
 			}
@@ -235,8 +237,9 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, windo
 	}
 }
 
-// get is one basic_get with call_timeout; ok is false when the queue is empty.
-func (q *Queues) get(conn *amqp.Connection, ch *amqp.Channel, queue string) (amqp.Delivery, bool, error) {
+// get is one basic_get on broker b's conn with call_timeout; ok is false
+// when the queue is empty. A basic.get-ok counts as a delivery.
+func (q *Queues) get(b *Broker, conn *amqp.Connection, ch *amqp.Channel, queue string) (amqp.Delivery, bool, error) {
 	type got struct {
 		d  amqp.Delivery
 		ok bool
@@ -245,6 +248,9 @@ func (q *Queues) get(conn *amqp.Connection, ch *amqp.Channel, queue string) (amq
 		d, ok, err := ch.Get(queue, false)
 		return got{d, ok}, err
 	})
+	if g.ok {
+		q.conns[b.Index].delivered.Add(1)
+	}
 	return g.d, g.ok, err
 }
 
@@ -320,6 +326,9 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 	n := 0
 	for n < want && ctx.Err() == nil {
 		d, ok := receive(ctx, c.deliveries, idle)
+		if ok {
+			q.conns[b.Index].delivered.Add(1) // delivered, handled or not
+		}
 		if !ok || !unchanged() {
 			break // empty for a while, the channel closed, or the state changed
 		}
@@ -333,6 +342,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 			if !ok {
 				break
 			}
+			q.conns[b.Index].delivered.Add(1)
 			if !unchanged() {
 				changed = true // this one is not handled: it goes back
 				break

@@ -220,6 +220,7 @@ func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, m
 	if err != nil {
 		return fmt.Errorf("publish to %s: %w", b, err)
 	}
+	q.conns[b.Index].published.Add(1) // sent: the broker counts it, confirmed or not
 	select {
 	case <-dc.Done():
 	case <-ctx.Done():

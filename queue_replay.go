@@ -29,7 +29,7 @@ func (q *Queues) Replay(ctx context.Context, from, to *Broker, queue string, lim
 		total = min(total, limit)
 	}
 	for moved < total && ctx.Err() == nil {
-		d, ok, err := q.get(conn, ch, errorQueue(queue))
+		d, ok, err := q.get(from, conn, ch, errorQueue(queue))
 		if err != nil || !ok {
 			return moved, total, err
 		}
@@ -78,7 +78,7 @@ func (q *Queues) PeekErrors(ctx context.Context, b *Broker, queue string, limit 
 	}
 	n := 0
 	for n < total && ctx.Err() == nil {
-		d, ok, err := q.get(conn, ch, errorQueue(queue))
+		d, ok, err := q.get(b, conn, ch, errorQueue(queue))
 		if err != nil {
 			return n, fmt.Errorf("get %s on %s: %w", errorQueue(queue), b, err)
 		}

@@ -421,3 +421,16 @@ ALTER TABLE delivery_gaps ADD COLUMN refusals INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE delivery_gaps ADD COLUMN unrecoverable_at TEXT;
 ALTER TABLE delivery_gaps ADD COLUMN last_error TEXT NOT NULL DEFAULT '';
 CREATE INDEX worker_deliveries_processed_at ON worker_deliveries (processed_at);
+
+-- migration 7: what each broker costs
+-- broker_usage: the messages switchyard published to and had delivered from
+-- each broker ("host/vhost"), per UTC hour: what a free plan's monthly quota
+-- counts. A budget month is the sum of its hours; the last 24 hours give the
+-- rate the month-end projection uses.
+CREATE TABLE broker_usage (
+    broker    TEXT NOT NULL,
+    hour      TEXT NOT NULL,
+    published INTEGER NOT NULL DEFAULT 0,
+    delivered INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (broker, hour)
+) STRICT, WITHOUT ROWID;

@@ -1,0 +1,63 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// usageRow is what one broker cost in one hour, as broker_usage keeps it.
+type usageRow struct {
+	Broker               string // usageKey
+	Published, Delivered int64
+}
+
+// usageKey names a broker in broker_usage by its host and vhost, so that a
+// reordered [[brokers]] list keeps each broker's spending its own.
+func usageKey(host, vhost string) string { return host + "/" + vhost }
+
+// AddBrokerUsage adds rows to the hour of at, in one transaction.
+func (s *Store) AddBrokerUsage(ctx context.Context, at time.Time, rows []usageRow) error {
+	hour := formatTime(at.UTC().Truncate(time.Hour))
+	return s.Batch(ctx, func(tx *Tx) error {
+		for _, r := range rows {
+			if r.Published == 0 && r.Delivered == 0 {
+				continue
+			}
+			if _, err := tx.exec(ctx, `INSERT INTO broker_usage (broker, hour, published, delivered) VALUES (?, ?, ?, ?)
+				ON CONFLICT (broker, hour) DO UPDATE SET published = published + excluded.published,
+				delivered = delivered + excluded.delivered`, r.Broker, hour, r.Published, r.Delivered); err != nil {
+				return fmt.Errorf("write broker_usage: %w", err)
+			}
+		}
+		return nil
+	})
+}
+
+// BrokerUsageSince sums what broker cost in the hours from since on.
+func (s *Store) BrokerUsageSince(ctx context.Context, broker string, since time.Time) (published, delivered int64, err error) {
+	err = s.r.QueryRowContext(ctx, `SELECT coalesce(sum(published), 0), coalesce(sum(delivered), 0) FROM broker_usage
+		WHERE broker = ? AND hour >= ?`, broker, formatTime(since.UTC().Truncate(time.Hour))).Scan(&published, &delivered)
+	if err != nil {
+		return 0, 0, fmt.Errorf("read broker_usage: %w", err)
+	}
+	return published, delivered, nil
+}
+
+// QueueOwnAlert queues, once, an alert of switchyard's own (a budget
+// passing its line) on each of channels; id names it, and a second call
+// with the same id changes nothing. It reports whether it was new.
+func (s *Store) QueueOwnAlert(ctx context.Context, id string, channels []string) (queued bool, err error) {
+	err = s.Batch(ctx, func(tx *Tx) error {
+		var n int
+		if err := tx.queryRow(ctx, "SELECT count(*) FROM alert_outbox WHERE delivery_id = ?", id).Scan(&n); err != nil {
+			return err
+		}
+		if n > 0 {
+			return nil
+		}
+		queued = true
+		return tx.queueAlerts(ctx, id, channels)
+	})
+	return queued, err
+}

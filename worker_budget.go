@@ -1,0 +1,164 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+)
+
+// budgetEvery is how often the counted messages are written to broker_usage
+// and the budgets checked.
+const budgetEvery = 10 * time.Second
+
+// Budget keeps what each broker costs: it writes the messages the queues
+// counted (publishes, deliveries and basic.get-oks) to broker_usage, so that
+// they survive restarts, sets the budget gauges, and alerts once per broker
+// and budget month when a broker passes queue.budget_warn_at of its
+// monthly_messages, and once when it passes all of it. It talks to no
+// broker: an idle daemon spends nothing on it.
+type Budget struct {
+	brokers []*Broker
+	cfgs    []BrokerConfig
+	warnAt  float64
+	queues  *Queues
+	store   *Store
+	alerter *Alerter
+	metrics *Metrics
+	log     *slog.Logger
+}
+
+// NewBudget keeps the budgets of cfg's brokers.
+func NewBudget(cfg *Config, brokers []*Broker, queues *Queues, store *Store, alerter *Alerter, metrics *Metrics, log *slog.Logger) *Budget {
+	return &Budget{brokers: brokers, cfgs: cfg.Brokers, warnAt: cfg.Queue.BudgetWarnAt, queues: queues, store: store,
+		alerter: alerter, metrics: metrics, log: log.With("worker", "budget")}
+}
+
+// BudgetView is one broker's spending this budget month, for the status.
+type BudgetView struct {
+	Broker     int       `json:"broker"`
+	Published  int64     `json:"published"`
+	Delivered  int64     `json:"delivered"`
+	Monthly    int64     `json:"monthly_messages,omitempty"` // 0: no quota
+	UsedRatio  float64   `json:"used_ratio,omitempty"`
+	MonthStart time.Time `json:"month_start"`
+	MonthEnd   time.Time `json:"month_end"`
+	// Projected is the month's end at the last 24 hours' rate, and RunsOut
+	// the moment the quota would be spent at that rate, when before then.
+	Projected int64     `json:"projected"`
+	RunsOut   time.Time `json:"runs_out,omitzero"`
+}
+
+// budgetMonth is the budget month that holds now, for a quota that starts
+// anew on day (1-28) of each month, UTC.
+func budgetMonth(now time.Time, day int) (start, end time.Time) {
+	now = now.UTC()
+	start = time.Date(now.Year(), now.Month(), day, 0, 0, 0, 0, time.UTC)
+	if now.Before(start) {
+		start = start.AddDate(0, -1, 0)
+	}
+	return start, start.AddDate(0, 1, 0)
+}
+
+// Run writes and checks every budgetEvery until ctx ends, then writes what
+// is left.
+func (b *Budget) Run(ctx context.Context) error {
+	t := time.NewTicker(budgetEvery)
+	defer t.Stop()
+	for {
+		if err := b.Flush(ctx); err != nil && ctx.Err() == nil {
+			b.log.Warn("broker usage not written, kept for the next try", "error", err)
+		}
+		select {
+		case <-ctx.Done():
+			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+			defer cancel()
+			return b.Flush(fctx)
+		case <-t.C:
+		}
+	}
+}
+
+// Flush writes the messages counted since the last flush, then sets the
+// gauges and queues the alerts the budgets call for.
+func (b *Budget) Flush(ctx context.Context) error {
+	now := time.Now()
+	usage := b.queues.TakeUsage()
+	rows := make([]usageRow, 0, len(usage))
+	for _, u := range usage {
+		rows = append(rows, usageRow{Broker: usageKey(u.Broker.Host, u.Broker.Vhost), Published: u.Published, Delivered: u.Delivered})
+	}
+	if err := b.store.AddBrokerUsage(ctx, now, rows); err != nil {
+		b.queues.ReturnUsage(usage)
+		return err
+	}
+	views, err := b.Views(ctx, now)
+	if err != nil {
+		return err
+	}
+	for _, v := range views {
+		b.metrics.brokerMessages(v.Broker, v.Published, v.Delivered, v.UsedRatio)
+		if v.Monthly > 0 {
+			if err := b.alert(ctx, v); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// Views is every broker's spending this budget month as of now.
+func (b *Budget) Views(ctx context.Context, now time.Time) ([]BudgetView, error) {
+	var out []BudgetView
+	for i, br := range b.brokers {
+		key := usageKey(br.Host, br.Vhost)
+		start, end := budgetMonth(now, b.cfgs[i].resetDay())
+		pub, del, err := b.store.BrokerUsageSince(ctx, key, start)
+		if err != nil {
+			return nil, err
+		}
+		lastPub, lastDel, err := b.store.BrokerUsageSince(ctx, key, now.Add(-24*time.Hour))
+		if err != nil {
+			return nil, err
+		}
+		v := BudgetView{Broker: br.Index, Published: pub, Delivered: del, Monthly: b.cfgs[i].MonthlyMessages,
+			MonthStart: start, MonthEnd: end}
+		used := pub + del
+		perSecond := float64(lastPub+lastDel) / (24 * time.Hour).Seconds()
+		v.Projected = used + int64(perSecond*end.Sub(now).Seconds())
+		if v.Monthly > 0 {
+			v.UsedRatio = float64(used) / float64(v.Monthly)
+			if perSecond > 0 && used < v.Monthly {
+				if out := now.Add(time.Duration(float64(v.Monthly-used) / perSecond * float64(time.Second))); out.Before(end) {
+					v.RunsOut = out.UTC()
+				}
+			}
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// alert queues the budget alerts v's spending calls for, each once per
+// broker and budget month.
+func (b *Budget) alert(ctx context.Context, v BudgetView) error {
+	br := b.brokers[v.Broker]
+	for _, level := range []struct {
+		name string
+		at   float64
+	}{{"warn", b.warnAt}, {"exhausted", 1}} {
+		if v.UsedRatio < level.at {
+			continue
+		}
+		id := fmt.Sprintf("budget:%s:%s:%s", usageKey(br.Host, br.Vhost), v.MonthStart.Format("2006-01-02"), level.name)
+		queued, err := b.store.QueueOwnAlert(ctx, id, b.alerter.ChannelsFor(AlertIntent{Name: "budget", Action: level.name}))
+		if err != nil {
+			return err
+		}
+		if queued {
+			b.log.Warn("broker budget", "level", level.name, "broker", br.String(), "used", v.Published+v.Delivered,
+				"monthly_messages", v.Monthly, "projected", v.Projected)
+		}
+	}
+	return nil
+}
