@@ -4,6 +4,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -339,8 +340,103 @@ const listedGaps = 1000
 
 // DeliveriesOptions are the deliveries command's flags.
 type DeliveriesOptions struct {
-	Since time.Duration // how far back to ask GitHub
-	Gaps  bool          // only the open gaps, from the database
+	Since   time.Duration // how far back to ask GitHub
+	Gaps    bool          // only the open gaps, from the database
+	Payload bool          // show: the stored payload too
+}
+
+// showDelivery prints everything the database knows of one delivery:
+// when it was accepted and stored, what each worker made of it, the typed
+// rows it wrote, its redelivery, its gap, its alerts, and whether its
+// payload was pruned. An unknown GUID is an error (exit 1).
+func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON bool, stdout io.Writer) error {
+	store, err := openExisting(ctx, cfg.Database)
+	if err != nil {
+		return err
+	}
+	defer store.Close()
+	st, err := store.Story(ctx, guid)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		out := struct {
+			*DeliveryStory
+			Payload *json.RawMessage `json:"payload,omitempty"`
+		}{DeliveryStory: st}
+		if payload && json.Valid([]byte(st.Payload)) {
+			raw := json.RawMessage(st.Payload)
+			out.Payload = &raw
+		}
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(out)
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	defer tw.Flush()
+	when := func(t time.Time) string { return t.UTC().Format(time.RFC3339) }
+	fmt.Fprintf(tw, "delivery\t%s\n", guid)
+	if r := st.Received; r != nil {
+		what := r.Event
+		if r.Action != "" {
+			what += "." + r.Action
+		}
+		fmt.Fprintf(tw, "event\t%s on %s by %s\n", what, cmp.Or(r.Repository, "-"), cmp.Or(r.Sender, "-"))
+		fmt.Fprintf(tw, "accepted\t%s from %s%s\n", when(r.ReceivedAt), cmp.Or(r.SourceIP, "-"),
+			map[bool]string{true: " (outside the allowed sources: github-forbidden)", false: ""}[r.Forbidden])
+		if r.TargetType != "" {
+			fmt.Fprintf(tw, "hook\t%s %d\n", r.TargetType, r.TargetID)
+		}
+		fmt.Fprintf(tw, "stored\t%s\n", when(r.StoredAt))
+		if r.PrunedAt != nil {
+			fmt.Fprintf(tw, "payload\tpruned %s (database.raw_retention); the row stays as the delivery's identity\n", when(*r.PrunedAt))
+		} else {
+			fmt.Fprintf(tw, "payload\t%d bytes\n", r.PayloadBytes)
+		}
+	} else {
+		fmt.Fprintf(tw, "stored\tnot in github\n")
+	}
+	for _, w := range st.Workers {
+		outcome := w.Outcome
+		if outcome == "stale" {
+			outcome = "stale: the typed row held a newer object and was kept"
+		}
+		fmt.Fprintf(tw, "worker %s\t%s %s\n", w.Worker, outcome, when(w.At))
+	}
+	for _, r := range st.Rows {
+		fmt.Fprintf(tw, "typed row\t%s %s\n", r.Table, r.Key)
+	}
+	if h := st.Hooks; h != nil {
+		line := "queued on github-hooks " + when(h.QueuedAt)
+		if h.RepublishedAt != nil {
+			line += ", republished " + when(*h.RepublishedAt)
+		}
+		fmt.Fprintf(tw, "redelivery\t%s\n", line)
+	}
+	if g := st.Gap; g != nil {
+		state := "open"
+		switch {
+		case g.UnrecoverableAt != nil:
+			state = "unrecoverable: " + g.LastError
+		case g.RedeliveredAt != nil:
+			state = "open, redelivery asked " + when(*g.RedeliveredAt)
+		}
+		fmt.Fprintf(tw, "gap\tfound %s, GitHub delivered it %s; %s\n", when(g.FoundAt), when(g.DeliveredAt), state)
+	}
+	for _, a := range st.Alerts {
+		state := "waiting"
+		if a.SentAt != nil {
+			state = "sent " + when(*a.SentAt)
+		} else if a.LastError != "" {
+			state = "not sent yet: " + a.LastError
+		}
+		fmt.Fprintf(tw, "alert %s\t%s\n", a.Channel, state)
+	}
+	if payload && st.Payload != "" {
+		tw.Flush()
+		fmt.Fprintf(stdout, "\n%s\n", st.Payload)
+	}
+	return nil
 }
 
 // listDeliveries prints GitHub's deliveries of the window with what became of

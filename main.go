@@ -79,10 +79,12 @@ var commands = []command{
 			fs.IntVar(&o.replay.From, "broker", -1, "take them from this broker's QUEUE-error (index; default: the active broker)")
 			fs.BoolVar(&o.replay.DryRun, "dry-run", false, "list delivery ID, event, x-error-reason and x-attempts; move nothing")
 		}},
-	{name: "deliveries", summary: "GitHub's deliveries by what became of them (stored, in flight, redelivered, gap), then the open gaps",
+	{name: "deliveries", args: "[show GUID]", summary: "GitHub's deliveries by what became of them (stored, in flight, redelivered, gap), then the open gaps; show GUID: one delivery's whole story",
 		flags: func(fs *flag.FlagSet, o *options) {
 			fs.DurationVar(&o.deliveries.Since, "since", githubRedeliveryWindow, "look this far back (GitHub keeps 72h)")
 			fs.BoolVar(&o.deliveries.Gaps, "gaps", false, "list only the open gaps the hooks worker recorded, without asking GitHub")
+			fs.BoolVar(&o.deliveries.Payload, "payload", false, "show: print the stored payload too")
+			fs.BoolVar(&o.json, "json", false, "show: print the story as JSON")
 		}},
 	{name: "version", noConfig: true, summary: "print the version and the Go version"},
 	{name: "help", args: "[COMMAND]", noConfig: true, summary: "print this, or a command's usage and flags"},
@@ -179,6 +181,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		c.usage(stdout)
 		return nil
+	}
+	if cmd.name == "deliveries" && len(pos) > 0 {
+		if len(pos) != 2 || pos[0] != "show" {
+			return usagef("deliveries takes no argument, or show GUID")
+		}
+		cfg, err := LoadConfig(o.config)
+		if err != nil {
+			return err
+		}
+		return showDelivery(ctx, cfg, pos[1], o.deliveries.Payload, o.json, stdout)
 	}
 	if len(pos) != cmd.nargs {
 		return usagef("%s takes %d argument(s), got %d", cmd.name, cmd.nargs, len(pos))

@@ -3,7 +3,10 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -748,5 +751,47 @@ func TestExampleConfigShowsDefaults(t *testing.T) {
 	// Printed, so that an empty list and none compare equal.
 	if got, want := fmt.Sprintf("%+v", example), fmt.Sprintf("%+v", want); got != want {
 		t.Errorf("config.example.toml differs from the defaults:\n got %s\nwant %s", got, want)
+	}
+}
+
+// deliveries show tells one delivery's story: a stored one (accepted,
+// stored, each worker, its typed rows), one GitHub delivered that is a gap,
+// and an unknown GUID, which is an error naming it (exit 1).
+func TestDeliveriesShow(t *testing.T) {
+	t.Parallel()
+	d, cfg, db := botDaemon(t)
+	stored := newGUID()
+	postAs(t, d.URL, "pull_request", stored, loadFixture(t, "pull_request", "opened"), true)
+	waitDatabase(t, db, stored)
+	gap := newGUID()
+	if _, err := d.store.RecordGap(context.Background(), deliveryGap{GUID: gap, DeliveryID: 7, Event: "issues",
+		DeliveredAt: time.Now().Add(-5 * time.Hour), FoundAt: time.Now()}, nil); err != nil {
+		t.Fatal(err)
+	}
+	config := writeConfig(t, t.TempDir(), "127.0.0.1:1", cfg.Database.Path, cfg.Brokers[0].URL)
+	show := func(args ...string) (string, error) {
+		var out bytes.Buffer
+		err := run(context.Background(), append([]string{"deliveries", "-config", config}, args...), &out, &out)
+		return out.String(), err
+	}
+	out, err := show("show", stored)
+	for _, want := range []string{"pull_request.opened on octo-org/switchyard-demo by mona", "accepted", "integration 4242",
+		"worker database-service", "done", "typed row", "github_pull_requests PR_kwDOKtN3FM5yp7Bb", "payload"} {
+		if err != nil || !strings.Contains(out, want) {
+			t.Errorf("show of a stored delivery lacks %q (%v):\n%s", want, err, out)
+		}
+	}
+	out, err = show("-json", "show", stored)
+	var st DeliveryStory
+	if err != nil || json.Unmarshal([]byte(out), &st) != nil || st.Received == nil || st.Received.Event != "pull_request" || len(st.Rows) == 0 {
+		t.Errorf("show -json: %v\n%s", err, out)
+	}
+	out, err = show("show", gap)
+	if err != nil || !strings.Contains(out, "gap") || !strings.Contains(out, "not in github") {
+		t.Errorf("show of a gap: %v\n%s", err, out)
+	}
+	_, err = show("show", "no-such-delivery")
+	if !errors.Is(err, ErrUnknownDelivery) || exitCode(err, io.Discard) != 1 || !strings.Contains(err.Error(), "no-such-delivery") {
+		t.Errorf("show of an unknown GUID: %v, want ErrUnknownDelivery naming it, exit 1", err)
 	}
 }

@@ -1,0 +1,166 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// DeliveryStory is what the database knows of one delivery: its raw row,
+// what each worker made of it, the typed rows it wrote, its redelivery
+// through github-hooks, its gap, and its alerts.
+type DeliveryStory struct {
+	GUID     string        `json:"guid"`
+	Received *StoryReceipt `json:"received,omitempty"`
+	Workers  []StoryWorker `json:"workers"`
+	Rows     []StoryRow    `json:"typed_rows"`
+	Hooks    *StoryHooks   `json:"redelivered_through_hooks,omitempty"`
+	Gap      *deliveryGap  `json:"gap,omitempty"`
+	Alerts   []StoryAlert  `json:"alerts"`
+	Payload  string        `json:"-"`
+}
+
+// StoryReceipt is the delivery's raw github row, without the payload.
+type StoryReceipt struct {
+	Event        string     `json:"event"`
+	Action       string     `json:"action,omitempty"`
+	Repository   string     `json:"repository,omitempty"`
+	Sender       string     `json:"sender,omitempty"`
+	SourceIP     string     `json:"source_ip,omitempty"`
+	Forbidden    bool       `json:"forbidden"`
+	TargetType   string     `json:"target_type,omitempty"`
+	TargetID     int64      `json:"target_id,omitempty"`
+	ReceivedAt   time.Time  `json:"received_at"`
+	StoredAt     time.Time  `json:"stored_at"`
+	PayloadBytes int        `json:"payload_bytes"`
+	PrunedAt     *time.Time `json:"payload_pruned_at,omitempty"`
+}
+
+// StoryWorker is one worker's record of the delivery.
+type StoryWorker struct {
+	Worker  string    `json:"worker"`
+	Outcome string    `json:"outcome"` // done or stale
+	At      time.Time `json:"at"`
+}
+
+// StoryRow is one typed row the delivery wrote (or last wrote).
+type StoryRow struct {
+	Table string `json:"table"`
+	Key   string `json:"key"`
+}
+
+// StoryHooks is the delivery's redelivery through github-hooks.
+type StoryHooks struct {
+	QueuedAt      time.Time  `json:"queued_at"`
+	RepublishedAt *time.Time `json:"republished_at,omitempty"`
+}
+
+// StoryAlert is one alert of the delivery, per channel.
+type StoryAlert struct {
+	Channel   string     `json:"channel"`
+	SentAt    *time.Time `json:"sent_at,omitempty"`
+	LastError string     `json:"last_error,omitempty"`
+}
+
+// ErrUnknownDelivery is a GUID the database has no record of.
+var ErrUnknownDelivery = errors.New("no delivery with this GUID is known")
+
+// storyTables are the typed tables that keep the delivery that wrote a
+// row, and the column that names the row.
+var storyTables = []struct{ table, key string }{
+	{"github_releases", "release_id"}, {"github_release_workflow_runs", "run_id"}, {"github_branches", "ref"},
+	{"github_issues", "node_id"}, {"github_pull_requests", "node_id"}, {"github_comments", "comment_id"},
+	{"github_discussions", "node_id"}, {"github_check_runs", "check_run_id"}, {"github_pushes", "head_commit"},
+	{"github_installations", "installation_id"}, {"github_repositories", "repository"},
+}
+
+// Story reads everything the database knows of delivery guid.
+func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) {
+	st := &DeliveryStory{GUID: guid, Workers: []StoryWorker{}, Rows: []StoryRow{}, Alerts: []StoryAlert{}}
+	var r StoryReceipt
+	var received, stored string
+	var targetID sql.NullInt64
+	var pruned sql.NullString
+	err := s.r.QueryRowContext(ctx, `SELECT event, action, repository, sender, source_ip, forbidden, target_type, target_id,
+		received_at, processed_at, payload, payload_pruned_at FROM github WHERE delivery_id = ?`, guid).
+		Scan(&r.Event, &r.Action, &r.Repository, &r.Sender, &r.SourceIP, &r.Forbidden, &r.TargetType, &targetID,
+			&received, &stored, &st.Payload, &pruned)
+	switch {
+	case err == nil:
+		r.TargetID, r.PayloadBytes, r.PrunedAt = targetID.Int64, len(st.Payload), parseTimePtr(pruned)
+		r.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
+		r.StoredAt, _ = time.Parse(time.RFC3339Nano, stored)
+		st.Received = &r
+	case !errors.Is(err, sql.ErrNoRows):
+		return nil, fmt.Errorf("read github: %w", err)
+	}
+	rows, err := s.r.QueryContext(ctx, "SELECT worker, outcome, processed_at FROM worker_deliveries WHERE delivery_id = ? ORDER BY worker", guid)
+	if err != nil {
+		return nil, fmt.Errorf("read worker_deliveries: %w", err)
+	}
+	for rows.Next() {
+		var w StoryWorker
+		var at string
+		if err := rows.Scan(&w.Worker, &w.Outcome, &at); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		w.At, _ = time.Parse(time.RFC3339Nano, at)
+		st.Workers = append(st.Workers, w)
+	}
+	rows.Close()
+	for _, t := range storyTables {
+		keys, err := s.r.QueryContext(ctx, "SELECT "+t.key+" FROM "+t.table+" WHERE delivery_id = ?", guid)
+		if err != nil {
+			return nil, fmt.Errorf("read %s: %w", t.table, err)
+		}
+		for keys.Next() {
+			var k any
+			if err := keys.Scan(&k); err != nil {
+				keys.Close()
+				return nil, err
+			}
+			st.Rows = append(st.Rows, StoryRow{Table: t.table, Key: fmt.Sprint(k)})
+		}
+		keys.Close()
+	}
+	var queued string
+	var republished sql.NullString
+	err = s.r.QueryRowContext(ctx, "SELECT queued_at, republished_at FROM hook_redeliveries WHERE guid = ?", guid).Scan(&queued, &republished)
+	if err == nil {
+		h := &StoryHooks{RepublishedAt: parseTimePtr(republished)}
+		h.QueuedAt, _ = time.Parse(time.RFC3339Nano, queued)
+		st.Hooks = h
+	} else if !errors.Is(err, sql.ErrNoRows) {
+		return nil, fmt.Errorf("read hook_redeliveries: %w", err)
+	}
+	gaps, err := s.gaps(ctx, "WHERE guid = ?", guid)
+	if err != nil {
+		return nil, err
+	}
+	if len(gaps) == 1 {
+		st.Gap = &gaps[0]
+	}
+	alerts, err := s.r.QueryContext(ctx, "SELECT channel, sent_at, last_error FROM alert_outbox WHERE delivery_id IN (?, ?, ?) ORDER BY id",
+		guid, gapAlertID(guid), unrecoverableAlertID(guid))
+	if err != nil {
+		return nil, fmt.Errorf("read alert_outbox: %w", err)
+	}
+	for alerts.Next() {
+		var a StoryAlert
+		var sent sql.NullString
+		if err := alerts.Scan(&a.Channel, &sent, &a.LastError); err != nil {
+			alerts.Close()
+			return nil, err
+		}
+		a.SentAt = parseTimePtr(sent)
+		st.Alerts = append(st.Alerts, a)
+	}
+	alerts.Close()
+	if st.Received == nil && len(st.Workers) == 0 && st.Hooks == nil && st.Gap == nil {
+		return nil, fmt.Errorf("%w: %s", ErrUnknownDelivery, guid)
+	}
+	return st, nil
+}
