@@ -172,10 +172,10 @@ func (q *Queues) watchBlocked(bc *brokerConn, notes <-chan amqp.Blocking) {
 	for n := range notes {
 		if n.Active {
 			reason := cmp.Or(n.Reason, "no reason given")
-			bc.blocked.Store(&blockedState{Reason: reason, Since: time.Now().UTC()})
+			bc.blocked.Swap(&blockedState{Reason: reason, Since: time.Now().UTC()})
 			q.log.Warn("broker blocks publishing: webhooks answer 503 until it unblocks", "broker", bc.broker.String(), "reason", reason)
 		} else {
-			bc.blocked.Store(nil)
+			bc.blocked.Swap(nil)
 			q.log.Info("broker unblocked publishing", "broker", bc.broker.String())
 		}
 		q.metrics.brokerBlocked(bc.broker.Index, n.Active)
