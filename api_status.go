@@ -134,19 +134,19 @@ type QueueHold struct {
 
 // BrokerView is one configured broker as the status sees it now.
 type BrokerView struct {
-	Index   int                  `json:"index"`
-	Host    string               `json:"host"`
-	Vhost   string               `json:"vhost"`
-	Active  bool                 `json:"active"`
-	Pending bool                 `json:"pending"` // a Pending Switch's target
-	Up      bool                 `json:"up"`
-	Error   string               `json:"error,omitempty"`
+	Index   int    `json:"index"`
+	Host    string `json:"host"`
+	Vhost   string `json:"vhost"`
+	Active  bool   `json:"active"`
+	Pending bool   `json:"pending"` // a Pending Switch's target
+	Up      bool   `json:"up"`
+	Error   string `json:"error,omitempty"`
 	// Blocked is the broker's reason while it blocks switchyard's
 	// connection (connection.blocked), and BlockedSince since when.
-	Blocked      string    `json:"blocked,omitempty"`
-	BlockedSince time.Time `json:"blocked_since,omitzero"`
-	Missing []string             `json:"missing_queues,omitempty"`
-	Queues  map[string]queueInfo `json:"queues,omitempty"`
+	Blocked      string               `json:"blocked,omitempty"`
+	BlockedSince time.Time            `json:"blocked_since,omitzero"`
+	Missing      []string             `json:"missing_queues,omitempty"`
+	Queues       map[string]queueInfo `json:"queues,omitempty"`
 }
 
 // Role is what the broker is to the workers: "active", "pending target" or

@@ -30,13 +30,16 @@ func TestFaultBrokerBlocked(t *testing.T) {
 	restore := func() { _ = exec.Command("rabbitmqctl", "-q", "set_vm_memory_high_watermark", "0.4").Run() }
 	t.Cleanup(restore)
 	rabbitmqctl(t, "set_vm_memory_high_watermark", "0.0000001")
-	eventually(t, 30*time.Second, "the block announced", func() bool {
-		return scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`] == 1
-	})
+	// RabbitMQ blocks a connection, and says so, when it next publishes:
+	// this webhook's publish is what the block stops.
 	code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
 	stillBlocked := scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`] == 1
 	if code != http.StatusServiceUnavailable || !strings.Contains(answer, "blocked") || !stillBlocked {
 		t.Errorf("a webhook while the broker blocks: %d %s (block still on: %v), want 503 naming the block while it holds", code, answer, stillBlocked)
+	}
+	// The next one is refused before it is sent.
+	if code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body)); code != http.StatusServiceUnavailable || !strings.Contains(answer, "blocked") {
+		t.Errorf("a second webhook while the broker blocks: %d %s, want 503 naming the block", code, answer)
 	}
 	req := mustRequestAuth(t, d.URL+"/api/v1/status")
 	_, raw := do(t, req)

@@ -116,8 +116,12 @@ type brokerConn struct {
 	// not yet settled: the broker's ready counts do not show them.
 	inHand atomic.Int64
 	// blocked is the broker's reason while it blocks the connection
-	// (connection.blocked), nil otherwise; watchBlocked keeps it.
-	blocked atomic.Pointer[blockedState]
+	// (connection.blocked), nil otherwise; watchBlocked keeps it. The
+	// channel blockedSig points to is closed when a block begins, so that
+	// publishes waiting on the broker give up at once; a new one replaces
+	// it when the block ends.
+	blocked    atomic.Pointer[blockedState]
+	blockedSig atomic.Pointer[chan struct{}]
 	// published and delivered count the messages switchyard sent to this
 	// broker (confirmed publishes) and took from it (basic.deliver and
 	// basic.get-ok, redeliveries included) since TakeUsage last took them:
@@ -172,17 +176,30 @@ func (q *Queues) watchBlocked(bc *brokerConn, notes <-chan amqp.Blocking) {
 	for n := range notes {
 		if n.Active {
 			reason := cmp.Or(n.Reason, "no reason given")
-			bc.blocked.Swap(&blockedState{Reason: reason, Since: time.Now().UTC()})
+			if bc.blocked.Swap(&blockedState{Reason: reason, Since: time.Now().UTC()}) == nil {
+				close(*bc.blockedSig.Load()) // publishes in flight give up now
+			}
 			q.log.Warn("broker blocks publishing: webhooks answer 503 until it unblocks", "broker", bc.broker.String(), "reason", reason)
 		} else {
-			bc.blocked.Swap(nil)
+			bc.unblock()
 			q.log.Info("broker unblocked publishing", "broker", bc.broker.String())
 		}
 		q.metrics.brokerBlocked(bc.broker.Index, n.Active)
 	}
-	if bc.blocked.Swap(nil) != nil {
+	if bc.unblock() {
 		q.metrics.brokerBlocked(bc.broker.Index, false)
 	}
+}
+
+// unblock ends a block, if one holds, with a fresh signal for the next; it
+// reports whether one held.
+func (bc *brokerConn) unblock() bool {
+	if bc.blocked.Swap(nil) == nil {
+		return false
+	}
+	sig := make(chan struct{})
+	bc.blockedSig.Swap(&sig)
+	return true
 }
 
 // NewQueues prepares connections to the brokers; nothing is dialed yet.
@@ -194,7 +211,10 @@ func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.L
 		q.lastDone[name] = new(atomic.Int64)
 	}
 	for _, b := range brokers {
-		q.conns = append(q.conns, &brokerConn{broker: b, lock: make(chan struct{}, 1)})
+		bc := &brokerConn{broker: b, lock: make(chan struct{}, 1)}
+		sig := make(chan struct{})
+		bc.blockedSig.Store(&sig)
+		q.conns = append(q.conns, bc)
 	}
 	return q
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"sync"
@@ -196,8 +197,13 @@ func (q *Queues) PublishToTarget(ctx context.Context, brokers *Brokers, exchange
 func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, msg amqp.Publishing) (err error) {
 	start := time.Now()
 	defer func() { q.metrics.publish(b.Index, err, time.Since(start)) }()
-	if st, blocked := q.Blocked(b); blocked {
-		return fmt.Errorf("%w: %s: %s, since %s", ErrBrokerBlocked, b, st.Reason, st.Since.Format(time.RFC3339))
+	blockedSig := *q.conns[b.Index].blockedSig.Load()
+	blockedErr := func() error {
+		st, _ := q.Blocked(b)
+		return fmt.Errorf("%w: %s: %s, since %s", ErrBrokerBlocked, b, cmp.Or(st.Reason, "blocked"), st.Since.Format(time.RFC3339))
+	}
+	if _, blocked := q.Blocked(b); blocked {
+		return blockedErr()
 	}
 	_, p, err := q.conn(ctx, b)
 	if err != nil {
@@ -207,6 +213,8 @@ func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, m
 	case p.sem <- struct{}{}:
 	case <-ctx.Done():
 		return fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
+	case <-blockedSig:
+		return blockedErr()
 	}
 	defer func() { <-p.sem }()
 
@@ -225,6 +233,10 @@ func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, m
 	case <-dc.Done():
 	case <-ctx.Done():
 		return fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
+	case <-blockedSig:
+		// The broker blocked the connection: no confirm comes while it
+		// holds, so the webhook is told at once, not after publish_timeout.
+		return blockedErr()
 	}
 	if !dc.Acked() {
 		if ch.IsClosed() {
