@@ -67,6 +67,8 @@ func (a *API) Handler() http.Handler {
 	r.DELETE("/api/v1/broker/watermark", a.operator(a.clearWatermark))
 	r.GET("/api/v1/status", a.operator(a.getStatus))
 	r.GET("/status", a.guarded(a.statusPage))
+	r.GET("/status/deliveries", a.guarded(a.operatorPage(a.deliveriesPage)))
+	r.GET("/status/deliveries/:guid", a.guarded(a.operatorPage(a.deliveryPage)))
 	// A browser pointed at the daemon wants the status page.
 	r.GET("/", func(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
 		http.Redirect(w, r, "/status", http.StatusFound)

@@ -273,19 +273,27 @@ func (a *API) getStatus(w http.ResponseWriter, r *http.Request, _ httprouter.Par
 // statusPage is GET /status: the Status as one HTML page, behind HTTP Basic
 // auth (user "operator", the operator token as password), so that a browser
 // can ask for it.
-func (a *API) statusPage(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
-	user, pass, ok := r.BasicAuth()
-	if !ok || subtle.ConstantTimeCompare([]byte(user), []byte("operator")) != 1 || !tokenIs(pass, a.tokens.Load().OperatorToken) {
-		if ok {
-			// A browser asks without credentials first: only a wrong
-			// password is a failed authentication.
-			a.authFailed(r)
+func (a *API) statusPage(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+	a.operatorPage(a.renderStatus)(w, r, ps)
+}
+
+// operatorPage lets the operator's browser in: HTTP Basic auth, user
+// "operator" and the operator token as password.
+func (a *API) operatorPage(h httprouter.Handle) httprouter.Handle {
+	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+		user, pass, ok := r.BasicAuth()
+		if !ok || subtle.ConstantTimeCompare([]byte(user), []byte("operator")) != 1 || !tokenIs(pass, a.tokens.Load().OperatorToken) {
+			if ok {
+				// A browser asks without credentials first: only a wrong
+				// password is a failed authentication.
+				a.authFailed(r)
+			}
+			w.Header().Set("WWW-Authenticate", `Basic realm="switchyard", charset="UTF-8"`)
+			http.Error(w, "401 unauthorized: user operator, the operator token as password", http.StatusUnauthorized)
+			return
 		}
-		w.Header().Set("WWW-Authenticate", `Basic realm="switchyard", charset="UTF-8"`)
-		http.Error(w, "401 unauthorized: user operator, the operator token as password", http.StatusUnauthorized)
-		return
+		a.bounded(h)(w, r, ps)
 	}
-	a.bounded(a.renderStatus)(w, r, nil)
 }
 
 // renderStatus writes the status page for a request already let in.

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -163,4 +164,90 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		return nil, fmt.Errorf("%w: %s", ErrUnknownDelivery, guid)
 	}
 	return st, nil
+}
+
+// DeliveryFilter narrows a search of the stored deliveries; an empty field
+// does not narrow.
+type DeliveryFilter struct {
+	GUIDPrefix, Event, Action, Repository, Sender string
+	Outcome                                       string // "", "stored", "forbidden" or "stale"
+	From, To                                      time.Time
+	// After is the keyset cursor: the page starts after the row received
+	// at AfterTime with id AfterID, in newest-first order.
+	AfterTime time.Time
+	AfterID   int64
+}
+
+// DeliveryRow is one stored delivery in a search's page.
+type DeliveryRow struct {
+	ID                                      int64
+	GUID, Event, Action, Repository, Sender string
+	Forbidden, Stale, Pruned                bool
+	ReceivedAt                              time.Time
+}
+
+// likeEscape escapes LIKE's wildcards in s.
+func likeEscape(s string) string {
+	r := strings.NewReplacer(`\`, `\\`, `%`, `\%`, `_`, `\_`)
+	return r.Replace(s)
+}
+
+// SearchDeliveries returns the stored deliveries f selects, newest first,
+// at most limit, from f's cursor on: a keyset page, which neither skips nor
+// repeats a row while new ones arrive. more reports whether another page
+// follows.
+func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit int) (rows []DeliveryRow, more bool, err error) {
+	where := []string{"1 = 1"}
+	var args []any
+	add := func(clause string, a ...any) { where = append(where, clause); args = append(args, a...) }
+	if f.GUIDPrefix != "" {
+		add(`g.delivery_id LIKE ? ESCAPE '\'`, likeEscape(f.GUIDPrefix)+"%")
+	}
+	for col, v := range map[string]string{"event": f.Event, "action": f.Action, "repository": f.Repository, "sender": f.Sender} {
+		if v != "" {
+			add("g."+col+" = ?", v)
+		}
+	}
+	switch f.Outcome {
+	case "forbidden":
+		add("g.forbidden = 1")
+	case "stored":
+		add("g.forbidden = 0")
+	case "stale":
+		add("EXISTS (SELECT 1 FROM worker_deliveries w WHERE w.delivery_id = g.delivery_id AND w.outcome = 'stale')")
+	}
+	if !f.From.IsZero() {
+		add("g.received_at >= ?", formatTime(f.From))
+	}
+	if !f.To.IsZero() {
+		add("g.received_at < ?", formatTime(f.To))
+	}
+	if !f.AfterTime.IsZero() {
+		t := formatTime(f.AfterTime)
+		add("(g.received_at < ? OR (g.received_at = ? AND g.id < ?))", t, t, f.AfterID)
+	}
+	args = append(args, limit+1)
+	q := `SELECT g.id, g.delivery_id, g.event, g.action, g.repository, g.sender, g.forbidden, g.received_at,
+		g.payload_pruned_at IS NOT NULL,
+		EXISTS (SELECT 1 FROM worker_deliveries w WHERE w.delivery_id = g.delivery_id AND w.outcome = 'stale')
+		FROM github g WHERE ` + strings.Join(where, " AND ") + ` ORDER BY g.received_at DESC, g.id DESC LIMIT ?`
+	res, err := s.r.QueryContext(ctx, q, args...)
+	if err != nil {
+		return nil, false, fmt.Errorf("search deliveries: %w", err)
+	}
+	defer res.Close()
+	for res.Next() {
+		var r DeliveryRow
+		var received string
+		if err := res.Scan(&r.ID, &r.GUID, &r.Event, &r.Action, &r.Repository, &r.Sender, &r.Forbidden, &received,
+			&r.Pruned, &r.Stale); err != nil {
+			return nil, false, fmt.Errorf("search deliveries: %w", err)
+		}
+		r.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
+		rows = append(rows, r)
+	}
+	if len(rows) > limit {
+		return rows[:limit], true, res.Err()
+	}
+	return rows, false, res.Err()
 }

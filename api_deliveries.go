@@ -1,0 +1,238 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"html/template"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/julienschmidt/httprouter"
+)
+
+// The operator's search of the stored deliveries: GET /status/deliveries
+// lists them newest first, 50 a page by default, narrowed by GUID prefix,
+// event, action, repository, sender, outcome and time range, with keyset
+// pages; GET /status/deliveries/GUID tells one delivery's story with its
+// payload. Both behind the status page's Basic auth.
+
+const (
+	deliveriesPageSize = 50
+	maxDeliveriesLimit = 200
+	// shownPayload is the most of a payload the delivery page shows; the
+	// whole one is a download.
+	shownPayload = 256 << 10
+)
+
+// deliveriesQuery reads a search from the query string; a malformed field
+// is an ErrBadRequest naming it.
+func deliveriesQuery(q url.Values) (f DeliveryFilter, limit int, err error) {
+	bad := func(field, format string, args ...any) error {
+		return fmt.Errorf("%w: %s: %s", ErrBadRequest, field, fmt.Sprintf(format, args...))
+	}
+	name := func(field string) (string, error) {
+		v := q.Get(field)
+		if len(v) > maxEventLen || strings.IndexFunc(v, func(c rune) bool { return (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '_' }) >= 0 {
+			return "", bad(field, "want up to %d of a-z, 0-9 and _", maxEventLen)
+		}
+		return v, nil
+	}
+	text := func(field string) (string, error) {
+		v := q.Get(field)
+		if len(v) > maxHeaderLen || strings.IndexFunc(v, func(c rune) bool { return c < ' ' }) >= 0 {
+			return "", bad(field, "want up to %d printable bytes", maxHeaderLen)
+		}
+		return v, nil
+	}
+	when := func(field string) (time.Time, error) {
+		v := q.Get(field)
+		if v == "" {
+			return time.Time{}, nil
+		}
+		t, err := time.Parse(time.RFC3339, v)
+		if err != nil {
+			return time.Time{}, bad(field, "want an RFC 3339 time such as 2026-12-01T00:00:00Z")
+		}
+		return t, nil
+	}
+	if f.GUIDPrefix, err = text("guid"); err != nil {
+		return f, 0, err
+	}
+	if f.Event, err = name("event"); err != nil {
+		return f, 0, err
+	}
+	if f.Action, err = name("action"); err != nil {
+		return f, 0, err
+	}
+	if f.Repository, err = text("repository"); err != nil {
+		return f, 0, err
+	}
+	if f.Sender, err = text("sender"); err != nil {
+		return f, 0, err
+	}
+	switch f.Outcome = q.Get("outcome"); f.Outcome {
+	case "", "stored", "forbidden", "stale":
+	default:
+		return f, 0, bad("outcome", "want stored, forbidden or stale")
+	}
+	if f.From, err = when("from"); err != nil {
+		return f, 0, err
+	}
+	if f.To, err = when("to"); err != nil {
+		return f, 0, err
+	}
+	if !f.From.IsZero() && !f.To.IsZero() && !f.From.Before(f.To) {
+		return f, 0, bad("to", "want a time after from")
+	}
+	limit = deliveriesPageSize
+	if v := q.Get("limit"); v != "" {
+		if limit, err = strconv.Atoi(v); err != nil || limit < 1 || limit > maxDeliveriesLimit {
+			return f, 0, bad("limit", "want 1 to %d", maxDeliveriesLimit)
+		}
+	}
+	if v := q.Get("after"); v != "" {
+		at, id, ok := strings.Cut(v, "_")
+		t, terr := time.Parse(time.RFC3339Nano, at)
+		n, nerr := strconv.ParseInt(id, 10, 64)
+		if !ok || terr != nil || nerr != nil {
+			return f, 0, bad("after", "not a cursor this page gave")
+		}
+		f.AfterTime, f.AfterID = t, n
+	}
+	return f, limit, nil
+}
+
+// deliveriesPage is GET /status/deliveries.
+func (a *API) deliveriesPage(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	f, limit, err := deliveriesQuery(r.URL.Query())
+	if err != nil {
+		http.Error(w, "400 "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	rows, more, err := a.store.SearchDeliveries(r.Context(), f, limit)
+	if err != nil {
+		a.log.Error("deliveries page", "error", err)
+		http.Error(w, "500 internal error", http.StatusInternalServerError)
+		return
+	}
+	page := struct {
+		Query url.Values
+		Rows  []DeliveryRow
+		Next  string
+	}{Query: r.URL.Query(), Rows: rows}
+	if more {
+		next := r.URL.Query()
+		last := rows[len(rows)-1]
+		next.Set("after", last.ReceivedAt.UTC().Format(time.RFC3339Nano)+"_"+strconv.FormatInt(last.ID, 10))
+		page.Next = "/status/deliveries?" + next.Encode()
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store")
+	if err := deliveriesTemplate.Execute(w, page); err != nil {
+		a.log.Warn("deliveries page", "error", err)
+	}
+}
+
+// deliveryPage is GET /status/deliveries/GUID: the story and the payload,
+// or with ?download=1 the whole payload as application/json.
+func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+	guid := ps.ByName("guid")
+	st, err := a.store.Story(r.Context(), guid)
+	if errors.Is(err, ErrUnknownDelivery) {
+		http.Error(w, "404 no delivery "+strconv.Quote(guid)+" is known", http.StatusNotFound)
+		return
+	}
+	if err != nil {
+		a.log.Error("delivery page", "error", err)
+		http.Error(w, "500 internal error", http.StatusInternalServerError)
+		return
+	}
+	if r.URL.Query().Get("download") == "1" {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Disposition", `attachment; filename="delivery.json"`)
+		_, _ = w.Write([]byte(st.Payload))
+		return
+	}
+	shown := st.Payload
+	cut := len(shown) > shownPayload
+	if cut {
+		shown = shown[:shownPayload]
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store")
+	if err := deliveryTemplate.Execute(w, struct {
+		*DeliveryStory
+		Shown string
+		Cut   bool
+	}{st, shown, cut}); err != nil {
+		a.log.Warn("delivery page", "error", err)
+	}
+}
+
+var pageFuncs = template.FuncMap{
+	"when": func(v any) string {
+		switch t := v.(type) {
+		case time.Time:
+			return t.UTC().Format("2006-01-02 15:04:05 UTC")
+		case *time.Time:
+			if t != nil {
+				return t.UTC().Format("2006-01-02 15:04:05 UTC")
+			}
+		}
+		return ""
+	},
+	"escape": url.PathEscape,
+	"split":  strings.Fields,
+}
+
+var deliveriesTemplate = template.Must(template.New("deliveries").Funcs(pageFuncs).Parse(`<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>switchyard deliveries</title>
+<style>body{font:15px/1.4 system-ui,sans-serif;margin:0 auto;max-width:70rem;padding:.8rem}table{border-collapse:collapse;width:100%;font-size:.9rem}th,td{text-align:left;padding:.2rem .4rem;border-bottom:1px solid #eaeef2}input,select{font:inherit}</style>
+</head><body>
+<h1><a href="/status">switchyard</a> · deliveries</h1>
+<form method="get" action="/status/deliveries" id="search">
+<input name="guid" placeholder="GUID prefix" value="{{.Query.Get "guid"}}">
+<input name="event" placeholder="event" value="{{.Query.Get "event"}}">
+<input name="action" placeholder="action" value="{{.Query.Get "action"}}">
+<input name="repository" placeholder="owner/name" value="{{.Query.Get "repository"}}">
+<input name="sender" placeholder="sender" value="{{.Query.Get "sender"}}">
+<select name="outcome"><option value="">any outcome</option>{{$o := .Query.Get "outcome"}}{{range $v := (split "stored forbidden stale")}}<option{{if eq $v $o}} selected{{end}}>{{$v}}</option>{{end}}</select>
+<input name="from" placeholder="from (RFC 3339)" value="{{.Query.Get "from"}}">
+<input name="to" placeholder="to (RFC 3339)" value="{{.Query.Get "to"}}">
+<button type="submit">Search</button>
+</form>
+<table id="deliveries">
+<tr><th>received</th><th>delivery</th><th>event</th><th>repository</th><th>sender</th><th>outcome</th></tr>
+{{range .Rows}}<tr><td>{{when .ReceivedAt}}</td><td><a href="/status/deliveries/{{escape .GUID}}">{{.GUID}}</a></td><td>{{.Event}}{{if .Action}}.{{.Action}}{{end}}</td><td>{{.Repository}}</td><td>{{.Sender}}</td><td>{{if .Forbidden}}forbidden{{else if .Stale}}stale{{else}}stored{{end}}{{if .Pruned}} (payload pruned){{end}}</td></tr>
+{{else}}<tr><td colspan="6">No stored delivery matches.</td></tr>{{end}}
+</table>
+{{with .Next}}<p><a id="next" href="{{.}}">Older →</a></p>{{end}}
+</body></html>`))
+
+var deliveryTemplate = template.Must(template.New("delivery").Funcs(pageFuncs).Parse(`<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>switchyard delivery {{.GUID}}</title>
+<style>body{font:15px/1.4 system-ui,sans-serif;margin:0 auto;max-width:70rem;padding:.8rem}table{border-collapse:collapse}th,td{text-align:left;padding:.2rem .4rem;border-bottom:1px solid #eaeef2;vertical-align:top}pre{white-space:pre-wrap;word-break:break-all;background:#f6f8fa;padding:.5rem}</style>
+</head><body>
+<h1><a href="/status">switchyard</a> · <a href="/status/deliveries">deliveries</a> · {{.GUID}}</h1>
+<table id="story">
+{{with .Received}}<tr><th>event</th><td>{{.Event}}{{if .Action}}.{{.Action}}{{end}} on {{.Repository}} by {{.Sender}}</td></tr>
+<tr><th>accepted</th><td>{{when .ReceivedAt}} from {{.SourceIP}}{{if .Forbidden}} (outside the allowed sources: github-forbidden){{end}}</td></tr>
+{{if .TargetType}}<tr><th>hook</th><td>{{.TargetType}} {{.TargetID}}</td></tr>{{end}}
+<tr><th>stored</th><td>{{when .StoredAt}}</td></tr>
+<tr><th>payload</th><td>{{if .PrunedAt}}pruned {{when .PrunedAt}}{{else}}{{.PayloadBytes}} bytes{{end}}</td></tr>
+{{else}}<tr><th>stored</th><td>not in github</td></tr>{{end}}
+{{range .Workers}}<tr><th>worker {{.Worker}}</th><td>{{.Outcome}} {{when .At}}</td></tr>{{end}}
+{{range .Rows}}<tr><th>typed row</th><td>{{.Table}} {{.Key}}</td></tr>{{end}}
+{{with .Hooks}}<tr><th>redelivery</th><td>queued on github-hooks {{when .QueuedAt}}{{with .RepublishedAt}}, republished {{when .}}{{end}}</td></tr>{{end}}
+{{with .Gap}}<tr><th>gap</th><td>found {{when .FoundAt}}{{if .UnrecoverableAt}}, unrecoverable: {{.LastError}}{{end}}</td></tr>{{end}}
+{{range .Alerts}}<tr><th>alert {{.Channel}}</th><td>{{with .SentAt}}sent {{when .}}{{else}}waiting{{end}}</td></tr>{{end}}
+</table>
+{{if .Shown}}<h2>Payload</h2>
+{{if .Cut}}<p>The first 256 KiB; <a href="?download=1">download the whole payload</a>.</p>{{else}}<p><a href="?download=1">Download</a></p>{{end}}
+<pre id="payload">{{.Shown}}</pre>{{end}}
+</body></html>`))
