@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
@@ -30,6 +31,9 @@ type API struct {
 	metrics *Metrics
 	workers []*Worker // for the status
 	budget  *Budget
+	// csrfKey signs the tokens of the operator's POST forms; a new one each
+	// start, so a page from before a restart must be loaded again.
+	csrfKey []byte
 	started time.Time
 	auth    *authGuard
 	log     *slog.Logger
@@ -38,9 +42,10 @@ type API struct {
 // NewAPI builds the HTTP surface over the daemon's parts.
 func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, workers []*Worker, budget *Budget, log *slog.Logger) *API {
 	a := &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics,
-		workers: workers, budget: budget, started: time.Now().UTC(), auth: newAuthGuard(log), log: log}
+		workers: workers, budget: budget, csrfKey: make([]byte, 32), started: time.Now().UTC(), auth: newAuthGuard(log), log: log}
 	tokens := cfg.API
 	a.tokens.Store(&tokens)
+	_, _ = rand.Read(a.csrfKey) // crypto/rand never fails on Linux
 	return a
 }
 
@@ -69,6 +74,7 @@ func (a *API) Handler() http.Handler {
 	r.GET("/status", a.guarded(a.statusPage))
 	r.GET("/status/deliveries", a.guarded(a.operatorPage(a.deliveriesPage)))
 	r.GET("/status/deliveries/:guid", a.guarded(a.operatorPage(a.deliveryPage)))
+	r.POST("/status/deliveries/:guid/replay", a.guarded(a.operatorPage(a.replayDelivery)))
 	// A browser pointed at the daemon wants the status page.
 	r.GET("/", func(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
 		http.Redirect(w, r, "/status", http.StatusFound)

@@ -1,6 +1,9 @@
 package main
 
 import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"html/template"
@@ -142,7 +145,11 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 	guid := ps.ByName("guid")
 	st, err := a.store.Story(r.Context(), guid)
 	if errors.Is(err, ErrUnknownDelivery) {
-		http.Error(w, "404 no delivery "+strconv.Quote(guid)+" is known", http.StatusNotFound)
+		// Not stored: it may still wait in an -error queue, so the page
+		// offers the replay.
+		w.Header().Set("Content-Type", "text/html; charset=utf-8")
+		w.WriteHeader(http.StatusNotFound)
+		_ = unknownTemplate.Execute(w, struct{ GUID, Token, Replayed string }{guid, a.csrfToken("replay", guid), r.URL.Query().Get("replayed")})
 		return
 	}
 	if err != nil {
@@ -165,11 +172,76 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 	w.Header().Set("Cache-Control", "no-store")
 	if err := deliveryTemplate.Execute(w, struct {
 		*DeliveryStory
-		Shown string
-		Cut   bool
-	}{st, shown, cut}); err != nil {
+		Shown, Token, Replayed string
+		Cut                    bool
+	}{st, shown, a.csrfToken("replay", guid), r.URL.Query().Get("replayed"), cut}); err != nil {
 		a.log.Warn("delivery page", "error", err)
 	}
+}
+
+// csrfToken is the token the delivery page's form for action on guid
+// carries: only a page this daemon served can post it.
+func (a *API) csrfToken(action, guid string) string {
+	mac := hmac.New(sha256.New, a.csrfKey)
+	mac.Write([]byte(action + "\x00" + guid))
+	return hex.EncodeToString(mac.Sum(nil))
+}
+
+// sameOrigin reports whether a browser's POST came from a page of this
+// host: its Origin, else its Referer, names the host the request was sent to.
+func sameOrigin(r *http.Request) bool {
+	from := r.Header.Get("Origin")
+	if from == "" {
+		from = r.Header.Get("Referer")
+	}
+	u, err := url.Parse(from)
+	return err == nil && from != "" && u.Host == r.Host
+}
+
+// replayDelivery is POST /status/deliveries/GUID/replay: the delivery's
+// message, wherever it waits in an -error queue of any broker, goes back to
+// its queue on the active broker, as the replay command moves it. It takes
+// only a form this daemon served (same origin, CSRF token), logs who asked,
+// and a second ask finds nothing and says so.
+func (a *API) replayDelivery(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+	guid := ps.ByName("guid")
+	if !sameOrigin(r) {
+		http.Error(w, "403 the request did not come from this server's page", http.StatusForbidden)
+		return
+	}
+	if err := r.ParseForm(); err != nil || !hmac.Equal([]byte(r.PostForm.Get("token")), []byte(a.csrfToken("replay", guid))) {
+		http.Error(w, "403 missing or stale form token: load the delivery's page again", http.StatusForbidden)
+		return
+	}
+	src := addrText(a.webhook.sourceIP(r))
+	to, err := a.brokers.Get(a.brokers.Cached().Active)
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	done := "none"
+	for _, from := range a.brokers.List() {
+		for _, queue := range logicalQueues {
+			found, err := a.queues.ReplayOne(r.Context(), from, to, queue, guid)
+			if err != nil {
+				a.log.Warn("replay from -error: a broker could not be searched", "broker", from.String(), "queue", errorQueue(queue), "error", err)
+				continue
+			}
+			if found {
+				done = queue
+				a.log.Info("replayed from -error at the operator's request", "delivery_id", guid, "from", from.String(),
+					"queue", errorQueue(queue), "to", to.String(), "source_ip", src)
+				break
+			}
+		}
+		if done != "none" {
+			break
+		}
+	}
+	if done == "none" {
+		a.log.Info("replay from -error asked: not in any -error queue, nothing done", "delivery_id", guid, "source_ip", src)
+	}
+	http.Redirect(w, r, "/status/deliveries/"+url.PathEscape(guid)+"?replayed="+url.QueryEscape(done), http.StatusSeeOther)
 }
 
 var pageFuncs = template.FuncMap{
@@ -213,7 +285,7 @@ var deliveriesTemplate = template.Must(template.New("deliveries").Funcs(pageFunc
 {{with .Next}}<p><a id="next" href="{{.}}">Older →</a></p>{{end}}
 </body></html>`))
 
-var deliveryTemplate = template.Must(template.New("delivery").Funcs(pageFuncs).Parse(`<!doctype html>
+var deliveryTemplate = template.Must(template.Must(template.New("delivery").Funcs(pageFuncs).Parse(replayForm)).Parse(`<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>switchyard delivery {{.GUID}}</title>
 <style>body{font:15px/1.4 system-ui,sans-serif;margin:0 auto;max-width:70rem;padding:.8rem}table{border-collapse:collapse}th,td{text-align:left;padding:.2rem .4rem;border-bottom:1px solid #eaeef2;vertical-align:top}pre{white-space:pre-wrap;word-break:break-all;background:#f6f8fa;padding:.5rem}</style>
@@ -232,7 +304,23 @@ var deliveryTemplate = template.Must(template.New("delivery").Funcs(pageFuncs).P
 {{with .Gap}}<tr><th>gap</th><td>found {{when .FoundAt}}{{if .UnrecoverableAt}}, unrecoverable: {{.LastError}}{{end}}</td></tr>{{end}}
 {{range .Alerts}}<tr><th>alert {{.Channel}}</th><td>{{with .SentAt}}sent {{when .}}{{else}}waiting{{end}}</td></tr>{{end}}
 </table>
+{{template "replay" .}}
 {{if .Shown}}<h2>Payload</h2>
 {{if .Cut}}<p>The first 256 KiB; <a href="?download=1">download the whole payload</a>.</p>{{else}}<p><a href="?download=1">Download</a></p>{{end}}
 <pre id="payload">{{.Shown}}</pre>{{end}}
+</body></html>`))
+
+// replayForm is the delivery pages' replay button, and what the last
+// press found.
+const replayForm = `{{define "replay"}}{{with .Replayed}}<p id="replayed">{{if eq . "none"}}Not in any -error queue: nothing was done.{{else}}Moved from {{.}}-error back to {{.}} on the active broker.{{end}}</p>{{end}}
+<form method="post" action="/status/deliveries/{{escape .GUID}}/replay" id="replay">
+<input type="hidden" name="token" value="{{.Token}}">
+<button type="submit">Replay from -error</button> <span>moves its message, if an -error queue of any broker holds it, back to its queue on the active broker</span>
+</form>{{end}}`
+
+var unknownTemplate = template.Must(template.Must(template.New("unknown").Funcs(pageFuncs).Parse(replayForm)).Parse(`<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>switchyard delivery {{.GUID}}</title></head><body>
+<h1><a href="/status">switchyard</a> · <a href="/status/deliveries">deliveries</a> · {{.GUID}}</h1>
+<p>No delivery {{.GUID}} is stored.</p>
+{{template "replay" .}}
 </body></html>`))

@@ -584,3 +584,75 @@ func TestDeliveriesSearch(t *testing.T) {
 		t.Errorf("without credentials: %d, want 401", code)
 	}
 }
+
+// A message waiting in github-error is replayed from its delivery's page:
+// refused without the form's token or from another origin (it stays where
+// it is), moved and stored with both, and a second press does nothing new.
+func TestReplayFromDeliveryPage(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	declareTestTopology(t, vhost, cfg.Queue.RetryTTL)
+	guid := newGUID()
+	failed := eventMessage("issues", guid, loadFixture(t, "issues", "opened"))
+	failed.Headers[hdrErrorReason] = "database is locked (simulated)"
+	publishRaw(t, vhost, "", errorQueue(queueGitHub), failed)
+	d := startDaemon(t, cfg)
+	db := openDB(t, cfg.Database.Path)
+
+	client := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	page := func() (int, string) {
+		req, _ := http.NewRequest(http.MethodGet, d.URL+"/status/deliveries/"+guid, nil)
+		req.SetBasicAuth("operator", "operator-token-for-tests")
+		return do(t, req)
+	}
+	code, body := page()
+	_, rest, _ := strings.Cut(body, `name="token" value="`)
+	token, _, _ := strings.Cut(rest, `"`)
+	if code != http.StatusNotFound || token == "" {
+		t.Fatalf("the page of a delivery not stored: %d, token %q; want 404 with the replay form", code, token)
+	}
+	post := func(origin, token string) *http.Response {
+		req, _ := http.NewRequest(http.MethodPost, d.URL+"/status/deliveries/"+guid+"/replay", strings.NewReader("token="+token))
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		req.SetBasicAuth("operator", "operator-token-for-tests")
+		if origin != "" {
+			req.Header.Set("Origin", origin)
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp
+	}
+	for name, resp := range map[string]*http.Response{
+		"no token":       post(d.URL, ""),
+		"a wrong token":  post(d.URL, strings.Repeat("0", 64)),
+		"another origin": post("https://evil.example", token),
+		"no origin":      post("", token),
+	} {
+		if resp.StatusCode != http.StatusForbidden {
+			t.Errorf("%s: %d, want 403", name, resp.StatusCode)
+		}
+	}
+	if n := ready(t, vhost, errorQueue(queueGitHub)); n != 1 {
+		t.Fatalf("github-error holds %d after refused posts, want the message still there", n)
+	}
+	resp := post(d.URL, token)
+	if resp.StatusCode != http.StatusSeeOther || !strings.Contains(resp.Header.Get("Location"), "replayed=github") {
+		t.Fatalf("replay: %d to %q, want 303 saying it was replayed from github-error", resp.StatusCode, resp.Header.Get("Location"))
+	}
+	eventually(t, 20*time.Second, "the replayed delivery stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+	})
+	if resp := post(d.URL, token); resp.StatusCode != http.StatusSeeOther || !strings.Contains(resp.Header.Get("Location"), "replayed=none") {
+		t.Errorf("a second press: %d to %q, want 303 saying nothing was done", resp.StatusCode, resp.Header.Get("Location"))
+	}
+	if !strings.Contains(d.logs.String(), "replayed from -error at the operator's request") || !strings.Contains(d.logs.String(), "source_ip=127.0.0.1") {
+		t.Errorf("the replay is not logged with its source address")
+	}
+	if code, body := page(); code != http.StatusOK || !strings.Contains(body, "issues.opened") {
+		t.Errorf("the page after the replay: %d, want the stored delivery's story", code)
+	}
+}

@@ -33,23 +33,7 @@ func (q *Queues) Replay(ctx context.Context, from, to *Broker, queue string, lim
 		if err != nil || !ok {
 			return moved, total, err
 		}
-		headers := amqp.Table{}
-		for k, v := range d.Headers {
-			headers[k] = v
-		}
-		for _, k := range []string{"x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
-			"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", hdrErrorReason, hdrErrorAttempts} {
-			delete(headers, k)
-		}
-		pctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
-		err = q.Publish(pctx, to, "", queue, amqp.Publishing{Headers: headers, ContentType: d.ContentType,
-			DeliveryMode: amqp.Persistent, MessageId: d.MessageId, Timestamp: d.Timestamp, Type: d.Type, Body: d.Body})
-		cancel()
-		if err != nil {
-			_ = d.Nack(false, true)
-			return moved, total, err
-		}
-		if err := d.Ack(false); err != nil {
+		if err := q.moveBack(ctx, &d, to, queue); err != nil {
 			return moved, total, err
 		}
 		moved++
@@ -58,6 +42,60 @@ func (q *Queues) Replay(ctx context.Context, from, to *Broker, queue string, lim
 		}
 	}
 	return moved, total, ctx.Err()
+}
+
+// moveBack publishes an -error message d to queue on broker to, without
+// its retry history (it gets its attempts anew), then acks it; if the
+// publish fails it goes back where it was.
+func (q *Queues) moveBack(ctx context.Context, d *amqp.Delivery, to *Broker, queue string) error {
+	headers := amqp.Table{}
+	for k, v := range d.Headers {
+		headers[k] = v
+	}
+	for _, k := range []string{"x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
+		"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason", hdrErrorReason, hdrErrorAttempts} {
+		delete(headers, k)
+	}
+	pctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
+	err := q.Publish(pctx, to, "", queue, amqp.Publishing{Headers: headers, ContentType: d.ContentType,
+		DeliveryMode: amqp.Persistent, MessageId: d.MessageId, Timestamp: d.Timestamp, Type: d.Type, Body: d.Body})
+	cancel()
+	if err != nil {
+		_ = d.Nack(false, true)
+		return err
+	}
+	return d.Ack(false)
+}
+
+// maxReplayScan bounds how many -error messages ReplayOne looks through.
+const maxReplayScan = 10000
+
+// ReplayOne moves the message of delivery guid (its message id, or its
+// X-GitHub-Delivery header) from queue-error on broker from back to queue on
+// broker to, as Replay does, and leaves every other message where it was: it
+// looks through what queue-error holds (at most maxReplayScan), taking them
+// unacknowledged, and closing the channel puts them back in order. found is
+// false when the message is not there: a second ask does nothing.
+func (q *Queues) ReplayOne(ctx context.Context, from, to *Broker, queue, guid string) (found bool, err error) {
+	conn, ch, err := q.openChannel(ctx, from)
+	if err != nil {
+		return false, err
+	}
+	defer q.closeChannel(conn, ch)
+	total, err := q.readyCount(ctx, from, errorQueue(queue))
+	if err != nil {
+		return false, err
+	}
+	for range min(total, maxReplayScan) {
+		d, ok, err := q.get(from, conn, ch, errorQueue(queue))
+		if err != nil || !ok {
+			return false, err
+		}
+		if d.MessageId == guid || tableString(d.Headers, "x-github-delivery") == guid {
+			return true, q.moveBack(ctx, &d, to, queue)
+		}
+	}
+	return false, ctx.Err()
 }
 
 // PeekErrors shows fn the messages queue-error on broker b holds (at most
