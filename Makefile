@@ -74,10 +74,12 @@ deb: build
 	SWITCHYARD_DEB_VERSION=$(VERSION) $(GO) run $(NFPM) package -f deploy/nfpm.yaml -p deb -t dist/
 	@ls dist/*.deb
 
-# docs/status.png, the README's picture of the status page: two brokers, a
-# pending switch and a message in an -error queue, in headless Chromium.
+# docs/status.png and docs/deliveries.png, the README's pictures: the status
+# page (two brokers, a pending switch, a message in an -error queue) and a
+# delivery's page after its replay from -error, in headless Chromium.
 screenshot: ensure-rabbitmq ensure-chromium
-	SWITCHYARD_SCREENSHOT=$(CURDIR)/docs/status.png CGO_ENABLED=1 $(GO) test -count=1 -run '^TestStatusScreenshot$$' .
+	SWITCHYARD_SCREENSHOT=$(CURDIR)/docs/status.png SWITCHYARD_SCREENSHOT_DELIVERIES=$(CURDIR)/docs/deliveries.png \
+		CGO_ENABLED=1 $(GO) test -count=1 -run '^(TestStatusScreenshot|TestDeliveriesInBrowser)$$' .
 
 clean:
 	rm -rf switchyard dist

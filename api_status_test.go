@@ -13,6 +13,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -654,5 +655,85 @@ func TestReplayFromDeliveryPage(t *testing.T) {
 	}
 	if code, body := page(); code != http.StatusOK || !strings.Contains(body, "issues.opened") {
 		t.Errorf("the page after the replay: %d, want the stored delivery's story", code)
+	}
+}
+
+// browserProxy serves the daemon as a TLS-less reverse proxy in front of it
+// would (the Host kept, the operator's Basic auth added, as a browser sends
+// it after the login prompt). A page asked for with ?press=ID gets a script
+// that submits the form of that id once loaded: headless Chromium's
+// --dump-dom has no other way to press a button.
+func browserProxy(t *testing.T, daemonURL string) string {
+	t.Helper()
+	target, _ := url.Parse(daemonURL)
+	srv := httptest.NewServer(&httputil.ReverseProxy{
+		Rewrite: func(r *httputil.ProxyRequest) {
+			r.SetURL(target)
+			r.Out.Host = r.In.Host
+			r.Out.SetBasicAuth("operator", "operator-token-for-tests")
+		},
+		ModifyResponse: func(resp *http.Response) error {
+			press := resp.Request.URL.Query().Get("press")
+			if press == "" || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/html") {
+				return nil
+			}
+			b, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err != nil {
+				return err
+			}
+			b = append(b, []byte(`<script>document.getElementById("`+press+`").submit()</script>`)...)
+			resp.Body = io.NopCloser(strings.NewReader(string(b)))
+			resp.ContentLength = int64(len(b))
+			resp.Header.Set("Content-Length", strconv.Itoa(len(b)))
+			return nil
+		},
+	})
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+// In headless Chromium: search for a delivery by GUID, open it, replay it
+// from github-database-error with the page's button, and see it stored by
+// database-service. With SWITCHYARD_SCREENSHOT_DELIVERIES set (make
+// screenshot) it also writes the README's picture of the delivery page.
+func TestDeliveriesInBrowser(t *testing.T) {
+	t.Parallel()
+	chromium(t)
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.GitHub.BotAppID = testBotAppID
+	declareTestTopology(t, vhost, cfg.Queue.RetryTTL)
+	guid := "browser-" + newGUID()
+	msg := eventMessage("pull_request", guid, loadFixture(t, "pull_request", "opened"))
+	msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
+	// The raw log has it; the typed tables' worker failed it for good.
+	publishRaw(t, vhost, "", queueGitHub, msg)
+	msg.Headers[hdrErrorReason] = "database is locked (simulated)"
+	publishRaw(t, vhost, "", errorQueue(queueDatabase), msg)
+	d := startDaemon(t, cfg)
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "the raw row stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+	})
+	base := browserProxy(t, d.URL)
+
+	search := runChromium(t, "--dump-dom", base+"/status/deliveries?guid="+guid[:16])
+	if !strings.Contains(search, `href="/status/deliveries/`+guid+`"`) {
+		t.Fatalf("the search does not list the delivery:\n%.3000s", search)
+	}
+	opened := runChromium(t, "--dump-dom", base+"/status/deliveries/"+guid)
+	if !strings.Contains(opened, "pull_request.opened") || strings.Contains(opened, "worker database-service") {
+		t.Fatalf("the delivery page: want its story without database-service:\n%.3000s", opened)
+	}
+	pressed := runChromium(t, "--virtual-time-budget=10000", "--dump-dom", base+"/status/deliveries/"+guid+"?press=replay")
+	if !strings.Contains(pressed, "Moved from github-database-error back to github-database") {
+		t.Fatalf("after pressing replay: want the page saying it moved the message:\n%.3000s", pressed)
+	}
+	eventually(t, 20*time.Second, "the replayed delivery stored by database-service", func() bool {
+		return strings.Contains(runChromium(t, "--dump-dom", base+"/status/deliveries/"+guid), "worker database-service")
+	})
+	if path := os.Getenv("SWITCHYARD_SCREENSHOT_DELIVERIES"); path != "" {
+		runChromium(t, "--screenshot="+path, "--window-size=1000,900", "--hide-scrollbars", base+"/status/deliveries/"+guid)
 	}
 }
