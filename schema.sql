@@ -434,3 +434,12 @@ CREATE TABLE broker_usage (
     delivered INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (broker, hour)
 ) STRICT, WITHOUT ROWID;
+
+-- migration 8: the deliveries search
+-- Newest-first pages of github narrowed by event, repository or sender read
+-- these in order instead of sorting what matches.
+CREATE INDEX github_event_received ON github (event, received_at);
+CREATE INDEX github_repository_received ON github (repository, received_at);
+CREATE INDEX github_sender_received ON github (sender, received_at);
+-- Deliveries an order-safe table found stale are few: the search finds them here.
+CREATE INDEX worker_deliveries_stale ON worker_deliveries (delivery_id) WHERE outcome = 'stale';

@@ -186,12 +186,6 @@ type DeliveryRow struct {
 	ReceivedAt                              time.Time
 }
 
-// likeEscape escapes LIKE's wildcards in s.
-func likeEscape(s string) string {
-	r := strings.NewReplacer(`\`, `\\`, `%`, `\%`, `_`, `\_`)
-	return r.Replace(s)
-}
-
 // SearchDeliveries returns the stored deliveries f selects, newest first,
 // at most limit, from f's cursor on: a keyset page, which neither skips nor
 // repeats a row while new ones arrive. more reports whether another page
@@ -201,7 +195,8 @@ func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit in
 	var args []any
 	add := func(clause string, a ...any) { where = append(where, clause); args = append(args, a...) }
 	if f.GUIDPrefix != "" {
-		add(`g.delivery_id LIKE ? ESCAPE '\'`, likeEscape(f.GUIDPrefix)+"%")
+		// A range, not LIKE: it reads the unique index.
+		add("g.delivery_id >= ? AND g.delivery_id < ?", f.GUIDPrefix, f.GUIDPrefix+"\uffff")
 	}
 	for col, v := range map[string]string{"event": f.Event, "action": f.Action, "repository": f.Repository, "sender": f.Sender} {
 		if v != "" {
@@ -214,7 +209,7 @@ func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit in
 	case "stored":
 		add("g.forbidden = 0")
 	case "stale":
-		add("EXISTS (SELECT 1 FROM worker_deliveries w WHERE w.delivery_id = g.delivery_id AND w.outcome = 'stale')")
+		add("g.delivery_id IN (SELECT delivery_id FROM worker_deliveries WHERE outcome = 'stale')")
 	}
 	if !f.From.IsZero() {
 		add("g.received_at >= ?", formatTime(f.From))
@@ -229,7 +224,7 @@ func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit in
 	args = append(args, limit+1)
 	q := `SELECT g.id, g.delivery_id, g.event, g.action, g.repository, g.sender, g.forbidden, g.received_at,
 		g.payload_pruned_at IS NOT NULL,
-		EXISTS (SELECT 1 FROM worker_deliveries w WHERE w.delivery_id = g.delivery_id AND w.outcome = 'stale')
+		EXISTS (SELECT 1 FROM worker_deliveries w WHERE w.worker = 'database-service' AND w.delivery_id = g.delivery_id AND w.outcome = 'stale')
 		FROM github g WHERE ` + strings.Join(where, " AND ") + ` ORDER BY g.received_at DESC, g.id DESC LIMIT ?`
 	res, err := s.r.QueryContext(ctx, q, args...)
 	if err != nil {
