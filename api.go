@@ -31,6 +31,7 @@ type API struct {
 	metrics *Metrics
 	workers []*Worker // for the status
 	budget  *Budget
+	hooks   *Hooks // nil without the GitHub App
 	// csrfKey signs the tokens of the operator's POST forms; a new one each
 	// start, so a page from before a restart must be loaded again.
 	csrfKey []byte
@@ -40,9 +41,10 @@ type API struct {
 }
 
 // NewAPI builds the HTTP surface over the daemon's parts.
-func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, workers []*Worker, budget *Budget, log *slog.Logger) *API {
+func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, workers []*Worker,
+	budget *Budget, hooks *Hooks, log *slog.Logger) *API {
 	a := &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics,
-		workers: workers, budget: budget, csrfKey: make([]byte, 32), started: time.Now().UTC(), auth: newAuthGuard(log), log: log}
+		workers: workers, budget: budget, hooks: hooks, csrfKey: make([]byte, 32), started: time.Now().UTC(), auth: newAuthGuard(log), log: log}
 	tokens := cfg.API
 	a.tokens.Store(&tokens)
 	_, _ = rand.Read(a.csrfKey) // crypto/rand never fails on Linux
@@ -75,6 +77,7 @@ func (a *API) Handler() http.Handler {
 	r.GET("/status/deliveries", a.guarded(a.operatorPage(a.deliveriesPage)))
 	r.GET("/status/deliveries/:guid", a.guarded(a.operatorPage(a.deliveryPage)))
 	r.POST("/status/deliveries/:guid/replay", a.guarded(a.operatorPage(a.replayDelivery)))
+	r.POST("/status/deliveries/:guid/redeliver", a.guarded(a.operatorPage(a.redeliverDelivery)))
 	// A browser pointed at the daemon wants the status page.
 	r.GET("/", func(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
 		http.Redirect(w, r, "/status", http.StatusFound)

@@ -149,7 +149,7 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 		// offers the replay.
 		w.Header().Set("Content-Type", "text/html; charset=utf-8")
 		w.WriteHeader(http.StatusNotFound)
-		_ = unknownTemplate.Execute(w, struct{ GUID, Token, Replayed string }{guid, a.csrfToken("replay", guid), r.URL.Query().Get("replayed")})
+		_ = unknownTemplate.Execute(w, a.actions(r, guid))
 		return
 	}
 	if err != nil {
@@ -172,9 +172,11 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 	w.Header().Set("Cache-Control", "no-store")
 	if err := deliveryTemplate.Execute(w, struct {
 		*DeliveryStory
-		Shown, Token, Replayed string
-		Cut                    bool
-	}{st, shown, a.csrfToken("replay", guid), r.URL.Query().Get("replayed"), cut}); err != nil {
+		pageActions
+		GUID  string // both embed one
+		Shown string
+		Cut   bool
+	}{st, a.actions(r, guid), guid, shown, cut}); err != nil {
 		a.log.Warn("delivery page", "error", err)
 	}
 }
@@ -205,12 +207,7 @@ func sameOrigin(r *http.Request) bool {
 // and a second ask finds nothing and says so.
 func (a *API) replayDelivery(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
 	guid := ps.ByName("guid")
-	if !sameOrigin(r) {
-		http.Error(w, "403 the request did not come from this server's page", http.StatusForbidden)
-		return
-	}
-	if err := r.ParseForm(); err != nil || !hmac.Equal([]byte(r.PostForm.Get("token")), []byte(a.csrfToken("replay", guid))) {
-		http.Error(w, "403 missing or stale form token: load the delivery's page again", http.StatusForbidden)
+	if !a.formAllowed(w, r, "replay", guid) {
 		return
 	}
 	src := addrText(a.webhook.sourceIP(r))
@@ -242,6 +239,54 @@ func (a *API) replayDelivery(w http.ResponseWriter, r *http.Request, ps httprout
 		a.log.Info("replay from -error asked: not in any -error queue, nothing done", "delivery_id", guid, "source_ip", src)
 	}
 	http.Redirect(w, r, "/status/deliveries/"+url.PathEscape(guid)+"?replayed="+url.QueryEscape(done), http.StatusSeeOther)
+}
+
+// pageActions are a delivery page's forms and what their last press did.
+type pageActions struct {
+	GUID, ReplayToken, RedeliverToken string
+	Replayed, Redelivered             string
+	App                               bool // the GitHub App is configured: GitHub can be asked
+}
+
+func (a *API) actions(r *http.Request, guid string) pageActions {
+	q := r.URL.Query()
+	return pageActions{GUID: guid, ReplayToken: a.csrfToken("replay", guid), RedeliverToken: a.csrfToken("redeliver", guid),
+		Replayed: q.Get("replayed"), Redelivered: q.Get("redelivered"), App: a.hooks != nil}
+}
+
+// formAllowed checks that a POST of action on guid came from this daemon's
+// page (same origin, the form's token) and answers 403 when it did not.
+func (a *API) formAllowed(w http.ResponseWriter, r *http.Request, action, guid string) bool {
+	if !sameOrigin(r) {
+		http.Error(w, "403 the request did not come from this server's page", http.StatusForbidden)
+		return false
+	}
+	if err := r.ParseForm(); err != nil || !hmac.Equal([]byte(r.PostForm.Get("token")), []byte(a.csrfToken(action, guid))) {
+		http.Error(w, "403 missing or stale form token: load the delivery's page again", http.StatusForbidden)
+		return false
+	}
+	return true
+}
+
+// redeliverDelivery is POST /status/deliveries/GUID/redeliver: ask GitHub
+// to deliver it again (Hooks.RedeliverOne), with the App configured.
+func (a *API) redeliverDelivery(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+	guid := ps.ByName("guid")
+	if !a.formAllowed(w, r, "redeliver", guid) {
+		return
+	}
+	if a.hooks == nil {
+		http.Error(w, "409 no GitHub App is configured (github.app_id): redeliver it from GitHub's Recent Deliveries", http.StatusConflict)
+		return
+	}
+	done, err := a.hooks.RedeliverOne(r.Context(), guid)
+	if err != nil {
+		a.log.Warn("redelivery asked at the operator's request failed", "delivery_id", guid, "error", err)
+		done = "failed"
+	}
+	a.log.Info("redelivery asked at the operator's request", "delivery_id", guid, "outcome", done,
+		"source_ip", addrText(a.webhook.sourceIP(r)))
+	http.Redirect(w, r, "/status/deliveries/"+url.PathEscape(guid)+"?redelivered="+url.QueryEscape(done), http.StatusSeeOther)
 }
 
 var pageFuncs = template.FuncMap{
@@ -314,9 +359,14 @@ var deliveryTemplate = template.Must(template.Must(template.New("delivery").Func
 // press found.
 const replayForm = `{{define "replay"}}{{with .Replayed}}<p id="replayed">{{if eq . "none"}}Not in any -error queue: nothing was done.{{else}}Moved from {{.}}-error back to {{.}} on the active broker.{{end}}</p>{{end}}
 <form method="post" action="/status/deliveries/{{escape .GUID}}/replay" id="replay">
-<input type="hidden" name="token" value="{{.Token}}">
+<input type="hidden" name="token" value="{{.ReplayToken}}">
 <button type="submit">Replay from -error</button> <span>moves its message, if an -error queue of any broker holds it, back to its queue on the active broker</span>
-</form>{{end}}`
+</form>
+{{if .App}}{{with .Redelivered}}<p id="redelivered">{{if eq . "asked"}}GitHub was asked to deliver it again.{{else if eq . "already"}}GitHub was asked before: nothing was sent.{{else if eq . "unknown"}}GitHub's id of this delivery is not known here (it is neither a gap nor a failed delivery the ledger queued): use GitHub's Recent Deliveries.{{else if eq . "paced"}}github.redeliver_per_minute reached: try again in a minute.{{else if eq . "refused"}}GitHub refused: it no longer has the delivery, or will not deliver it again.{{else}}The request failed; the log says why.{{end}}</p>{{end}}
+<form method="post" action="/status/deliveries/{{escape .GUID}}/redeliver" id="redeliver">
+<input type="hidden" name="token" value="{{.RedeliverToken}}">
+<button type="submit">Ask GitHub to redeliver</button> <span>when GitHub still holds it (3 days)</span>
+</form>{{end}}{{end}}`
 
 var unknownTemplate = template.Must(template.Must(template.New("unknown").Funcs(pageFuncs).Parse(replayForm)).Parse(`<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>switchyard delivery {{.GUID}}</title></head><body>

@@ -96,13 +96,14 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 			Batch: store, Window: w.CleanupWindow, Every: w.CleanupEvery, Health: hc(cfg.HealthChecks.Cleanup, "cleanup"),
 			Poll: func(ctx context.Context) error { _, _, err := retention.Prune(ctx); return err }, PollEvery: w.CleanupEvery}),
 	}
+	var hooks *Hooks
 	if cfg.GitHub.AppID > 0 {
 		app, err := NewGitHubApp(cfg.GitHub, log.With("component", "github"))
 		if err != nil {
 			queues.Close()
 			return fail(err)
 		}
-		hooks := NewHooks(cfg, app, store, brokers, queues, alerter, log.With("worker", "hooks"))
+		hooks = NewHooks(cfg, app, store, brokers, queues, alerter, log.With("worker", "hooks"))
 		// The hooks worker talks to GitHub per message: it is not batched
 		// (no network I/O inside a transaction). Its poll runs between
 		// windows: a window longer than hooks_poll_every would stretch it.
@@ -117,7 +118,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 			}}))
 	}
 	d.budget = NewBudget(cfg, brokers.List(), queues, store, d.alerter, metrics, log)
-	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.budget, log)
+	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.budget, hooks, log)
 	return d, nil
 }
 

@@ -270,3 +270,25 @@ func (s *Store) OpenGapCount(ctx context.Context) (int, error) {
 	}
 	return n, nil
 }
+
+// GitHubAttempt is GitHub's id of a delivery's latest attempt, when the
+// ledger learnt it (a gap, or a failed delivery queued on github-hooks), and
+// when switchyard last asked GitHub to redeliver it.
+func (s *Store) GitHubAttempt(ctx context.Context, guid string) (id int64, asked *time.Time, err error) {
+	var redelivered sql.NullString
+	err = s.r.QueryRowContext(ctx, "SELECT delivery_id, redelivered_at FROM delivery_gaps WHERE guid = ?", guid).Scan(&id, &redelivered)
+	if err == nil {
+		return id, parseTimePtr(redelivered), nil
+	}
+	if !errors.Is(err, sql.ErrNoRows) {
+		return 0, nil, fmt.Errorf("read delivery_gaps: %w", err)
+	}
+	err = s.r.QueryRowContext(ctx, "SELECT delivery_id FROM hook_redeliveries WHERE guid = ?", guid).Scan(&id)
+	if errors.Is(err, sql.ErrNoRows) {
+		return 0, nil, nil
+	}
+	if err != nil {
+		return 0, nil, fmt.Errorf("read hook_redeliveries: %w", err)
+	}
+	return id, nil, nil
+}

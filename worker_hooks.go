@@ -384,3 +384,48 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 	})
 	return err
 }
+
+// What RedeliverOne did.
+const (
+	redeliverAsked   = "asked"    // GitHub took the request
+	redeliverAgain   = "already"  // asked before: nothing sent
+	redeliverUnknown = "unknown"  // GitHub's id of the delivery is not known here
+	redeliverPaced   = "paced"    // github.redeliver_per_minute reached: try in a minute
+	redeliverRefused = "refused"  // GitHub refused it (it no longer has it, or will not)
+)
+
+// RedeliverOne asks GitHub to deliver guid again, at the operator's
+// request: only a delivery whose GitHub id the ledger knows (a gap, or a
+// failed delivery it queued), only once, and within
+// github.redeliver_per_minute like the poll's own requests. A refusal for
+// good counts toward the gap's unrecoverable state as the poll's do.
+func (h *Hooks) RedeliverOne(ctx context.Context, guid string) (string, error) {
+	id, asked, err := h.store.GitHubAttempt(ctx, guid)
+	switch {
+	case err != nil:
+		return "", err
+	case id == 0:
+		return redeliverUnknown, nil
+	case asked != nil:
+		return redeliverAgain, nil
+	}
+	err = h.app.Redeliver(ctx, id)
+	var se *githubStatusError
+	switch {
+	case errors.Is(err, ErrRedeliveryPaced):
+		return redeliverPaced, nil
+	case errors.As(err, &se) && slices.Contains(refusedForGood, se.Status):
+		if _, err := h.store.GapRefused(ctx, guid, err.Error(), maxRefusals, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"})); err != nil {
+			return "", err
+		}
+		return redeliverRefused, nil
+	case err != nil:
+		return "", err
+	}
+	// A gap keeps when it was asked; a failed delivery GitHub was asked to
+	// send again is asked once more only by a new press.
+	if err := h.store.GapRedelivered(ctx, guid, time.Now()); err != nil {
+		return "", err
+	}
+	return redeliverAsked, nil
+}

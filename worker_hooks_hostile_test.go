@@ -308,3 +308,54 @@ func mustBroker(t testing.TB, b *Brokers) *Broker {
 	}
 	return br
 }
+
+// The delivery page's "Ask GitHub to redeliver": GitHub is asked once for a
+// gap, a second press sends nothing, and a form without its token is
+// refused.
+func TestRedeliverFromDeliveryPage(t *testing.T) {
+	t.Parallel()
+	gh := newFakeGitHub(t)
+	guid := newGUID()
+	gh.add(hookDelivery{ID: 81, GUID: guid, DeliveredAt: time.Now().UTC().Add(-5 * time.Hour), Status: "Accepted", StatusCode: 202, Event: "issues"}, nil)
+	cfg, _ := hooksConfig(t, gh)
+	cfg.GitHub.RedeliverGaps = false // only the operator asks
+	d := startDaemon(t, cfg)
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "the poll records the gap", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE guid = ?", guid) == 1
+	})
+	req, _ := http.NewRequest(http.MethodGet, d.URL+"/status/deliveries/"+guid, nil)
+	req.SetBasicAuth("operator", "operator-token-for-tests")
+	code, page := do(t, req)
+	_, rest, _ := strings.Cut(page, `id="redeliver">`)
+	_, rest, _ = strings.Cut(rest, `name="token" value="`)
+	token, _, _ := strings.Cut(rest, `"`)
+	if code != http.StatusOK || token == "" {
+		t.Fatalf("the gap's page: %d, token %q; want 200 with the redeliver form", code, token)
+	}
+	client := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	press := func(token string) (int, string) {
+		req, _ := http.NewRequest(http.MethodPost, d.URL+"/status/deliveries/"+guid+"/redeliver", strings.NewReader("token="+token))
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		req.Header.Set("Origin", d.URL)
+		req.SetBasicAuth("operator", "operator-token-for-tests")
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode, resp.Header.Get("Location")
+	}
+	if code, _ := press("forged"); code != http.StatusForbidden || len(gh.redelivered()) != 0 {
+		t.Errorf("a forged form: %d, redeliveries %v; want 403 and none", code, gh.redelivered())
+	}
+	if code, to := press(token); code != http.StatusSeeOther || !strings.Contains(to, "redelivered=asked") {
+		t.Errorf("press: %d to %q, want 303 saying GitHub was asked", code, to)
+	}
+	if code, to := press(token); code != http.StatusSeeOther || !strings.Contains(to, "redelivered=already") {
+		t.Errorf("second press: %d to %q, want 303 saying nothing was sent", code, to)
+	}
+	if got := gh.redelivered(); len(got) != 1 || got[0] != 81 {
+		t.Errorf("redeliveries GitHub got: %v, want 81 once", got)
+	}
+}
