@@ -245,8 +245,13 @@ func budgetText(ev *Event) (subject, body, link string) {
 	month := rest[strings.LastIndex(rest, ":")+1:]
 	broker := strings.TrimSuffix(rest, ":"+month)
 	what := "has spent its warning share of"
-	if level == "exhausted" {
+	switch level {
+	case "exhausted":
 		what = "has spent all of"
+	case "none":
+		subject = "Broker budget: no broker is left under queue.rotate_at"
+		body = fmt.Sprintf("The broker switchyard publishes to is out of budget, and no other broker is under\nqueue.rotate_at and answering, in the budget month that began %s: publishing stays where it is.\nRaise a plan, add a broker, or move the producer by hand.\n", month)
+		return subject, body, ""
 	}
 	subject = fmt.Sprintf("Broker budget: %s %s its monthly messages", broker, what)
 	body = fmt.Sprintf(`The broker %s %s its monthly_messages in the budget month that began %s.

@@ -136,6 +136,13 @@ type QueueConfig struct {
 	// BudgetWarnAt is the share of a broker's monthly_messages at which
 	// a budget alert goes out; the second goes out at 1.0.
 	BudgetWarnAt float64 `toml:"budget_warn_at"`
+	// RotateOnBudget lets switchyard record a Pending Switch itself when
+	// the broker it publishes to has spent RotateAt of its budget, or has
+	// blocked the connection for BlockedRotateAfter: to the next broker in
+	// config order under RotateAt that answers.
+	RotateOnBudget     bool          `toml:"rotate_on_budget"`
+	RotateAt           float64       `toml:"rotate_at"`
+	BlockedRotateAfter time.Duration `toml:"blocked_rotate_after"`
 }
 
 // WorkersConfig sets the cadence of the four workers.
@@ -222,12 +229,14 @@ func DefaultConfig() *Config {
 			// 4 consumers share a connection: 800 unacked, within CloudAMQP's
 			// 1,000 per connection on free plans. Over a 50 ms link a window of
 			// 1 is 20 messages a second (BENCHMARKS.md).
-			Prefetch:       200,
-			PublishTimeout: 5 * time.Second,
-			CallTimeout:    10 * time.Second,
-			MaxBatchBytes:  8 << 20,
-			KeepaliveEvery: 24 * time.Hour,
-			BudgetWarnAt:   0.8,
+			Prefetch:           200,
+			PublishTimeout:     5 * time.Second,
+			CallTimeout:        10 * time.Second,
+			MaxBatchBytes:      8 << 20,
+			KeepaliveEvery:     24 * time.Hour,
+			BudgetWarnAt:       0.8,
+			RotateAt:           0.9,
+			BlockedRotateAfter: 5 * time.Minute,
 		},
 		Workers: WorkersConfig{
 			Window:               5 * time.Minute,

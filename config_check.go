@@ -177,6 +177,12 @@ func (c *Config) Validate() error {
 	if w := c.Queue.BudgetWarnAt; w <= 0 || w >= 1 {
 		bad("queue.budget_warn_at", "want more than 0 and less than 1, got %v", w)
 	}
+	if r := c.Queue.RotateAt; r <= 0 || r > 1 {
+		bad("queue.rotate_at", "want more than 0 and at most 1, got %v", r)
+	}
+	if c.Queue.BlockedRotateAfter <= 0 {
+		bad("queue.blocked_rotate_after", "must be positive")
+	}
 
 	for i, r := range c.Alerts.Rules {
 		if len(r.Events) == 0 {

@@ -117,7 +117,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 				return err
 			}}))
 	}
-	d.budget = NewBudget(cfg, brokers.List(), queues, store, d.alerter, metrics, log)
+	d.budget = NewBudget(cfg, brokers, queues, store, d.alerter, metrics, log)
 	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.budget, hooks, log)
 	return d, nil
 }

@@ -18,9 +18,15 @@ const budgetEvery = 10 * time.Second
 // monthly_messages, and once when it passes all of it. It talks to no
 // broker: an idle daemon spends nothing on it.
 type Budget struct {
+	bs      *Brokers
 	brokers []*Broker
 	cfgs    []BrokerConfig
 	warnAt  float64
+	// rotate, rotateAt and blockedAfter are queue.rotate_on_budget,
+	// rotate_at and blocked_rotate_after.
+	rotate       bool
+	rotateAt     float64
+	blockedAfter time.Duration
 	queues  *Queues
 	store   *Store
 	alerter *Alerter
@@ -29,8 +35,9 @@ type Budget struct {
 }
 
 // NewBudget keeps the budgets of cfg's brokers.
-func NewBudget(cfg *Config, brokers []*Broker, queues *Queues, store *Store, alerter *Alerter, metrics *Metrics, log *slog.Logger) *Budget {
-	return &Budget{brokers: brokers, cfgs: cfg.Brokers, warnAt: cfg.Queue.BudgetWarnAt, queues: queues, store: store,
+func NewBudget(cfg *Config, bs *Brokers, queues *Queues, store *Store, alerter *Alerter, metrics *Metrics, log *slog.Logger) *Budget {
+	return &Budget{bs: bs, brokers: bs.List(), cfgs: cfg.Brokers, warnAt: cfg.Queue.BudgetWarnAt, rotate: cfg.Queue.RotateOnBudget,
+		rotateAt: cfg.Queue.RotateAt, blockedAfter: cfg.Queue.BlockedRotateAfter, queues: queues, store: store,
 		alerter: alerter, metrics: metrics, log: log.With("worker", "budget")}
 }
 
@@ -104,7 +111,54 @@ func (b *Budget) Flush(ctx context.Context) error {
 			}
 		}
 	}
+	if b.rotate {
+		return b.rotateIfSpent(ctx, views, now)
+	}
 	return nil
+}
+
+// spent reports whether broker i counts as out of budget: past rotate_at
+// of its monthly_messages, or blocking the connection for
+// blocked_rotate_after.
+func (b *Budget) spent(v BudgetView, now time.Time) bool {
+	if v.Monthly > 0 && v.UsedRatio >= b.rotateAt {
+		return true
+	}
+	blk, blocked := b.queues.Blocked(b.brokers[v.Broker])
+	return blocked && now.Sub(blk.Since) >= b.blockedAfter
+}
+
+// rotateIfSpent records a Pending Switch, as a producer's notification
+// would, from a spent publish target to the next broker in config order
+// that is not spent and answers; the workers follow once the old broker is
+// drained. A Pending Switch already waiting is left alone: the producer's
+// word and the operator's hand win. With no broker left it stays, and
+// alerts once a budget month.
+func (b *Budget) rotateIfSpent(ctx context.Context, views []BudgetView, now time.Time) error {
+	st := b.bs.Cached()
+	if st.Pending != nil || !b.spent(views[st.Active], now) {
+		return nil
+	}
+	from := b.brokers[st.Active]
+	for i := 1; i < len(b.brokers); i++ {
+		to := b.brokers[(st.Active+i)%len(b.brokers)]
+		if b.spent(views[to.Index], now) || b.queues.Reachable(ctx, to) != nil {
+			continue
+		}
+		result, _, err := b.bs.Notify(ctx, to.Host, to.Vhost, now)
+		if err != nil {
+			return fmt.Errorf("record a pending switch from %s to %s: %w", from, to, err)
+		}
+		b.log.Warn("broker budget spent: publishing moves to the next broker; the workers follow once it is drained",
+			"from", from.String(), "to", to.String(), "result", result)
+		return nil
+	}
+	id := fmt.Sprintf("budget:every broker:%s:none", views[st.Active].MonthStart.Format("2006-01-02"))
+	queued, err := b.store.QueueOwnAlert(ctx, id, b.alerter.ChannelsFor(AlertIntent{Name: "budget", Action: "none"}))
+	if queued {
+		b.log.Error("broker budget spent, and no broker is left under queue.rotate_at that answers: publishing stays", "broker", from.String())
+	}
+	return err
 }
 
 // Views is every broker's spending this budget month as of now.

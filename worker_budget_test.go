@@ -94,3 +94,78 @@ func TestBrokerUsageCounted(t *testing.T) {
 		return scrape(t, d.URL+"/metrics")[`switchyard_broker_messages{broker="0",kind="published"}`] == n
 	})
 }
+
+// rotate_on_budget: when the broker switchyard publishes to passes
+// rotate_at, a Pending Switch to the next broker under it is recorded, the
+// workers follow once the old one is drained, and nothing is lost; with
+// every broker past it nothing moves and one alert says so.
+func TestRotateOnBudget(t *testing.T) {
+	t.Parallel()
+	for _, allSpent := range []bool{false, true} {
+		t.Run(map[bool]string{false: "to the next broker", true: "every broker spent"}[allSpent], func(t *testing.T) {
+			t.Parallel()
+			a, b := newVhost(t), newVhost(t)
+			cfg := testConfig(t, amqpURL(a), amqpURL(b))
+			cfg.Brokers[0].MonthlyMessages = 10
+			cfg.Queue.RotateOnBudget, cfg.Queue.RotateAt = true, 0.5
+			cfg.Alerts = AlertsConfig{Rules: []AlertRule{{Events: []string{"budget"}, Channels: []string{"push"}}},
+				Push: PushConfig{URL: "http://127.0.0.1:1/never"}}
+			ctx := context.Background()
+			if allSpent {
+				cfg.Brokers[1].MonthlyMessages = 10
+				store, err := OpenStore(ctx, cfg.Database, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				store.Migrate(ctx)
+				if err := store.AddBrokerUsage(ctx, time.Now(), []usageRow{{Broker: usageKey("127.0.0.1", b), Published: 10}}); err != nil {
+					t.Fatal(err)
+				}
+				store.Close()
+			}
+			d := startDaemon(t, cfg)
+			db := openDB(t, cfg.Database.Path)
+			body := loadFixture(t, "issues", "opened")
+			var guids []string
+			post := func(n int) {
+				for range n {
+					g := newGUID()
+					guids = append(guids, g)
+					if code := postWebhook(t, d.URL, "issues", g, body); code != http.StatusAccepted {
+						t.Fatalf("webhook: %d", code)
+					}
+				}
+			}
+			post(5)
+			waitDatabase(t, db, guids...)
+			if allSpent {
+				for range 2 {
+					if err := d.budget.Flush(ctx); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if st := d.brokers.Cached(); st.Active != 0 || st.Pending != nil {
+					t.Errorf("state %+v: want broker 0 kept, no pending switch", st)
+				}
+				if n := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id LIKE 'budget:every broker:%:none'"); n != 1 {
+					t.Errorf("'no broker left' alerts: %d, want 1", n)
+				}
+				return
+			}
+			eventually(t, 30*time.Second, "publishing moved to broker 1 and the workers followed", func() bool {
+				if err := d.budget.Flush(ctx); err != nil {
+					t.Fatal(err)
+				}
+				st, err := d.brokers.State(ctx)
+				return err == nil && st.Active == 1 && st.Pending == nil
+			})
+			post(3)
+			eventually(t, 20*time.Second, "every webhook stored once", func() bool {
+				return queryInt(t, db, "SELECT count(*) FROM github") == len(guids)
+			})
+			if n := ready(t, b, queueGitHub); n != 0 {
+				t.Errorf("broker 1's github holds %d, want all consumed", n)
+			}
+		})
+	}
+}
