@@ -12,6 +12,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"database/sql"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/pem"
 	"errors"
@@ -28,6 +29,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -467,6 +469,68 @@ type tcpProxy struct {
 	tls     *tls.Config // set: the proxy ends TLS (newTLSProxy)
 	caFile  string
 	delay   time.Duration // set: each direction is this late (newWANProxy)
+	frames  *frameCounts  // set: the AMQP methods a plan's quota counts, counted as they pass
+}
+
+// frameCounts are the billable AMQP methods a proxy saw: basic.publish from
+// the client, basic.deliver and basic.get-ok from the broker.
+type frameCounts struct{ publish, deliver, getOK atomic.Int64 }
+
+// countFrames makes the proxy count the billable methods that pass it.
+func (p *tcpProxy) countFrames() *frameCounts {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.frames = &frameCounts{}
+	return p.frames
+}
+
+// frameScanner follows the AMQP frames of one direction of a connection
+// and counts the billable methods among them.
+type frameScanner struct {
+	counts *frameCounts
+	skip   int     // the protocol header a client sends first
+	hdr    [7]byte // type, channel, size
+	hn     int
+	left   int // payload and frame-end bytes still to pass
+	method [4]byte
+	mn     int
+}
+
+func (s *frameScanner) feed(b []byte) {
+	for len(b) > 0 {
+		switch {
+		case s.skip > 0:
+			n := min(s.skip, len(b))
+			s.skip, b = s.skip-n, b[n:]
+		case s.hn < len(s.hdr):
+			n := copy(s.hdr[s.hn:], b)
+			s.hn, b = s.hn+n, b[n:]
+			if s.hn == len(s.hdr) {
+				s.left, s.mn = int(binary.BigEndian.Uint32(s.hdr[3:]))+1, 0
+			}
+		default:
+			n := min(s.left, len(b))
+			if s.hdr[0] == 1 && s.mn < 4 { // a method frame: class and method first
+				c := copy(s.method[s.mn:], b[:n])
+				s.mn += c
+				if s.mn == 4 {
+					class, method := binary.BigEndian.Uint16(s.method[:2]), binary.BigEndian.Uint16(s.method[2:])
+					switch {
+					case class == 60 && method == 40:
+						s.counts.publish.Add(1)
+					case class == 60 && method == 60:
+						s.counts.deliver.Add(1)
+					case class == 60 && method == 71:
+						s.counts.getOK.Add(1)
+					}
+				}
+			}
+			s.left, b = s.left-n, b[n:]
+			if s.left == 0 {
+				s.hn = 0
+			}
+		}
+	}
 }
 
 func newTCPProxy(t testing.TB, target string) *tcpProxy {
@@ -536,19 +600,31 @@ func (p *tcpProxy) serve() {
 		p.mu.Lock()
 		p.conns = append(p.conns, c, up)
 		p.mu.Unlock()
-		go p.pipe(c, up)
-		go p.pipe(up, c)
+		go p.pipe(c, up, false)
+		go p.pipe(up, c, true)
 	}
 }
 
-func (p *tcpProxy) pipe(dst, src net.Conn) {
+func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
 	if p.delay > 0 {
 		p.delayedPipe(dst, src)
 		return
 	}
+	p.mu.Lock()
+	var scan *frameScanner
+	if p.frames != nil {
+		scan = &frameScanner{counts: p.frames}
+		if fromClient {
+			scan.skip = 8 // "AMQP" 0 0 9 1
+		}
+	}
+	p.mu.Unlock()
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
+		if n > 0 && scan != nil {
+			scan.feed(buf[:n])
+		}
 		if n > 0 {
 			for p.isStalled() {
 				time.Sleep(10 * time.Millisecond)

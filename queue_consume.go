@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -106,14 +107,21 @@ type consumer struct {
 	q          *Queues
 	conn       *amqp.Connection
 	ch         *amqp.Channel
-	queue      string
+	queue, tag string
 	win        int
 	deliveries <-chan amqp.Delivery
+	// delivered counts the broker's deliveries to it against the broker's
+	// budget, those it never handed over at close included.
+	delivered *atomic.Int64
 }
+
+// consumerSeq numbers the consumers' tags, which close cancels by.
+var consumerSeq atomic.Int64
 
 // consume starts a consumer of queue on conn with window win. A queue that
 // does not exist is an error isNotFound tells.
-func (q *Queues) consume(conn *amqp.Connection, queue string, win int) (*consumer, error) {
+func (q *Queues) consume(conn *amqp.Connection, queue string, win int, delivered *atomic.Int64) (*consumer, error) {
+	tag := fmt.Sprintf("switchyard-%d", consumerSeq.Add(1))
 	ch, err := q.channel(conn)
 	if err != nil {
 		return nil, err
@@ -122,7 +130,7 @@ func (q *Queues) consume(conn *amqp.Connection, queue string, win int) (*consume
 		if err := ch.Qos(win, 0, false); err != nil {
 			return nil, err
 		}
-		return ch.Consume(queue, "", false, false, false, false, nil)
+		return ch.Consume(queue, tag, false, false, false, false, nil)
 	})
 	if err != nil {
 		if !isNotFound(err) {
@@ -130,12 +138,33 @@ func (q *Queues) consume(conn *amqp.Connection, queue string, win int) (*consume
 		}
 		return nil, err
 	}
-	return &consumer{q: q, conn: conn, ch: ch, queue: queue, win: win, deliveries: deliveries}, nil
+	return &consumer{q: q, conn: conn, ch: ch, queue: queue, tag: tag, win: win, deliveries: deliveries, delivered: delivered}, nil
 }
 
 // close ends the consumer; what the broker sent it and it did not settle goes
 // back to the queue.
-func (c *consumer) close() { c.q.closeChannel(c.conn, c.ch) }
+func (c *consumer) close() {
+	// Cancelled first, the consumer hands over what the broker sent it and
+	// it had not: counted, as the broker counted them, and left unacked, so
+	// that closing the channel puts them back in the queue, in order.
+	if _, err := call(c.q, c.conn, "cancel "+c.queue, func() (struct{}, error) { return struct{}{}, c.ch.Cancel(c.tag, false) }); err == nil {
+		t := time.NewTimer(c.q.cfg.CallTimeout)
+		defer t.Stop()
+	drain:
+		for {
+			select {
+			case _, ok := <-c.deliveries:
+				if !ok {
+					break drain
+				}
+				c.delivered.Add(1)
+			case <-t.C:
+				break drain
+			}
+		}
+	}
+	c.q.closeChannel(c.conn, c.ch)
+}
 
 // resize starts the consumer again with the window the message sizes call
 // for (at most limit), when it is at least twice or at most half the current
@@ -149,7 +178,7 @@ func (c *consumer) resize(limit int) error {
 		return nil
 	}
 	c.close()
-	next, err := c.q.consume(c.conn, c.queue, win)
+	next, err := c.q.consume(c.conn, c.queue, win, c.delivered)
 	if err != nil {
 		return err
 	}
@@ -179,7 +208,7 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, windo
 	}
 	timer := time.NewTimer(window)
 	defer timer.Stop()
-	c, err := q.consume(conn, queue, q.window(queue))
+	c, err := q.consume(conn, queue, q.window(queue), &q.conns[b.Index].delivered)
 	if isNotFound(err) {
 		log.Warn("queue does not exist on broker, treating it as empty", "queue", queue)
 		select {
@@ -312,7 +341,7 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 		win = 1
 	}
 	start := time.Now()
-	c, err := q.consume(conn, queue, win)
+	c, err := q.consume(conn, queue, win, &q.conns[b.Index].delivered)
 	if isNotFound(err) {
 		return 0, nil
 	}

@@ -169,3 +169,53 @@ func TestRotateOnBudget(t *testing.T) {
 		})
 	}
 }
+
+// What switchyard counts is what the wire carried: basic.publish frames
+// from it, basic.deliver and basic.get-ok frames to it, as a proxy between
+// it and the broker counts them, on the webhook, consume and replay paths.
+func TestUsageMatchesTheWire(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	wire := proxy.countFrames()
+	cfg := testConfig(t, proxy.URL(vhost))
+	d := startDaemon(t, cfg)
+	db := openDB(t, cfg.Database.Path)
+	body := loadFixture(t, "issues", "opened")
+	var guids []string
+	for range 12 {
+		g := newGUID()
+		guids = append(guids, g)
+		if code := postWebhook(t, d.URL, "issues", g, body); code != http.StatusAccepted {
+			t.Fatalf("webhook: %d", code)
+		}
+	}
+	// A message replayed from -error: a basic.get-ok and a publish.
+	failed := eventMessage("issues", newGUID(), body)
+	publishRaw(t, vhost, "", errorQueue(queueGitHub), failed)
+	if moved, _, err := d.queues.Replay(context.Background(), d.brokers.List()[0], d.brokers.List()[0], queueGitHub, 0, func(int, int) {}); err != nil || moved != 1 {
+		t.Fatalf("replay: %d, %v", moved, err)
+	}
+	waitDatabase(t, db, guids...)
+	eventually(t, 20*time.Second, "the replayed message stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", failed.MessageId) == 1
+	})
+	ctx := context.Background()
+	eventually(t, 20*time.Second, "switchyard's count equal to the wire's", func() bool {
+		if err := d.budget.Flush(ctx); err != nil {
+			t.Fatal(err)
+		}
+		pub := queryInt(t, db, "SELECT coalesce(sum(published), 0) FROM broker_usage")
+		del := queryInt(t, db, "SELECT coalesce(sum(delivered), 0) FROM broker_usage")
+		ok := int64(pub) == wire.publish.Load() && int64(del) == wire.deliver.Load()+wire.getOK.Load()
+		if !ok {
+			t.Logf("counted %d published, %d delivered; the wire %d publish, %d deliver, %d get-ok", pub, del,
+				wire.publish.Load(), wire.deliver.Load(), wire.getOK.Load())
+		}
+		return ok
+	})
+	if wire.publish.Load() < 13 || wire.deliver.Load() < 26 || wire.getOK.Load() != 1 {
+		t.Errorf("the wire carried %d publishes, %d deliveries, %d get-oks; want at least 13, 26 and exactly 1",
+			wire.publish.Load(), wire.deliver.Load(), wire.getOK.Load())
+	}
+}
