@@ -345,6 +345,36 @@ type DeliveriesOptions struct {
 	Payload bool          // show: the stored payload too
 }
 
+// errorPeekLimit bounds the messages `deliveries show` looks at in each
+// -error queue: each look is a delivery a plan's quota counts.
+const errorPeekLimit = 1000
+
+// errorWaits finds delivery guid's messages in the -error queues of every
+// broker, with why they are there; they stay where they are. A broker that
+// does not answer is left out.
+func errorWaits(ctx context.Context, cfg *Config, guid string) []StoryError {
+	var brokers []*Broker
+	for i, bc := range cfg.Brokers {
+		if b, err := ParseBroker(i, bc.URL); err == nil {
+			brokers = append(brokers, b)
+		}
+	}
+	q := operatorQueues(cfg, brokers, slog.New(slog.DiscardHandler))
+	defer q.Close()
+	var out []StoryError
+	for _, b := range brokers {
+		for _, queue := range logicalQueues {
+			_, _ = q.PeekErrors(ctx, b, queue, errorPeekLimit, func(d *amqp.Delivery) {
+				if d.MessageId == guid || tableString(d.Headers, "x-github-delivery") == guid {
+					out = append(out, StoryError{Broker: b.Index, Queue: errorQueue(queue), Reason: tableString(d.Headers, hdrErrorReason),
+						Attempts: tableString(d.Headers, hdrErrorAttempts)})
+				}
+			})
+		}
+	}
+	return out
+}
+
 // showDelivery prints everything the database knows of one delivery:
 // when it was accepted and stored, what each worker made of it, the typed
 // rows it wrote, its redelivery, its gap, its alerts, and whether its
@@ -356,9 +386,14 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON
 	}
 	defer store.Close()
 	st, err := store.Story(ctx, guid)
+	waiting := errorWaits(ctx, cfg, guid)
+	if errors.Is(err, ErrUnknownDelivery) && len(waiting) > 0 {
+		st, err = &DeliveryStory{GUID: guid, Workers: []StoryWorker{}, Rows: []StoryRow{}, Alerts: []StoryAlert{}}, nil
+	}
 	if err != nil {
 		return err
 	}
+	st.Errors = waiting
 	if asJSON {
 		out := struct {
 			*DeliveryStory
@@ -422,6 +457,9 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON
 			state = "open, redelivery asked " + when(*g.RedeliveredAt)
 		}
 		fmt.Fprintf(tw, "gap\tfound %s, GitHub delivered it %s; %s\n", when(g.FoundAt), when(g.DeliveredAt), state)
+	}
+	for _, e := range st.Errors {
+		fmt.Fprintf(tw, "in %s\t%s on broker #%d: %s (attempts %s)\n", e.Queue, e.Queue, e.Broker, e.Reason, cmp.Or(e.Attempts, "-"))
 	}
 	for _, a := range st.Alerts {
 		state := "waiting"

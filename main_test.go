@@ -768,6 +768,9 @@ func TestDeliveriesShow(t *testing.T) {
 		DeliveredAt: time.Now().Add(-5 * time.Hour), FoundAt: time.Now()}, nil); err != nil {
 		t.Fatal(err)
 	}
+	failed := eventMessage("issues", newGUID(), loadFixture(t, "issues", "opened"))
+	failed.Headers[hdrErrorReason] = "issues: payload has no issue.node_id or issue.number"
+	publishRaw(t, d.brokers.List()[0].Vhost, "", errorQueue(queueGitHub), failed)
 	config := writeConfig(t, t.TempDir(), "127.0.0.1:1", cfg.Database.Path, cfg.Brokers[0].URL)
 	show := func(args ...string) (string, error) {
 		var out bytes.Buffer
@@ -789,6 +792,10 @@ func TestDeliveriesShow(t *testing.T) {
 	out, err = show("show", gap)
 	if err != nil || !strings.Contains(out, "gap") || !strings.Contains(out, "not in github") {
 		t.Errorf("show of a gap: %v\n%s", err, out)
+	}
+	out, err = show("show", failed.MessageId)
+	if err != nil || !strings.Contains(out, "in github-error") || !strings.Contains(out, "payload has no issue.node_id") {
+		t.Errorf("show of a delivery waiting in github-error: %v\n%s", err, out)
 	}
 	_, err = show("show", "no-such-delivery")
 	if !errors.Is(err, ErrUnknownDelivery) || exitCode(err, io.Discard) != 1 || !strings.Contains(err.Error(), "no-such-delivery") {

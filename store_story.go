@@ -20,7 +20,18 @@ type DeliveryStory struct {
 	Hooks    *StoryHooks   `json:"redelivered_through_hooks,omitempty"`
 	Gap      *deliveryGap  `json:"gap,omitempty"`
 	Alerts   []StoryAlert  `json:"alerts"`
-	Payload  string        `json:"-"`
+	// Errors are its messages waiting in -error queues (`deliveries show`
+	// looks; the store does not know them).
+	Errors  []StoryError `json:"waiting_in_error_queues,omitempty"`
+	Payload string       `json:"-"`
+}
+
+// StoryError is one message of the delivery in an -error queue.
+type StoryError struct {
+	Broker   int    `json:"broker"`
+	Queue    string `json:"queue"`
+	Reason   string `json:"reason"`
+	Attempts string `json:"attempts,omitempty"`
 }
 
 // StoryReceipt is the delivery's raw github row, without the payload.

@@ -27,11 +27,11 @@ type Budget struct {
 	rotate       bool
 	rotateAt     float64
 	blockedAfter time.Duration
-	queues  *Queues
-	store   *Store
-	alerter *Alerter
-	metrics *Metrics
-	log     *slog.Logger
+	queues       *Queues
+	store        *Store
+	alerter      *Alerter
+	metrics      *Metrics
+	log          *slog.Logger
 }
 
 // NewBudget keeps the budgets of cfg's brokers.

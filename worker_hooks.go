@@ -387,11 +387,11 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 
 // What RedeliverOne did.
 const (
-	redeliverAsked   = "asked"    // GitHub took the request
-	redeliverAgain   = "already"  // asked before: nothing sent
-	redeliverUnknown = "unknown"  // GitHub's id of the delivery is not known here
-	redeliverPaced   = "paced"    // github.redeliver_per_minute reached: try in a minute
-	redeliverRefused = "refused"  // GitHub refused it (it no longer has it, or will not)
+	redeliverAsked   = "asked"   // GitHub took the request
+	redeliverAgain   = "already" // asked before: nothing sent
+	redeliverUnknown = "unknown" // GitHub's id of the delivery is not known here
+	redeliverPaced   = "paced"   // github.redeliver_per_minute reached: try in a minute
+	redeliverRefused = "refused" // GitHub refused it (it no longer has it, or will not)
 )
 
 // RedeliverOne asks GitHub to deliver guid again, at the operator's
