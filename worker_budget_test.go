@@ -57,20 +57,28 @@ func TestBrokerUsageCounted(t *testing.T) {
 	db := openDB(t, cfg.Database.Path)
 	waitDatabase(t, db, guids...)
 	ctx := context.Background()
+	// At least two deliveries each; a message a consumer held when its
+	// window closed is delivered, and counted, again (as the broker counts
+	// it: TestUsageMatchesTheWire holds the count to the wire's).
 	eventually(t, 20*time.Second, "every delivery counted", func() bool {
 		if err := d.budget.Flush(ctx); err != nil {
 			t.Fatal(err)
 		}
-		return queryInt(t, db, "SELECT coalesce(sum(delivered), 0) FROM broker_usage") == 2*n
+		return queryInt(t, db, "SELECT coalesce(sum(delivered), 0) FROM broker_usage") >= 2*n
 	})
-	if got := queryInt(t, db, "SELECT coalesce(sum(published), 0) FROM broker_usage"); got != n {
-		t.Errorf("published: %d, want %d", got, n)
+	if err := d.budget.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pub := queryInt(t, db, "SELECT coalesce(sum(published), 0) FROM broker_usage")
+	del := queryInt(t, db, "SELECT coalesce(sum(delivered), 0) FROM broker_usage")
+	if pub != n {
+		t.Errorf("published: %d, want %d", pub, n)
 	}
 	m := scrape(t, d.URL+"/metrics")
-	if m[`switchyard_broker_messages{broker="0",kind="published"}`] != n || m[`switchyard_broker_messages{broker="0",kind="delivered"}`] != 2*n ||
-		m[`switchyard_broker_budget_used_ratio{broker="0"}`] != 3*n/50.0 {
+	if m[`switchyard_broker_messages{broker="0",kind="published"}`] != float64(pub) || m[`switchyard_broker_messages{broker="0",kind="delivered"}`] != float64(del) ||
+		m[`switchyard_broker_budget_used_ratio{broker="0"}`] != float64(pub+del)/50 {
 		t.Errorf("gauges: published %v, delivered %v, ratio %v; want %d, %d, %v", m[`switchyard_broker_messages{broker="0",kind="published"}`],
-			m[`switchyard_broker_messages{broker="0",kind="delivered"}`], m[`switchyard_broker_budget_used_ratio{broker="0"}`], n, 2*n, 3*n/50.0)
+			m[`switchyard_broker_messages{broker="0",kind="delivered"}`], m[`switchyard_broker_budget_used_ratio{broker="0"}`], pub, del, float64(pub+del)/50)
 	}
 	if err := d.budget.Flush(ctx); err != nil {
 		t.Fatal(err)
