@@ -341,6 +341,7 @@ var deliveryTemplate = template.Must(template.Must(template.New("delivery").Func
 <tr><th>accepted</th><td>{{when .ReceivedAt}} from {{.SourceIP}}{{if .Forbidden}} (outside the allowed sources: github-forbidden){{end}}</td></tr>
 {{if .TargetType}}<tr><th>hook</th><td>{{.TargetType}} {{.TargetID}}</td></tr>{{end}}
 <tr><th>stored</th><td>{{when .StoredAt}}</td></tr>
+{{if .Duplicates}}<tr><th>duplicate</th><td>received again {{.Duplicates}} times after it was stored, the last {{when .LastDuplicateAt}}; each changed nothing</td></tr>{{end}}
 <tr><th>payload</th><td>{{if .PrunedAt}}pruned {{when .PrunedAt}}{{else}}{{.PayloadBytes}} bytes{{end}}</td></tr>
 {{else}}<tr><th>stored</th><td>not in github</td></tr>{{end}}
 {{range .Workers}}<tr><th>worker {{.Worker}}</th><td>{{.Outcome}} {{when .At}}</td></tr>{{end}}

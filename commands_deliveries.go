@@ -95,6 +95,10 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON
 			fmt.Fprintf(tw, "hook\t%s %d\n", r.TargetType, r.TargetID)
 		}
 		fmt.Fprintf(tw, "stored\t%s\n", when(r.StoredAt))
+		if r.Duplicates > 0 && r.LastDuplicateAt != nil {
+			fmt.Fprintf(tw, "duplicate\treceived again %s after it was stored, the last %s; each changed nothing\n",
+				plural(r.Duplicates, "time"), when(*r.LastDuplicateAt))
+		}
 		if r.PrunedAt != nil {
 			fmt.Fprintf(tw, "payload\tpruned %s (database.raw_retention); the row stays as the delivery's identity\n", when(*r.PrunedAt))
 		} else {

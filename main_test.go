@@ -763,6 +763,16 @@ func TestDeliveriesShow(t *testing.T) {
 	stored := newGUID()
 	postAs(t, d.URL, "pull_request", stored, loadFixture(t, "pull_request", "opened"), true)
 	waitDatabase(t, db, stored)
+	postAs(t, d.URL, "pull_request", stored, loadFixture(t, "pull_request", "opened"), true) // again: a duplicate
+	// A synchronize older than the stored row: stale.
+	stale := newGUID()
+	postAs(t, d.URL, "pull_request", stale, mutate(t, loadFixture(t, "pull_request", "synchronize"), func(p map[string]any) {
+		obj(p, "pull_request")["updated_at"] = "2001-01-01T00:00:00Z"
+	}), true)
+	waitDatabase(t, db, stale)
+	eventually(t, 20*time.Second, "the duplicate counted", func() bool {
+		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = ?", stored) == 1
+	})
 	gap := newGUID()
 	if _, err := d.store.RecordGap(context.Background(), deliveryGap{GUID: gap, DeliveryID: 7, Event: "issues",
 		DeliveredAt: time.Now().Add(-5 * time.Hour), FoundAt: time.Now()}, nil); err != nil {
@@ -783,6 +793,12 @@ func TestDeliveriesShow(t *testing.T) {
 		if err != nil || !strings.Contains(out, want) {
 			t.Errorf("show of a stored delivery lacks %q (%v):\n%s", want, err, out)
 		}
+	}
+	if !strings.Contains(out, "received again 1 time after it was stored") {
+		t.Errorf("show of a duplicated delivery does not say it came again:\n%s", out)
+	}
+	if out, err := show("show", stale); err != nil || !strings.Contains(out, "stale: the typed row held a newer object") {
+		t.Errorf("show of a stale delivery: %v\n%s", err, out)
 	}
 	out, err = show("-json", "show", stored)
 	var st DeliveryStory

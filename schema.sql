@@ -443,3 +443,9 @@ CREATE INDEX github_repository_received ON github (repository, received_at);
 CREATE INDEX github_sender_received ON github (sender, received_at);
 -- Deliveries an order-safe table found stale are few: the search finds them here.
 CREATE INDEX worker_deliveries_stale ON worker_deliveries (delivery_id) WHERE outcome = 'stale';
+
+-- migration 9: duplicate receipts
+-- github.duplicates: how often the delivery came again after it was stored
+-- (GitHub's redelivery, a broker's); last_duplicate_at: the last time.
+ALTER TABLE github ADD COLUMN duplicates INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE github ADD COLUMN last_duplicate_at TEXT;

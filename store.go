@@ -378,6 +378,11 @@ func (s *Store) InsertEvent(ctx context.Context, tx *Tx, ev *Event, forbidden bo
 			return fmt.Errorf("insert github: %w", err)
 		}
 		if n, _ := res.RowsAffected(); n == 0 {
+			// Stored before: the story of the delivery says it came again.
+			if _, err := tx.exec(ctx, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = ? WHERE delivery_id = ?",
+				formatTime(time.Now()), ev.DeliveryID); err != nil {
+				return fmt.Errorf("count a duplicate: %w", err)
+			}
 			return nil
 		}
 		inserted = true

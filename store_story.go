@@ -48,6 +48,10 @@ type StoryReceipt struct {
 	StoredAt     time.Time  `json:"stored_at"`
 	PayloadBytes int        `json:"payload_bytes"`
 	PrunedAt     *time.Time `json:"payload_pruned_at,omitempty"`
+	// Duplicates is how often it came again after it was stored, the
+	// last time at LastDuplicateAt.
+	Duplicates      int        `json:"duplicates,omitempty"`
+	LastDuplicateAt *time.Time `json:"last_duplicate_at,omitempty"`
 }
 
 // StoryWorker is one worker's record of the delivery.
@@ -94,14 +98,15 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	var r StoryReceipt
 	var received, stored string
 	var targetID sql.NullInt64
-	var pruned sql.NullString
+	var pruned, lastDup sql.NullString
 	err := s.r.QueryRowContext(ctx, `SELECT event, action, repository, sender, source_ip, forbidden, target_type, target_id,
-		received_at, processed_at, payload, payload_pruned_at FROM github WHERE delivery_id = ?`, guid).
+		received_at, processed_at, payload, payload_pruned_at, duplicates, last_duplicate_at FROM github WHERE delivery_id = ?`, guid).
 		Scan(&r.Event, &r.Action, &r.Repository, &r.Sender, &r.SourceIP, &r.Forbidden, &r.TargetType, &targetID,
-			&received, &stored, &st.Payload, &pruned)
+			&received, &stored, &st.Payload, &pruned, &r.Duplicates, &lastDup)
 	switch {
 	case err == nil:
 		r.TargetID, r.PayloadBytes, r.PrunedAt = targetID.Int64, len(st.Payload), parseTimePtr(pruned)
+		r.LastDuplicateAt = parseTimePtr(lastDup)
 		r.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
 		r.StoredAt, _ = time.Parse(time.RFC3339Nano, stored)
 		st.Received = &r
