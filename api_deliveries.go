@@ -38,7 +38,7 @@ func deliveriesQuery(q url.Values) (f DeliveryFilter, limit int, err error) {
 	}
 	name := func(field string) (string, error) {
 		v := q.Get(field)
-		if len(v) > maxEventLen || strings.IndexFunc(v, func(c rune) bool { return (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '_' }) >= 0 {
+		if !eventName(v) {
 			return "", bad(field, "want up to %d of a-z, 0-9 and _", maxEventLen)
 		}
 		return v, nil

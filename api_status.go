@@ -320,7 +320,7 @@ var statusTemplate = template.Must(template.New("status").Funcs(template.FuncMap
 	"forbiddenRead": forbiddenRead,
 	"plural":        plural,
 	"percent":       func(r float64) string { return fmt.Sprintf("%.1f %%", 100*r) },
-	"when":          func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05 UTC") },
+	"when":          pageFuncs["when"],
 	"bytes": func(n int64) string {
 		switch {
 		case n >= 1<<30:

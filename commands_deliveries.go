@@ -37,7 +37,7 @@ func errorWaits(ctx context.Context, cfg *Config, guid string) []StoryError {
 	for _, b := range brokers {
 		for _, queue := range logicalQueues {
 			_, _ = q.PeekErrors(ctx, b, queue, errorPeekLimit, func(d *amqp.Delivery) {
-				if d.MessageId == guid || tableString(d.Headers, "x-github-delivery") == guid {
+				if isDelivery(d, guid) {
 					out = append(out, StoryError{Broker: b.Index, Queue: errorQueue(queue), Reason: tableString(d.Headers, hdrErrorReason),
 						Attempts: tableString(d.Headers, hdrErrorAttempts)})
 				}

@@ -61,6 +61,13 @@ const (
 	maxHeaderLen   = 255
 )
 
+// eventName reports whether s may be an event (or action) name: at most
+// maxEventLen bytes of a-z, 0-9 and _. Empty is one here; callers that
+// need a name check that apart.
+func eventName(s string) bool {
+	return len(s) <= maxEventLen && strings.IndexFunc(s, func(c rune) bool { return (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '_' }) < 0
+}
+
 // checkHeaders validates the GitHub headers a message carries; the error
 // names the header.
 func checkHeaders(h http.Header) error {
@@ -73,7 +80,7 @@ func checkHeaders(h http.Header) error {
 	}
 	// Not [a-z_] alone: GitHub's own event names have digits too
 	// (projects_v2_item), and refusing them would lose real deliveries.
-	if len(event) > maxEventLen || strings.IndexFunc(event, func(c rune) bool { return (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '_' }) >= 0 {
+	if !eventName(event) {
 		return fmt.Errorf("%w: X-GitHub-Event: want 1 to %d bytes of a-z, 0-9 and _", ErrBadRequest, maxEventLen)
 	}
 	for _, k := range []string{"X-GitHub-Hook-ID", "X-GitHub-Hook-Installation-Target-ID", "X-GitHub-Hook-Installation-Target-Type"} {

@@ -67,6 +67,12 @@ func (q *Queues) moveBack(ctx context.Context, d *amqp.Delivery, to *Broker, que
 	return d.Ack(false)
 }
 
+// isDelivery reports whether d carries delivery guid: as its message id, or
+// in its X-GitHub-Delivery header.
+func isDelivery(d *amqp.Delivery, guid string) bool {
+	return d.MessageId == guid || tableString(d.Headers, "x-github-delivery") == guid
+}
+
 // maxReplayScan bounds how many -error messages ReplayOne looks through.
 const maxReplayScan = 10000
 
@@ -91,7 +97,7 @@ func (q *Queues) ReplayOne(ctx context.Context, from, to *Broker, queue, guid st
 		if err != nil || !ok {
 			return false, err
 		}
-		if d.MessageId == guid || tableString(d.Headers, "x-github-delivery") == guid {
+		if isDelivery(&d, guid) {
 			return true, q.moveBack(ctx, &d, to, queue)
 		}
 	}
