@@ -132,7 +132,21 @@ func (m decoded) handle(ctx context.Context, tx *Tx, h Handler) error {
 	if tx == nil {
 		return verdict(h(ctx, nil, m.ev))
 	}
-	return verdict(tx.Savepoint(ctx, func() error { return h(ctx, tx, m.ev) }))
+	// A duplicate keeps what its handler wrote of it (the receipt's count):
+	// only a failure undoes the savepoint.
+	duplicate := false
+	err := tx.Savepoint(ctx, func() error {
+		err := h(ctx, tx, m.ev)
+		if errors.Is(err, ErrDuplicate) {
+			duplicate = true
+			return nil
+		}
+		return err
+	})
+	if err == nil && duplicate {
+		err = ErrDuplicate
+	}
+	return verdict(err)
 }
 
 // verdict maps a handler's error to the queue's verdict: GitHub's decode
