@@ -1,133 +1,68 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"slices"
-	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// The topology: one fanout exchange, four queues, each with -retry and -error.
-const exchangeName = "github-exchange"
-
-// Logical queue names; each has a -retry and an -error sibling.
-const (
-	queueGitHub    = "github"
-	queueDatabase  = "github-database"
-	queueHooks     = "github-hooks"
-	queueForbidden = "github-forbidden"
-)
-
-var logicalQueues = []string{queueGitHub, queueDatabase, queueHooks, queueForbidden}
-
-func retryQueue(q string) string { return q + "-retry" }
-func errorQueue(q string) string { return q + "-error" }
-
-// allQueues lists the 12 queues: each logical queue, its -retry and its -error.
-func allQueues() []string {
-	var qs []string
-	for _, q := range logicalQueues {
-		qs = append(qs, q, retryQueue(q), errorQueue(q))
-	}
-	return qs
-}
-
-// Errors callers branch on.
-var (
-	ErrBrokerUnreachable = errors.New("broker unreachable")
-	ErrPublishTimeout    = errors.New("no publisher confirm in time")
-	ErrPublishNacked     = errors.New("broker refused the message")
-	ErrUnroutable        = errors.New("message routed to no queue")
-	ErrCallTimeout       = errors.New("AMQP call timed out")
-	// ErrBrokerBlocked is a publish refused at once because the broker
-	// blocked the connection (connection.blocked: a resource alarm, or a
-	// plan's quota): waiting out publish_timeout would change nothing.
-	ErrBrokerBlocked = errors.New("broker blocked the connection")
-)
-
-// consumedQueues are the logical queues the workers of cfg read: all
-// four, less github-hooks when the hooks worker is off (app_id = 0).
-func consumedQueues(cfg *Config) []string {
-	if cfg.GitHub.AppID > 0 {
-		return logicalQueues
-	}
-	return []string{queueGitHub, queueDatabase, queueForbidden}
-}
-
-// Queues is the AMQP side of switchyard: one connection per broker, shared by
-// every worker and the webhook endpoint, dialed on demand with backoff; channels
-// are opened per use.
+// Queues is the AMQP side of switchyard, one broker at a time: per broker a
+// connection (queue_conn.go), shared by every worker and the webhook
+// endpoint; a publisher on it (queue_publish.go); and a reader of its
+// queues (queue_consume.go) that settles what it read (queue_settle.go).
+// The topology is in queue_topology.go, replays in queue_replay.go.
 type Queues struct {
 	cfg     QueueConfig
 	log     *slog.Logger
 	conns   []*brokerConn
-	metrics *Metrics
-
-	// Backoff between failed dials of one broker, doubled per failure up to
-	// maxBackoff, with jitter. Fields so tests can shorten them.
-	minBackoff, maxBackoff time.Duration
+	pubs    []*publisher
+	readers []*reader
+	done    doneTimes
 	// drainQuiet is how long a broker must stay empty, with no message in
 	// a worker's hands, before Drained says so (see Drained).
 	drainQuiet time.Duration
-	// sizes are the message sizes seen per queue, for the windows.
-	sizes messageSizes
-	// lastDone is, per logical queue, when a message last ended done
-	// (Unix nanoseconds), for the status page. The map is made once and
-	// only read after: each value is set atomically, with no allocation.
-	lastDone map[string]*atomic.Int64
+}
+
+// NewQueues prepares connections to the brokers; nothing is dialed yet.
+// metrics may be nil (the commands that record none).
+func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.Logger) *Queues {
+	q := &Queues{cfg: cfg, log: log, drainQuiet: time.Second, done: newDoneTimes()}
+	var onDial func(*brokerConn, *amqp.Connection) error
+	if cfg.DeclareTopology {
+		onDial = declareTopology(cfg.RetryTTL)
+	}
+	sizes := &messageSizes{}
+	for _, b := range brokers {
+		bc := newBrokerConn(b, cfg.CallTimeout, onDial, metrics, log)
+		pub := newPublisher(bc, metrics)
+		q.conns = append(q.conns, bc)
+		q.pubs = append(q.pubs, pub)
+		q.readers = append(q.readers, &reader{
+			settler:  settler{bc: bc, pub: pub, maxAttempts: cfg.MaxAttempts, publishTimeout: cfg.PublishTimeout, metrics: metrics, done: q.done},
+			prefetch: cfg.Prefetch, maxBatchBytes: cfg.MaxBatchBytes, sizes: sizes,
+		})
+	}
+	return q
+}
+
+// Close closes every connection; whatever is in flight fails.
+func (q *Queues) Close() error {
+	var errs []error
+	for _, bc := range q.conns {
+		if err := bc.close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // LastDone is when a message of queue last ended done in this process; zero
 // when none has since the start.
-func (q *Queues) LastDone(queue string) time.Time {
-	if v := q.lastDone[queue]; v != nil {
-		if ns := v.Load(); ns > 0 {
-			return time.Unix(0, ns)
-		}
-	}
-	return time.Time{}
-}
-
-// markDone records that a message of queue ended done now.
-func (q *Queues) markDone(queue string) {
-	if v := q.lastDone[queue]; v != nil {
-		v.Swap(time.Now().UnixNano())
-	}
-}
-
-// brokerConn is the one connection to one broker, and its publisher.
-type brokerConn struct {
-	broker *Broker
-	lock   chan struct{} // a mutex that a context can give up on
-
-	conn     *amqp.Connection
-	pub      *publisher
-	failures int
-	retryAt  time.Time
-	lastErr  error
-
-	// inHand counts deliveries from this broker that a worker has taken and
-	// not yet settled: the broker's ready counts do not show them.
-	inHand atomic.Int64
-	// blocked is the broker's reason while it blocks the connection
-	// (connection.blocked), nil otherwise; watchBlocked keeps it. The
-	// channel blockedSig points to is closed when a block begins, so that
-	// publishes waiting on the broker give up at once; a new one replaces
-	// it when the block ends.
-	blocked    atomic.Pointer[blockedState]
-	blockedSig atomic.Pointer[chan struct{}]
-	// published and delivered count the messages switchyard sent to this
-	// broker (confirmed publishes) and took from it (basic.deliver and
-	// basic.get-ok, redeliveries included) since TakeUsage last took them:
-	// what a plan's quota counts.
-	published, delivered atomic.Int64
-}
+func (q *Queues) LastDone(queue string) time.Time { return q.done.last(queue) }
 
 // BrokerUsage is what one broker cost since the last TakeUsage.
 type BrokerUsage struct {
@@ -155,84 +90,65 @@ func (q *Queues) ReturnUsage(usage []BrokerUsage) {
 	}
 }
 
-// blockedState is a block the broker announced: why, and since when.
-type blockedState struct {
-	Reason string
-	Since  time.Time
-}
-
 // Blocked reports whether broker b blocks its connection now, and why.
-func (q *Queues) Blocked(b *Broker) (blockedState, bool) {
-	if st := q.conns[b.Index].blocked.Load(); st != nil {
-		return *st, true
+func (q *Queues) Blocked(b *Broker) (blockedState, bool) { return q.conns[b.Index].isBlocked() }
+
+// PublishToTarget publishes msg to the broker the switch state names as the
+// publish target now (a Pending Switch's target, else the active broker),
+// waiting at most publish_timeout for the confirm. It is the one path by
+// which webhooks and republished deliveries reach a broker, and it returns
+// the broker it chose.
+func (q *Queues) PublishToTarget(ctx context.Context, brokers *Brokers, exchange, key string, msg amqp.Publishing) (*Broker, error) {
+	b, err := brokers.Get(brokers.Cached().PublishTarget())
+	if err != nil {
+		return nil, err
 	}
-	return blockedState{}, false
+	ctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
+	defer cancel()
+	return b, q.Publish(ctx, b, exchange, key, msg)
 }
 
-// watchBlocked follows the broker's connection.blocked and unblocked
-// notifications for one connection until it closes (amqp091-go closes the
-// channel then); a new connection starts unblocked.
-func (q *Queues) watchBlocked(bc *brokerConn, notes <-chan amqp.Blocking) {
-	for n := range notes {
-		if n.Active {
-			reason := cmp.Or(n.Reason, "no reason given")
-			if bc.blocked.Swap(&blockedState{Reason: reason, Since: time.Now().UTC()}) == nil {
-				close(*bc.blockedSig.Load()) // publishes in flight give up now
-			}
-			q.log.Warn("broker blocks publishing: webhooks answer 503 until it unblocks", "broker", bc.broker.String(), "reason", reason)
-		} else {
-			bc.unblock()
-			q.log.Info("broker unblocked publishing", "broker", bc.broker.String())
-		}
-		q.metrics.brokerBlocked(bc.broker.Index, n.Active)
-	}
-	if bc.unblock() {
-		q.metrics.brokerBlocked(bc.broker.Index, false)
-	}
+// Publish sends msg to broker b and waits for its publisher confirm until
+// ctx ends (see publisher.Publish).
+func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, msg amqp.Publishing) error {
+	return q.pubs[b.Index].Publish(ctx, exchange, key, msg)
 }
 
-// unblock ends a block, if one holds, with a fresh signal for the next; it
-// reports whether one held.
-func (bc *brokerConn) unblock() bool {
-	if bc.blocked.Swap(nil) == nil {
-		return false
-	}
-	sig := make(chan struct{})
-	bc.blockedSig.Swap(&sig)
-	return true
+// Consume reads the queue o names on broker b until the window ends, stop
+// is closed, or ctx is done, handling each message with o.Handle. A queue
+// that does not exist is treated as empty for the window. The message in
+// hand is always finished.
+func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, window time.Duration, stop <-chan struct{}) (int, error) {
+	return q.readers[b.Index].consume(ctx, o, window, stop)
 }
 
-// NewQueues prepares connections to the brokers; nothing is dialed yet.
-// metrics may be nil (the commands that record none).
-func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.Logger) *Queues {
-	q := &Queues{cfg: cfg, metrics: metrics, log: log, minBackoff: 200 * time.Millisecond, maxBackoff: 15 * time.Second, drainQuiet: time.Second,
-		lastDone: map[string]*atomic.Int64{}}
-	for _, name := range logicalQueues {
-		q.lastDone[name] = new(atomic.Int64)
-	}
-	for _, b := range brokers {
-		bc := &brokerConn{broker: b, lock: make(chan struct{}, 1)}
-		sig := make(chan struct{})
-		bc.blockedSig.Store(&sig)
-		q.conns = append(q.conns, bc)
-	}
-	return q
+// Drain takes up to limit messages from the queue o names on broker b, the
+// Leftover Drain, while unchanged says the broker state is the one it began
+// on (see reader.drain).
+func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit int, unchanged func() bool) (int, error) {
+	return q.readers[b.Index].drain(ctx, o, limit, unchanged)
 }
 
-// Close closes every connection; whatever is in flight fails.
-func (q *Queues) Close() error {
-	var errs []error
-	for _, bc := range q.conns {
-		bc.lock <- struct{}{}
-		if bc.conn != nil && !bc.conn.IsClosed() {
-			if err := bc.conn.CloseDeadline(time.Now().Add(q.cfg.CallTimeout)); err != nil && !errors.Is(err, amqp.ErrClosed) {
-				errs = append(errs, fmt.Errorf("close %s: %w", bc.broker, err))
-			}
-		}
-		bc.conn, bc.pub = nil, nil
-		<-bc.lock
+// ReadyCounts is the ready messages of each of queues on broker b; a queue
+// that does not exist holds none.
+func (q *Queues) ReadyCounts(ctx context.Context, b *Broker, queues []string) (map[string]int, error) {
+	return q.conns[b.Index].readyCounts(ctx, queues)
+}
+
+// Inspect reads all 12 queues on broker b, and which of them do not exist (a
+// free plan deletes a queue nobody used for 28 days).
+func (q *Queues) Inspect(ctx context.Context, b *Broker) (queues map[string]queueInfo, missing []string, err error) {
+	return q.conns[b.Index].inspect(ctx, allQueues())
+}
+
+// Redeclare declares the topology on broker b again, as at connect.
+func (q *Queues) Redeclare(ctx context.Context, b *Broker) error {
+	bc := q.conns[b.Index]
+	conn, err := bc.connection(ctx)
+	if err != nil {
+		return err
 	}
-	return errors.Join(errs...)
+	return declareTopology(q.cfg.RetryTTL)(bc, conn)
 }
 
 // Drained reports whether broker b holds no ready message in the main and
@@ -305,6 +221,6 @@ func (q *Queues) warnUnconsumed(ctx context.Context, b *Broker, consumed []strin
 
 // Reachable dials broker b if needed, for /readyz.
 func (q *Queues) Reachable(ctx context.Context, b *Broker) error {
-	_, _, err := q.conn(ctx, b)
+	_, err := q.conns[b.Index].connection(ctx)
 	return err
 }

@@ -1,65 +1,126 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"net"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// The connections: one per broker, shared by the webhook endpoint
-// and every worker, dialed on demand with backoff and jitter; channels per
-// use; every AMQP call bounded by call_timeout.
+// The connection to one broker: one, shared by the webhook endpoint and
+// every worker, dialed on demand with backoff and jitter; channels per
+// use; every AMQP call bounded by call_timeout. It knows nothing of
+// publishing or consuming (publisher and reader build on it), so a
+// connection opened to count messages opens nothing else.
 
-// conn returns the live connection to broker b, dialing it when there is none
+// Errors callers branch on.
+var (
+	ErrBrokerUnreachable = errors.New("broker unreachable")
+	ErrCallTimeout       = errors.New("AMQP call timed out")
+	// ErrBrokerBlocked is a publish refused at once because the broker
+	// blocked the connection (connection.blocked: a resource alarm, or a
+	// plan's quota): waiting out publish_timeout would change nothing.
+	ErrBrokerBlocked = errors.New("broker blocked the connection")
+)
+
+// brokerConn is the one connection to one broker. It starts one goroutine
+// per connection it dials, watchBlocked, which ends when that connection
+// closes.
+type brokerConn struct {
+	broker      *Broker
+	callTimeout time.Duration
+	// onDial prepares each new connection before it is used (declares the
+	// topology, when configured to); nil for none.
+	onDial  func(bc *brokerConn, conn *amqp.Connection) error
+	metrics *Metrics
+	log     *slog.Logger
+	// Backoff between failed dials, doubled per failure up to maxBackoff,
+	// with jitter. Fields so tests can shorten them.
+	minBackoff, maxBackoff time.Duration
+
+	lock     chan struct{} // a mutex that a context can give up on
+	conn     *amqp.Connection
+	failures int
+	retryAt  time.Time
+	lastErr  error
+
+	// inHand counts deliveries from this broker that a worker has taken and
+	// not yet settled: the broker's ready counts do not show them.
+	inHand atomic.Int64
+	// blocked is the broker's reason while it blocks the connection
+	// (connection.blocked), nil otherwise; watchBlocked keeps it. The
+	// channel blockedSig points to is closed when a block begins, so that
+	// publishes waiting on the broker give up at once; a new one replaces
+	// it when the block ends.
+	blocked    atomic.Pointer[blockedState]
+	blockedSig atomic.Pointer[chan struct{}]
+	// published and delivered count the messages switchyard sent to this
+	// broker and took from it (basic.deliver and basic.get-ok, redeliveries
+	// included) since they were last taken: what a plan's quota counts.
+	published, delivered atomic.Int64
+}
+
+// newBrokerConn prepares the connection to broker b; nothing is dialed yet.
+func newBrokerConn(b *Broker, callTimeout time.Duration, onDial func(*brokerConn, *amqp.Connection) error, metrics *Metrics, log *slog.Logger) *brokerConn {
+	bc := &brokerConn{broker: b, callTimeout: callTimeout, onDial: onDial, metrics: metrics, log: log,
+		minBackoff: 200 * time.Millisecond, maxBackoff: 15 * time.Second, lock: make(chan struct{}, 1)}
+	sig := make(chan struct{})
+	bc.blockedSig.Swap(&sig)
+	return bc
+}
+
+// connection returns the live connection, dialing one when there is none
 // and the backoff since the last failure has passed. Within the backoff it
 // fails at once, so a dead broker costs callers nothing.
-func (q *Queues) conn(ctx context.Context, b *Broker) (*amqp.Connection, *publisher, error) {
-	bc := q.conns[b.Index]
+func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) {
 	select {
 	case bc.lock <- struct{}{}:
 	case <-ctx.Done():
-		return nil, nil, ctx.Err()
+		return nil, ctx.Err()
 	}
 	defer func() { <-bc.lock }()
 
 	if bc.conn != nil && !bc.conn.IsClosed() {
-		return bc.conn, bc.pub, nil
+		return bc.conn, nil
 	}
+	b := bc.broker
 	if now := time.Now(); now.Before(bc.retryAt) {
-		return nil, nil, fmt.Errorf("%w: %s: %v (next try in %s)", ErrBrokerUnreachable, b, bc.lastErr, bc.retryAt.Sub(now).Round(time.Millisecond))
+		return nil, fmt.Errorf("%w: %s: %v (next try in %s)", ErrBrokerUnreachable, b, bc.lastErr, bc.retryAt.Sub(now).Round(time.Millisecond))
 	}
-	conn, err := q.dial(ctx, b)
+	conn, err := bc.dial(ctx)
 	if err != nil {
 		bc.failures++
-		backoff := min(q.minBackoff<<min(bc.failures-1, 16), q.maxBackoff)
+		backoff := min(bc.minBackoff<<min(bc.failures-1, 16), bc.maxBackoff)
 		backoff = backoff/2 + rand.N(backoff/2+1) // jitter: brokers restarting see no thundering herd
 		bc.retryAt, bc.lastErr = time.Now().Add(backoff), err
-		return nil, nil, fmt.Errorf("%w: %s: %v", ErrBrokerUnreachable, b, err)
+		return nil, fmt.Errorf("%w: %s: %v", ErrBrokerUnreachable, b, err)
 	}
 	if bc.failures > 0 {
-		q.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
+		bc.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
 	}
-	bc.conn, bc.pub, bc.failures, bc.lastErr = conn, newPublisher(conn, q), 0, nil
-	go q.watchBlocked(bc, conn.NotifyBlocked(make(chan amqp.Blocking, 4)))
-	return conn, bc.pub, nil
+	bc.conn, bc.failures, bc.lastErr = conn, 0, nil
+	go bc.watchBlocked(conn.NotifyBlocked(make(chan amqp.Blocking, 4)))
+	return conn, nil
 }
 
-// dial opens one connection, bounded by call_timeout and ctx, and declares the
-// topology on it when configured to.
-func (q *Queues) dial(ctx context.Context, b *Broker) (*amqp.Connection, error) {
-	timeout := q.cfg.CallTimeout
+// dial opens one connection, bounded by call_timeout and ctx, and prepares
+// it with onDial.
+func (bc *brokerConn) dial(ctx context.Context) (*amqp.Connection, error) {
+	timeout := bc.callTimeout
 	if dl, ok := ctx.Deadline(); ok {
 		timeout = min(timeout, time.Until(dl))
 	}
 	if timeout <= 0 {
 		return nil, context.DeadlineExceeded
 	}
-	conn, err := amqp.DialConfig(b.URL, amqp.Config{
+	conn, err := amqp.DialConfig(bc.broker.URL, amqp.Config{
 		Heartbeat:  10 * time.Second,
 		Dial:       amqp.DefaultDial(timeout),
 		Properties: amqp.Table{"connection_name": "switchyard"},
@@ -67,13 +128,29 @@ func (q *Queues) dial(ctx context.Context, b *Broker) (*amqp.Connection, error) 
 	if err != nil {
 		return nil, redactDialError(err)
 	}
-	if q.cfg.DeclareTopology {
-		if err := q.declareTopology(conn); err != nil {
+	if bc.onDial != nil {
+		if err := bc.onDial(bc, conn); err != nil {
 			_ = conn.CloseDeadline(time.Now().Add(time.Second))
-			return nil, fmt.Errorf("declare topology: %w", err)
+			return nil, err
 		}
 	}
 	return conn, nil
+}
+
+// close closes the connection, if one is open; whatever is in flight fails.
+// The next use dials anew.
+func (bc *brokerConn) close() error {
+	bc.lock <- struct{}{}
+	defer func() { <-bc.lock }()
+	conn := bc.conn
+	bc.conn = nil
+	if conn == nil || conn.IsClosed() {
+		return nil
+	}
+	if err := conn.CloseDeadline(time.Now().Add(bc.callTimeout)); err != nil && !errors.Is(err, amqp.ErrClosed) {
+		return fmt.Errorf("close %s: %w", bc.broker, err)
+	}
+	return nil
 }
 
 // redactDialError keeps the error's meaning but never the URL (and so never
@@ -91,11 +168,12 @@ func redactDialError(err error) error {
 	}
 }
 
-// call runs one blocking AMQP call with call_timeout. amqp091-go's calls take
-// no context, and a broker that stops answering would hold them forever (the
-// heartbeat notices only after 30 s), so on timeout the connection is closed,
-// which fails every call waiting on it; the next use dials anew.
-func call[T any](q *Queues, conn *amqp.Connection, what string, fn func() (T, error)) (T, error) {
+// call runs one blocking AMQP call on conn with call_timeout. amqp091-go's
+// calls take no context, and a broker that stops answering would hold them
+// forever (the heartbeat notices only after 30 s), so on timeout the
+// connection is closed, which fails every call waiting on it; the next use
+// dials anew.
+func call[T any](bc *brokerConn, conn *amqp.Connection, what string, fn func() (T, error)) (T, error) {
 	type result struct {
 		v   T
 		err error
@@ -105,7 +183,7 @@ func call[T any](q *Queues, conn *amqp.Connection, what string, fn func() (T, er
 		v, err := fn()
 		done <- result{v, err}
 	}()
-	t := time.NewTimer(q.cfg.CallTimeout)
+	t := time.NewTimer(bc.callTimeout)
 	defer t.Stop()
 	select {
 	case r := <-done:
@@ -113,22 +191,22 @@ func call[T any](q *Queues, conn *amqp.Connection, what string, fn func() (T, er
 	case <-t.C:
 		go func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
 		var zero T
-		return zero, fmt.Errorf("%s: %w after %s", what, ErrCallTimeout, q.cfg.CallTimeout)
+		return zero, fmt.Errorf("%s: %w after %s", what, ErrCallTimeout, bc.callTimeout)
 	}
 }
 
 // channel opens a channel on conn with call_timeout.
-func (q *Queues) channel(conn *amqp.Connection) (*amqp.Channel, error) {
-	return call(q, conn, "open channel", conn.Channel)
+func (bc *brokerConn) channel(conn *amqp.Connection) (*amqp.Channel, error) {
+	return call(bc, conn, "open channel", conn.Channel)
 }
 
-// openChannel opens a channel on broker b's connection, dialing it if needed.
-func (q *Queues) openChannel(ctx context.Context, b *Broker) (*amqp.Connection, *amqp.Channel, error) {
-	conn, _, err := q.conn(ctx, b)
+// openChannel opens a channel on the connection, dialing it if needed.
+func (bc *brokerConn) openChannel(ctx context.Context) (*amqp.Connection, *amqp.Channel, error) {
+	conn, err := bc.connection(ctx)
 	if err != nil {
 		return nil, nil, err
 	}
-	ch, err := q.channel(conn)
+	ch, err := bc.channel(conn)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -136,6 +214,76 @@ func (q *Queues) openChannel(ctx context.Context, b *Broker) (*amqp.Connection, 
 }
 
 // closeChannel closes ch without waiting on a broker that does not answer.
-func (q *Queues) closeChannel(conn *amqp.Connection, ch *amqp.Channel) {
-	_, _ = call(q, conn, "close channel", func() (struct{}, error) { return struct{}{}, ch.Close() })
+func (bc *brokerConn) closeChannel(conn *amqp.Connection, ch *amqp.Channel) {
+	_, _ = call(bc, conn, "close channel", func() (struct{}, error) { return struct{}{}, ch.Close() })
+}
+
+// get is one basic_get with call_timeout; ok is false when the queue is
+// empty. A basic.get-ok counts as a delivery.
+func (bc *brokerConn) get(conn *amqp.Connection, ch *amqp.Channel, queue string) (amqp.Delivery, bool, error) {
+	type got struct {
+		d  amqp.Delivery
+		ok bool
+	}
+	g, err := call(bc, conn, "get "+queue, func() (got, error) {
+		d, ok, err := ch.Get(queue, false)
+		return got{d, ok}, err
+	})
+	if g.ok {
+		bc.delivered.Add(1)
+	}
+	return g.d, g.ok, err
+}
+
+// blockedState is a block the broker announced: why, and since when.
+type blockedState struct {
+	Reason string
+	Since  time.Time
+}
+
+// isBlocked reports whether the broker blocks the connection now, and why.
+func (bc *brokerConn) isBlocked() (blockedState, bool) {
+	if st := bc.blocked.Load(); st != nil {
+		return *st, true
+	}
+	return blockedState{}, false
+}
+
+// blockedError is the error of a publish the block refused.
+func (bc *brokerConn) blockedError() error {
+	st, _ := bc.isBlocked()
+	return fmt.Errorf("%w: %s: %s, since %s", ErrBrokerBlocked, bc.broker, cmp.Or(st.Reason, "blocked"), st.Since.Format(time.RFC3339))
+}
+
+// watchBlocked follows the broker's connection.blocked and unblocked
+// notifications for one connection until it closes (amqp091-go closes the
+// channel then); a new connection starts unblocked.
+func (bc *brokerConn) watchBlocked(notes <-chan amqp.Blocking) {
+	for n := range notes {
+		if n.Active {
+			reason := cmp.Or(n.Reason, "no reason given")
+			if bc.blocked.Swap(&blockedState{Reason: reason, Since: time.Now().UTC()}) == nil {
+				close(*bc.blockedSig.Load()) // publishes in flight give up now
+			}
+			bc.log.Warn("broker blocks publishing: webhooks answer 503 until it unblocks", "broker", bc.broker.String(), "reason", reason)
+		} else {
+			bc.unblock()
+			bc.log.Info("broker unblocked publishing", "broker", bc.broker.String())
+		}
+		bc.metrics.brokerBlocked(bc.broker.Index, n.Active)
+	}
+	if bc.unblock() {
+		bc.metrics.brokerBlocked(bc.broker.Index, false)
+	}
+}
+
+// unblock ends a block, if one holds, with a fresh signal for the next; it
+// reports whether one held.
+func (bc *brokerConn) unblock() bool {
+	if bc.blocked.Swap(nil) == nil {
+		return false
+	}
+	sig := make(chan struct{})
+	bc.blockedSig.Swap(&sig)
+	return true
 }

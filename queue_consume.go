@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -46,21 +45,31 @@ func batchWait(held int, until time.Time) time.Duration {
 // within max_batch_bytes; it adapts after the first batch.
 const firstMessageSize = 1 << 20
 
+// reader reads one broker's queues: consumers whose windows follow the
+// sizes of the messages seen, handing batches to a handler and settling
+// them by its verdicts.
+type reader struct {
+	settler
+	prefetch      int
+	maxBatchBytes int64
+	sizes         *messageSizes // shared by every broker's reader
+}
+
 // window is a consumer's prefetch for queue: at most queue.prefetch unacked
 // messages, and no more than queue.max_batch_bytes of them by the sizes seen
 // so far. RabbitMQ's prefetch counts messages, not bytes, and amqp091-go
 // holds every message the broker sent in memory: with 1 MB payloads a count
 // alone would hold prefetch megabytes per consumer.
-func (q *Queues) window(queue string) int {
-	avg := q.sizes.get(queue)
-	return max(1, min(q.cfg.Prefetch, int(q.cfg.MaxBatchBytes/avg)))
+func (r *reader) window(queue string) int {
+	avg := r.sizes.get(queue)
+	return max(1, min(r.prefetch, int(r.maxBatchBytes/avg)))
 }
 
 // batchFull tells when a batch of n messages and size bytes is complete:
 // half the window, so that the broker sends the next half while this one
 // commits, or half of max_batch_bytes.
-func (q *Queues) batchFull(win, n int, size int64) bool {
-	return n >= max(1, win/2) || size >= q.cfg.MaxBatchBytes/2
+func (r *reader) batchFull(win, n int, size int64) bool {
+	return n >= max(1, win/2) || size >= r.maxBatchBytes/2
 }
 
 // messageSizes keeps, per queue, a moving average of message sizes.
@@ -104,29 +113,26 @@ func (m *messageSizes) observe(queue string, n int, size int64) {
 // consumer is one basic.consume of a queue, on a channel of its own, with
 // a window (its prefetch).
 type consumer struct {
-	q          *Queues
+	bc         *brokerConn
 	conn       *amqp.Connection
 	ch         *amqp.Channel
 	queue, tag string
 	win        int
 	deliveries <-chan amqp.Delivery
-	// delivered counts the broker's deliveries to it against the broker's
-	// budget, those it never handed over at close included.
-	delivered *atomic.Int64
 }
 
 // consumerSeq numbers the consumers' tags, which close cancels by.
 var consumerSeq atomic.Int64
 
-// consume starts a consumer of queue on conn with window win. A queue that
-// does not exist is an error isNotFound tells.
-func (q *Queues) consume(conn *amqp.Connection, queue string, win int, delivered *atomic.Int64) (*consumer, error) {
+// startConsumer starts a consumer of queue on conn with window win. A queue
+// that does not exist is an error isNotFound tells.
+func startConsumer(bc *brokerConn, conn *amqp.Connection, queue string, win int) (*consumer, error) {
 	tag := fmt.Sprintf("switchyard-%d", consumerSeq.Add(1))
-	ch, err := q.channel(conn)
+	ch, err := bc.channel(conn)
 	if err != nil {
 		return nil, err
 	}
-	deliveries, err := call(q, conn, "consume "+queue, func() (<-chan amqp.Delivery, error) {
+	deliveries, err := call(bc, conn, "consume "+queue, func() (<-chan amqp.Delivery, error) {
 		if err := ch.Qos(win, 0, false); err != nil {
 			return nil, err
 		}
@@ -134,11 +140,11 @@ func (q *Queues) consume(conn *amqp.Connection, queue string, win int, delivered
 	})
 	if err != nil {
 		if !isNotFound(err) {
-			q.closeChannel(conn, ch) // a 404 has closed it already
+			bc.closeChannel(conn, ch) // a 404 has closed it already
 		}
 		return nil, err
 	}
-	return &consumer{q: q, conn: conn, ch: ch, queue: queue, tag: tag, win: win, deliveries: deliveries, delivered: delivered}, nil
+	return &consumer{bc: bc, conn: conn, ch: ch, queue: queue, tag: tag, win: win, deliveries: deliveries}, nil
 }
 
 // close ends the consumer; what the broker sent it and it did not settle goes
@@ -147,8 +153,8 @@ func (c *consumer) close() {
 	// Cancelled first, the consumer hands over what the broker sent it and
 	// it had not: counted, as the broker counted them, and left unacked, so
 	// that closing the channel puts them back in the queue, in order.
-	if _, err := call(c.q, c.conn, "cancel "+c.queue, func() (struct{}, error) { return struct{}{}, c.ch.Cancel(c.tag, false) }); err == nil {
-		t := time.NewTimer(c.q.cfg.CallTimeout)
+	if _, err := call(c.bc, c.conn, "cancel "+c.queue, func() (struct{}, error) { return struct{}{}, c.ch.Cancel(c.tag, false) }); err == nil {
+		t := time.NewTimer(c.bc.callTimeout)
 		defer t.Stop()
 	drain:
 		for {
@@ -157,28 +163,28 @@ func (c *consumer) close() {
 				if !ok {
 					break drain
 				}
-				c.delivered.Add(1)
+				c.bc.delivered.Add(1)
 			case <-t.C:
 				break drain
 			}
 		}
 	}
-	c.q.closeChannel(c.conn, c.ch)
+	c.bc.closeChannel(c.conn, c.ch)
 }
 
-// resize starts the consumer again with the window the message sizes call
+// resize starts the consumer again with the window r's message sizes call
 // for (at most limit), when it is at least twice or at most half the current
 // one. RabbitMQ applies a basic.qos only to consumers started after it, so
 // the channel is closed (the messages it was sent and had not handed over go
 // back to the queue, in order) and another opened: a few round trips, paid
 // when the sizes change, not per batch. Call it with nothing in hand.
-func (c *consumer) resize(limit int) error {
-	win := min(c.q.window(c.queue), limit)
+func (c *consumer) resize(r *reader, limit int) error {
+	win := min(r.window(c.queue), limit)
 	if win < c.win*2 && win > c.win/2 {
 		return nil
 	}
 	c.close()
-	next, err := c.q.consume(c.conn, c.queue, win, c.delivered)
+	next, err := startConsumer(c.bc, c.conn, c.queue, win)
 	if err != nil {
 		return err
 	}
@@ -186,29 +192,20 @@ func (c *consumer) resize(limit int) error {
 	return nil
 }
 
-// ConsumeOptions say what a consumer does with a queue's messages.
-type ConsumeOptions struct {
-	Queue  string
-	Handle BatchHandler
-	// Batch lets a window's half be handed over at once; otherwise each
-	// message is handed over on its own.
-	Batch bool
-	Log   *slog.Logger
-}
-
-// Consume reads the queue on broker b until the window ends, stop is closed,
+// consume reads the queue until the window ends, stop is closed,
 // or ctx is done, handling each message with o.Handle. A queue that does not
 // exist is treated as empty for the window. The message in hand is always
 // finished.
-func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, window time.Duration, stop <-chan struct{}) (int, error) {
+func (r *reader) consume(ctx context.Context, o ConsumeOptions, window time.Duration, stop <-chan struct{}) (int, error) {
 	queue, batch, log := o.Queue, o.Batch, o.Log
-	conn, _, err := q.conn(ctx, b)
+	bc, b := r.bc, r.bc.broker
+	conn, err := bc.connection(ctx)
 	if err != nil {
 		return 0, err
 	}
 	timer := time.NewTimer(window)
 	defer timer.Stop()
-	c, err := q.consume(conn, queue, q.window(queue), &q.conns[b.Index].delivered)
+	c, err := startConsumer(bc, conn, queue, r.window(queue))
 	if isNotFound(err) {
 		log.Warn("queue does not exist on broker, treating it as empty", "queue", queue)
 		select {
@@ -236,51 +233,34 @@ func (q *Queues) Consume(ctx context.Context, b *Broker, o ConsumeOptions, windo
 			if !ok {
 				return n, fmt.Errorf("consume %s on %s: %w: channel closed", queue, b, ErrBrokerUnreachable)
 			}
-			q.conns[b.Index].inHand.Add(1)
-			q.conns[b.Index].delivered.Add(1)
+			bc.inHand.Add(1)
+			bc.delivered.Add(1)
 			// Whatever else the broker sends close behind joins this
 			// message's batch (batchGap, batchWindow): one commit and one
 			// ack for all.
 			ds := []amqp.Delivery{d}
 			size := int64(len(d.Body))
 			until := time.Now().Add(batchWindow)
-			for batch && !q.batchFull(c.win, len(ds), size) {
+			for batch && !r.batchFull(c.win, len(ds), size) {
 				d, ok := receive(ctx, c.deliveries, batchWait(len(ds), until))
 				if !ok {
 					break
 				}
-				q.conns[b.Index].inHand.Add(1)
-				q.conns[b.Index].delivered.Add(1)
+				bc.inHand.Add(1)
+				bc.delivered.Add(1)
 				ds = append(ds, d)
 				size += int64(len(d.Body))
 			}
-			if err := q.settleBatch(b, ds, o); err != nil {
+			if err := r.settleBatch(ds, o); err != nil {
 				return n, fmt.Errorf("settle on %s: %w", b, err)
 			}
 			n += len(ds)
-			q.sizes.observe(queue, len(ds), size)
-			if err := c.resize(q.cfg.Prefetch); err != nil {
+			r.sizes.observe(queue, len(ds), size)
+			if err := c.resize(r, r.prefetch); err != nil {
 				return n, fmt.Errorf("consume %s on %s: %w", queue, b, err)
 			}
 		}
 	}
-}
-
-// get is one basic_get on broker b's conn with call_timeout; ok is false
-// when the queue is empty. A basic.get-ok counts as a delivery.
-func (q *Queues) get(b *Broker, conn *amqp.Connection, ch *amqp.Channel, queue string) (amqp.Delivery, bool, error) {
-	type got struct {
-		d  amqp.Delivery
-		ok bool
-	}
-	g, err := call(q, conn, "get "+queue, func() (got, error) {
-		d, ok, err := ch.Get(queue, false)
-		return got{d, ok}, err
-	})
-	if g.ok {
-		q.conns[b.Index].delivered.Add(1)
-	}
-	return g.d, g.ok, err
 }
 
 // receive waits up to wait for the next delivery; ok is false when none
@@ -310,7 +290,7 @@ func receive(ctx context.Context, deliveries <-chan amqp.Delivery, wait time.Dur
 // takes the queue to be empty; the wait is longer on a slower link.
 const drainIdle = 100 * time.Millisecond
 
-// Drain takes up to limit messages from queue on broker b and handles each
+// drain takes up to limit messages from queue and handles each
 // like a consumed one: the Leftover Drain. It takes at most what
 // the queue held when it began and returns as soon as it has them, or when
 // none came for a while (another consumer took them), instead of waiting out
@@ -322,26 +302,27 @@ const drainIdle = 100 * time.Millisecond
 // one the drain began on: once it changed (the broker was named a Pending
 // Switch's target, say), nothing more is handled, and closing the channel
 // puts every message not yet acked back in the queue, in order.
-func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit int, unchanged func() bool) (int, error) {
+func (r *reader) drain(ctx context.Context, o ConsumeOptions, limit int, unchanged func() bool) (int, error) {
 	queue, batch := o.Queue, o.Batch
 	if limit <= 0 {
 		return 0, nil
 	}
-	conn, _, err := q.conn(ctx, b)
+	bc, b := r.bc, r.bc.broker
+	conn, err := bc.connection(ctx)
 	if err != nil {
 		return 0, err
 	}
-	ready, err := q.readyCount(ctx, b, queue)
+	ready, err := bc.readyCount(ctx, queue)
 	if err != nil || ready == 0 {
 		return 0, err
 	}
 	want := min(limit, ready)
-	win := min(q.window(queue), want)
+	win := min(r.window(queue), want)
 	if !batch {
 		win = 1
 	}
 	start := time.Now()
-	c, err := q.consume(conn, queue, win, &q.conns[b.Index].delivered)
+	c, err := startConsumer(bc, conn, queue, win)
 	if isNotFound(err) {
 		return 0, nil
 	}
@@ -351,12 +332,12 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 	defer func() { c.close() }()
 	idle := max(drainIdle, 3*time.Since(start))
 
-	inHand := &q.conns[b.Index].inHand
+	inHand := &bc.inHand
 	n := 0
 	for n < want && ctx.Err() == nil {
 		d, ok := receive(ctx, c.deliveries, idle)
 		if ok {
-			q.conns[b.Index].delivered.Add(1) // delivered, handled or not
+			bc.delivered.Add(1) // delivered, handled or not
 		}
 		if !ok || !unchanged() {
 			break // empty for a while, the channel closed, or the state changed
@@ -366,12 +347,12 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 		size := int64(len(d.Body))
 		changed := false
 		until := time.Now().Add(batchWindow)
-		for len(ds) < want-n && !q.batchFull(c.win, len(ds), size) {
+		for len(ds) < want-n && !r.batchFull(c.win, len(ds), size) {
 			d, ok := receive(ctx, c.deliveries, batchWait(len(ds), until))
 			if !ok {
 				break
 			}
-			q.conns[b.Index].delivered.Add(1)
+			bc.delivered.Add(1)
 			if !unchanged() {
 				changed = true // this one is not handled: it goes back
 				break
@@ -380,16 +361,16 @@ func (q *Queues) Drain(ctx context.Context, b *Broker, o ConsumeOptions, limit i
 			ds = append(ds, d)
 			size += int64(len(d.Body))
 		}
-		if err := q.settleBatch(b, ds, o); err != nil {
+		if err := r.settleBatch(ds, o); err != nil {
 			return n, fmt.Errorf("settle on %s: %w", b, err)
 		}
 		n += len(ds)
-		q.sizes.observe(queue, len(ds), size)
+		r.sizes.observe(queue, len(ds), size)
 		if changed {
 			break
 		}
 		if batch && n < want {
-			if err := c.resize(want); err != nil {
+			if err := c.resize(r, want); err != nil {
 				return n, fmt.Errorf("drain %s on %s: %w", queue, b, err)
 			}
 		}

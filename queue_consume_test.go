@@ -576,7 +576,7 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	}
 	close(release)
 	eventually(t, 30*time.Second, "all 40 handled", func() bool { return handled.Load() == 40 })
-	if got := p.queues.window(queueGitHub); got != 4 {
+	if got := p.queues.readers[0].window(queueGitHub); got != 4 {
 		t.Errorf("window after 1 MB messages: %d, want 4", got)
 	}
 	small := loadFixture(t, "issues", "opened")
@@ -584,7 +584,7 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 		publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", fmt.Sprintf("small-%d", i), small))
 	}
 	eventually(t, 30*time.Second, "the window grown for small messages", func() bool {
-		return handled.Load() == 60 && p.queues.window(queueGitHub) == 200
+		return handled.Load() == 60 && p.queues.readers[0].window(queueGitHub) == 200
 	})
 }
 

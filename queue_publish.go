@@ -1,13 +1,20 @@
 package main
 
 import (
-	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Errors a publish ends with, besides those of the connection.
+var (
+	ErrPublishTimeout = errors.New("no publisher confirm in time")
+	ErrPublishNacked  = errors.New("broker refused the message")
+	ErrUnroutable     = errors.New("message routed to no queue")
 )
 
 // maxInFlight bounds the publishes awaiting a confirm on one broker. It also
@@ -28,18 +35,21 @@ const maxInFlight = 256
 // 4,200, against 5,200 for sixteen channels used one publish at a time.
 const confirmLanes = 16
 
-// publisher is up to confirmLanes confirm-mode channels per broker
-// connection, shared by every concurrent publisher: confirms pipeline, each
-// caller waiting on its own deferred confirmation.
+// publisher is one broker's publishing: up to confirmLanes confirm-mode
+// channels on its current connection, shared by every concurrent
+// publisher: confirms pipeline, each caller waiting on its own deferred
+// confirmation. The lanes are opened by the first publish on a
+// connection, never by a connection opened for anything else.
 type publisher struct {
-	conn  *amqp.Connection
-	q     *Queues
-	sem   chan struct{}
-	lanes [confirmLanes]lane
+	bc      *brokerConn
+	metrics *Metrics
+	sem     chan struct{}
 
-	mu   sync.Mutex
-	idle []*lane // lanes with no publish in flight, the last used on top
-	next int     // the busy lane the next publish pipelines behind
+	mu    sync.Mutex
+	conn  *amqp.Connection    // the connection the lanes are on; nil before the first publish
+	lanes *[confirmLanes]lane // new with each connection
+	idle  []*lane             // lanes with no publish in flight, the last used on top
+	next  int                 // the busy lane the next publish pipelines behind
 }
 
 // lane is one confirm channel and the returns (unroutable messages) it got.
@@ -49,23 +59,38 @@ type lane struct {
 	// once, and a publish on it waits for that). Guarded by publisher.mu.
 	usable bool
 
+	conn *amqp.Connection // set when made, never changed
+
 	mu       sync.Mutex
 	ch       *amqp.Channel
 	returns  chan amqp.Return
 	returned map[string]int // message ids returned as unroutable, not yet claimed
 }
 
-// newPublisher starts opening the first lane's channel at once (a publish
-// on it waits for that), so that the first webhooks on a new connection
-// wait one round trip, not three.
-func newPublisher(conn *amqp.Connection, q *Queues) *publisher {
-	p := &publisher{conn: conn, q: q, sem: make(chan struct{}, maxInFlight)}
+// newPublisher prepares publishing on the connection bc keeps; nothing is
+// opened before the first publish.
+func newPublisher(bc *brokerConn, metrics *Metrics) *publisher {
+	return &publisher{bc: bc, metrics: metrics, sem: make(chan struct{}, maxInFlight)}
+}
+
+// onConn readies the lanes for conn: when it is not the connection they are
+// on, they start afresh on it, the first one opening at once in the
+// background (a publish on it waits for that), so that the first webhooks
+// on a new connection wait one round trip, not three. The goroutines it
+// starts end once their channel is open or failed, within call_timeout.
+func (p *publisher) onConn(conn *amqp.Connection) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.conn == conn {
+		return
+	}
+	p.conn, p.lanes, p.next, p.idle = conn, new([confirmLanes]lane), 0, nil
 	for i := len(p.lanes) - 1; i >= 0; i-- {
+		p.lanes[i].conn = conn
 		p.idle = append(p.idle, &p.lanes[i])
 	}
 	p.lanes[0].usable = true
-	go func() { _, _, _ = p.lanes[0].channel(p) }()
-	return p
+	go func() { _, _, _ = p.lanes[0].channel(p.bc) }()
 }
 
 // take returns a lane for one publish: an idle one if there is one, else a
@@ -77,7 +102,7 @@ func newPublisher(conn *amqp.Connection, q *Queues) *publisher {
 // Opening a channel costs two round trips (channel.open, confirm.select),
 // 100 ms at 50 ms away: a burst on a fresh connection would pay them on
 // every lane at once. So no publish waits for a lane to open but behind the
-// first (newPublisher opens it); when every lane in use is busy, the next
+// first (onConn opens it); when every lane in use is busy, the next
 // is opened in the background while the publish pipelines behind one that
 // is.
 func (p *publisher) take() (l *lane, idle bool) {
@@ -105,35 +130,39 @@ func (p *publisher) take() (l *lane, idle bool) {
 // publishes take; one that failed to open is opened by the publish that
 // takes it.
 func (p *publisher) warm(l *lane) {
-	_, _, _ = l.channel(p)
+	_, _, _ = l.channel(p.bc)
 	p.mu.Lock()
-	l.usable = true
-	p.idle = append(p.idle, l)
+	if l.conn == p.conn { // else the lanes started afresh on another connection
+		l.usable = true
+		p.idle = append(p.idle, l)
+	}
 	p.mu.Unlock()
 }
 
 func (p *publisher) put(l *lane, idle bool) {
 	if idle {
 		p.mu.Lock()
-		p.idle = append(p.idle, l)
+		if l.conn == p.conn {
+			p.idle = append(p.idle, l)
+		}
 		p.mu.Unlock()
 	}
 }
 
-// channel returns the lane's confirm channel, opening a new one when the last
-// closed.
-func (l *lane) channel(p *publisher) (*amqp.Channel, chan amqp.Return, error) {
+// channel returns the lane's confirm channel, opening a new one on its
+// connection when the last closed.
+func (l *lane) channel(bc *brokerConn) (*amqp.Channel, chan amqp.Return, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.ch != nil && !l.ch.IsClosed() {
 		return l.ch, l.returns, nil
 	}
-	ch, err := p.q.channel(p.conn)
+	ch, err := bc.channel(l.conn)
 	if err != nil {
 		return nil, nil, err
 	}
-	if _, err := call(p.q, p.conn, "confirm select", func() (struct{}, error) { return struct{}{}, ch.Confirm(false) }); err != nil {
-		p.q.closeChannel(p.conn, ch)
+	if _, err := call(bc, l.conn, "confirm select", func() (struct{}, error) { return struct{}{}, ch.Confirm(false) }); err != nil {
+		bc.closeChannel(l.conn, ch)
 		return nil, nil, err
 	}
 	l.ch = ch
@@ -176,51 +205,34 @@ drain:
 	return false
 }
 
-// PublishToTarget publishes msg to the broker the switch state names as the
-// publish target now (a Pending Switch's target, else the active broker),
-// waiting at most publish_timeout for the confirm. It is the one path by
-// which webhooks and republished deliveries reach a broker, and it returns
-// the broker it chose.
-func (q *Queues) PublishToTarget(ctx context.Context, brokers *Brokers, exchange, key string, msg amqp.Publishing) (*Broker, error) {
-	b, err := brokers.Get(brokers.Cached().PublishTarget())
-	if err != nil {
-		return nil, err
-	}
-	ctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
-	defer cancel()
-	return b, q.Publish(ctx, b, exchange, key, msg)
-}
-
-// Publish sends msg to broker b and waits for its publisher confirm until ctx
-// ends. Messages are mandatory: one that reaches no queue (a queue deleted on
-// the broker) is an error, never a silent success.
-func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, msg amqp.Publishing) (err error) {
+// Publish sends msg and waits for its publisher confirm until ctx ends.
+// Messages are mandatory: one that reaches no queue (a queue deleted on the
+// broker) is an error, never a silent success.
+func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) (err error) {
+	bc, b := p.bc, p.bc.broker
 	start := time.Now()
-	defer func() { q.metrics.publish(b.Index, err, time.Since(start)) }()
-	blockedSig := *q.conns[b.Index].blockedSig.Load()
-	blockedErr := func() error {
-		st, _ := q.Blocked(b)
-		return fmt.Errorf("%w: %s: %s, since %s", ErrBrokerBlocked, b, cmp.Or(st.Reason, "blocked"), st.Since.Format(time.RFC3339))
+	defer func() { p.metrics.publish(b.Index, err, time.Since(start)) }()
+	blockedSig := *bc.blockedSig.Load()
+	if _, blocked := bc.isBlocked(); blocked {
+		return bc.blockedError()
 	}
-	if _, blocked := q.Blocked(b); blocked {
-		return blockedErr()
-	}
-	_, p, err := q.conn(ctx, b)
+	conn, err := bc.connection(ctx)
 	if err != nil {
 		return err
 	}
+	p.onConn(conn)
 	select {
 	case p.sem <- struct{}{}:
 	case <-ctx.Done():
 		return fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
 	case <-blockedSig:
-		return blockedErr()
+		return bc.blockedError()
 	}
 	defer func() { <-p.sem }()
 
 	l, idle := p.take()
 	defer p.put(l, idle)
-	ch, returns, err := l.channel(p)
+	ch, returns, err := l.channel(bc)
 	if err != nil {
 		return fmt.Errorf("publish to %s: %w", b, err)
 	}
@@ -228,7 +240,7 @@ func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, m
 	if err != nil {
 		return fmt.Errorf("publish to %s: %w", b, err)
 	}
-	q.conns[b.Index].published.Add(1) // sent: the broker counts it, confirmed or not
+	bc.published.Add(1) // sent: the broker counts it, confirmed or not
 	select {
 	case <-dc.Done():
 	case <-ctx.Done():
@@ -236,7 +248,7 @@ func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, m
 	case <-blockedSig:
 		// The broker blocked the connection: no confirm comes while it
 		// holds, so the webhook is told at once, not after publish_timeout.
-		return blockedErr()
+		return bc.blockedError()
 	}
 	if !dc.Acked() {
 		if ch.IsClosed() {

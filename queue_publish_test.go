@@ -11,9 +11,15 @@ import (
 
 // openLanes counts the publisher's confirm channels that are open.
 func openLanes(p *publisher) int {
+	p.mu.Lock()
+	lanes := p.lanes
+	p.mu.Unlock()
+	if lanes == nil {
+		return 0
+	}
 	n := 0
-	for i := range p.lanes {
-		l := &p.lanes[i]
+	for i := range lanes {
+		l := &lanes[i]
 		l.mu.Lock()
 		if l.ch != nil && !l.ch.IsClosed() {
 			n++
@@ -43,12 +49,19 @@ func TestPublisherLanes(t *testing.T) {
 	b := q.conns[0].broker
 	body := loadFixture(t, "issues", "opened")
 	ctx := context.Background()
+	// A connection opened to count messages opens no publisher.
+	if _, _, err := q.Inspect(ctx, b); err != nil {
+		t.Fatal(err)
+	}
+	if q.pubs[0].conn != nil || openLanes(q.pubs[0]) != 0 {
+		t.Fatalf("counting messages opened %d confirm channels, want none", openLanes(q.pubs[0]))
+	}
 	for i := 0; i < 50; i++ {
 		if err := q.Publish(ctx, b, exchangeName, "", eventMessage("issues", fmt.Sprint("seq-", i), body)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if n := openLanes(q.conns[0].pub); n != 1 {
+	if n := openLanes(q.pubs[0]); n != 1 {
 		t.Fatalf("50 publishes one after another opened %d channels, want 1", n)
 	}
 
@@ -70,7 +83,7 @@ func TestPublisherLanes(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if n := openLanes(q.conns[0].pub); n < 2 || n > confirmLanes {
+	if n := openLanes(q.pubs[0]); n < 2 || n > confirmLanes {
 		t.Fatalf("40 concurrent publishers used %d channels, want between 2 and %d", n, confirmLanes)
 	}
 	if got := ready(t, vhost, queueGitHub); got != 450 {
@@ -89,7 +102,7 @@ func TestPublisherOpensLanesInBackground(t *testing.T) {
 	if err := q.Publish(context.Background(), b, exchangeName, "", eventMessage("issues", "first", loadFixture(t, "issues", "opened"))); err != nil {
 		t.Fatal(err)
 	}
-	p := q.conns[0].pub
+	p := q.pubs[0]
 	if n := openLanes(p); n != 1 {
 		t.Fatalf("a connection that published once has %d channels open, want 1", n)
 	}

@@ -17,19 +17,20 @@ const replayProgressEvery = 1000
 // limit, when positive): a replayed message that fails again is back in
 // queue-error before long, and must not be taken again in the same run.
 func (q *Queues) Replay(ctx context.Context, from, to *Broker, queue string, limit int, progress func(done, total int)) (moved, total int, err error) {
-	conn, ch, err := q.openChannel(ctx, from)
+	src := q.conns[from.Index]
+	conn, ch, err := src.openChannel(ctx)
 	if err != nil {
 		return 0, 0, err
 	}
-	defer q.closeChannel(conn, ch)
-	if total, err = q.readyCount(ctx, from, errorQueue(queue)); err != nil {
+	defer src.closeChannel(conn, ch)
+	if total, err = src.readyCount(ctx, errorQueue(queue)); err != nil {
 		return 0, 0, err
 	}
 	if limit > 0 {
 		total = min(total, limit)
 	}
 	for moved < total && ctx.Err() == nil {
-		d, ok, err := q.get(from, conn, ch, errorQueue(queue))
+		d, ok, err := src.get(conn, ch, errorQueue(queue))
 		if err != nil || !ok {
 			return moved, total, err
 		}
@@ -83,17 +84,18 @@ const maxReplayScan = 10000
 // unacknowledged, and closing the channel puts them back in order. found is
 // false when the message is not there: a second ask does nothing.
 func (q *Queues) ReplayOne(ctx context.Context, from, to *Broker, queue, guid string) (found bool, err error) {
-	conn, ch, err := q.openChannel(ctx, from)
+	src := q.conns[from.Index]
+	conn, ch, err := src.openChannel(ctx)
 	if err != nil {
 		return false, err
 	}
-	defer q.closeChannel(conn, ch)
-	total, err := q.readyCount(ctx, from, errorQueue(queue))
+	defer src.closeChannel(conn, ch)
+	total, err := src.readyCount(ctx, errorQueue(queue))
 	if err != nil {
 		return false, err
 	}
 	for range min(total, maxReplayScan) {
-		d, ok, err := q.get(from, conn, ch, errorQueue(queue))
+		d, ok, err := src.get(conn, ch, errorQueue(queue))
 		if err != nil || !ok {
 			return false, err
 		}
@@ -108,12 +110,13 @@ func (q *Queues) ReplayOne(ctx context.Context, from, to *Broker, queue, guid st
 // limit, when positive) and moves none: they are taken unacknowledged, and
 // closing the channel puts them all back where they were.
 func (q *Queues) PeekErrors(ctx context.Context, b *Broker, queue string, limit int, fn func(d *amqp.Delivery)) (int, error) {
-	conn, ch, err := q.openChannel(ctx, b)
+	bc := q.conns[b.Index]
+	conn, ch, err := bc.openChannel(ctx)
 	if err != nil {
 		return 0, err
 	}
-	defer q.closeChannel(conn, ch)
-	total, err := q.readyCount(ctx, b, errorQueue(queue))
+	defer bc.closeChannel(conn, ch)
+	total, err := bc.readyCount(ctx, errorQueue(queue))
 	if err != nil {
 		return 0, err
 	}
@@ -122,7 +125,7 @@ func (q *Queues) PeekErrors(ctx context.Context, b *Broker, queue string, limit 
 	}
 	n := 0
 	for n < total && ctx.Err() == nil {
-		d, ok, err := q.get(b, conn, ch, errorQueue(queue))
+		d, ok, err := bc.get(conn, ch, errorQueue(queue))
 		if err != nil {
 			return n, fmt.Errorf("get %s on %s: %w", errorQueue(queue), b, err)
 		}

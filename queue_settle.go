@@ -8,6 +8,7 @@ import (
 	"math"
 	"reflect"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -75,6 +76,57 @@ const (
 
 // outcomes are every Outcome, for the metrics' labels.
 var outcomes = []string{string(OutcomeDone), string(OutcomeDuplicate), string(OutcomeRetry), string(OutcomeError)}
+
+// doneTimes keeps, per logical queue, when a message last ended done
+// (Unix nanoseconds), for the status page. The map is made once and only
+// read after: each value is set atomically, with no allocation.
+type doneTimes map[string]*atomic.Int64
+
+func newDoneTimes() doneTimes {
+	d := doneTimes{}
+	for _, name := range logicalQueues {
+		d[name] = new(atomic.Int64)
+	}
+	return d
+}
+
+// mark records that a message of queue ended done now.
+func (d doneTimes) mark(queue string) {
+	if v := d[queue]; v != nil {
+		v.Swap(time.Now().UnixNano())
+	}
+}
+
+// last is when a message of queue last ended done; zero when none has.
+func (d doneTimes) last(queue string) time.Time {
+	if v := d[queue]; v != nil {
+		if ns := v.Load(); ns > 0 {
+			return time.Unix(0, ns)
+		}
+	}
+	return time.Time{}
+}
+
+// ConsumeOptions say what a consumer does with a queue's messages.
+type ConsumeOptions struct {
+	Queue  string
+	Handle BatchHandler
+	// Batch lets a window's half be handed over at once; otherwise each
+	// message is handed over on its own.
+	Batch bool
+	Log   *slog.Logger
+}
+
+// settler ends the messages of one broker by their verdicts: it acks them,
+// nacks them into the retry cycle, or publishes them to -error.
+type settler struct {
+	bc             *brokerConn
+	pub            *publisher
+	maxAttempts    int
+	publishTimeout time.Duration
+	metrics        *Metrics
+	done           doneTimes
+}
 
 // handleTimeout bounds one batch's processing. It does not follow the
 // worker's context: on shutdown the messages in hand are finished and acked.
@@ -148,21 +200,21 @@ func messageLog(log *slog.Logger, d *amqp.Delivery) *slog.Logger {
 // goes to -error, any other to the retry cycle. Only a failed ack or nack is
 // returned: the channel is gone, and the broker will deliver the message
 // again.
-func (q *Queues) finish(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, verdict error, log *slog.Logger) (Outcome, error) {
+func (s *settler) finish(ctx context.Context, queue string, d *amqp.Delivery, verdict error, log *slog.Logger) (Outcome, error) {
 	var perm *permanentError
 	if errors.As(verdict, &perm) {
-		return q.toError(ctx, b, queue, d, perm.reason, 0, log)
+		return s.toError(ctx, queue, d, perm.reason, 0, log)
 	}
-	return q.retry(ctx, b, queue, d, verdict, log)
+	return s.retry(ctx, queue, d, verdict, log)
 }
 
 // retry ends a transient failure: nack, so the message waits retry_ttl in
 // queue-retry, or once it has failed max_attempts times, publish it to
 // queue-error with the reason and the attempts.
-func (q *Queues) retry(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, cause error, log *slog.Logger) (Outcome, error) {
+func (s *settler) retry(ctx context.Context, queue string, d *amqp.Delivery, cause error, log *slog.Logger) (Outcome, error) {
 	attempts, _ := deathCount(d.Headers, queue) // checked in settleBatch
-	if attempts >= int64(q.cfg.MaxAttempts) {
-		return q.toError(ctx, b, queue, d, cause.Error(), attempts+1, log)
+	if attempts >= int64(s.maxAttempts) {
+		return s.toError(ctx, queue, d, cause.Error(), attempts+1, log)
 	}
 	log.Warn("transient failure, message will retry", "attempt", attempts+1, "error", cause)
 	return OutcomeRetry, d.Nack(false, false)
@@ -174,9 +226,9 @@ func (q *Queues) retry(ctx context.Context, b *Broker, queue string, d *amqp.Del
 // which covers exactly these (every other delivery up to the last of them
 // was settled before). A message whose x-death is broken never reaches the
 // handler: a count of -1,000,000 would otherwise buy a million retries.
-func (q *Queues) settleBatch(b *Broker, ds []amqp.Delivery, o ConsumeOptions) error {
+func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 	queue, log := o.Queue, o.Log
-	inHand := &q.conns[b.Index].inHand
+	inHand := &s.bc.inHand
 	defer inHand.Add(-int64(len(ds)))
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
@@ -218,7 +270,7 @@ func (q *Queues) settleBatch(b *Broker, ds []amqp.Delivery, o ConsumeOptions) er
 		outcome, ok := settled(verdicts[i])
 		if !ok {
 			var ferr error
-			if outcome, ferr = q.finish(ctx, b, queue, &ds[i], verdicts[i], mlog); ferr != nil {
+			if outcome, ferr = s.finish(ctx, queue, &ds[i], verdicts[i], mlog); ferr != nil {
 				return ferr
 			}
 		} else {
@@ -227,7 +279,7 @@ func (q *Queues) settleBatch(b *Broker, ds []amqp.Delivery, o ConsumeOptions) er
 			}
 			last = i
 		}
-		q.consumed(queue, outcome, start)
+		s.consumed(queue, outcome, start)
 	}
 	if last < 0 {
 		return nil
@@ -236,17 +288,17 @@ func (q *Queues) settleBatch(b *Broker, ds []amqp.Delivery, o ConsumeOptions) er
 }
 
 // consumed records how one message of queue ended.
-func (q *Queues) consumed(queue string, outcome Outcome, start time.Time) {
-	q.metrics.consume(queue, string(outcome), time.Since(start))
+func (s *settler) consumed(queue string, outcome Outcome, start time.Time) {
+	s.metrics.consume(queue, string(outcome), time.Since(start))
 	if outcome == OutcomeDone {
-		q.markDone(queue)
+		s.done.mark(queue)
 	}
 }
 
 // toError publishes the delivery to queue-error on the broker it came from,
 // with the reason, and acks it. If that publish fails the message is nacked
 // instead, so it retries rather than vanishing.
-func (q *Queues) toError(ctx context.Context, b *Broker, queue string, d *amqp.Delivery, reason string, attempts int64, log *slog.Logger) (Outcome, error) {
+func (s *settler) toError(ctx context.Context, queue string, d *amqp.Delivery, reason string, attempts int64, log *slog.Logger) (Outcome, error) {
 	headers := amqp.Table{}
 	for k, v := range d.Headers {
 		headers[k] = v
@@ -260,9 +312,9 @@ func (q *Queues) toError(ctx context.Context, b *Broker, queue string, d *amqp.D
 		DeliveryMode: amqp.Persistent, MessageId: d.MessageId, Timestamp: d.Timestamp, Type: d.Type,
 		CorrelationId: d.CorrelationId, AppId: d.AppId, Body: d.Body,
 	}
-	pctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
+	pctx, cancel := context.WithTimeout(ctx, s.publishTimeout)
 	defer cancel()
-	if err := q.Publish(pctx, b, "", errorQueue(queue), msg); err != nil {
+	if err := s.pub.Publish(pctx, "", errorQueue(queue), msg); err != nil {
 		log.Error("cannot move message to error queue, it will retry", "reason", reason, "error", err)
 		return OutcomeRetry, d.Nack(false, false)
 	}

@@ -4,48 +4,88 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// The broker side of the topology: declaring it, and
-// reading what the queues hold. The names are in queue.go; the fleet's
-// keepalive and depth gauges (worker_fleet.go) and the drain check use these.
+// The topology: its names, declaring it, and reading what its queues hold.
 
-// declareTopology declares github-exchange, the 12 queues and the bindings.
-func (q *Queues) declareTopology(conn *amqp.Connection) error {
-	ch, err := q.channel(conn)
-	if err != nil {
-		return err
+// One fanout exchange, four queues, each with -retry and -error.
+const exchangeName = "github-exchange"
+
+// Logical queue names; each has a -retry and an -error sibling.
+const (
+	queueGitHub    = "github"
+	queueDatabase  = "github-database"
+	queueHooks     = "github-hooks"
+	queueForbidden = "github-forbidden"
+)
+
+var logicalQueues = []string{queueGitHub, queueDatabase, queueHooks, queueForbidden}
+
+func retryQueue(q string) string { return q + "-retry" }
+func errorQueue(q string) string { return q + "-error" }
+
+// allQueues lists the 12 queues: each logical queue, its -retry and its -error.
+func allQueues() []string {
+	var qs []string
+	for _, q := range logicalQueues {
+		qs = append(qs, q, retryQueue(q), errorQueue(q))
 	}
-	defer q.closeChannel(conn, ch)
-	_, err = call(q, conn, "declare", func() (struct{}, error) {
-		if err := ch.ExchangeDeclare(exchangeName, amqp.ExchangeFanout, true, false, false, false, nil); err != nil {
-			return struct{}{}, fmt.Errorf("exchange %s: %w", exchangeName, err)
+	return qs
+}
+
+// consumedQueues are the logical queues the workers of cfg read: all
+// four, less github-hooks when the hooks worker is off (app_id = 0).
+func consumedQueues(cfg *Config) []string {
+	if cfg.GitHub.AppID > 0 {
+		return logicalQueues
+	}
+	return []string{queueGitHub, queueDatabase, queueForbidden}
+}
+
+// declareTopology returns what declares github-exchange, the 12 queues
+// (-retry queues holding a message retryTTL) and the bindings on a
+// connection.
+func declareTopology(retryTTL time.Duration) func(bc *brokerConn, conn *amqp.Connection) error {
+	return func(bc *brokerConn, conn *amqp.Connection) error {
+		ch, err := bc.channel(conn)
+		if err != nil {
+			return fmt.Errorf("declare topology: %w", err)
 		}
-		for _, name := range logicalQueues {
-			for _, d := range []struct {
-				name string
-				args amqp.Table
-			}{
-				{name, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": retryQueue(name)}},
-				{retryQueue(name), amqp.Table{"x-message-ttl": q.cfg.RetryTTL.Milliseconds(),
-					"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name}},
-				{errorQueue(name), nil},
-			} {
-				if _, err := ch.QueueDeclare(d.name, true, false, false, false, d.args); err != nil {
-					return struct{}{}, fmt.Errorf("queue %s: %w", d.name, err)
+		defer bc.closeChannel(conn, ch)
+		_, err = call(bc, conn, "declare", func() (struct{}, error) {
+			if err := ch.ExchangeDeclare(exchangeName, amqp.ExchangeFanout, true, false, false, false, nil); err != nil {
+				return struct{}{}, fmt.Errorf("exchange %s: %w", exchangeName, err)
+			}
+			for _, name := range logicalQueues {
+				for _, d := range []struct {
+					name string
+					args amqp.Table
+				}{
+					{name, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": retryQueue(name)}},
+					{retryQueue(name), amqp.Table{"x-message-ttl": retryTTL.Milliseconds(),
+						"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name}},
+					{errorQueue(name), nil},
+				} {
+					if _, err := ch.QueueDeclare(d.name, true, false, false, false, d.args); err != nil {
+						return struct{}{}, fmt.Errorf("queue %s: %w", d.name, err)
+					}
 				}
 			}
-		}
-		for _, name := range []string{queueGitHub, queueDatabase} {
-			if err := ch.QueueBind(name, "", exchangeName, false, nil); err != nil {
-				return struct{}{}, fmt.Errorf("bind %s: %w", name, err)
+			for _, name := range []string{queueGitHub, queueDatabase} {
+				if err := ch.QueueBind(name, "", exchangeName, false, nil); err != nil {
+					return struct{}{}, fmt.Errorf("bind %s: %w", name, err)
+				}
 			}
+			return struct{}{}, nil
+		})
+		if err != nil {
+			return fmt.Errorf("declare topology: %w", err)
 		}
-		return struct{}{}, nil
-	})
-	return err
+		return nil
+	}
 }
 
 // isNotFound reports a 404 from a passive declare: the queue does not exist.
@@ -54,11 +94,11 @@ func isNotFound(err error) bool {
 	return errors.As(err, &aerr) && aerr.Code == amqp.NotFound
 }
 
-// ReadyCounts passive-declares each queue on broker b (see inspect) and
-// returns its ready-message count. A queue that does not exist counts as 0:
-// CloudAMQP deletes idle queues.
-func (q *Queues) ReadyCounts(ctx context.Context, b *Broker, queues []string) (map[string]int, error) {
-	infos, _, err := q.inspect(ctx, b, queues)
+// readyCounts passive-declares each queue (see inspect) and returns its
+// ready-message count. A queue that does not exist counts as 0: CloudAMQP
+// deletes idle queues.
+func (bc *brokerConn) readyCounts(ctx context.Context, queues []string) (map[string]int, error) {
+	infos, _, err := bc.inspect(ctx, queues)
 	if err != nil {
 		return nil, err
 	}
@@ -71,8 +111,8 @@ func (q *Queues) ReadyCounts(ctx context.Context, b *Broker, queues []string) (m
 
 // readyCount is one queue's ready messages; one that does not exist holds
 // none.
-func (q *Queues) readyCount(ctx context.Context, b *Broker, name string) (int, error) {
-	counts, err := q.ReadyCounts(ctx, b, []string{name})
+func (bc *brokerConn) readyCount(ctx context.Context, name string) (int, error) {
+	counts, err := bc.readyCounts(ctx, []string{name})
 	return counts[name], err
 }
 
@@ -82,58 +122,44 @@ type queueInfo struct {
 	Consumers int `json:"consumers"`
 }
 
-// inspect asks broker b for each of names with a passive declare: the ready
+// inspect asks the broker for each of names with a passive declare: the ready
 // messages and consumers of those that exist, and which do not. The declares
 // share one channel, one round trip each: over a WAN link a channel opened
 // and closed per queue tripled the time of every drain check. A queue that
 // does not exist closes the channel (404), so the next declare opens another.
-func (q *Queues) inspect(ctx context.Context, b *Broker, names []string) (infos map[string]queueInfo, missing []string, err error) {
-	conn, _, err := q.conn(ctx, b)
+func (bc *brokerConn) inspect(ctx context.Context, names []string) (infos map[string]queueInfo, missing []string, err error) {
+	b := bc.broker
+	conn, err := bc.connection(ctx)
 	if err != nil {
 		return nil, nil, err
 	}
 	var ch *amqp.Channel
 	defer func() {
 		if ch != nil {
-			q.closeChannel(conn, ch)
+			bc.closeChannel(conn, ch)
 		}
 	}()
 	infos = make(map[string]queueInfo, len(names))
 	for _, name := range names {
 		if ch == nil {
-			if ch, err = q.channel(conn); err != nil {
+			if ch, err = bc.channel(conn); err != nil {
 				return nil, nil, fmt.Errorf("%s on %s: %w", name, b, err)
 			}
 		}
-		qi, err := call(q, conn, "passive declare "+name, func() (amqp.Queue, error) {
+		qi, err := call(bc, conn, "passive declare "+name, func() (amqp.Queue, error) {
 			return ch.QueueDeclarePassive(name, true, false, false, false, nil)
 		})
 		if isNotFound(err) {
 			ch = nil // the 404 closed it
 			missing = append(missing, name)
-			q.metrics.ready(b.Index, name, 0)
+			bc.metrics.ready(b.Index, name, 0)
 			continue
 		}
 		if err != nil {
 			return nil, nil, fmt.Errorf("%s on %s: %w", name, b, err)
 		}
-		q.metrics.ready(b.Index, name, qi.Messages)
+		bc.metrics.ready(b.Index, name, qi.Messages)
 		infos[name] = queueInfo{Ready: qi.Messages, Consumers: qi.Consumers}
 	}
 	return infos, missing, nil
-}
-
-// Inspect reads all 12 queues on broker b, and which of them do not exist (a
-// free plan deletes a queue nobody used for 28 days).
-func (q *Queues) Inspect(ctx context.Context, b *Broker) (queues map[string]queueInfo, missing []string, err error) {
-	return q.inspect(ctx, b, allQueues())
-}
-
-// Redeclare declares the topology on broker b again, as at connect.
-func (q *Queues) Redeclare(ctx context.Context, b *Broker) error {
-	conn, _, err := q.conn(ctx, b)
-	if err != nil {
-		return err
-	}
-	return q.declareTopology(conn)
 }
