@@ -5,12 +5,12 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/subtle"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -62,92 +62,6 @@ func (a *API) Reload(cfg *Config) error {
 	return nil
 }
 
-// Handler returns the router with every route.
-func (a *API) Handler() http.Handler {
-	r := httprouter.New()
-	r.Handler(http.MethodPost, "/webhooks/github", a.webhook)
-
-	r.GET("/api/v1/broker", a.operator(a.getBroker))
-	r.POST("/api/v1/broker/switch/:index", a.operator(a.switchBroker))
-	r.POST("/api/v1/broker/pending-switch", a.producer(a.notifySwitch))
-	r.DELETE("/api/v1/broker/pending-switch", a.operator(a.cancelSwitch))
-	r.DELETE("/api/v1/broker/watermark", a.operator(a.clearWatermark))
-	r.GET("/api/v1/status", a.operator(a.getStatus))
-	r.GET("/status", a.guarded(a.statusPage))
-	r.GET("/status/deliveries", a.guarded(a.operatorPage(a.deliveriesPage)))
-	r.GET("/status/deliveries/:guid", a.guarded(a.operatorPage(a.deliveryPage)))
-	r.POST("/status/deliveries/:guid/replay", a.guarded(a.operatorPage(a.replayDelivery)))
-	r.POST("/status/deliveries/:guid/redeliver", a.guarded(a.operatorPage(a.redeliverDelivery)))
-	// A browser pointed at the daemon wants the status page.
-	r.GET("/", func(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
-		http.Redirect(w, r, "/status", http.StatusFound)
-	})
-
-	r.GET("/healthz", func(w http.ResponseWriter, _ *http.Request, _ httprouter.Params) {
-		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
-	})
-	r.GET("/readyz", a.ready)
-	if a.cfg.Server.metricsOnAPI() {
-		r.Handler(http.MethodGet, "/metrics", a.metrics.Handler())
-	}
-
-	r.NotFound = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusNotFound, map[string]string{"error": "not found"})
-	})
-	r.MethodNotAllowed = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusMethodNotAllowed, map[string]string{"error": "method not allowed"})
-	})
-	r.PanicHandler = func(w http.ResponseWriter, r *http.Request, v any) {
-		a.log.Error("panic in handler", "path", r.URL.Path, "panic", v)
-		writeJSON(w, http.StatusInternalServerError, map[string]string{"error": "internal error"})
-	}
-	return r
-}
-
-// Errors of the admin API that map to statuses.
-var (
-	ErrUnauthorized = errors.New("missing or invalid bearer token")
-	ErrForbidden    = errors.New("this token may not use this endpoint")
-)
-
-// statusOf maps an error to its HTTP status, in one place.
-func statusOf(err error) int {
-	switch {
-	case errors.Is(err, ErrNoSignature), errors.Is(err, ErrBadSignature), errors.Is(err, ErrUnauthorized):
-		return http.StatusUnauthorized
-	case errors.Is(err, ErrForbidden):
-		return http.StatusForbidden
-	case errors.Is(err, ErrBadRequest):
-		return http.StatusBadRequest
-	case errors.Is(err, ErrTooLarge):
-		return http.StatusRequestEntityTooLarge
-	case errors.Is(err, ErrUnknownBroker):
-		return http.StatusNotFound
-	case errors.Is(err, ErrUnavailable):
-		return http.StatusServiceUnavailable
-	default:
-		return http.StatusInternalServerError
-	}
-}
-
-// writeError answers {"error": "..."} with the error's status; only server
-// errors are logged, and their text stays in the log.
-func writeError(w http.ResponseWriter, r *http.Request, log *slog.Logger, err error) {
-	status := statusOf(err)
-	msg := err.Error()
-	if status >= 500 {
-		log.Error("request failed", "method", r.Method, "path", r.URL.Path, "error", err)
-		msg = "internal error"
-	}
-	writeJSON(w, status, map[string]string{"error": msg})
-}
-
-func writeJSON(w http.ResponseWriter, status int, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(v)
-}
-
 // bearer reads the Authorization header's token.
 func bearer(r *http.Request) string {
 	v, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
@@ -189,6 +103,9 @@ func (a *API) producer(h httprouter.Handle) httprouter.Handle {
 		writeError(w, r, a.log, ErrUnauthorized)
 	})
 }
+
+// maxAdminBody caps the admin API's request bodies.
+const maxAdminBody = 1 << 20
 
 // bounded reads the request body, at most maxAdminBody bytes, before h
 // runs, on every admin route, whether or not h reads it: a body over the
@@ -254,4 +171,22 @@ func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params)
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
+}
+
+// guarded refuses a source that failed too often with 429 and Retry-After,
+// whatever it sends, before h looks at its credentials.
+func (a *API) guarded(h httprouter.Handle) httprouter.Handle {
+	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+		if wait := a.auth.blocked(a.webhook.sourceIP(r), time.Now()); wait > 0 {
+			w.Header().Set("Retry-After", strconv.Itoa(int(wait.Seconds())+1))
+			writeJSON(w, http.StatusTooManyRequests, map[string]string{"error": "too many failed authentications from this address; retry later"})
+			return
+		}
+		h(w, r, ps)
+	}
+}
+
+// authFailed records a failed authentication of r.
+func (a *API) authFailed(r *http.Request) {
+	a.auth.failed(a.webhook.sourceIP(r), r.URL.Path, time.Now())
 }

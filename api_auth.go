@@ -2,13 +2,9 @@ package main
 
 import (
 	"log/slog"
-	"net/http"
 	"net/netip"
-	"strconv"
 	"sync"
 	"time"
-
-	"github.com/julienschmidt/httprouter"
 )
 
 // Failed authentications on the operator's surfaces (the admin API, the
@@ -104,22 +100,4 @@ func (g *authGuard) sweep(now time.Time) {
 			delete(g.fails, a)
 		}
 	}
-}
-
-// guarded refuses a source that failed too often with 429 and Retry-After,
-// whatever it sends, before h looks at its credentials.
-func (a *API) guarded(h httprouter.Handle) httprouter.Handle {
-	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
-		if wait := a.auth.blocked(a.webhook.sourceIP(r), time.Now()); wait > 0 {
-			w.Header().Set("Retry-After", strconv.Itoa(int(wait.Seconds())+1))
-			writeJSON(w, http.StatusTooManyRequests, map[string]string{"error": "too many failed authentications from this address; retry later"})
-			return
-		}
-		h(w, r, ps)
-	}
-}
-
-// authFailed records a failed authentication of r.
-func (a *API) authFailed(r *http.Request) {
-	a.auth.failed(a.webhook.sourceIP(r), r.URL.Path, time.Now())
 }

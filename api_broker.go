@@ -12,9 +12,6 @@ import (
 	"github.com/julienschmidt/httprouter"
 )
 
-// maxAdminBody caps the admin API's request bodies.
-const maxAdminBody = 1 << 20
-
 // brokerRef names a broker in API answers.
 type brokerRef struct {
 	Index int    `json:"index"`

@@ -21,17 +21,6 @@ import (
 // maxWebhookBody is GitHub's own cap on a webhook payload.
 const maxWebhookBody = 25 << 20
 
-// Request errors of the webhook endpoint; api.go maps them to statuses.
-var (
-	// Apart, because GitHub's Recent Deliveries shows the operator the
-	// answer: a missing signature means the hook has no secret set, a wrong
-	// one that it has another secret than switchyard.
-	ErrNoSignature  = errors.New("missing X-Hub-Signature-256: set the hook's secret in GitHub to github.webhook_secret")
-	ErrBadSignature = errors.New("invalid X-Hub-Signature-256: the hook's secret in GitHub is not github.webhook_secret")
-	ErrTooLarge     = errors.New("body too large")
-	ErrUnavailable  = errors.New("broker unavailable, retry later")
-)
-
 // prefixSet is a list of networks an address can be tested against.
 type prefixSet []netip.Prefix
 
