@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"cmp"
 	_ "embed"
 	"encoding"
@@ -248,35 +247,6 @@ func DefaultConfig() *Config {
 		},
 		Log: LogConfig{Level: "info", Format: "text"},
 	}
-}
-
-// LoadConfig reads path over the defaults and validates the result. A key the
-// Config does not know is an error: a typo must not silently fall back to a default.
-func LoadConfig(path string) (*Config, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return nil, fmt.Errorf("config: %w", err)
-	}
-	cfg, err := ParseConfig(b)
-	if err != nil {
-		return nil, fmt.Errorf("config %s: %w", path, err)
-	}
-	return cfg, nil
-}
-
-// ParseConfig decodes TOML over DefaultConfig and validates the result. It
-// returns every problem at once: the keys it does not know, the values that
-// do not have their key's type, and what Validate finds in the rest. Only
-// TOML that does not parse at all stops it at the first error.
-func ParseConfig(b []byte) (*Config, error) {
-	cfg, err := DecodeConfig(bytes.NewReader(b))
-	if cfg == nil {
-		return nil, err
-	}
-	if err := errors.Join(err, cfg.Validate()); err != nil {
-		return nil, err
-	}
-	return cfg, nil
 }
 
 // DecodeConfig decodes TOML over DefaultConfig without validating. Each key
