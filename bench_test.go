@@ -481,7 +481,7 @@ func benchConsume(b *testing.B, payload []byte) consumeResult {
 	log := slog.New(slog.DiscardHandler)
 	q := NewQueues(cfg.Queue, mustBrokers(b, amqpURL(vhost)), nil, log)
 	defer q.Close()
-	h := databaseHandler(store, testBotAppID, nil, log)
+	h := databaseHandler(testBotAppID, nil, log)
 	var done atomic.Int64
 	counted := func(ctx context.Context, tx *Tx, ev *Event) error {
 		err := h(ctx, tx, ev)
@@ -573,7 +573,7 @@ func drainRate(b testing.TB, store *Store, cfg *Config, brokerURL string, n int)
 	always := func() bool { return true }
 	start := time.Now()
 	got, err := q.Drain(context.Background(), q.conns[0].broker,
-		EventOptions{Queue: queueGitHub, Handle: serviceHandler(store, nil, false), Batch: store, Log: log}.consume(), n, always)
+		EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, false), Batch: store, Log: log}.consume(), n, always)
 	if err != nil || got != n {
 		b.Fatalf("drain: %d, %v", got, err)
 	}
@@ -786,7 +786,7 @@ func BenchmarkDecodeForTables(b *testing.B) {
 func BenchmarkBatchWrite(b *testing.B) {
 	store, _ := benchStore(b)
 	defer store.Close()
-	h := databaseHandler(store, testBotAppID, nil, slog.New(slog.DiscardHandler))
+	h := databaseHandler(testBotAppID, nil, slog.New(slog.DiscardHandler))
 	payload := paddedPayload(b, 25<<10)
 	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
 	defer cancel()

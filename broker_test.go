@@ -614,7 +614,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 	publishRaw(t, b, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened")))
 	var mu sync.Mutex
 	calls := 0
-	service := serviceHandler(store, nil, false)
+	service := serviceHandler(nil, false)
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		calls++
@@ -625,7 +625,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 		}
 		return service(ctx, tx, ev)
 	}
-	w := NewWorker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: h, Window: 300 * time.Millisecond}, cfg.Workers, bs, q, log)
+	w := NewWorker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: h, Batch: store, Window: 300 * time.Millisecond}, cfg.Workers, bs, q, log)
 	done := make(chan struct{})
 	go func() { _ = w.Run(ctx); close(done) }()
 	defer func() { cancel(); <-done }()

@@ -7,19 +7,13 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
-	"regexp"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	_ "modernc.org/sqlite"
 )
-
-//go:embed schema.sql
-var schemaSQL string
 
 // Store is switchyard's SQLite database: one writer connection, so writes queue
 // in Go instead of contending for the file lock, and a small pool of read-only
@@ -98,71 +92,11 @@ func (s *Store) Close() error {
 	return errors.Join(s.r.Close(), s.w.Close())
 }
 
-// migration is one "-- migration N: ..." block of schema.sql.
-type migration struct {
-	version int
-	name    string
-	sql     string
-}
-
-var migrationHeader = regexp.MustCompile(`(?m)^-- migration (\d+): (.*)$`)
-
-// parseMigrations splits schema.sql into its numbered blocks, which must count
-// up from 1 without gaps.
-func parseMigrations(src string) ([]migration, error) {
-	locs := migrationHeader.FindAllStringSubmatchIndex(src, -1)
-	var ms []migration
-	for i, loc := range locs {
-		end := len(src)
-		if i+1 < len(locs) {
-			end = locs[i+1][0]
-		}
-		v, _ := strconv.Atoi(src[loc[2]:loc[3]])
-		if v != i+1 {
-			return nil, fmt.Errorf("schema.sql: migration %d out of order (want %d)", v, i+1)
-		}
-		ms = append(ms, migration{version: v, name: src[loc[4]:loc[5]], sql: src[loc[1]:end]})
-	}
-	return ms, nil
-}
-
-// Migrate brings the schema up to date, each migration in its own transaction
-// together with the user_version that records it. It returns the versions
-// before and after.
-func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
-	ms, err := parseMigrations(schemaSQL)
-	if err != nil {
-		return 0, 0, err
-	}
-	if err := s.w.QueryRowContext(ctx, "PRAGMA user_version").Scan(&from); err != nil {
-		return 0, 0, fmt.Errorf("read schema version: %w", err)
-	}
-	if from > len(ms) {
-		return from, from, fmt.Errorf("database schema version %d is newer than this binary knows (%d): upgrade switchyard", from, len(ms))
-	}
-	to = from
-	for _, m := range ms[from:] {
-		err := s.Batch(ctx, func(tx *Tx) error {
-			if _, err := tx.tx.ExecContext(ctx, m.sql); err != nil {
-				return err
-			}
-			_, err := tx.tx.ExecContext(ctx, fmt.Sprintf("PRAGMA user_version = %d", m.version))
-			return err
-		})
-		if err != nil {
-			return from, to, fmt.Errorf("migration %d (%s): %w", m.version, m.name, err)
-		}
-		to = m.version
-	}
-	if n, err := s.OpenGapCount(ctx); err == nil {
-		s.gapsOpen.Store(n > 0)
-	}
-	return from, to, nil
-}
-
-// Tx is one write transaction on the writer connection. Store methods that
-// write take one, or open their own when given nil; nothing else reaches the
-// writer. It is a value passed along, never carried in a context, so that a
+// Tx is one write transaction on the writer connection. A write that joins
+// others (a delivery stored, its rows, its worker's mark) is a method of
+// Tx, and a caller without one opens it with Store.Batch; a write that is a
+// unit of its own (an alert marked sent, a retention batch) is a Store
+// method that opens its own. Nothing else reaches the writer. It is a value passed along, never carried in a context, so that a
 // callee writes inside a transaction only when its caller hands it one. No
 // network I/O may happen while one is open.
 type Tx struct {
@@ -191,14 +125,6 @@ func (s *Store) Batch(ctx context.Context, fn func(tx *Tx) error) error {
 		return fmt.Errorf("commit: %w", err)
 	}
 	return nil
-}
-
-// inTx runs fn in tx, or in a transaction of its own when tx is nil.
-func (s *Store) inTx(ctx context.Context, tx *Tx, fn func(tx *Tx) error) error {
-	if tx != nil {
-		return fn(tx)
-	}
-	return s.Batch(ctx, fn)
 }
 
 // queryer is what reads need: a pool or a transaction.
@@ -350,92 +276,6 @@ func nullInt(v int64) any {
 		return nil
 	}
 	return v
-}
-
-// payloadText is the payload as the TEXT it is stored as, without a copy:
-// string(payload) copied every 25 KB webhook on the Go heap, a sixth of all
-// the daemon allocated end to end, only for the driver to copy it again into
-// SQLite's memory when it binds it (sqlite3_bind_text). The bytes are the
-// delivery's body, which nothing writes to. (A []byte would be bound, and
-// stored, as a BLOB, not as the TEXT the column holds.)
-func payloadText(payload []byte) string {
-	return unsafe.String(unsafe.SliceData(payload), len(payload))
-}
-
-// InsertEvent writes the raw Event, counts it in its 6-hour bucket and
-// queues its alert on each of channels (alert_outbox), in one transaction. It
-// reports false, and changes nothing, when the delivery is already stored: a
-// retried or redelivered message must not count or alert twice.
-func (s *Store) InsertEvent(ctx context.Context, tx *Tx, ev *Event, forbidden bool, channels ...string) (inserted bool, err error) {
-	err = s.inTx(ctx, tx, func(tx *Tx) error {
-		res, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
-			target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at)
-			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (delivery_id) DO NOTHING`,
-			ev.DeliveryID, ev.Name, ev.Action, nullInt(ev.HookID), ev.TargetType, nullInt(ev.TargetID),
-			nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
-			payloadText(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()))
-		if err != nil {
-			return fmt.Errorf("insert github: %w", err)
-		}
-		if n, _ := res.RowsAffected(); n == 0 {
-			// Stored before: the story of the delivery says it came again.
-			if _, err := tx.exec(ctx, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = ? WHERE delivery_id = ?",
-				formatTime(time.Now()), ev.DeliveryID); err != nil {
-				return fmt.Errorf("count a duplicate: %w", err)
-			}
-			return nil
-		}
-		inserted = true
-		if err := tx.resolveGap(ctx, ev.DeliveryID); err != nil {
-			return err
-		}
-		_, err = tx.exec(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES (?, ?, ?, 1)
-			ON CONFLICT (bucket, event, action) DO UPDATE SET count = count + 1`,
-			statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action)
-		if err != nil {
-			return fmt.Errorf("count statistics: %w", err)
-		}
-		return tx.queueAlerts(ctx, ev.DeliveryID, channels)
-	})
-	return inserted, err
-}
-
-// MarkDelivery runs fn and records that worker finished the delivery, in tx
-// or a transaction of its own, with the outcome fn returns ("" is done). It
-// reports false, without running fn, when the worker already finished it.
-func (s *Store) MarkDelivery(ctx context.Context, tx *Tx, worker, deliveryID string, fn func(tx *Tx) (outcome string, err error)) (done bool, err error) {
-	err = s.inTx(ctx, tx, func(tx *Tx) error {
-		res, err := tx.exec(ctx, `INSERT INTO worker_deliveries (worker, delivery_id, processed_at)
-			VALUES (?, ?, ?) ON CONFLICT DO NOTHING`, worker, deliveryID, formatTime(time.Now()))
-		if err != nil {
-			return fmt.Errorf("mark delivery: %w", err)
-		}
-		if n, _ := res.RowsAffected(); n == 0 {
-			return nil
-		}
-		done = true
-		if fn == nil {
-			return nil
-		}
-		outcome, err := fn(tx)
-		if err != nil || outcome == "" {
-			return err
-		}
-		_, err = tx.exec(ctx, "UPDATE worker_deliveries SET outcome = ? WHERE worker = ? AND delivery_id = ?", outcome, worker, deliveryID)
-		return err
-	})
-	return done, err
-}
-
-// Finished reports whether worker finished the delivery (MarkDelivery).
-func (s *Store) Finished(ctx context.Context, worker, deliveryID string) (bool, error) {
-	var n int
-	err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM worker_deliveries WHERE worker = ? AND delivery_id = ?",
-		worker, deliveryID).Scan(&n)
-	if err != nil {
-		return false, fmt.Errorf("read worker_deliveries: %w", err)
-	}
-	return n > 0, nil
 }
 
 // Backup writes a consistent snapshot of the live database to dest with

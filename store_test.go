@@ -220,24 +220,24 @@ func TestRawRetention(t *testing.T) {
 	body := loadFixture(t, "issues", "opened")
 	err := p.store.Batch(ctx, func(tx *Tx) error {
 		for i := 0; i < 2500; i++ {
-			if _, err := p.store.InsertEvent(ctx, tx, &Event{DeliveryID: fmt.Sprintf("old-%d", i), Name: "issues", Action: "opened",
+			if _, err := tx.InsertEvent(ctx, &Event{DeliveryID: fmt.Sprintf("old-%d", i), Name: "issues", Action: "opened",
 				Payload: body, ReceivedAt: forgotten}, false); err != nil {
 				return err
 			}
 		}
 		for i := 0; i < 3; i++ {
-			if _, err := p.store.InsertEvent(ctx, tx, &Event{DeliveryID: fmt.Sprintf("pruned-%d", i), Name: "issues", Action: "opened",
+			if _, err := tx.InsertEvent(ctx, &Event{DeliveryID: fmt.Sprintf("pruned-%d", i), Name: "issues", Action: "opened",
 				Payload: body, ReceivedAt: pruned}, false); err != nil {
 				return err
 			}
 		}
-		_, err := p.store.InsertEvent(ctx, tx, &Event{DeliveryID: "recent", Name: "issues", Action: "opened", Payload: body, ReceivedAt: time.Now()}, false)
+		_, err := tx.InsertEvent(ctx, &Event{DeliveryID: "recent", Name: "issues", Action: "opened", Payload: body, ReceivedAt: time.Now()}, false)
 		return err
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.store.MarkDelivery(ctx, nil, "database-service", "pruned-1", nil); err != nil {
+	if err := p.store.Batch(ctx, func(tx *Tx) error { _, err := tx.MarkDelivery(ctx, "database-service", "pruned-1", nil); return err }); err != nil {
 		t.Fatal(err)
 	}
 	// One call does one batch.
@@ -317,7 +317,7 @@ func TestMigrationFillsGitHubUpdatedAt(t *testing.T) {
 	}
 	body := loadFixture(t, "pull_request", "closed")
 	ev := &Event{DeliveryID: "pr-closed", Name: "pull_request", Action: "closed", Payload: body, ReceivedAt: time.Now()}
-	if _, err := store.InsertEvent(ctx, nil, ev, false); err != nil {
+	if err := store.Batch(ctx, func(tx *Tx) error { _, err := tx.InsertEvent(ctx, ev, false); return err }); err != nil {
 		t.Fatal(err)
 	}
 	for i, delivery := range []string{"pr-closed", "raw-row-gone"} {

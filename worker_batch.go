@@ -14,10 +14,10 @@ import (
 // Handler processes one Event. It returns nil when done, ErrDuplicate when
 // the worker already finished this delivery, a permanent verdict or a
 // MalformedError when no retry can help, and any other error for a
-// transient failure. tx is the batch's transaction, which the message is
-// acked after; when tx is nil (a worker that does not batch) the handler
-// commits its own before it returns nil. A handler handed a tx must not
-// touch the network.
+// transient failure. tx is the message's transaction, which it is acked
+// after: the batch's, inside a savepoint of the message's own, or one for
+// a lone message. It is nil only for a worker with no Batcher, whose
+// handler writes nothing. A handler must not touch the network.
 type Handler func(ctx context.Context, tx *Tx, ev *Event) error
 
 // Preparer does ahead of time the part of a handler's work that needs
@@ -39,8 +39,8 @@ type EventOptions struct {
 	Handle Handler
 	// Prepare, when set, does the handler's decoding ahead of it.
 	Prepare Preparer
-	// Batch, when set, commits a window's half at once; nil handles each
-	// message on its own.
+	// Batch, when set, commits a window's half at once; nil hands each
+	// message over on its own, with no transaction.
 	Batch Batcher
 	Log   *slog.Logger
 }
@@ -53,17 +53,19 @@ func (o EventOptions) consume() ConsumeOptions {
 // handleBatch decodes msgs ahead of the transaction, on a goroutine of its
 // own, and handles them in order: in one transaction with a savepoint each
 // (a failure undoes that message only) when o batches, else each on its
-// own (a lone message too). It returns the verdicts, and the transaction's
-// failure.
+// own, a lone message in a transaction of its own. It returns the
+// verdicts, and the transaction's failure.
 func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
 	next := decodeAhead(msgs, o.Prepare, o.Log)
-	if o.Batch == nil || len(msgs) == 1 {
-		// A lone message is handled in the handler's own transaction,
-		// without a savepoint.
+	switch {
+	case o.Batch == nil:
 		for i := range msgs {
 			verdicts[i] = next(i).handle(ctx, nil, o.Handle)
 		}
+		return verdicts, nil
+	case len(msgs) == 1:
+		verdicts[0] = next(0).handleAlone(ctx, o.Batch, o.Handle)
 		return verdicts, nil
 	}
 	err := o.Batch.Batch(ctx, func(tx *Tx) error {
@@ -174,4 +176,26 @@ func loggerFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
 		return l
 	}
 	return fallback
+}
+
+// handleAlone runs h on a lone decoded message in a transaction of its own,
+// without a savepoint: a failure rolls it back, a duplicate commits what
+// its handler wrote of it (the receipt's count).
+func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler) error {
+	if m.err != nil {
+		return verdict(m.err)
+	}
+	ctx = withLogger(ctx, m.log)
+	var handled error
+	err := b.Batch(ctx, func(tx *Tx) error {
+		handled = h(ctx, tx, m.ev)
+		if errors.Is(handled, ErrDuplicate) {
+			return nil
+		}
+		return handled
+	})
+	if err != nil {
+		return verdict(err)
+	}
+	return verdict(handled)
 }

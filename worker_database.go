@@ -17,7 +17,7 @@ import (
 // An Event whose object is older than the typed row it maps to (a late
 // synchronize after closed) leaves the row alone and is recorded with
 // outcome stale.
-func databaseHandler(store *Store, botAppID int64, metrics *Metrics, log *slog.Logger) Handler {
+func databaseHandler(botAppID int64, metrics *Metrics, log *slog.Logger) Handler {
 	return func(ctx context.Context, tx *Tx, ev *Event) error {
 		rows, err := ev.tableRows(botAppID)
 		if err != nil {
@@ -28,7 +28,7 @@ func databaseHandler(store *Store, botAppID int64, metrics *Metrics, log *slog.L
 		}
 		m := newRowMeta(ev)
 		var stale string
-		done, err := store.MarkDelivery(ctx, tx, "database-service", ev.DeliveryID, func(tx *Tx) (string, error) {
+		done, err := tx.MarkDelivery(ctx, "database-service", ev.DeliveryID, func(tx *Tx) (string, error) {
 			var err error
 			if stale, err = tx.writeTableRows(ctx, m, rows); err != nil || stale == "" {
 				return "", err

@@ -379,10 +379,12 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 	if _, err := h.queues.PublishToTarget(ctx, h.brokers, exchangeName, "", newPublishing(hdr, payload, "", time.Now())); err != nil {
 		return fmt.Errorf("republish %s: %w", d.GUID, err)
 	}
-	_, err = h.store.MarkDelivery(ctx, nil, "hooks", m.GUID, func(tx *Tx) (string, error) {
-		return "", tx.hookRepublished(ctx, m.GUID)
+	return h.store.Batch(ctx, func(tx *Tx) error {
+		_, err := tx.MarkDelivery(ctx, "hooks", m.GUID, func(tx *Tx) (string, error) {
+			return "", tx.hookRepublished(ctx, m.GUID)
+		})
+		return err
 	})
-	return err
 }
 
 // What RedeliverOne did.

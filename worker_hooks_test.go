@@ -226,7 +226,7 @@ func storedBefore(t *testing.T, cfg *Config, evs ...*Event) {
 		t.Fatal(err)
 	}
 	for _, ev := range evs {
-		if _, err := store.InsertEvent(ctx, nil, ev, false); err != nil {
+		if err := store.Batch(ctx, func(tx *Tx) error { _, err := tx.InsertEvent(ctx, ev, false); return err }); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -664,7 +664,7 @@ func TestDeliveryLedgerThreeDays(t *testing.T) {
 				inFlight = at // the newest 50 are not stored yet: in flight
 				continue
 			}
-			if _, err := store.InsertEvent(ctx, tx, &Event{DeliveryID: d.GUID, Name: "issues", Payload: body, ReceivedAt: at}, false); err != nil {
+			if _, err := tx.InsertEvent(ctx, &Event{DeliveryID: d.GUID, Name: "issues", Payload: body, ReceivedAt: at}, false); err != nil {
 				return err
 			}
 		}

@@ -10,9 +10,9 @@ import (
 // alert_outbox, all in one transaction. The alerts go out after the commit
 // (AlertSender): nothing here waits on the network while the transaction is
 // open, and a retried or redelivered message changes nothing the second time.
-func serviceHandler(store *Store, alerter *Alerter, forbidden bool) Handler {
+func serviceHandler(alerter *Alerter, forbidden bool) Handler {
 	return func(ctx context.Context, tx *Tx, ev *Event) error {
-		inserted, err := store.InsertEvent(ctx, tx, ev, forbidden, alerter.Channels(ev)...)
+		inserted, err := tx.InsertEvent(ctx, ev, forbidden, alerter.Channels(ev)...)
 		if err != nil {
 			return err
 		}

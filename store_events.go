@@ -1,0 +1,90 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+	"unsafe"
+)
+
+// Storing a delivery: its raw row, with its statistics, gap and alerts, and
+// each worker's mark that it finished it.
+
+// payloadText is the payload as the TEXT it is stored as, without a copy:
+// string(payload) copied every 25 KB webhook on the Go heap, a sixth of all
+// the daemon allocated end to end, only for the driver to copy it again into
+// SQLite's memory when it binds it (sqlite3_bind_text). The bytes are the
+// delivery's body, which nothing writes to. (A []byte would be bound, and
+// stored, as a BLOB, not as the TEXT the column holds.)
+func payloadText(payload []byte) string {
+	return unsafe.String(unsafe.SliceData(payload), len(payload))
+}
+
+// InsertEvent writes the raw Event, counts it in its 6-hour bucket and
+// queues its alert on each of channels (alert_outbox), in tx. It reports
+// false, and changes nothing but the delivery's duplicate count, when the
+// delivery is already stored: a retried or redelivered message must not
+// count or alert twice.
+func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channels ...string) (inserted bool, err error) {
+	res, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
+		target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (delivery_id) DO NOTHING`,
+		ev.DeliveryID, ev.Name, ev.Action, nullInt(ev.HookID), ev.TargetType, nullInt(ev.TargetID),
+		nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
+		payloadText(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()))
+	if err != nil {
+		return false, fmt.Errorf("insert github: %w", err)
+	}
+	if n, _ := res.RowsAffected(); n == 0 {
+		// Stored before: the story of the delivery says it came again.
+		if _, err := tx.exec(ctx, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = ? WHERE delivery_id = ?",
+			formatTime(time.Now()), ev.DeliveryID); err != nil {
+			return false, fmt.Errorf("count a duplicate: %w", err)
+		}
+		return false, nil
+	}
+	if err := tx.resolveGap(ctx, ev.DeliveryID); err != nil {
+		return false, err
+	}
+	_, err = tx.exec(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES (?, ?, ?, 1)
+		ON CONFLICT (bucket, event, action) DO UPDATE SET count = count + 1`,
+		statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action)
+	if err != nil {
+		return false, fmt.Errorf("count statistics: %w", err)
+	}
+	return true, tx.queueAlerts(ctx, ev.DeliveryID, channels)
+}
+
+// MarkDelivery runs fn and records that worker finished the delivery, in tx,
+// with the outcome fn returns ("" is done). It reports false, without
+// running fn, when the worker already finished it.
+func (tx *Tx) MarkDelivery(ctx context.Context, worker, deliveryID string, fn func(tx *Tx) (outcome string, err error)) (done bool, err error) {
+	res, err := tx.exec(ctx, `INSERT INTO worker_deliveries (worker, delivery_id, processed_at)
+		VALUES (?, ?, ?) ON CONFLICT DO NOTHING`, worker, deliveryID, formatTime(time.Now()))
+	if err != nil {
+		return false, fmt.Errorf("mark delivery: %w", err)
+	}
+	if n, _ := res.RowsAffected(); n == 0 {
+		return false, nil
+	}
+	if fn == nil {
+		return true, nil
+	}
+	outcome, err := fn(tx)
+	if err != nil || outcome == "" {
+		return true, err
+	}
+	_, err = tx.exec(ctx, "UPDATE worker_deliveries SET outcome = ? WHERE worker = ? AND delivery_id = ?", outcome, worker, deliveryID)
+	return true, err
+}
+
+// Finished reports whether worker finished the delivery (MarkDelivery).
+func (s *Store) Finished(ctx context.Context, worker, deliveryID string) (bool, error) {
+	var n int
+	err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM worker_deliveries WHERE worker = ? AND delivery_id = ?",
+		worker, deliveryID).Scan(&n)
+	if err != nil {
+		return false, fmt.Errorf("read worker_deliveries: %w", err)
+	}
+	return n > 0, nil
+}
