@@ -337,6 +337,7 @@ var deliveryTemplate = template.Must(template.Must(template.New("delivery").Func
 </head><body>
 <h1><a href="/status">switchyard</a> · <a href="/status/deliveries">deliveries</a> · {{.GUID}}</h1>
 <table id="story">
+{{range .GitHub}}<tr><th>github attempt</th><td>{{when .DeliveredAt}} {{.StatusCode}} {{.Status}}{{if .Redelivery}} (redelivery){{end}}</td></tr>{{end}}
 {{with .Received}}<tr><th>event</th><td>{{.Event}}{{if .Action}}.{{.Action}}{{end}} on {{.Repository}} by {{.Sender}}</td></tr>
 <tr><th>accepted</th><td>{{when .ReceivedAt}} from {{.SourceIP}}{{if .Forbidden}} (outside the allowed sources: github-forbidden){{end}}</td></tr>
 {{if .TargetType}}<tr><th>hook</th><td>{{.TargetType}} {{.TargetID}}</td></tr>{{end}}

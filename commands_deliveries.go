@@ -60,7 +60,7 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON
 	st, err := store.Story(ctx, guid)
 	waiting := errorWaits(ctx, cfg, guid)
 	if errors.Is(err, ErrUnknownDelivery) && len(waiting) > 0 {
-		st, err = &DeliveryStory{GUID: guid, Workers: []StoryWorker{}, Rows: []StoryRow{}, Alerts: []StoryAlert{}}, nil
+		st, err = &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Workers: []StoryWorker{}, Rows: []StoryRow{}, Alerts: []StoryAlert{}}, nil
 	}
 	if err != nil {
 		return err
@@ -83,6 +83,9 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON
 	defer tw.Flush()
 	when := func(t time.Time) string { return t.UTC().Format(time.RFC3339) }
 	fmt.Fprintf(tw, "delivery\t%s\n", guid)
+	for _, a := range st.GitHub {
+		fmt.Fprintf(tw, "github attempt\t%s\n", attemptLine(a))
+	}
 	if r := st.Received; r != nil {
 		what := r.Event
 		if r.Action != "" {
@@ -151,4 +154,14 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON
 		fmt.Fprintf(stdout, "\n%s\n", st.Payload)
 	}
 	return nil
+}
+
+// attemptLine tells one of GitHub's attempts: when, the status code and
+// status GitHub recorded, and whether it was a redelivery.
+func attemptLine(a StoryAttempt) string {
+	line := fmt.Sprintf("%s %d %s", a.DeliveredAt.UTC().Format(time.RFC3339), a.StatusCode, a.Status)
+	if a.Redelivery {
+		line += " (redelivery)"
+	}
+	return line
 }

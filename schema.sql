@@ -449,3 +449,19 @@ CREATE INDEX worker_deliveries_stale ON worker_deliveries (delivery_id) WHERE ou
 -- (GitHub's redelivery, a broker's); last_duplicate_at: the last time.
 ALTER TABLE github ADD COLUMN duplicates INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE github ADD COLUMN last_duplicate_at TEXT;
+
+-- migration 10: GitHub's attempts
+-- github_attempts: GitHub's own attempts at each delivery, as the hooks
+-- poll lists them (the App's hook deliveries): when, and what switchyard
+-- answered as GitHub saw it, for a delivery's story. Kept as long as GitHub
+-- keeps its deliveries (72 hours).
+CREATE TABLE github_attempts (
+    attempt_id   INTEGER PRIMARY KEY,
+    guid         TEXT NOT NULL,
+    delivered_at TEXT NOT NULL,
+    status_code  INTEGER NOT NULL,
+    status       TEXT NOT NULL,
+    redelivery   INTEGER NOT NULL
+);
+CREATE INDEX github_attempts_guid ON github_attempts (guid);
+CREATE INDEX github_attempts_delivered_at ON github_attempts (delivered_at);

@@ -292,3 +292,31 @@ func (s *Store) GitHubAttempt(ctx context.Context, guid string) (id int64, asked
 	}
 	return id, nil, nil
 }
+
+// maxAttemptStatus bounds the status text kept of one of GitHub's
+// attempts: it comes from GitHub's API, and is a few words.
+const maxAttemptStatus = 200
+
+// RecordAttempts keeps GitHub's attempts the poll listed (an attempt seen
+// before is kept as it was), and forgets at most retentionBatch of those
+// delivered before cutoff, GitHub's 72 hours ago, in one transaction.
+func (s *Store) RecordAttempts(ctx context.Context, attempts []hookDelivery, cutoff time.Time) error {
+	return s.Batch(ctx, func(tx *Tx) error {
+		for _, a := range attempts {
+			status := a.Status
+			if len(status) > maxAttemptStatus {
+				status = strings.ToValidUTF8(status[:maxAttemptStatus], "")
+			}
+			if _, err := tx.exec(ctx, `INSERT INTO github_attempts (attempt_id, guid, delivered_at, status_code, status, redelivery)
+				VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (attempt_id) DO NOTHING`,
+				a.ID, a.GUID, formatTime(a.DeliveredAt), a.StatusCode, status, a.Redelivery); err != nil {
+				return fmt.Errorf("record GitHub's attempts: %w", err)
+			}
+		}
+		if _, err := tx.exec(ctx, `DELETE FROM github_attempts WHERE attempt_id IN
+			(SELECT attempt_id FROM github_attempts WHERE delivered_at < ? LIMIT ?)`, formatTime(cutoff), retentionBatch); err != nil {
+			return fmt.Errorf("forget GitHub's old attempts: %w", err)
+		}
+		return nil
+	})
+}

@@ -9,22 +9,38 @@ import (
 	"time"
 )
 
-// DeliveryStory is what the database knows of one delivery: its raw row,
-// what each worker made of it, the typed rows it wrote, its redelivery
-// through github-hooks, its gap, and its alerts.
+// DeliveryStory is what the database knows of one delivery: GitHub's
+// attempts, its raw row, what each worker made of it, the typed rows it
+// wrote, its redelivery through github-hooks, its gap, and its alerts.
 type DeliveryStory struct {
-	GUID     string        `json:"guid"`
-	Received *StoryReceipt `json:"received,omitempty"`
-	Workers  []StoryWorker `json:"workers"`
-	Rows     []StoryRow    `json:"typed_rows"`
-	Hooks    *StoryHooks   `json:"redelivered_through_hooks,omitempty"`
-	Gap      *deliveryGap  `json:"gap,omitempty"`
-	Alerts   []StoryAlert  `json:"alerts"`
+	GUID string `json:"guid"`
+	// GitHub are GitHub's attempts, oldest first, as the hooks poll listed
+	// them (with the GitHub App configured, for 72 hours).
+	GitHub   []StoryAttempt `json:"github_attempts"`
+	Received *StoryReceipt  `json:"received,omitempty"`
+	Workers  []StoryWorker  `json:"workers"`
+	Rows     []StoryRow     `json:"typed_rows"`
+	Hooks    *StoryHooks    `json:"redelivered_through_hooks,omitempty"`
+	Gap      *deliveryGap   `json:"gap,omitempty"`
+	Alerts   []StoryAlert   `json:"alerts"`
 	// Errors are its messages waiting in -error queues (`deliveries show`
 	// looks; the store does not know them).
 	Errors  []StoryError `json:"waiting_in_error_queues,omitempty"`
 	Payload string       `json:"-"`
 }
+
+// StoryAttempt is one of GitHub's attempts at the delivery: when, and the
+// answer GitHub recorded.
+type StoryAttempt struct {
+	ID          int64     `json:"id"`
+	DeliveredAt time.Time `json:"delivered_at"`
+	StatusCode  int       `json:"status_code"`
+	Status      string    `json:"status"`
+	Redelivery  bool      `json:"redelivery"`
+}
+
+// maxStoryAttempts bounds the attempts a story lists.
+const maxStoryAttempts = 50
 
 // StoryError is one message of the delivery in an -error queue.
 type StoryError struct {
@@ -94,7 +110,7 @@ var storyTables = []struct{ table, key string }{
 
 // Story reads everything the database knows of delivery guid.
 func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) {
-	st := &DeliveryStory{GUID: guid, Workers: []StoryWorker{}, Rows: []StoryRow{}, Alerts: []StoryAlert{}}
+	st := &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Workers: []StoryWorker{}, Rows: []StoryRow{}, Alerts: []StoryAlert{}}
 	var r StoryReceipt
 	var received, stored string
 	var targetID sql.NullInt64
@@ -113,6 +129,22 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	case !errors.Is(err, sql.ErrNoRows):
 		return nil, fmt.Errorf("read github: %w", err)
 	}
+	attempts, err := s.r.QueryContext(ctx, `SELECT attempt_id, delivered_at, status_code, status, redelivery FROM github_attempts
+		WHERE guid = ? ORDER BY delivered_at, attempt_id LIMIT ?`, guid, maxStoryAttempts)
+	if err != nil {
+		return nil, fmt.Errorf("read github_attempts: %w", err)
+	}
+	for attempts.Next() {
+		var a StoryAttempt
+		var at string
+		if err := attempts.Scan(&a.ID, &at, &a.StatusCode, &a.Status, &a.Redelivery); err != nil {
+			attempts.Close()
+			return nil, err
+		}
+		a.DeliveredAt, _ = time.Parse(time.RFC3339Nano, at)
+		st.GitHub = append(st.GitHub, a)
+	}
+	attempts.Close()
 	rows, err := s.r.QueryContext(ctx, "SELECT worker, outcome, processed_at FROM worker_deliveries WHERE delivery_id = ? ORDER BY worker", guid)
 	if err != nil {
 		return nil, fmt.Errorf("read worker_deliveries: %w", err)
@@ -176,7 +208,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		st.Alerts = append(st.Alerts, a)
 	}
 	alerts.Close()
-	if st.Received == nil && len(st.Workers) == 0 && st.Hooks == nil && st.Gap == nil {
+	if st.Received == nil && len(st.Workers) == 0 && st.Hooks == nil && st.Gap == nil && len(st.GitHub) == 0 {
 		return nil, fmt.Errorf("%w: %s", ErrUnknownDelivery, guid)
 	}
 	return st, nil

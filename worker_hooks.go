@@ -63,7 +63,9 @@ type ledgerEntry struct {
 	Event   string
 	Latest  hookDelivery // the latest attempt: what a fetch or a redelivery takes
 	FirstOK time.Time    // the first 2xx attempt; zero when there is none
-	Outcome string
+	// Attempts are every attempt listed, for the delivery's story.
+	Attempts []hookDelivery
+	Outcome  string
 }
 
 // ledgerBook folds GitHub's attempts, page by page, into one entry per
@@ -89,6 +91,7 @@ func (b *ledgerBook) add(page []hookDelivery) {
 			b.byGUID[d.GUID] = e
 			b.entries = append(b.entries, e)
 		}
+		e.Attempts = append(e.Attempts, d)
 		if d.StatusCode >= 200 && d.StatusCode < 300 && (e.FirstOK.IsZero() || d.DeliveredAt.Before(e.FirstOK)) {
 			e.FirstOK = d.DeliveredAt
 		}
@@ -169,6 +172,9 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 	if err != nil {
 		return 0, err
 	}
+	if err := h.recordAttempts(ctx, entries, now); err != nil {
+		return 0, err
+	}
 	checkpoint := now
 	if !complete {
 		checkpoint = since.Add(checkpointOverlap)
@@ -228,6 +234,18 @@ func apiDeliveryProblem(e *ledgerEntry) string {
 		return "GitHub's API listed a delivery no message may carry: " + err.Error()
 	}
 	return ""
+}
+
+// recordAttempts keeps GitHub's attempts of every entry a message could
+// carry, for the deliveries' stories.
+func (h *Hooks) recordAttempts(ctx context.Context, entries []*ledgerEntry, now time.Time) error {
+	var attempts []hookDelivery
+	for _, e := range entries {
+		if apiDeliveryProblem(e) == "" {
+			attempts = append(attempts, e.Attempts...)
+		}
+	}
+	return h.store.RecordAttempts(ctx, attempts, now.Add(-githubRedeliveryWindow))
 }
 
 // gap records a gap the first time a poll finds it, with its alert.

@@ -333,6 +333,9 @@ func TestRedeliverFromDeliveryPage(t *testing.T) {
 	if code != http.StatusOK || token == "" {
 		t.Fatalf("the gap's page: %d, token %q; want 200 with the redeliver form", code, token)
 	}
+	if !strings.Contains(page, "github attempt") || !strings.Contains(page, " 202 Accepted") {
+		t.Errorf("the gap's page does not show GitHub's attempt and its answer:\n%s", page)
+	}
 	client := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 	press := func(token string) (int, string) {
 		req, _ := http.NewRequest(http.MethodPost, d.URL+"/status/deliveries/"+guid+"/redeliver", strings.NewReader("token="+token))

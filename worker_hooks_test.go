@@ -721,3 +721,53 @@ func TestGapRedeliveryRetried(t *testing.T) {
 		t.Errorf("after the second poll: %+v, want the gap marked redelivered", gaps)
 	}
 }
+
+// A poll keeps GitHub's attempts at each delivery, and `deliveries show`
+// tells them with their status codes, oldest first: a delivery GitHub
+// failed to deliver and then redelivered shows both answers. A status text
+// from the API is kept bounded; attempts older than GitHub's 72 hours are
+// forgotten.
+func TestHooksPollKeepsGitHubAttempts(t *testing.T) {
+	t.Parallel()
+	gh := newFakeGitHub(t)
+	guid := newGUID()
+	first := time.Now().UTC().Add(-time.Hour).Truncate(time.Second)
+	gh.add(hookDelivery{ID: 501, GUID: guid, DeliveredAt: first, Status: "Invalid HTTP Response: 502", StatusCode: 502, Event: "issues"}, nil)
+	gh.add(hookDelivery{ID: 502, GUID: guid, DeliveredAt: first.Add(10 * time.Minute), Redelivery: true,
+		Status: "OK" + strings.Repeat(" and on", 2000), StatusCode: 202, Event: "issues"}, nil)
+	hooks, vhost, store, _ := hooksForTest(t, gh)
+	ctx := context.Background()
+	if _, err := store.w.Exec(`INSERT INTO github_attempts (attempt_id, guid, delivered_at, status_code, status, redelivery)
+		VALUES (9, 'long-gone', ?, 202, 'OK', 0)`, formatTime(time.Now().Add(-80*time.Hour))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := hooks.Poll(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	st, err := store.Story(ctx, guid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.GitHub) != 2 || st.GitHub[0].StatusCode != 502 || st.GitHub[1].StatusCode != 202 || !st.GitHub[1].Redelivery {
+		t.Fatalf("the story holds GitHub's attempts %+v, want the 502 and then the 202 redelivery", st.GitHub)
+	}
+	if n := len(st.GitHub[1].Status); n > maxAttemptStatus {
+		t.Errorf("a %d-byte status from the API was kept whole (%d bytes)", 2+7*2000, n)
+	}
+	if _, err := store.Story(ctx, "long-gone"); !errors.Is(err, ErrUnknownDelivery) {
+		t.Errorf("an attempt from 80 hours ago is still known: %v", err)
+	}
+
+	config := writeConfig(t, t.TempDir(), "127.0.0.1:1", store.path, amqpURL(vhost))
+	var out bytes.Buffer
+	if err := run(ctx, []string{"deliveries", "-config", config, "show", guid}, &out, &out); err != nil {
+		t.Fatalf("deliveries show: %v\n%s", err, out.String())
+	}
+	text := out.String()
+	failed := strings.Index(text, first.Format(time.RFC3339)+" 502 Invalid HTTP Response: 502")
+	redelivered := strings.Index(text, first.Add(10*time.Minute).Format(time.RFC3339)+" 202 OK")
+	if failed < 0 || redelivered < failed || !strings.Contains(text, "(redelivery)") {
+		t.Errorf("deliveries show does not tell GitHub's two attempts in order:\n%s", text)
+	}
+}
