@@ -614,3 +614,121 @@ func rawBatchedConsume(b testing.TB, url, queue string, n, window int, db *sql.D
 	}
 	return float64(n) / time.Since(start).Seconds()
 }
+
+// billing is what the billing row measured: the billable AMQP methods
+// (basic.publish, basic.deliver, basic.get-ok: what a plan's quota counts)
+// the WAN proxy saw while the daemon sat idle, and per webhook over the
+// daemon's whole life (start, idle, a steady stream, stop), beside
+// switchyard's own count (broker_usage) over the same life; each
+// webhook's time from its 202 to its typed row; the daemon's CPU per
+// webhook of the stream.
+type billing struct {
+	idle                time.Duration
+	idleWire            int64
+	wirePer, oursPer    float64
+	webhooks            int
+	p50, p99            float64 // ms, 202 to typed row
+	daemonCPUPerWebhook time.Duration
+}
+
+// billingRate and billingWebhooks are the steady stream of the billing
+// row: 20 webhooks a second for 30 s.
+const (
+	billingRate     = 20
+	billingWebhooks = 600
+	billingIdle     = 60 * time.Second
+)
+
+// benchBilling: the real binary with the default config over amqps to a
+// broker behind the WAN proxy, which counts the billable methods that pass
+// it. First billingIdle with nothing to do; then billingWebhooks at a
+// steady billingRate, each timed from its 202 to its github_pull_requests
+// row (the typed row's updated_at, the daemon's clock, which is this
+// machine's); then the daemon stops, which writes its last counts, and its
+// broker_usage over its whole life is set beside the wire's.
+func benchBilling(b *testing.B, payload []byte, rtt time.Duration) billing {
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, 10*time.Minute)
+	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
+	wire := proxy.countFrames()
+	billable := func() int64 { return wire.publish.Load() + wire.deliver.Load() + wire.getOK.Load() }
+	p := startBenchProcess(b, proxy.URL(vhost), "")
+	var res billing
+
+	// Idle: the daemon's workers consume, its fleet keeps alive and checks,
+	// but no webhook comes. (A timed window is the measurement here.)
+	before := billable()
+	time.Sleep(billingIdle)
+	res.idle, res.idleWire = billingIdle, billable()-before
+
+	body := newBotBody(b, payload)
+	client := newLoadClient(p.url, 16)
+	db := openDB(b, p.dbPath)
+	prefix := "bill-" + randHex(3) + "-"
+	var mu sync.Mutex
+	accepted := map[string]time.Time{}
+	var failed atomic.Value
+	var wg sync.WaitGroup
+	cpu0 := p.cpu(b)
+	tick := time.NewTicker(time.Second / billingRate)
+	for i := range billingWebhooks {
+		<-tick.C
+		guid := fmt.Sprintf("%s%d", prefix, i)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := botPost(client, guid, body); err != nil {
+				failed.CompareAndSwap(nil, err)
+				return
+			}
+			at := time.Now()
+			mu.Lock()
+			accepted[guid] = at
+			mu.Unlock()
+		}()
+	}
+	tick.Stop()
+	wg.Wait()
+	if err := failed.Load(); err != nil {
+		b.Fatal(err)
+	}
+	eventually(b, 5*time.Minute, "every webhook in github and github_pull_requests", func() bool {
+		return queryInt(b, db, "SELECT count(*) FROM github WHERE delivery_id LIKE ?", prefix+"%") == billingWebhooks &&
+			queryInt(b, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id LIKE ?", prefix+"%") == billingWebhooks
+	})
+	res.daemonCPUPerWebhook = (p.cpu(b) - cpu0) / billingWebhooks
+	res.webhooks = billingWebhooks
+
+	var lat []float64
+	rows, err := db.Query(`SELECT delivery_id, updated_at FROM github_pull_requests WHERE delivery_id LIKE ?`, prefix+"%")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for rows.Next() {
+		var id, at string
+		if err := rows.Scan(&id, &at); err != nil {
+			b.Fatal(err)
+		}
+		t, err := time.Parse(time.RFC3339Nano, at)
+		if err != nil {
+			b.Fatal(err)
+		}
+		lat = append(lat, float64(t.Sub(accepted[id]).Microseconds())/1000)
+	}
+	rows.Close()
+	sort.Float64s(lat)
+	res.p50, res.p99 = lat[len(lat)/2], lat[len(lat)*99/100]
+
+	// Stopped, the daemon writes what it counted since its last write.
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		b.Fatal(err)
+	}
+	_ = p.cmd.Wait()
+	total := billable()
+	ours := int64(queryInt(b, db, "SELECT coalesce(sum(published + delivered), 0) FROM broker_usage"))
+	if ours != total {
+		b.Errorf("billing: switchyard counted %d billable messages, the wire carried %d", ours, total)
+	}
+	res.wirePer, res.oursPer = float64(total)/billingWebhooks, float64(ours)/billingWebhooks
+	return res
+}

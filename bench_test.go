@@ -46,7 +46,8 @@ func BenchmarkSwitchyard(b *testing.B) {
 
 	// BENCH_ROWS picks rows by name (all by default): ingest, consume,
 	// drain, e2e, switch (localhost); wan-ingest, wan-e2e, burst, wan-drain
-	// (over the WAN proxy, at each BENCH_RTT); dbsize, bigtable, rss, cpu.
+	// (over the WAN proxy, at each BENCH_RTT); billing (at 50ms); dbsize,
+	// bigtable, rss, cpu.
 	want := func(row string) bool {
 		rows := os.Getenv("BENCH_ROWS")
 		return rows == "" || strings.Contains(","+rows+",", ","+row+",")
@@ -94,6 +95,17 @@ func BenchmarkSwitchyard(b *testing.B) {
 		if want("burst") {
 			p50, p99 := benchBurst(b, payload, 50*time.Millisecond)
 			rows = append(rows, row{name: "burst: 2,000 from 200 connections at 50ms: p50 / p99", ours: fmt.Sprintf("%.0f / %.0f ms, all 202", p50, p99), aim: "all 202, p99 < 250 ms"})
+		}
+		if want("billing") {
+			bl := benchBilling(b, payload, 50*time.Millisecond)
+			rows = append(rows, row{name: "billable messages per webhook, steady 20/s at 50ms: switchyard's count / the wire's",
+				ours: fmt.Sprintf("%.2f", bl.oursPer), base: fmt.Sprintf("%.2f on the wire", bl.wirePer), aim: "<= 3.0, equal"})
+			rows = append(rows, row{name: fmt.Sprintf("billable messages per idle hour, default config (%s idle, scaled)", bl.idle),
+				ours: fmt.Sprintf("%.0f", float64(bl.idleWire)*float64(time.Hour)/float64(bl.idle)), aim: "0"})
+			rows = append(rows, row{name: "202 -> typed row at a steady 20/s at 50ms: p50 / p99",
+				ours: fmt.Sprintf("%.0f / %.0f ms", bl.p50, bl.p99), aim: "p99 < 4 RTT + 100 ms = 300 ms"})
+			rows = append(rows, row{name: "daemon CPU per webhook end to end, steady 20/s at 50ms",
+				ours: fmt.Sprintf("%d us", bl.daemonCPUPerWebhook.Microseconds()), aim: "printed"})
 		}
 		if want("wan-drain") {
 			ours, base := benchWANDrain(b, payload, 50*time.Millisecond)

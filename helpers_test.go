@@ -606,10 +606,6 @@ func (p *tcpProxy) serve() {
 }
 
 func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
-	if p.delay > 0 {
-		p.delayedPipe(dst, src)
-		return
-	}
 	p.mu.Lock()
 	var scan *frameScanner
 	if p.frames != nil {
@@ -619,6 +615,10 @@ func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
 		}
 	}
 	p.mu.Unlock()
+	if p.delay > 0 {
+		p.delayedPipe(dst, src, scan)
+		return
+	}
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
@@ -642,11 +642,12 @@ func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
 }
 
 // delayedPipe forwards src to dst, each chunk delay after it arrived, in
-// order, with no limit on bandwidth: a WAN link's latency, one way. The
+// order, with no limit on bandwidth: a WAN link's latency, one way. scan,
+// when set, counts the billable methods as they arrive. The
 // chunks that are due together go out in one write, and read buffers are
 // reused: the proxy stands in for the internet, which takes none of the
 // machine's two cores, so it should take as little of them as it can.
-func (p *tcpProxy) delayedPipe(dst, src net.Conn) {
+func (p *tcpProxy) delayedPipe(dst, src net.Conn, scan *frameScanner) {
 	type chunk struct {
 		buf *[]byte
 		n   int
@@ -658,6 +659,9 @@ func (p *tcpProxy) delayedPipe(dst, src net.Conn) {
 		for {
 			buf := proxyBuffers.Get().(*[]byte)
 			n, err := src.Read(*buf)
+			if n > 0 && scan != nil {
+				scan.feed((*buf)[:n])
+			}
 			if n > 0 {
 				q <- chunk{buf, n, time.Now().Add(p.delay)}
 			} else {
