@@ -163,6 +163,8 @@ func alertText(ev *Event, forbidden bool) (subject, body, link string) {
 		return unrecoverableText(ev)
 	case "budget":
 		return budgetText(ev)
+	case "blocked":
+		return blockedText(ev)
 	}
 	what := ev.Name
 	if ev.Action != "" {
@@ -260,6 +262,24 @@ A free plan that runs out blocks or refuses the connection: webhooks then get 50
 /status shows each broker's use and the month-end projection; move the producer to
 another broker, or raise the plan.
 `, broker, what, month)
+	return subject, body, ""
+}
+
+// blockedText announces a broker blocking switchyard's connection: ev.DeliveryID
+// is "blocked:HOST/VHOST since TIME because REASON" (blockedAlertID).
+func blockedText(ev *Event) (subject, body, link string) {
+	broker, rest, _ := strings.Cut(strings.TrimPrefix(ev.DeliveryID, "blocked:"), " since ")
+	since, reason, _ := strings.Cut(rest, " because ")
+	subject = fmt.Sprintf("Broker blocked: %s blocks publishing (%s)", broker, reason)
+	body = fmt.Sprintf(`The broker %s blocked switchyard's connection at %s: %s.
+
+While it blocks, webhooks are answered 503 with Retry-After, and GitHub records
+them as failed; the hooks worker has GitHub deliver them again once a broker
+takes them. A broker blocks when it runs low on memory or disk, or when a plan's
+quota is spent. With queue.rotate_on_budget, a block longer than
+queue.blocked_rotate_after moves publishing to the next broker under budget.
+/status shows the block while it holds.
+`, broker, since, reason)
 	return subject, body, ""
 }
 

@@ -1,8 +1,11 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
+	"io"
 	"net/http"
+	"net/http/httptest"
 	"os/exec"
 	"strings"
 	"testing"
@@ -20,6 +23,14 @@ func TestFaultBrokerBlocked(t *testing.T) {
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the block's, not the timeout's
 	cfg.Log.Level = "info"
+	pushed := make(chan string, 10)
+	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		pushed <- r.Header.Get("Title") + "\n" + string(body)
+	}))
+	t.Cleanup(push.Close)
+	cfg.Alerts = AlertsConfig{Rules: []AlertRule{{Events: []string{"blocked"}, Channels: []string{"push"}}},
+		Push: PushConfig{URL: push.URL}}
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")
 	before := newGUID()
@@ -47,12 +58,29 @@ func TestFaultBrokerBlocked(t *testing.T) {
 	if err := json.Unmarshal([]byte(raw), &st); err != nil || len(st.Brokers) != 1 || st.Brokers[0].Blocked == "" {
 		t.Errorf("the status while blocked: %v %+v, want broker #0 blocked", err, st.Brokers)
 	}
+	// One alert for the block, however often the budget checks while it holds.
+	db := openDB(t, cfg.Database.Path)
+	for range 3 {
+		if err := d.budget.Flush(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id LIKE 'blocked:%' AND channel = 'push'"); n != 1 {
+		t.Errorf("alerts of the block: %d, want 1", n)
+	}
+	select {
+	case text := <-pushed:
+		if !strings.Contains(text, "Broker blocked") || !strings.Contains(text, "memory") {
+			t.Errorf("the block's alert reads:\n%s\nwant it to name the block and its reason", text)
+		}
+	case <-time.After(30 * time.Second):
+		t.Error("the block's alert was not sent")
+	}
 
 	restore()
 	eventually(t, 60*time.Second, "webhooks accepted again", func() bool {
 		return postWebhook(t, d.URL, "issues", newGUID(), body) == http.StatusAccepted
 	})
-	db := openDB(t, cfg.Database.Path)
 	eventually(t, 60*time.Second, "the delivery accepted before the block stored", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", before) == 1
 	})

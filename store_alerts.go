@@ -31,11 +31,13 @@ type outboxAlert struct {
 // oldest first, with their Events. A gap's alert (gapAlertID) reads as an
 // Event named "gap" whose action is the missing delivery's event, the alert
 // that a gap was given up on (unrecoverableAlertID) as one named
-// "unrecoverable", with the reason as its payload.
+// "unrecoverable", with the reason as its payload; a broker's budget and
+// block alerts as "budget" and "blocked", their id telling the rest.
 func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, limit int) ([]outboxAlert, error) {
 	rows, err := s.r.QueryContext(ctx, `SELECT o.id, o.attempts, coalesce(g.forbidden, 0),
 			coalesce(g.delivery_id, dg.guid, o.delivery_id),
-			coalesce(g.event, CASE WHEN o.delivery_id LIKE 'gap:%' THEN 'gap' WHEN o.delivery_id LIKE 'budget:%' THEN 'budget' ELSE 'unrecoverable' END),
+			coalesce(g.event, CASE WHEN o.delivery_id LIKE 'gap:%' THEN 'gap' WHEN o.delivery_id LIKE 'budget:%' THEN 'budget'
+				WHEN o.delivery_id LIKE 'blocked:%' THEN 'blocked' ELSE 'unrecoverable' END),
 			coalesce(g.action, dg.event, ''), coalesce(g.repository, ''), coalesce(g.sender, ''), coalesce(g.source_ip, ''),
 			coalesce(g.payload, dg.last_error, '{}'), coalesce(g.received_at, dg.delivered_at, o.created_at)
 		FROM alert_outbox o
@@ -43,7 +45,7 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 		LEFT JOIN delivery_gaps dg ON (o.delivery_id LIKE 'gap:%' AND dg.guid = substr(o.delivery_id, 5))
 			OR (o.delivery_id LIKE 'unrecoverable:%' AND dg.guid = substr(o.delivery_id, 15))
 		WHERE o.channel = ? AND o.sent_at IS NULL AND o.next_at <= ?
-			AND (g.id IS NOT NULL OR dg.guid IS NOT NULL OR o.delivery_id LIKE 'budget:%')
+			AND (g.id IS NOT NULL OR dg.guid IS NOT NULL OR o.delivery_id LIKE 'budget:%' OR o.delivery_id LIKE 'blocked:%')
 		ORDER BY o.next_at, o.id LIMIT ?`,
 		channel, formatTime(now), limit)
 	if err != nil {

@@ -99,6 +99,9 @@ func (b *Budget) Flush(ctx context.Context) error {
 		b.queues.ReturnUsage(usage)
 		return err
 	}
+	if err := b.alertBlocks(ctx); err != nil {
+		return err
+	}
 	views, err := b.Views(ctx, now)
 	if err != nil {
 		return err
@@ -191,6 +194,29 @@ func (b *Budget) Views(ctx context.Context, now time.Time) ([]BudgetView, error)
 		out = append(out, v)
 	}
 	return out, nil
+}
+
+// alertBlocks queues one alert (rule event "blocked") per block a broker
+// announced (connection.blocked) that still holds at a check, every
+// budgetEvery: a block lifted within seconds pages nobody. The queue logs
+// each block as it begins and ends.
+func (b *Budget) alertBlocks(ctx context.Context) error {
+	for _, br := range b.brokers {
+		blk, blocked := b.queues.Blocked(br)
+		if !blocked {
+			continue
+		}
+		id := blockedAlertID(usageKey(br.Host, br.Vhost), blk.Since, blk.Reason)
+		if _, err := b.store.QueueOwnAlert(ctx, id, b.alerter.ChannelsFor(AlertIntent{Name: "blocked"})); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// blockedAlertID names the alert of one block of broker ("HOST/VHOST").
+func blockedAlertID(broker string, since time.Time, reason string) string {
+	return fmt.Sprintf("blocked:%s since %s because %s", broker, since.UTC().Format(time.RFC3339Nano), reason)
 }
 
 // alert queues the budget alerts v's spending calls for, each once per
