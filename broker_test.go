@@ -720,6 +720,13 @@ func TestQueuesAndReplayCommands(t *testing.T) {
 	if got := ready(t, a, queueGitHub); got != 4 {
 		t.Errorf("github after full replay: got %d, want 4", got)
 	}
+	// Each message moved is a basic.get-ok and a publish on broker a: the
+	// command counts them in broker_usage, as the daemon counts its own.
+	db := openDB(t, dir+"/switchyard.db")
+	if pub, del := queryInt(t, db, "SELECT coalesce(sum(published), 0) FROM broker_usage"),
+		queryInt(t, db, "SELECT coalesce(sum(delivered), 0) FROM broker_usage"); pub != 3 || del != 3 {
+		t.Errorf("broker_usage after replaying 3 messages: %d published, %d delivered; want 3 and 3", pub, del)
+	}
 	// A replayed message starts its attempts anew.
 	for i := 0; i < 4; i++ {
 		m := getOne(t, a, queueGitHub)

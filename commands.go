@@ -465,6 +465,12 @@ func replay(ctx context.Context, cfg *Config, log *slog.Logger, queue string, op
 	}
 	queues := operatorQueues(cfg, brokers.List(), log)
 	defer queues.Close()
+	// What the replay spends counts against the brokers' budgets too.
+	defer func() {
+		if err := WriteUsage(context.WithoutCancel(ctx), store, queues, time.Now()); err != nil {
+			log.Warn("the messages this replay spent are not counted in broker_usage", "error", err)
+		}
+	}()
 
 	if opts.DryRun {
 		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)

@@ -23,8 +23,9 @@ const errorPeekLimit = 1000
 
 // errorWaits finds delivery guid's messages in the -error queues of every
 // broker, with why they are there; they stay where they are. A broker that
-// does not answer is left out.
-func errorWaits(ctx context.Context, cfg *Config, guid string) []StoryError {
+// does not answer is left out. Each message looked at is a basic.get-ok a
+// plan counts: they are added to store's broker_usage.
+func errorWaits(ctx context.Context, cfg *Config, store *Store, guid string) []StoryError {
 	var brokers []*Broker
 	for i, bc := range cfg.Brokers {
 		if b, err := ParseBroker(i, bc.URL); err == nil {
@@ -33,6 +34,7 @@ func errorWaits(ctx context.Context, cfg *Config, guid string) []StoryError {
 	}
 	q := operatorQueues(cfg, brokers, slog.New(slog.DiscardHandler))
 	defer q.Close()
+	defer func() { _ = WriteUsage(context.WithoutCancel(ctx), store, q, time.Now()) }()
 	var out []StoryError
 	for _, b := range brokers {
 		for _, queue := range logicalQueues {
@@ -58,7 +60,7 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON
 	}
 	defer store.Close()
 	st, err := store.Story(ctx, guid)
-	waiting := errorWaits(ctx, cfg, guid)
+	waiting := errorWaits(ctx, cfg, store, guid)
 	if errors.Is(err, ErrUnknownDelivery) && len(waiting) > 0 {
 		st, err = &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Workers: []StoryWorker{}, Rows: []StoryRow{}, Alerts: []StoryAlert{}}, nil
 	}

@@ -90,13 +90,7 @@ func (b *Budget) Run(ctx context.Context) error {
 // gauges and queues the alerts the budgets call for.
 func (b *Budget) Flush(ctx context.Context) error {
 	now := time.Now()
-	usage := b.queues.TakeUsage()
-	rows := make([]usageRow, 0, len(usage))
-	for _, u := range usage {
-		rows = append(rows, usageRow{Broker: usageKey(u.Broker.Host, u.Broker.Vhost), Published: u.Published, Delivered: u.Delivered})
-	}
-	if err := b.store.AddBrokerUsage(ctx, now, rows); err != nil {
-		b.queues.ReturnUsage(usage)
+	if err := WriteUsage(ctx, b.store, b.queues, now); err != nil {
 		return err
 	}
 	if err := b.alertBlocks(ctx); err != nil {
@@ -116,6 +110,24 @@ func (b *Budget) Flush(ctx context.Context) error {
 	}
 	if b.rotate {
 		return b.rotateIfSpent(ctx, views, now)
+	}
+	return nil
+}
+
+// WriteUsage adds what queues counted since it was last taken (publishes,
+// deliveries, basic.get-oks) to broker_usage, in the hour of now; what it
+// cannot write goes back to the counts. The daemon's Budget calls it every
+// budgetEvery; a command that spends messages (replay, the -error peeks of
+// deliveries show) calls it before it ends.
+func WriteUsage(ctx context.Context, store *Store, queues *Queues, now time.Time) error {
+	usage := queues.TakeUsage()
+	rows := make([]usageRow, 0, len(usage))
+	for _, u := range usage {
+		rows = append(rows, usageRow{Broker: usageKey(u.Broker.Host, u.Broker.Vhost), Published: u.Published, Delivered: u.Delivered})
+	}
+	if err := store.AddBrokerUsage(ctx, now, rows); err != nil {
+		queues.ReturnUsage(usage)
+		return err
 	}
 	return nil
 }
