@@ -80,8 +80,12 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	store.RegisterMetrics(metrics)
 	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
 	consumed := consumedQueues(cfg)
+	d.budget = NewBudget(cfg, brokers, queues, store, d.alerter, metrics, log)
 	worker := func(o WorkerOptions) *Worker {
 		o.Consumed, o.Metrics = consumed, metrics
+		if o.Batch != nil {
+			o.Usage = d.budget
+		}
 		return NewWorker(o, w, brokers, queues, log)
 	}
 	retention := NewRetention(store, cfg.Database, log.With("worker", "cleanup"))
@@ -117,7 +121,6 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 				return err
 			}}))
 	}
-	d.budget = NewBudget(cfg, brokers, queues, store, d.alerter, metrics, log)
 	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.budget, hooks, log)
 	return d, nil
 }

@@ -16,22 +16,21 @@ type usageRow struct {
 // reordered [[brokers]] list keeps each broker's spending its own.
 func usageKey(host, vhost string) string { return host + "/" + vhost }
 
-// AddBrokerUsage adds rows to the hour of at, in one transaction.
-func (s *Store) AddBrokerUsage(ctx context.Context, at time.Time, rows []usageRow) error {
+// AddBrokerUsage adds rows to the hour of at, in tx; a row of nothing
+// writes nothing.
+func (tx *Tx) AddBrokerUsage(ctx context.Context, at time.Time, rows []usageRow) error {
 	hour := formatTime(at.UTC().Truncate(time.Hour))
-	return s.Batch(ctx, func(tx *Tx) error {
-		for _, r := range rows {
-			if r.Published == 0 && r.Delivered == 0 {
-				continue
-			}
-			if _, err := tx.exec(ctx, `INSERT INTO broker_usage (broker, hour, published, delivered) VALUES (?, ?, ?, ?)
-				ON CONFLICT (broker, hour) DO UPDATE SET published = published + excluded.published,
-				delivered = delivered + excluded.delivered`, r.Broker, hour, r.Published, r.Delivered); err != nil {
-				return fmt.Errorf("write broker_usage: %w", err)
-			}
+	for _, r := range rows {
+		if r.Published == 0 && r.Delivered == 0 {
+			continue
 		}
-		return nil
-	})
+		if _, err := tx.exec(ctx, `INSERT INTO broker_usage (broker, hour, published, delivered) VALUES (?, ?, ?, ?)
+			ON CONFLICT (broker, hour) DO UPDATE SET published = published + excluded.published,
+			delivered = delivered + excluded.delivered`, r.Broker, hour, r.Published, r.Delivered); err != nil {
+			return fmt.Errorf("write broker_usage: %w", err)
+		}
+	}
+	return nil
 }
 
 // BrokerUsageSince sums what broker cost in the hours from since on.

@@ -24,6 +24,9 @@ type WorkerOptions struct {
 	// Batch, when set, lets a cycle commit several messages at once (a
 	// window's half); nil handles each on its own.
 	Batch Batcher
+	// Usage, when set, writes the brokers' counted messages in the
+	// transactions Batch commits.
+	Usage *Budget
 	// Window is how long one cycle consumes the active broker.
 	Window time.Duration
 	// Every, when set, is the pause between cycles (cleanup runs hourly);
@@ -255,5 +258,5 @@ func (w *Worker) consumeOptions(log *slog.Logger) ConsumeOptions {
 	if w.HandleMessages != nil {
 		return ConsumeOptions{Queue: w.Queue, Handle: w.HandleMessages, Log: log}
 	}
-	return EventOptions{Queue: w.Queue, Handle: w.Handle, Prepare: w.Prepare, Batch: w.Batch, Log: log}.consume()
+	return EventOptions{Queue: w.Queue, Handle: w.Handle, Prepare: w.Prepare, Batch: w.Batch, Usage: w.Usage, Log: log}.consume()
 }

@@ -42,6 +42,9 @@ type EventOptions struct {
 	// Batch, when set, commits a window's half at once; nil hands each
 	// message over on its own, with no transaction.
 	Batch Batcher
+	// Usage, when set, writes the brokers' counted messages in each
+	// transaction a batch commits.
+	Usage *Budget
 	Log   *slog.Logger
 }
 
@@ -65,15 +68,24 @@ func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error,
 		}
 		return verdicts, nil
 	case len(msgs) == 1:
-		verdicts[0] = next(0).handleAlone(ctx, o.Batch, o.Handle)
+		verdicts[0] = next(0).handleAlone(ctx, o.Batch, o.Handle, o.Usage)
 		return verdicts, nil
 	}
+	var undo func()
 	err := o.Batch.Batch(ctx, func(tx *Tx) error {
 		for i := range msgs {
 			verdicts[i] = next(i).handle(ctx, tx, o.Handle)
 		}
-		return ctx.Err()
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		var err error
+		undo, err = o.Usage.addUsageIn(ctx, tx)
+		return err
 	})
+	if err != nil && undo != nil {
+		undo()
+	}
 	return verdicts, err
 }
 
@@ -180,21 +192,28 @@ func loggerFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
 
 // handleAlone runs h on a lone decoded message in a transaction of its own,
 // without a savepoint: a failure rolls it back, a duplicate commits what
-// its handler wrote of it (the receipt's count).
-func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler) error {
+// its handler wrote of it (the receipt's count), with the brokers' counts
+// (usage) when it commits.
+func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *Budget) error {
 	if m.err != nil {
 		return verdict(m.err)
 	}
 	ctx = withLogger(ctx, m.log)
 	var handled error
+	var undo func()
 	err := b.Batch(ctx, func(tx *Tx) error {
 		handled = h(ctx, tx, m.ev)
-		if errors.Is(handled, ErrDuplicate) {
-			return nil
+		if handled != nil && !errors.Is(handled, ErrDuplicate) {
+			return handled
 		}
-		return handled
+		var err error
+		undo, err = usage.addUsageIn(ctx, tx)
+		return err
 	})
 	if err != nil {
+		if undo != nil {
+			undo()
+		}
 		return verdict(err)
 	}
 	return verdict(handled)

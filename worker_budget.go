@@ -11,9 +11,11 @@ import (
 // and the budgets checked.
 const budgetEvery = 10 * time.Second
 
-// Budget keeps what each broker costs: it writes the messages the queues
-// counted (publishes, deliveries and basic.get-oks) to broker_usage, so that
-// they survive restarts, sets the budget gauges, and alerts once per broker
+// Budget keeps what each broker costs: the messages the queues counted
+// (publishes, deliveries and basic.get-oks) go to broker_usage, so that they
+// survive restarts, in the transactions the workers' batches commit and,
+// for what is left (publishes while nothing is consumed), every
+// budgetEvery and at shutdown; it sets the budget gauges, and alerts once per broker
 // and budget month when a broker passes queue.budget_warn_at of its
 // monthly_messages, and once when it passes all of it. It talks to no
 // broker: an idle daemon spends nothing on it.
@@ -121,15 +123,54 @@ func (b *Budget) Flush(ctx context.Context) error {
 // deliveries show) calls it before it ends.
 func WriteUsage(ctx context.Context, store *Store, queues *Queues, now time.Time) error {
 	usage := queues.TakeUsage()
+	if !spentAny(usage) {
+		return nil
+	}
+	err := store.Batch(ctx, func(tx *Tx) error { return tx.AddBrokerUsage(ctx, now, usageRows(usage)) })
+	if err != nil {
+		queues.ReturnUsage(usage)
+	}
+	return err
+}
+
+// addUsageIn adds what the queues counted since it was last taken to
+// broker_usage in tx, the transaction a batch of consumed messages commits
+// in: a message's delivery is counted with the commit of what it did, and
+// a daemon at work writes no transaction of its own for its counts. undo
+// gives the counts back, for a transaction that did not commit. A nil
+// Budget counts nothing.
+func (b *Budget) addUsageIn(ctx context.Context, tx *Tx) (undo func(), err error) {
+	if b == nil {
+		return func() {}, nil
+	}
+	usage := b.queues.TakeUsage()
+	if !spentAny(usage) {
+		return func() {}, nil
+	}
+	if err := tx.AddBrokerUsage(ctx, time.Now(), usageRows(usage)); err != nil {
+		b.queues.ReturnUsage(usage)
+		return func() {}, err
+	}
+	return func() { b.queues.ReturnUsage(usage) }, nil
+}
+
+// usageRows are usage as broker_usage keeps it.
+func usageRows(usage []BrokerUsage) []usageRow {
 	rows := make([]usageRow, 0, len(usage))
 	for _, u := range usage {
 		rows = append(rows, usageRow{Broker: usageKey(u.Broker.Host, u.Broker.Vhost), Published: u.Published, Delivered: u.Delivered})
 	}
-	if err := store.AddBrokerUsage(ctx, now, rows); err != nil {
-		queues.ReturnUsage(usage)
-		return err
+	return rows
+}
+
+// spentAny reports whether usage counts any message.
+func spentAny(usage []BrokerUsage) bool {
+	for _, u := range usage {
+		if u.Published != 0 || u.Delivered != 0 {
+			return true
+		}
 	}
-	return nil
+	return false
 }
 
 // spent reports whether broker i counts as out of budget: past rotate_at

@@ -126,7 +126,9 @@ func TestRotateOnBudget(t *testing.T) {
 					t.Fatal(err)
 				}
 				store.Migrate(ctx)
-				if err := store.AddBrokerUsage(ctx, time.Now(), []usageRow{{Broker: usageKey("127.0.0.1", b), Published: 10}}); err != nil {
+				if err := store.Batch(ctx, func(tx *Tx) error {
+					return tx.AddBrokerUsage(ctx, time.Now(), []usageRow{{Broker: usageKey("127.0.0.1", b), Published: 10}})
+				}); err != nil {
 					t.Fatal(err)
 				}
 				store.Close()
@@ -225,5 +227,45 @@ func TestUsageMatchesTheWire(t *testing.T) {
 	if wire.publish.Load() < 13 || wire.deliver.Load() < 25 || wire.getOK.Load() != 1 {
 		t.Errorf("the wire carried %d publishes, %d deliveries, %d get-oks; want at least 13, 25 (two a webhook, one for the replayed message) and exactly 1",
 			wire.publish.Load(), wire.deliver.Load(), wire.getOK.Load())
+	}
+}
+
+// A batch of consumed messages commits the deliveries the broker counted
+// for it in its own transaction: with no Budget running (nothing flushes),
+// broker_usage holds every delivery the wire carried once the rows are
+// stored (more than one a message: a consumer that resizes its window has
+// the messages it held sent again, and the broker counts them again).
+func TestUsageInBatchTransactions(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	wire := proxy.countFrames()
+	cfg := testConfig(t, proxy.URL(vhost))
+	p := newParts(t, cfg)
+	if err := p.queues.Reachable(context.Background(), p.brokers.List()[0]); err != nil { // declares the topology
+		t.Fatal(err)
+	}
+	budget := NewBudget(cfg, p.brokers, p.queues, p.store, nil, nil, p.log) // never Run
+	body := loadFixture(t, "issues", "opened")
+	for range 40 {
+		publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", newGUID(), body))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, false),
+			Batch: p.store, Usage: budget, Log: p.log}.consume())
+		close(done)
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 30*time.Second, "every delivery stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github") == 40
+	})
+	eventually(t, 10*time.Second, "every delivery on the wire counted with a batch", func() bool {
+		return int64(queryInt(t, db, "SELECT coalesce(sum(delivered), 0) FROM broker_usage")) == wire.deliver.Load()
+	})
+	if wire.deliver.Load() < 40 {
+		t.Errorf("the wire carried %d deliveries of 40 messages", wire.deliver.Load())
 	}
 }
