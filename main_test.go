@@ -774,8 +774,11 @@ func TestDeliveriesShow(t *testing.T) {
 		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = ?", stored) == 1
 	})
 	gap := newGUID()
-	if _, err := d.store.RecordGap(context.Background(), deliveryGap{GUID: gap, DeliveryID: 7, Event: "issues",
-		DeliveredAt: time.Now().Add(-5 * time.Hour), FoundAt: time.Now()}, nil); err != nil {
+	if err := d.store.Batch(context.Background(), func(tx *Tx) error {
+		_, err := tx.RecordGap(context.Background(), deliveryGap{GUID: gap, DeliveryID: 7, Event: "issues",
+			DeliveredAt: time.Now().Add(-5 * time.Hour), FoundAt: time.Now()}, nil)
+		return err
+	}); err != nil {
 		t.Fatal(err)
 	}
 	failed := eventMessage("issues", newGUID(), loadFixture(t, "issues", "opened"))

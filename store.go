@@ -92,11 +92,9 @@ func (s *Store) Close() error {
 	return errors.Join(s.r.Close(), s.w.Close())
 }
 
-// Tx is one write transaction on the writer connection. A write that joins
-// others (a delivery stored, its rows, its worker's mark) is a method of
-// Tx, and a caller without one opens it with Store.Batch; a write that is a
-// unit of its own (an alert marked sent, a retention batch) is a Store
-// method that opens its own. Nothing else reaches the writer. It is a value passed along, never carried in a context, so that a
+// Tx is one write transaction on the writer connection. Every write is a
+// method of Tx, and Store.Batch is the one way to open one: the caller says
+// what commits together. Nothing else reaches the writer. It is a value passed along, never carried in a context, so that a
 // callee writes inside a transaction only when its caller hands it one. No
 // network I/O may happen while one is open.
 type Tx struct {
@@ -307,45 +305,36 @@ func (s *Store) Backup(ctx context.Context, dest string) error {
 const retentionBatch = 1000
 
 // PrunePayloadsBefore empties the payload of at most retentionBatch raw
-// github rows received before cutoff, in one transaction, and returns how
-// many it pruned. The rows stay, as the deliveries' identities.
-func (s *Store) PrunePayloadsBefore(ctx context.Context, cutoff time.Time) (int64, error) {
-	var n int64
-	err := s.Batch(ctx, func(tx *Tx) error {
-		res, err := tx.exec(ctx, `UPDATE github SET payload = '', payload_pruned_at = ? WHERE id IN
-			(SELECT id FROM github WHERE received_at < ? AND payload_pruned_at IS NULL ORDER BY received_at LIMIT ?)`,
-			formatTime(time.Now()), formatTime(cutoff), retentionBatch)
-		if err != nil {
-			return fmt.Errorf("prune raw payloads: %w", err)
-		}
-		n, err = res.RowsAffected()
-		return err
-	})
-	return n, err
+// github rows received before cutoff, in tx, and returns how many it
+// pruned. The rows stay, as the deliveries' identities.
+func (tx *Tx) PrunePayloadsBefore(ctx context.Context, cutoff time.Time) (int64, error) {
+	res, err := tx.exec(ctx, `UPDATE github SET payload = '', payload_pruned_at = ? WHERE id IN
+		(SELECT id FROM github WHERE received_at < ? AND payload_pruned_at IS NULL ORDER BY received_at LIMIT ?)`,
+		formatTime(time.Now()), formatTime(cutoff), retentionBatch)
+	if err != nil {
+		return 0, fmt.Errorf("prune raw payloads: %w", err)
+	}
+	return res.RowsAffected()
 }
 
 // DeleteIdentitiesBefore deletes at most retentionBatch deliveries received
-// before cutoff, in one transaction: their github rows and the records of
+// before cutoff, in tx: their github rows and the records of
 // which workers finished them. Statistics and typed tables stay. It returns
 // how many github rows it deleted.
-func (s *Store) DeleteIdentitiesBefore(ctx context.Context, cutoff time.Time) (int64, error) {
-	var n int64
-	err := s.Batch(ctx, func(tx *Tx) error {
-		res, err := tx.exec(ctx, `DELETE FROM github WHERE id IN
-			(SELECT id FROM github WHERE received_at < ? ORDER BY received_at LIMIT ?)`, formatTime(cutoff), retentionBatch)
-		if err != nil {
-			return fmt.Errorf("delete delivery identities: %w", err)
-		}
-		n, err = res.RowsAffected()
-		if err != nil {
-			return err
-		}
-		_, err = tx.exec(ctx, `DELETE FROM worker_deliveries WHERE (worker, delivery_id) IN
-			(SELECT worker, delivery_id FROM worker_deliveries WHERE processed_at < ? LIMIT ?)`, formatTime(cutoff), retentionBatch)
-		if err != nil {
-			return fmt.Errorf("delete worker records: %w", err)
-		}
-		return nil
-	})
-	return n, err
+func (tx *Tx) DeleteIdentitiesBefore(ctx context.Context, cutoff time.Time) (int64, error) {
+	res, err := tx.exec(ctx, `DELETE FROM github WHERE id IN
+		(SELECT id FROM github WHERE received_at < ? ORDER BY received_at LIMIT ?)`, formatTime(cutoff), retentionBatch)
+	if err != nil {
+		return 0, fmt.Errorf("delete delivery identities: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, err
+	}
+	_, err = tx.exec(ctx, `DELETE FROM worker_deliveries WHERE (worker, delivery_id) IN
+		(SELECT worker, delivery_id FROM worker_deliveries WHERE processed_at < ? LIMIT ?)`, formatTime(cutoff), retentionBatch)
+	if err != nil {
+		return 0, fmt.Errorf("delete worker records: %w", err)
+	}
+	return n, nil
 }

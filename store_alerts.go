@@ -71,31 +71,27 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 
 // AlertSent marks an alert sent, and the delivery alerted once none of its
 // alerts waits any more. (A gap's alert has no github row to mark.)
-func (s *Store) AlertSent(ctx context.Context, id int64, deliveryID string) error {
-	return s.Batch(ctx, func(tx *Tx) error {
-		now := formatTime(time.Now())
-		if _, err := tx.exec(ctx, "UPDATE alert_outbox SET sent_at = ? WHERE id = ?", now, id); err != nil {
-			return fmt.Errorf("mark alert sent: %w", err)
-		}
-		_, err := tx.exec(ctx, `UPDATE github SET alerted_at = ? WHERE delivery_id = ? AND alerted_at IS NULL
-			AND NOT EXISTS (SELECT 1 FROM alert_outbox WHERE delivery_id = ? AND sent_at IS NULL)`, now, deliveryID, deliveryID)
-		if err != nil {
-			return fmt.Errorf("set alerted_at: %w", err)
-		}
-		return nil
-	})
+func (tx *Tx) AlertSent(ctx context.Context, id int64, deliveryID string) error {
+	now := formatTime(time.Now())
+	if _, err := tx.exec(ctx, "UPDATE alert_outbox SET sent_at = ? WHERE id = ?", now, id); err != nil {
+		return fmt.Errorf("mark alert sent: %w", err)
+	}
+	_, err := tx.exec(ctx, `UPDATE github SET alerted_at = ? WHERE delivery_id = ? AND alerted_at IS NULL
+		AND NOT EXISTS (SELECT 1 FROM alert_outbox WHERE delivery_id = ? AND sent_at IS NULL)`, now, deliveryID, deliveryID)
+	if err != nil {
+		return fmt.Errorf("set alerted_at: %w", err)
+	}
+	return nil
 }
 
 // AlertFailed records a failed send and when to try again.
-func (s *Store) AlertFailed(ctx context.Context, id int64, cause error, next time.Time) error {
-	return s.Batch(ctx, func(tx *Tx) error {
-		_, err := tx.exec(ctx, "UPDATE alert_outbox SET attempts = attempts + 1, last_error = ?, next_at = ? WHERE id = ?",
-			cause.Error(), formatTime(next), id)
-		if err != nil {
-			return fmt.Errorf("record alert failure: %w", err)
-		}
-		return nil
-	})
+func (tx *Tx) AlertFailed(ctx context.Context, id int64, cause error, next time.Time) error {
+	_, err := tx.exec(ctx, "UPDATE alert_outbox SET attempts = attempts + 1, last_error = ?, next_at = ? WHERE id = ?",
+		cause.Error(), formatTime(next), id)
+	if err != nil {
+		return fmt.Errorf("record alert failure: %w", err)
+	}
+	return nil
 }
 
 // AlertsPending counts the alerts not sent yet, for the metric.

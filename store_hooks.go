@@ -11,15 +11,13 @@ import (
 )
 
 // HookQueued remembers that a failed delivery was queued on github-hooks.
-func (s *Store) HookQueued(ctx context.Context, guid string, githubID int64, event string) error {
-	return s.Batch(ctx, func(tx *Tx) error {
-		_, err := tx.exec(ctx, `INSERT INTO hook_redeliveries (guid, delivery_id, event, queued_at)
-			VALUES (?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`, guid, githubID, event, formatTime(time.Now()))
-		if err != nil {
-			return fmt.Errorf("write hook_redeliveries: %w", err)
-		}
-		return nil
-	})
+func (tx *Tx) HookQueued(ctx context.Context, guid string, githubID int64, event string) error {
+	_, err := tx.exec(ctx, `INSERT INTO hook_redeliveries (guid, delivery_id, event, queued_at)
+		VALUES (?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`, guid, githubID, event, formatTime(time.Now()))
+	if err != nil {
+		return fmt.Errorf("write hook_redeliveries: %w", err)
+	}
+	return nil
 }
 
 // hookRepublished records, inside tx, that a queued delivery was published
@@ -31,11 +29,6 @@ func (tx *Tx) hookRepublished(ctx context.Context, guid string) error {
 		return fmt.Errorf("write hook_redeliveries: %w", err)
 	}
 	return nil
-}
-
-// SetSetting writes one settings row in a transaction of its own.
-func (s *Store) SetSetting(ctx context.Context, key, value string) error {
-	return s.Batch(ctx, func(tx *Tx) error { return tx.SetSetting(ctx, key, value, time.Now()) })
 }
 
 // LedgerLookup reads, for each GUID, whether it is stored in github and
@@ -100,57 +93,49 @@ func unrecoverableAlertID(guid string) string { return "unrecoverable:" + guid }
 // alerts of the Event itself, which may come once it is stored.
 func gapAlertID(guid string) string { return "gap:" + guid }
 
-// RecordGap records a gap and queues its alert on each of channels, in one
-// transaction. It reports false, changing nothing, when the gap is known.
-func (s *Store) RecordGap(ctx context.Context, g deliveryGap, channels []string) (recorded bool, err error) {
-	err = s.Batch(ctx, func(tx *Tx) error {
-		var unrecoverable any
-		if g.UnrecoverableAt != nil {
-			unrecoverable = formatTime(*g.UnrecoverableAt)
-		}
-		res, err := tx.exec(ctx, `INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at, unrecoverable_at, last_error)
-			VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`,
-			g.GUID, g.DeliveryID, g.Event, formatTime(g.DeliveredAt), formatTime(g.FoundAt), unrecoverable, g.LastError)
-		if err != nil {
-			return fmt.Errorf("record gap: %w", err)
-		}
-		if n, _ := res.RowsAffected(); n == 0 {
-			return nil
-		}
-		recorded = true
-		s.gapsOpen.Store(true)
-		if g.UnrecoverableAt != nil {
-			return tx.queueAlerts(ctx, unrecoverableAlertID(g.GUID), channels)
-		}
-		return tx.queueAlerts(ctx, gapAlertID(g.GUID), channels)
-	})
-	return recorded, err
+// RecordGap records a gap and queues its alert on each of channels, in tx.
+// It reports false, changing nothing, when the gap is known.
+func (tx *Tx) RecordGap(ctx context.Context, g deliveryGap, channels []string) (recorded bool, err error) {
+	var unrecoverable any
+	if g.UnrecoverableAt != nil {
+		unrecoverable = formatTime(*g.UnrecoverableAt)
+	}
+	res, err := tx.exec(ctx, `INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at, unrecoverable_at, last_error)
+		VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`,
+		g.GUID, g.DeliveryID, g.Event, formatTime(g.DeliveredAt), formatTime(g.FoundAt), unrecoverable, g.LastError)
+	if err != nil {
+		return false, fmt.Errorf("record gap: %w", err)
+	}
+	if n, _ := res.RowsAffected(); n == 0 {
+		return false, nil
+	}
+	tx.s.gapsOpen.Store(true)
+	if g.UnrecoverableAt != nil {
+		return true, tx.queueAlerts(ctx, unrecoverableAlertID(g.GUID), channels)
+	}
+	return true, tx.queueAlerts(ctx, gapAlertID(g.GUID), channels)
 }
 
 // GapRefused counts one refusal for good of a gap's redelivery, with its
 // reason. At limit refusals the gap becomes unrecoverable and its alert is
 // queued on each of channels, in the same transaction; gaveUp reports it.
-func (s *Store) GapRefused(ctx context.Context, guid, reason string, limit int, channels []string) (gaveUp bool, err error) {
-	err = s.Batch(ctx, func(tx *Tx) error {
-		var refusals int
-		err := tx.queryRow(ctx, `UPDATE delivery_gaps SET refusals = refusals + 1, last_error = ?
-			WHERE guid = ? AND unrecoverable_at IS NULL RETURNING refusals`, reason, guid).Scan(&refusals)
-		if errors.Is(err, sql.ErrNoRows) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("count a refused redelivery: %w", err)
-		}
-		if refusals < limit {
-			return nil
-		}
-		if _, err := tx.exec(ctx, "UPDATE delivery_gaps SET unrecoverable_at = ? WHERE guid = ?", formatTime(time.Now()), guid); err != nil {
-			return fmt.Errorf("give up a gap: %w", err)
-		}
-		gaveUp = true
-		return tx.queueAlerts(ctx, unrecoverableAlertID(guid), channels)
-	})
-	return gaveUp, err
+func (tx *Tx) GapRefused(ctx context.Context, guid, reason string, limit int, channels []string) (gaveUp bool, err error) {
+	var refusals int
+	err = tx.queryRow(ctx, `UPDATE delivery_gaps SET refusals = refusals + 1, last_error = ?
+		WHERE guid = ? AND unrecoverable_at IS NULL RETURNING refusals`, reason, guid).Scan(&refusals)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("count a refused redelivery: %w", err)
+	}
+	if refusals < limit {
+		return false, nil
+	}
+	if _, err := tx.exec(ctx, "UPDATE delivery_gaps SET unrecoverable_at = ? WHERE guid = ?", formatTime(time.Now()), guid); err != nil {
+		return false, fmt.Errorf("give up a gap: %w", err)
+	}
+	return true, tx.queueAlerts(ctx, unrecoverableAlertID(guid), channels)
 }
 
 // GapsToRedeliver lists at most limit open gaps that GitHub was not asked
@@ -161,11 +146,9 @@ func (s *Store) GapsToRedeliver(ctx context.Context, limit int) ([]deliveryGap, 
 }
 
 // GapRedelivered records that GitHub was asked to deliver a gap again.
-func (s *Store) GapRedelivered(ctx context.Context, guid string, at time.Time) error {
-	return s.Batch(ctx, func(tx *Tx) error {
-		_, err := tx.exec(ctx, "UPDATE delivery_gaps SET redelivered_at = ? WHERE guid = ?", formatTime(at), guid)
-		return err
-	})
+func (tx *Tx) GapRedelivered(ctx context.Context, guid string, at time.Time) error {
+	_, err := tx.exec(ctx, "UPDATE delivery_gaps SET redelivered_at = ? WHERE guid = ?", formatTime(at), guid)
+	return err
 }
 
 // resolveGap marks guid's gap resolved, inside the transaction that stores
@@ -183,29 +166,28 @@ func (tx *Tx) resolveGap(ctx context.Context, guid string) error {
 	return nil
 }
 
-// ResolveStoredGaps resolves every open gap whose GUID is stored, and
-// refreshes whether any gap is still open. It returns how many it resolved.
-func (s *Store) ResolveStoredGaps(ctx context.Context) (int64, error) {
-	if !s.gapsOpen.Load() {
-		return 0, nil // no write lock taken at every poll for nothing
+// ResolveStoredGaps resolves, in tx, every open gap whose GUID is stored,
+// and refreshes whether any gap is still open. It returns how many it
+// resolved.
+func (tx *Tx) ResolveStoredGaps(ctx context.Context) (int64, error) {
+	res, err := tx.exec(ctx, `UPDATE delivery_gaps SET resolved_at = ? WHERE resolved_at IS NULL
+		AND EXISTS (SELECT 1 FROM github WHERE delivery_id = delivery_gaps.guid)`, formatTime(time.Now()))
+	if err != nil {
+		return 0, fmt.Errorf("resolve stored gaps: %w", err)
 	}
-	var n int64
-	err := s.Batch(ctx, func(tx *Tx) error {
-		res, err := tx.exec(ctx, `UPDATE delivery_gaps SET resolved_at = ? WHERE resolved_at IS NULL
-			AND EXISTS (SELECT 1 FROM github WHERE delivery_id = delivery_gaps.guid)`, formatTime(time.Now()))
-		if err != nil {
-			return fmt.Errorf("resolve stored gaps: %w", err)
-		}
-		n, _ = res.RowsAffected()
-		var open int
-		if err := tx.queryRow(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&open); err != nil {
-			return err
-		}
-		s.gapsOpen.Store(open > 0)
-		return nil
-	})
-	return n, err
+	n, _ := res.RowsAffected()
+	var open int
+	if err := tx.queryRow(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&open); err != nil {
+		return 0, err
+	}
+	tx.s.gapsOpen.Store(open > 0)
+	return n, nil
 }
+
+// MayHaveOpenGaps reports whether delivery_gaps may hold an open gap: when
+// it does not, resolving stored gaps has nothing to do, and no write lock
+// need be taken for it.
+func (s *Store) MayHaveOpenGaps() bool { return s.gapsOpen.Load() }
 
 // OpenGaps lists at most limit of the gaps not resolved yet, the newest
 // first, and counts them all: a database with a hundred thousand gaps must
@@ -299,24 +281,22 @@ const maxAttemptStatus = 200
 
 // RecordAttempts keeps GitHub's attempts the poll listed (an attempt seen
 // before is kept as it was), and forgets at most retentionBatch of those
-// delivered before cutoff, GitHub's 72 hours ago, in one transaction.
-func (s *Store) RecordAttempts(ctx context.Context, attempts []hookDelivery, cutoff time.Time) error {
-	return s.Batch(ctx, func(tx *Tx) error {
-		for _, a := range attempts {
-			status := a.Status
-			if len(status) > maxAttemptStatus {
-				status = strings.ToValidUTF8(status[:maxAttemptStatus], "")
-			}
-			if _, err := tx.exec(ctx, `INSERT INTO github_attempts (attempt_id, guid, delivered_at, status_code, status, redelivery)
-				VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (attempt_id) DO NOTHING`,
-				a.ID, a.GUID, formatTime(a.DeliveredAt), a.StatusCode, status, a.Redelivery); err != nil {
-				return fmt.Errorf("record GitHub's attempts: %w", err)
-			}
+// delivered before cutoff, GitHub's 72 hours ago, in tx.
+func (tx *Tx) RecordAttempts(ctx context.Context, attempts []hookDelivery, cutoff time.Time) error {
+	for _, a := range attempts {
+		status := a.Status
+		if len(status) > maxAttemptStatus {
+			status = strings.ToValidUTF8(status[:maxAttemptStatus], "")
 		}
-		if _, err := tx.exec(ctx, `DELETE FROM github_attempts WHERE attempt_id IN
-			(SELECT attempt_id FROM github_attempts WHERE delivered_at < ? LIMIT ?)`, formatTime(cutoff), retentionBatch); err != nil {
-			return fmt.Errorf("forget GitHub's old attempts: %w", err)
+		if _, err := tx.exec(ctx, `INSERT INTO github_attempts (attempt_id, guid, delivered_at, status_code, status, redelivery)
+			VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (attempt_id) DO NOTHING`,
+			a.ID, a.GUID, formatTime(a.DeliveredAt), a.StatusCode, status, a.Redelivery); err != nil {
+			return fmt.Errorf("record GitHub's attempts: %w", err)
 		}
-		return nil
-	})
+	}
+	if _, err := tx.exec(ctx, `DELETE FROM github_attempts WHERE attempt_id IN
+		(SELECT attempt_id FROM github_attempts WHERE delivered_at < ? LIMIT ?)`, formatTime(cutoff), retentionBatch); err != nil {
+		return fmt.Errorf("forget GitHub's old attempts: %w", err)
+	}
+	return nil
 }

@@ -241,7 +241,11 @@ func TestRawRetention(t *testing.T) {
 		t.Fatal(err)
 	}
 	// One call does one batch.
-	if n, err := p.store.PrunePayloadsBefore(ctx, time.Now().Add(-time.Duration(cfg.Database.RawRetention))); err != nil || n != retentionBatch {
+	var n int64
+	if err := p.store.Batch(ctx, func(tx *Tx) (err error) {
+		n, err = tx.PrunePayloadsBefore(ctx, time.Now().Add(-time.Duration(cfg.Database.RawRetention)))
+		return err
+	}); err != nil || n != retentionBatch {
 		t.Fatalf("one batch: pruned %d, %v; want %d", n, err, retentionBatch)
 	}
 	p.store.Close()

@@ -46,17 +46,13 @@ func (s *Store) BrokerUsageSince(ctx context.Context, broker string, since time.
 // QueueOwnAlert queues, once, an alert of switchyard's own (a budget
 // passing its line) on each of channels; id names it, and a second call
 // with the same id changes nothing. It reports whether it was new.
-func (s *Store) QueueOwnAlert(ctx context.Context, id string, channels []string) (queued bool, err error) {
-	err = s.Batch(ctx, func(tx *Tx) error {
-		var n int
-		if err := tx.queryRow(ctx, "SELECT count(*) FROM alert_outbox WHERE delivery_id = ?", id).Scan(&n); err != nil {
-			return err
-		}
-		if n > 0 {
-			return nil
-		}
-		queued = true
-		return tx.queueAlerts(ctx, id, channels)
-	})
-	return queued, err
+func (tx *Tx) QueueOwnAlert(ctx context.Context, id string, channels []string) (queued bool, err error) {
+	var n int
+	if err := tx.queryRow(ctx, "SELECT count(*) FROM alert_outbox WHERE delivery_id = ?", id).Scan(&n); err != nil {
+		return false, err
+	}
+	if n > 0 {
+		return false, nil
+	}
+	return true, tx.queueAlerts(ctx, id, channels)
 }

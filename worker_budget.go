@@ -210,7 +210,7 @@ func (b *Budget) rotateIfSpent(ctx context.Context, views []BudgetView, now time
 		return nil
 	}
 	id := fmt.Sprintf("budget:every broker:%s:none", views[st.Active].MonthStart.Format("2006-01-02"))
-	queued, err := b.store.QueueOwnAlert(ctx, id, b.alerter.ChannelsFor(AlertIntent{Name: "budget", Action: "none"}))
+	queued, err := b.ownAlert(ctx, id, AlertIntent{Name: "budget", Action: "none"})
 	if queued {
 		b.log.Error("broker budget spent, and no broker is left under queue.rotate_at that answers: publishing stays", "broker", from.String())
 	}
@@ -260,11 +260,21 @@ func (b *Budget) alertBlocks(ctx context.Context) error {
 			continue
 		}
 		id := blockedAlertID(usageKey(br.Host, br.Vhost), blk.Since, blk.Reason)
-		if _, err := b.store.QueueOwnAlert(ctx, id, b.alerter.ChannelsFor(AlertIntent{Name: "blocked"})); err != nil {
+		if _, err := b.ownAlert(ctx, id, AlertIntent{Name: "blocked"}); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// ownAlert queues, once, the alert named id on the channels intent's rules
+// name; queued reports whether it was new.
+func (b *Budget) ownAlert(ctx context.Context, id string, intent AlertIntent) (queued bool, err error) {
+	err = b.store.Batch(ctx, func(tx *Tx) (err error) {
+		queued, err = tx.QueueOwnAlert(ctx, id, b.alerter.ChannelsFor(intent))
+		return err
+	})
+	return queued, err
 }
 
 // blockedAlertID names the alert of one block of broker ("HOST/VHOST").
@@ -284,7 +294,7 @@ func (b *Budget) alert(ctx context.Context, v BudgetView) error {
 			continue
 		}
 		id := fmt.Sprintf("budget:%s:%s:%s", usageKey(br.Host, br.Vhost), v.MonthStart.Format("2006-01-02"), level.name)
-		queued, err := b.store.QueueOwnAlert(ctx, id, b.alerter.ChannelsFor(AlertIntent{Name: "budget", Action: level.name}))
+		queued, err := b.ownAlert(ctx, id, AlertIntent{Name: "budget", Action: level.name})
 		if err != nil {
 			return err
 		}

@@ -211,15 +211,17 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 	if err := h.redeliverGaps(ctx); err != nil {
 		return queued, err
 	}
-	if n, err := h.store.ResolveStoredGaps(ctx); err != nil {
-		return queued, err
-	} else if n > 0 {
-		h.log.Info("delivery gaps resolved: stored now", "gaps", n)
+	if h.store.MayHaveOpenGaps() {
+		var n int64
+		if err := h.store.Batch(ctx, func(tx *Tx) (err error) { n, err = tx.ResolveStoredGaps(ctx); return err }); err != nil {
+			return queued, err
+		}
+		if n > 0 {
+			h.log.Info("delivery gaps resolved: stored now", "gaps", n)
+		}
 	}
-	if err := h.store.SetSetting(ctx, keyHooksCheckpoint, formatTime(checkpoint)); err != nil {
-		return queued, err
-	}
-	return queued, nil
+	err = h.store.Batch(ctx, func(tx *Tx) error { return tx.SetSetting(ctx, keyHooksCheckpoint, formatTime(checkpoint), time.Now()) })
+	return queued, err
 }
 
 // apiDeliveryProblem says why a delivery GitHub's API listed cannot become a
@@ -245,13 +247,13 @@ func (h *Hooks) recordAttempts(ctx context.Context, entries []*ledgerEntry, now 
 			attempts = append(attempts, e.Attempts...)
 		}
 	}
-	return h.store.RecordAttempts(ctx, attempts, now.Add(-githubRedeliveryWindow))
+	return h.store.Batch(ctx, func(tx *Tx) error { return tx.RecordAttempts(ctx, attempts, now.Add(-githubRedeliveryWindow)) })
 }
 
 // gap records a gap the first time a poll finds it, with its alert.
 func (h *Hooks) gap(ctx context.Context, e *ledgerEntry, now time.Time) error {
 	g := deliveryGap{GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: e.FirstOK, FoundAt: now}
-	recorded, err := h.store.RecordGap(ctx, g, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: e.Event}))
+	recorded, err := h.recordGap(ctx, g, AlertIntent{Name: "gap", Action: e.Event})
 	if err != nil {
 		return err
 	}
@@ -268,7 +270,7 @@ func (h *Hooks) gap(ctx context.Context, e *ledgerEntry, now time.Time) error {
 func (h *Hooks) unrecoverable(ctx context.Context, e *ledgerEntry, now time.Time, reason string) error {
 	g := deliveryGap{GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: cmp.Or(e.FirstOK, e.Latest.DeliveredAt),
 		FoundAt: now, UnrecoverableAt: &now, LastError: reason}
-	recorded, err := h.store.RecordGap(ctx, g, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"}))
+	recorded, err := h.recordGap(ctx, g, AlertIntent{Name: "gap", Action: "unrecoverable"})
 	if err != nil {
 		return err
 	}
@@ -307,8 +309,7 @@ func (h *Hooks) redeliverGaps(ctx context.Context) error {
 		}
 		var se *githubStatusError
 		if errors.As(err, &se) && slices.Contains(refusedForGood, se.Status) {
-			gaveUp, rerr := h.store.GapRefused(ctx, g.GUID, err.Error(), maxRefusals,
-				h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"}))
+			gaveUp, rerr := h.gapRefused(ctx, g.GUID, err)
 			if rerr != nil {
 				return rerr
 			}
@@ -324,7 +325,7 @@ func (h *Hooks) redeliverGaps(ctx context.Context) error {
 			continue
 		}
 		h.log.Info("asked GitHub to redeliver a gap", "delivery_id", g.GUID, "github_delivery", g.DeliveryID)
-		if err := h.store.GapRedelivered(ctx, g.GUID, time.Now()); err != nil {
+		if err := h.store.Batch(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, g.GUID, time.Now()) }); err != nil {
 			return err
 		}
 	}
@@ -341,7 +342,27 @@ func (h *Hooks) queue(ctx context.Context, d hookDelivery) error {
 		return fmt.Errorf("queue redelivery of %s: %w", d.GUID, err)
 	}
 	h.log.Info("queued a failed delivery for redelivery", "delivery_id", d.GUID, "event", d.Event, "github_delivery", d.ID)
-	return h.store.HookQueued(ctx, d.GUID, d.ID, d.Event)
+	return h.store.Batch(ctx, func(tx *Tx) error { return tx.HookQueued(ctx, d.GUID, d.ID, d.Event) })
+}
+
+// recordGap records gap g, with its alert on the channels intent's rules
+// name; recorded is false when the gap was known.
+func (h *Hooks) recordGap(ctx context.Context, g deliveryGap, intent AlertIntent) (recorded bool, err error) {
+	err = h.store.Batch(ctx, func(tx *Tx) (err error) {
+		recorded, err = tx.RecordGap(ctx, g, h.alerter.ChannelsFor(intent))
+		return err
+	})
+	return recorded, err
+}
+
+// gapRefused counts GitHub's refusal (why) of guid's redelivery; gaveUp
+// reports that it made the gap unrecoverable, its alert queued.
+func (h *Hooks) gapRefused(ctx context.Context, guid string, why error) (gaveUp bool, err error) {
+	err = h.store.Batch(ctx, func(tx *Tx) (err error) {
+		gaveUp, err = tx.GapRefused(ctx, guid, why.Error(), maxRefusals, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"}))
+		return err
+	})
+	return gaveUp, err
 }
 
 // HandleMessages is the github-hooks consumer. Its messages are its own
@@ -435,7 +456,7 @@ func (h *Hooks) RedeliverOne(ctx context.Context, guid string) (string, error) {
 	case errors.Is(err, ErrRedeliveryPaced):
 		return redeliverPaced, nil
 	case errors.As(err, &se) && slices.Contains(refusedForGood, se.Status):
-		if _, err := h.store.GapRefused(ctx, guid, err.Error(), maxRefusals, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"})); err != nil {
+		if _, err := h.gapRefused(ctx, guid, err); err != nil {
 			return "", err
 		}
 		return redeliverRefused, nil
@@ -444,7 +465,7 @@ func (h *Hooks) RedeliverOne(ctx context.Context, guid string) (string, error) {
 	}
 	// A gap keeps when it was asked; a failed delivery GitHub was asked to
 	// send again is asked once more only by a new press.
-	if err := h.store.GapRedelivered(ctx, guid, time.Now()); err != nil {
+	if err := h.store.Batch(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, guid, time.Now()) }); err != nil {
 		return "", err
 	}
 	return redeliverAsked, nil

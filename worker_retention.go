@@ -35,25 +35,27 @@ func (r *Retention) Prune(ctx context.Context) (payloads, identities int64, err 
 		return 0, 0, nil
 	}
 	now := time.Now()
-	payloads, err = r.batches(ctx, now.Add(-r.keepPayload), r.store.PrunePayloadsBefore)
+	payloads, err = r.batches(ctx, now.Add(-r.keepPayload), (*Tx).PrunePayloadsBefore)
 	if payloads > 0 {
 		r.log.Info("payloads past database.raw_retention emptied", "rows", payloads)
 	}
 	if err != nil {
 		return payloads, 0, err
 	}
-	identities, err = r.batches(ctx, now.Add(-r.keepIdentity), r.store.DeleteIdentitiesBefore)
+	identities, err = r.batches(ctx, now.Add(-r.keepIdentity), (*Tx).DeleteIdentitiesBefore)
 	if identities > 0 {
 		r.log.Info("deliveries past database.delivery_retention forgotten", "rows", identities)
 	}
 	return payloads, identities, err
 }
 
-// batches calls step until it does less than a batch.
-func (r *Retention) batches(ctx context.Context, cutoff time.Time, step func(context.Context, time.Time) (int64, error)) (int64, error) {
+// batches runs step, each time in a transaction of its own, until it does
+// less than a batch.
+func (r *Retention) batches(ctx context.Context, cutoff time.Time, step func(*Tx, context.Context, time.Time) (int64, error)) (int64, error) {
 	var total int64
 	for ctx.Err() == nil {
-		n, err := step(ctx, cutoff)
+		var n int64
+		err := r.store.Batch(ctx, func(tx *Tx) (err error) { n, err = step(tx, ctx, cutoff); return err })
 		total += n
 		if err != nil || n < retentionBatch {
 			return total, err
