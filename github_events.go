@@ -1,12 +1,11 @@
 package main
 
 import (
-	"bytes"
-	"cmp"
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"strconv"
+	"slices"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -33,8 +32,11 @@ type Event struct {
 	// values that did not fit it (decodeInto).
 	decoded  tablePayload
 	shapeErr error
-	// rows and rowsErr are decodeTableRows' answer, kept by tableRows.
-	rows    *tableRows
+	// rows and rowsErr are what the typed tables make of the Event
+	// (decodeTableRows), worked out once by tableRows, ahead of the
+	// transaction; rows holds a *tableRows, so that the Event does not
+	// name the tables' types.
+	rows    any
 	rowsErr error
 }
 
@@ -123,143 +125,107 @@ type Delivery struct {
 	Timestamp time.Time
 }
 
-// DecodeEvent reads a message into an Event. A message without a delivery
-// GUID or event name, or with a body that is not a JSON object, is malformed:
-// no retry can help.
-func DecodeEvent(d Delivery) (*Event, error) {
-	body := d.Body
-	get := d.Header
+// Payload pieces shared by several Events.
+type (
+	jsonUser struct {
+		Login string `json:"login"`
+	}
+	jsonRepo struct {
+		ID       int64  `json:"id"`
+		FullName string `json:"full_name"`
+		Name     string `json:"name"`
+		Private  *bool  `json:"private"`
+		Owner    *struct {
+			Login string `json:"login"`
+		} `json:"owner"`
+	}
+)
 
-	p, shapeErr, err := decodePayload(body, cmp.Or(get(hdrEvent), d.Type))
+// repoParts splits the repository into owner and name, requiring both.
+func repoParts(event string, r *jsonRepo) (owner, name string, err error) {
+	if r == nil || r.FullName == "" {
+		return "", "", malformed("%s: payload has no repository.full_name", event)
+	}
+	owner, name, ok := strings.Cut(r.FullName, "/")
+	if !ok || owner == "" || name == "" {
+		return "", "", malformed("%s: repository.full_name %q is not owner/name", event, r.FullName)
+	}
+	return owner, name, nil
+}
+
+func login(u *jsonUser) string {
+	if u == nil {
+		return ""
+	}
+	return u.Login
+}
+
+// decodeInto is the Event's payload as T: the one DecodeEvent decoded, or,
+// for an Event built by hand or of another name, the payload decoded now. A
+// payload that does not fit the Event's shape is a permanent failure.
+func decodeInto[T any](ev *Event) (*T, error) {
+	p, ok := any(ev.decoded).(*T)
+	err := ev.shapeErr
+	if !ok {
+		p = new(T)
+		err = decodeJSON(ev.Payload, p)
+	}
 	if err != nil {
-		return nil, err
+		return nil, malformed("%s: payload does not have the %s shape: %v", ev.Name, ev.Name, err)
 	}
-	if env := p.event(); env.Headers != nil && env.Payload != nil && memberCount(body) == 2 {
-		wrapped, err := decodeWrappedHeaders(env.Headers)
-		if err != nil {
-			return nil, err
-		}
-		get = func(k string) string {
-			if v := wrapped.Get(k); v != "" {
-				return v
-			}
-			return d.Header(k)
-		}
-		body = unwrapPayload(env.Payload)
-		if p, shapeErr, err = decodePayload(body, cmp.Or(get(hdrEvent), d.Type)); err != nil {
-			return nil, err
-		}
-	}
-
-	env := p.event()
-	ev := &Event{
-		DeliveryID: get(hdrDelivery),
-		Name:       get(hdrEvent),
-		Action:     env.Action,
-		TargetType: get(hdrTargetType),
-		SourceIP:   get(hdrSourceIP),
-		Sender:     login(env.Sender),
-		Payload:    body,
-		ReceivedAt: d.Timestamp,
-		decoded:    p,
-		shapeErr:   shapeErr,
-	}
-	if ev.DeliveryID == "" {
-		ev.DeliveryID = d.MessageID
-	}
-	if ev.Name == "" {
-		ev.Name = d.Type
-	}
-	if ev.DeliveryID == "" {
-		return nil, malformed("no delivery GUID (x-github-delivery header or message_id)")
-	}
-	if ev.Name == "" {
-		return nil, malformed("no event name (x-github-event header or type)")
-	}
-	ev.HookID, _ = strconv.ParseInt(get(hdrHookID), 10, 64)
-	ev.TargetID, _ = strconv.ParseInt(get(hdrTargetID), 10, 64)
-	if env.Repository != nil {
-		ev.Repository = env.Repository.FullName
-	}
-	if env.Installation != nil {
-		ev.InstallationID = env.Installation.ID
-	}
-	if ev.ReceivedAt.IsZero() {
-		ev.ReceivedAt = time.Now()
-	}
-	ev.ReceivedAt = ev.ReceivedAt.UTC()
-	return ev, nil
+	return p, nil
 }
 
-// decodePayload decodes a payload, in one pass, into the type the typed
-// tables read for the Event name (newTablePayload). A body that is not one
-// JSON object is a permanent failure. One whose values do not all have the
-// type's shape (a number where a string belongs) is not: the Event keeps
-// what did fit (a column of another type stays empty), and shapeErr is the
-// first misfit, which fails the Event's typed rows only (decodeInto).
-func decodePayload(body []byte, name string) (p tablePayload, shapeErr, err error) {
-	body = bytes.TrimSpace(body)
-	if len(body) == 0 {
-		return nil, nil, malformed("empty body")
+// Actions that change the typed rows. Others are acked and logged at debug.
+var (
+	issueActions = []string{"opened", "reopened", "closed", "edited", "labeled", "unlabeled"}
+	pullActions  = []string{"opened", "reopened", "closed", "edited", "labeled", "unlabeled",
+		"synchronize", "ready_for_review", "converted_to_draft"}
+	commentActions    = []string{"created", "edited", "deleted"}
+	discussionActions = []string{"created", "edited", "deleted", "answered", "unanswered", "category_changed",
+		"labeled", "unlabeled", "locked", "unlocked", "pinned", "unpinned", "transferred", "closed", "reopened"}
+	checkRunActions     = []string{"created", "rerequested", "requested_action", "completed"}
+	installationActions = []string{"created", "deleted", "suspend", "unsuspend", "new_permissions_accepted"}
+)
+
+// creationActions are the actions that ask for a row's work again when the
+// row exists: a repeated creation is RE_REQUESTED, anything else UPDATED.
+var creationActions = []string{"created", "opened", "reopened", "rerequested", "requested_action"}
+
+// entityState is the processing state for an existing row of the tables
+// without a state table of their own.
+func entityState(action string) string {
+	if slices.Contains(creationActions, action) {
+		return "RE_REQUESTED"
 	}
-	if body[0] != '{' {
-		return nil, nil, malformed("body is not a JSON object")
-	}
-	p = newTablePayload(name)
-	if err := decodeJSON(body, p); err != nil {
-		if !isShapeError(err) {
-			return nil, nil, malformed("body is not valid JSON")
-		}
-		shapeErr = err
-	}
-	return p, shapeErr, nil
+	return "UPDATED"
 }
 
-// memberCount is how many different keys the JSON object in b has, 0 when
-// b is not one.
-func memberCount(b []byte) int {
-	var m map[string]json.RawMessage
-	if decodeJSON(b, &m) != nil {
-		return 0
+// timeFormat is how every time is stored, and how typed rows carry the
+// payload's times: RFC 3339 in UTC with a fixed six fraction digits, so that
+// text order is time order (GitHub's own times, with no fraction, would
+// otherwise sort after the same second with one).
+const timeFormat = "2006-01-02T15:04:05.000000Z"
+
+func formatTime(t time.Time) string { return t.UTC().Format(timeFormat) }
+
+// normalizeTime rewrites an RFC 3339 time from a payload in timeFormat; ok is
+// false when s is not one.
+func normalizeTime(s string) (string, bool) {
+	t, err := time.Parse(time.RFC3339Nano, s)
+	if err != nil {
+		return "", false
 	}
-	return len(m)
+	return formatTime(t), true
 }
 
-// decodeWrappedHeaders reads the original HTTP headers, each a string or a
-// list of strings, into an http.Header so lookups ignore case.
-func decodeWrappedHeaders(raw json.RawMessage) (http.Header, error) {
-	var m map[string]json.RawMessage
-	if err := json.Unmarshal(raw, &m); err != nil {
-		return nil, malformed("wrapped message: headers is not an object")
+// normalizedPtr rewrites a payload time in timeFormat; nil or unparsable is nil.
+func normalizedPtr(s *string) *string {
+	if s == nil {
+		return nil
 	}
-	h := http.Header{}
-	for k, v := range m {
-		var s string
-		if err := json.Unmarshal(v, &s); err == nil {
-			h.Add(k, s)
-			continue
-		}
-		var ss []string
-		if err := json.Unmarshal(v, &ss); err == nil {
-			for _, s := range ss {
-				h.Add(k, s)
-			}
-			continue
-		}
-		var n json.Number
-		if err := json.Unmarshal(v, &n); err == nil {
-			h.Add(k, n.String())
-		}
+	if t, ok := normalizeTime(*s); ok {
+		return &t
 	}
-	return h, nil
-}
-
-// unwrapPayload returns the payload of the wrapped form: the object itself,
-// or the JSON text inside a string.
-func unwrapPayload(raw json.RawMessage) []byte {
-	var s string
-	if err := json.Unmarshal(raw, &s); err == nil {
-		return []byte(s)
-	}
-	return raw
+	return nil
 }

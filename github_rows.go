@@ -415,12 +415,3 @@ func decodeRepository(ev *Event) (repositoryRow, error) {
 	return repositoryRow{Event: ev.Name, Action: ev.Action, Repository: p.Repository.FullName,
 		Sender: login(p.Sender), RepositoryID: p.Repository.ID, Private: p.Repository.Private}, nil
 }
-
-// tableRows is decodeTableRows, once per Event: databasePrepare runs it
-// ahead of the transaction, and the handler finds it done.
-func (ev *Event) tableRows(botAppID int64) (*tableRows, error) {
-	if ev.rows == nil && ev.rowsErr == nil {
-		ev.rows, ev.rowsErr = decodeTableRows(ev, botAppID)
-	}
-	return ev.rows, ev.rowsErr
-}

@@ -2,9 +2,6 @@ package main
 
 import (
 	"fmt"
-	"slices"
-	"strings"
-	"time"
 )
 
 // This file maps Events to the rows of the release-tracking and typed bot
@@ -36,41 +33,6 @@ type tableRows struct {
 func (r *tableRows) empty() bool {
 	return r.Release == nil && r.WorkflowRun == nil && r.Branch == nil && r.Issue == nil && r.Comment == nil &&
 		r.Discussion == nil && r.CheckRun == nil && r.Push == nil && r.Installation == nil && len(r.Repositories) == 0
-}
-
-// Payload pieces shared by several Events.
-type (
-	jsonUser struct {
-		Login string `json:"login"`
-	}
-	jsonRepo struct {
-		ID       int64  `json:"id"`
-		FullName string `json:"full_name"`
-		Name     string `json:"name"`
-		Private  *bool  `json:"private"`
-		Owner    *struct {
-			Login string `json:"login"`
-		} `json:"owner"`
-	}
-)
-
-// repoParts splits the repository into owner and name, requiring both.
-func repoParts(event string, r *jsonRepo) (owner, name string, err error) {
-	if r == nil || r.FullName == "" {
-		return "", "", malformed("%s: payload has no repository.full_name", event)
-	}
-	owner, name, ok := strings.Cut(r.FullName, "/")
-	if !ok || owner == "" || name == "" {
-		return "", "", malformed("%s: repository.full_name %q is not owner/name", event, r.FullName)
-	}
-	return owner, name, nil
-}
-
-func login(u *jsonUser) string {
-	if u == nil {
-		return ""
-	}
-	return u.Login
 }
 
 // tableDecoder is what the tables take of the Events of one name: the
@@ -133,47 +95,6 @@ func newTablePayload(name string) tablePayload {
 		return d.payload()
 	}
 	return new(eventPayload)
-}
-
-// decodeInto is the Event's payload as T: the one DecodeEvent decoded, or,
-// for an Event built by hand or of another name, the payload decoded now. A
-// payload that does not fit the Event's shape is a permanent failure.
-func decodeInto[T any](ev *Event) (*T, error) {
-	p, ok := any(ev.decoded).(*T)
-	err := ev.shapeErr
-	if !ok {
-		p = new(T)
-		err = decodeJSON(ev.Payload, p)
-	}
-	if err != nil {
-		return nil, malformed("%s: payload does not have the %s shape: %v", ev.Name, ev.Name, err)
-	}
-	return p, nil
-}
-
-// Actions that change the typed rows. Others are acked and logged at debug.
-var (
-	issueActions = []string{"opened", "reopened", "closed", "edited", "labeled", "unlabeled"}
-	pullActions  = []string{"opened", "reopened", "closed", "edited", "labeled", "unlabeled",
-		"synchronize", "ready_for_review", "converted_to_draft"}
-	commentActions    = []string{"created", "edited", "deleted"}
-	discussionActions = []string{"created", "edited", "deleted", "answered", "unanswered", "category_changed",
-		"labeled", "unlabeled", "locked", "unlocked", "pinned", "unpinned", "transferred", "closed", "reopened"}
-	checkRunActions     = []string{"created", "rerequested", "requested_action", "completed"}
-	installationActions = []string{"created", "deleted", "suspend", "unsuspend", "new_permissions_accepted"}
-)
-
-// creationActions are the actions that ask for a row's work again when the
-// row exists: a repeated creation is RE_REQUESTED, anything else UPDATED.
-var creationActions = []string{"created", "opened", "reopened", "rerequested", "requested_action"}
-
-// entityState is the processing state for an existing row of the tables
-// without a state table of their own.
-func entityState(action string) string {
-	if slices.Contains(creationActions, action) {
-		return "RE_REQUESTED"
-	}
-	return "UPDATED"
 }
 
 // decodeTableRows decodes what ev writes: release tracking for every
@@ -246,35 +167,6 @@ func decodeRelease(ev *Event) (*releaseRow, error) {
 	return row, nil
 }
 
-// timeFormat is how every time is stored, and how typed rows carry the
-// payload's times: RFC 3339 in UTC with a fixed six fraction digits, so that
-// text order is time order (GitHub's own times, with no fraction, would
-// otherwise sort after the same second with one).
-const timeFormat = "2006-01-02T15:04:05.000000Z"
-
-func formatTime(t time.Time) string { return t.UTC().Format(timeFormat) }
-
-// normalizeTime rewrites an RFC 3339 time from a payload in timeFormat; ok is
-// false when s is not one.
-func normalizeTime(s string) (string, bool) {
-	t, err := time.Parse(time.RFC3339Nano, s)
-	if err != nil {
-		return "", false
-	}
-	return formatTime(t), true
-}
-
-// normalizedPtr rewrites a payload time in timeFormat; nil or unparsable is nil.
-func normalizedPtr(s *string) *string {
-	if s == nil {
-		return nil
-	}
-	if t, ok := normalizeTime(*s); ok {
-		return &t
-	}
-	return nil
-}
-
 // workflowRunRow is one github_release_workflow_runs row.
 type workflowRunRow struct {
 	ID                                               int64
@@ -327,4 +219,14 @@ func decodeWorkflowRun(ev *Event) (*workflowRunRow, error) {
 		row.Conclusion = *w.Conclusion
 	}
 	return row, nil
+}
+
+// tableRows is decodeTableRows, once per Event: databasePrepare runs it
+// ahead of the transaction, and the handler finds it done.
+func (ev *Event) tableRows(botAppID int64) (*tableRows, error) {
+	if ev.rows == nil && ev.rowsErr == nil {
+		ev.rows, ev.rowsErr = decodeTableRows(ev, botAppID)
+	}
+	rows, _ := ev.rows.(*tableRows)
+	return rows, ev.rowsErr
 }
