@@ -465,3 +465,8 @@ CREATE TABLE github_attempts (
 );
 CREATE INDEX github_attempts_guid ON github_attempts (guid);
 CREATE INDEX github_attempts_delivered_at ON github_attempts (delivered_at);
+
+-- migration 11: forbidden deliveries found fast
+-- The deliveries search's forbidden outcome reads these, newest first,
+-- instead of looking through every row for the few that are.
+CREATE INDEX github_forbidden_received ON github (received_at) WHERE forbidden = 1;

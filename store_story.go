@@ -239,6 +239,32 @@ type DeliveryRow struct {
 // repeats a row while new ones arrive. more reports whether another page
 // follows.
 func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit int) (rows []DeliveryRow, more bool, err error) {
+	q, args := searchQuery(f, limit)
+	res, err := s.r.QueryContext(ctx, q, args...)
+	if err != nil {
+		return nil, false, fmt.Errorf("search deliveries: %w", err)
+	}
+	defer res.Close()
+	for res.Next() {
+		var r DeliveryRow
+		var received string
+		if err := res.Scan(&r.ID, &r.GUID, &r.Event, &r.Action, &r.Repository, &r.Sender, &r.Forbidden, &received,
+			&r.Pruned, &r.Stale); err != nil {
+			return nil, false, fmt.Errorf("search deliveries: %w", err)
+		}
+		r.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
+		rows = append(rows, r)
+	}
+	if len(rows) > limit {
+		return rows[:limit], true, res.Err()
+	}
+	return rows, false, res.Err()
+}
+
+// searchQuery is the query of SearchDeliveries: at most limit+1 rows, so
+// that a next page shows. Each filter reads an index in the page's order
+// (TestSearchReadsIndexes): a page costs its rows, not the table's.
+func searchQuery(f DeliveryFilter, limit int) (string, []any) {
 	where := []string{"1 = 1"}
 	var args []any
 	add := func(clause string, a ...any) { where = append(where, clause); args = append(args, a...) }
@@ -270,27 +296,8 @@ func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit in
 		add("(g.received_at < ? OR (g.received_at = ? AND g.id < ?))", t, t, f.AfterID)
 	}
 	args = append(args, limit+1)
-	q := `SELECT g.id, g.delivery_id, g.event, g.action, g.repository, g.sender, g.forbidden, g.received_at,
+	return `SELECT g.id, g.delivery_id, g.event, g.action, g.repository, g.sender, g.forbidden, g.received_at,
 		g.payload_pruned_at IS NOT NULL,
 		EXISTS (SELECT 1 FROM worker_deliveries w WHERE w.worker = 'database-service' AND w.delivery_id = g.delivery_id AND w.outcome = 'stale')
-		FROM github g WHERE ` + strings.Join(where, " AND ") + ` ORDER BY g.received_at DESC, g.id DESC LIMIT ?`
-	res, err := s.r.QueryContext(ctx, q, args...)
-	if err != nil {
-		return nil, false, fmt.Errorf("search deliveries: %w", err)
-	}
-	defer res.Close()
-	for res.Next() {
-		var r DeliveryRow
-		var received string
-		if err := res.Scan(&r.ID, &r.GUID, &r.Event, &r.Action, &r.Repository, &r.Sender, &r.Forbidden, &received,
-			&r.Pruned, &r.Stale); err != nil {
-			return nil, false, fmt.Errorf("search deliveries: %w", err)
-		}
-		r.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
-		rows = append(rows, r)
-	}
-	if len(rows) > limit {
-		return rows[:limit], true, res.Err()
-	}
-	return rows, false, res.Err()
+		FROM github g WHERE ` + strings.Join(where, " AND ") + ` ORDER BY g.received_at DESC, g.id DESC LIMIT ?`, args
 }
