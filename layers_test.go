@@ -50,14 +50,15 @@ func readLayers(path string) (map[string][]string, error) {
 	return rules, sc.Err()
 }
 
-// roomUse is one name a file uses from another room.
+// roomUse is one name a file uses from another file: of another room, or
+// of its own.
 type roomUse struct {
-	file, name, from, to string
+	file, declFile, name, from, to string
 }
 
 // roomUses type-checks the package's production files against the export
 // data of its dependencies (go list -export) and returns every use of a
-// name (package-level, method or field) declared in another room.
+// name (package-level, method or field) declared in another file.
 func roomUses(t *testing.T, dir string) []roomUse {
 	t.Helper()
 	out, err := exec.Command("go", "list", "-export", "-deps", "-json=ImportPath,Export", dir).Output()
@@ -120,15 +121,39 @@ func roomUses(t *testing.T, dir string) []roomUse {
 			}
 		}
 		user, decl := fset.Position(id.Pos()).Filename, fset.Position(obj.Pos()).Filename
-		if from, to := roomOf(user), roomOf(decl); from != to {
-			uses = append(uses, roomUse{file: filepath.Base(user), name: obj.Name(), from: from, to: to})
+		if user != decl {
+			uses = append(uses, roomUse{file: filepath.Base(user), declFile: filepath.Base(decl), name: obj.Name(),
+				from: roomOf(user), to: roomOf(decl)})
 		}
 	}
 	sort.Slice(uses, func(i, j int) bool {
 		a, b := uses[i], uses[j]
-		return a.file+a.name < b.file+b.name
+		return a.file+" "+a.declFile+" "+a.name < b.file+" "+b.declFile+" "+b.name
 	})
 	return uses
+}
+
+// mutualFiles lists the pairs of files of one room that use each other,
+// one message each, naming a name each way: within a room too, files build
+// on each other one way, so that a change to one touches only those above.
+func mutualFiles(uses []roomUse) []string {
+	first := map[[2]string]string{}
+	var pairs [][2]string
+	for _, u := range uses {
+		k := [2]string{u.file, u.declFile}
+		if _, ok := first[k]; !ok && u.from == u.to {
+			first[k] = u.name
+			pairs = append(pairs, k)
+		}
+	}
+	var out []string
+	for _, k := range pairs {
+		if back, ok := first[[2]string{k[1], k[0]}]; ok && k[0] < k[1] {
+			out = append(out, fmt.Sprintf("%s uses %s of %s, and %s uses %s of %s: the files of a room use each other one way only",
+				k[0], first[k], k[1], k[1], back, k[0]))
+		}
+	}
+	return out
 }
 
 // broken lists the uses rules forbid, one message each, naming the file,
@@ -137,6 +162,9 @@ func broken(uses []roomUse, rules map[string][]string) []string {
 	var out []string
 	seen := map[string]bool{}
 	for _, u := range uses {
+		if u.from == u.to {
+			continue
+		}
 		allowed, ok := rules[u.from]
 		var msg string
 		switch {
@@ -177,6 +205,9 @@ func TestLayers(t *testing.T) {
 	for _, msg := range broken(uses, rules) {
 		t.Error(msg)
 	}
+	for _, msg := range mutualFiles(uses) {
+		t.Error(msg)
+	}
 }
 
 // The check fails, naming file, name and rule, on a use the rules forbid.
@@ -186,6 +217,23 @@ func TestLayersCatchAViolation(t *testing.T) {
 	rules := map[string][]string{"queue": {"config", "metrics", "broker"}}
 	got := broken(uses, rules)
 	want := "queue_settle.go uses Event of room github; layers.rules says queue: config metrics broker"
+	if len(got) != 1 || got[0] != want {
+		t.Errorf("got %q, want %q", got, want)
+	}
+}
+
+// The check fails, naming both files and a name each way, on two files of
+// a room that use each other.
+func TestLayersCatchFilesUsingEachOther(t *testing.T) {
+	t.Parallel()
+	uses := []roomUse{
+		{file: "queue.go", declFile: "queue_conn.go", name: "brokerConn", from: "queue", to: "queue"},
+		{file: "queue_conn.go", declFile: "queue.go", name: "Queues", from: "queue", to: "queue"},
+		{file: "queue_conn.go", declFile: "queue.go", name: "cfg", from: "queue", to: "queue"},
+		{file: "queue_publish.go", declFile: "queue_conn.go", name: "brokerConn", from: "queue", to: "queue"},
+	}
+	got := mutualFiles(uses)
+	want := "queue.go uses brokerConn of queue_conn.go, and queue_conn.go uses Queues of queue.go: the files of a room use each other one way only"
 	if len(got) != 1 || got[0] != want {
 		t.Errorf("got %q, want %q", got, want)
 	}
