@@ -11,18 +11,23 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strconv"
 	"text/tabwriter"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
+// reasonRetrying is what a story says of a delivery waiting in a -retry
+// queue: the broker keeps no reason for a nack, the log does.
+const reasonRetrying = "failed for a passing reason and tries again after queue.retry_ttl (the log has each failure's reason)"
+
 // errorPeekLimit bounds the messages `deliveries show` looks at in each
 // -error queue: each look is a delivery a plan's quota counts.
 const errorPeekLimit = 1000
 
-// errorWaits finds delivery guid's messages in the -error queues of every
-// broker, with why they are there; they stay where they are. A broker that
+// errorWaits finds delivery guid's messages in the -error and -retry queues
+// of every broker, with why they are there; they stay where they are. A broker that
 // does not answer is left out. Each message looked at is a basic.get-ok a
 // plan counts: they are added to store's broker_usage.
 func errorWaits(ctx context.Context, cfg *Config, store *Store, guid string) []StoryError {
@@ -42,6 +47,12 @@ func errorWaits(ctx context.Context, cfg *Config, store *Store, guid string) []S
 				if isDelivery(d, guid) {
 					out = append(out, StoryError{Broker: b.Index, Queue: errorQueue(queue), Reason: tableString(d.Headers, hdrErrorReason),
 						Attempts: tableString(d.Headers, hdrErrorAttempts)})
+				}
+			})
+			_, _ = q.PeekRetries(ctx, b, queue, errorPeekLimit, func(d *amqp.Delivery, failures int64) {
+				if isDelivery(d, guid) {
+					out = append(out, StoryError{Broker: b.Index, Queue: retryQueue(queue), Reason: reasonRetrying,
+						Attempts: strconv.FormatInt(failures, 10)})
 				}
 			})
 		}

@@ -21,6 +21,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 // writeConfig writes a TOML config for the built binary.
@@ -819,5 +821,32 @@ func TestDeliveriesShow(t *testing.T) {
 	_, err = show("show", "no-such-delivery")
 	if !errors.Is(err, ErrUnknownDelivery) || exitCode(err, io.Discard) != 1 || !strings.Contains(err.Error(), "no-such-delivery") {
 		t.Errorf("show of an unknown GUID: %v, want ErrUnknownDelivery naming it, exit 1", err)
+	}
+}
+
+// deliveries show finds a delivery failing for a passing reason in its
+// -retry queue, with its failures so far, and leaves it there.
+func TestDeliveriesShowRetrying(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	declareTestTopology(t, vhost, time.Hour) // it waits there while the test looks
+	dir := t.TempDir()
+	config := writeConfig(t, dir, "127.0.0.1:1", filepath.Join(dir, "switchyard.db"), amqpURL(vhost))
+	var out bytes.Buffer
+	if err := run(context.Background(), []string{"migrate", "-config", config}, &out, &out); err != nil {
+		t.Fatalf("migrate: %v\n%s", err, out.String())
+	}
+	msg := eventMessage("issues", newGUID(), loadFixture(t, "issues", "opened"))
+	msg.Headers["x-death"] = []any{amqp.Table{"queue": queueDatabase, "reason": "rejected", "count": int64(2)}}
+	publishRaw(t, vhost, "", retryQueue(queueDatabase), msg)
+	out.Reset()
+	if err := run(context.Background(), []string{"deliveries", "-config", config, "show", msg.MessageId}, &out, &out); err != nil {
+		t.Fatalf("deliveries show: %v\n%s", err, out.String())
+	}
+	if !strings.Contains(out.String(), "in github-database-retry") || !strings.Contains(out.String(), "attempts 2") {
+		t.Errorf("deliveries show of a delivery in github-database-retry:\n%s", out.String())
+	}
+	if n := ready(t, vhost, retryQueue(queueDatabase)); n != 1 {
+		t.Errorf("github-database-retry holds %d after the look, want the message still there", n)
 	}
 }

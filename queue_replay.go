@@ -110,13 +110,30 @@ func (q *Queues) ReplayOne(ctx context.Context, from, to *Broker, queue, guid st
 // limit, when positive) and moves none: they are taken unacknowledged, and
 // closing the channel puts them all back where they were.
 func (q *Queues) PeekErrors(ctx context.Context, b *Broker, queue string, limit int, fn func(d *amqp.Delivery)) (int, error) {
+	return q.peek(ctx, b, errorQueue(queue), limit, fn)
+}
+
+// PeekRetries shows fn the messages queue-retry on broker b holds, each
+// waiting out retry_ttl after a passing failure, with how often it failed
+// (its x-death count); like PeekErrors, it moves none (a message put back
+// keeps the time it was due to leave).
+func (q *Queues) PeekRetries(ctx context.Context, b *Broker, queue string, limit int, fn func(d *amqp.Delivery, failures int64)) (int, error) {
+	return q.peek(ctx, b, retryQueue(queue), limit, func(d *amqp.Delivery) {
+		n, _ := deathCount(d.Headers, queue)
+		fn(d, n)
+	})
+}
+
+// peek shows fn what the queue named name on broker b holds, at most limit
+// when positive, and moves none.
+func (q *Queues) peek(ctx context.Context, b *Broker, name string, limit int, fn func(d *amqp.Delivery)) (int, error) {
 	bc := q.conns[b.Index]
 	conn, ch, err := bc.openChannel(ctx)
 	if err != nil {
 		return 0, err
 	}
 	defer bc.closeChannel(conn, ch)
-	total, err := bc.readyCount(ctx, errorQueue(queue))
+	total, err := bc.readyCount(ctx, name)
 	if err != nil {
 		return 0, err
 	}
@@ -125,9 +142,9 @@ func (q *Queues) PeekErrors(ctx context.Context, b *Broker, queue string, limit 
 	}
 	n := 0
 	for n < total && ctx.Err() == nil {
-		d, ok, err := bc.get(conn, ch, errorQueue(queue))
+		d, ok, err := bc.get(conn, ch, name)
 		if err != nil {
-			return n, fmt.Errorf("get %s on %s: %w", errorQueue(queue), b, err)
+			return n, fmt.Errorf("get %s on %s: %w", name, b, err)
 		}
 		if !ok {
 			break
