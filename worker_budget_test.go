@@ -185,10 +185,7 @@ func TestRotateOnBudget(t *testing.T) {
 // it and the broker counts them, on the webhook, consume and replay paths.
 func TestUsageMatchesTheWire(t *testing.T) {
 	t.Parallel()
-	vhost := newVhost(t)
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
-	wire := proxy.countFrames()
-	cfg := testConfig(t, proxy.URL(vhost))
+	vhost, wire, cfg := wireConfig(t)
 	d := startDaemon(t, cfg)
 	db := openDB(t, cfg.Database.Path)
 	body := loadFixture(t, "issues", "opened")
@@ -237,10 +234,7 @@ func TestUsageMatchesTheWire(t *testing.T) {
 // the messages it held sent again, and the broker counts them again).
 func TestUsageInBatchTransactions(t *testing.T) {
 	t.Parallel()
-	vhost := newVhost(t)
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
-	wire := proxy.countFrames()
-	cfg := testConfig(t, proxy.URL(vhost))
+	vhost, wire, cfg := wireConfig(t)
 	p := newParts(t, cfg)
 	if err := p.queues.Reachable(context.Background(), p.brokers.List()[0]); err != nil { // declares the topology
 		t.Fatal(err)
@@ -268,4 +262,13 @@ func TestUsageInBatchTransactions(t *testing.T) {
 	if wire.deliver.Load() < 40 {
 		t.Errorf("the wire carried %d deliveries of 40 messages", wire.deliver.Load())
 	}
+}
+
+// wireConfig is a test config whose broker is a new vhost behind a proxy
+// that counts the billable frames it carries.
+func wireConfig(t *testing.T) (vhost string, wire *frameCounts, cfg *Config) {
+	t.Helper()
+	vhost = newVhost(t)
+	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	return vhost, proxy.countFrames(), testConfig(t, proxy.URL(vhost))
 }
