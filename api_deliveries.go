@@ -340,6 +340,7 @@ var deliveryTemplate = template.Must(template.Must(template.New("delivery").Func
 {{range .GitHub}}<tr><th>github attempt</th><td>{{when .DeliveredAt}} {{.StatusCode}} {{.Status}}{{if .Redelivery}} (redelivery){{end}}</td></tr>{{end}}
 {{with .Received}}<tr><th>event</th><td>{{.Event}}{{if .Action}}.{{.Action}}{{end}} on {{.Repository}} by {{.Sender}}</td></tr>
 <tr><th>accepted</th><td>{{when .ReceivedAt}} from {{.SourceIP}}{{if .Forbidden}} (outside the allowed sources: github-forbidden){{end}}</td></tr>
+{{if .Broker}}<tr><th>broker</th><td>came through {{.Broker}}</td></tr>{{end}}
 {{if .TargetType}}<tr><th>hook</th><td>{{.TargetType}} {{.TargetID}}</td></tr>{{end}}
 <tr><th>stored</th><td>{{when .StoredAt}}</td></tr>
 {{if .Duplicates}}<tr><th>duplicate</th><td>received again {{.Duplicates}} times after it was stored, the last {{when .LastDuplicateAt}}; each changed nothing</td></tr>{{end}}
@@ -351,6 +352,15 @@ var deliveryTemplate = template.Must(template.Must(template.New("delivery").Func
 {{with .Gap}}<tr><th>gap</th><td>found {{when .FoundAt}}{{if .UnrecoverableAt}}, unrecoverable: {{.LastError}}{{end}}</td></tr>{{end}}
 {{range .Alerts}}<tr><th>alert {{.Channel}}</th><td>{{with .SentAt}}sent {{when .}}{{else}}waiting{{end}}</td></tr>{{end}}
 </table>
+{{with .Received}}<h2>Request headers</h2>
+<table id="headers">
+<tr><th>X-GitHub-Delivery</th><td>{{$.GUID}}</td></tr>
+<tr><th>X-GitHub-Event</th><td>{{.Event}}</td></tr>
+{{if .HookID}}<tr><th>X-GitHub-Hook-ID</th><td>{{.HookID}}</td></tr>{{end}}
+{{if .TargetType}}<tr><th>X-GitHub-Hook-Installation-Target-Type</th><td>{{.TargetType}}</td></tr>
+<tr><th>X-GitHub-Hook-Installation-Target-ID</th><td>{{.TargetID}}</td></tr>{{end}}
+<tr><th>from</th><td>{{.SourceIP}}</td></tr>
+</table>{{end}}
 {{template "replay" .}}
 {{if .Shown}}<h2>Payload</h2>
 {{if .Cut}}<p>The first 256 KiB; <a href="?download=1">download the whole payload</a>.</p>{{else}}<p><a href="?download=1">Download</a></p>{{end}}

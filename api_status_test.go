@@ -574,6 +574,13 @@ func TestDeliveriesSearch(t *testing.T) {
 		!strings.Contains(page, "issues.opened") {
 		t.Errorf("delivery page: %d, want the story with the payload escaped:\n%.2000s", code, page)
 	}
+	vhost := d.brokers.List()[0].Vhost
+	for _, want := range []string{"<th>X-GitHub-Event</th><td>issues</td>", "<th>X-GitHub-Delivery</th><td>" + issues[0] + "</td>",
+		"<th>from</th><td>127.0.0.1</td>", "came through " + d.brokers.List()[0].Host + "/" + vhost} {
+		if !strings.Contains(page, want) {
+			t.Errorf("the delivery page lacks %q (its request headers, the broker it came through):\n%.3000s", want, page)
+		}
+	}
 	if code, body := get("/status/deliveries/" + issues[0] + "?download=1"); code != http.StatusOK || !strings.Contains(body, `<script>alert(\"x\")</script>`) {
 		t.Errorf("download: %d, want the payload as it was", code)
 	}

@@ -107,6 +107,9 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON
 		fmt.Fprintf(tw, "event\t%s on %s by %s\n", what, cmp.Or(r.Repository, "-"), cmp.Or(r.Sender, "-"))
 		fmt.Fprintf(tw, "accepted\t%s from %s%s\n", when(r.ReceivedAt), cmp.Or(r.SourceIP, "-"),
 			map[bool]string{true: " (outside the allowed sources: github-forbidden)", false: ""}[r.Forbidden])
+		if r.Broker != "" {
+			fmt.Fprintf(tw, "broker\tcame through %s\n", r.Broker)
+		}
 		if r.TargetType != "" {
 			fmt.Fprintf(tw, "hook\t%s %d\n", r.TargetType, r.TargetID)
 		}

@@ -26,6 +26,9 @@ type Event struct {
 	SourceIP       string
 	Payload        []byte // the webhook's JSON, byte for byte
 	ReceivedAt     time.Time
+	// Broker is the broker ("host/vhost") the delivery came through to
+	// the worker; empty when not known.
+	Broker string
 
 	// decoded is DecodeEvent's one pass over the payload, in the type the
 	// typed tables read (newTablePayload), and shapeErr the first of its

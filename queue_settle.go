@@ -37,6 +37,8 @@ type Message struct {
 	// Attempts is how often the message failed on this queue before
 	// (its x-death count).
 	Attempts int64
+	// Broker is the broker it came from.
+	Broker *Broker
 }
 
 // Header reads one header as text, whatever AMQP type carried it.
@@ -243,7 +245,7 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 			verdicts[i] = permanent("%s", reasonBadDeath)
 			continue
 		}
-		msgs = append(msgs, Message{ID: d.MessageId, Type: d.Type, Headers: d.Headers, Body: d.Body,
+		msgs = append(msgs, Message{ID: d.MessageId, Type: d.Type, Headers: d.Headers, Body: d.Body, Broker: s.bc.broker,
 			Timestamp: d.Timestamp, Attempts: attempts})
 		at = append(at, i)
 	}

@@ -470,3 +470,8 @@ CREATE INDEX github_attempts_delivered_at ON github_attempts (delivered_at);
 -- The deliveries search's forbidden outcome reads these, newest first,
 -- instead of looking through every row for the few that are.
 CREATE INDEX github_forbidden_received ON github (received_at) WHERE forbidden = 1;
+
+-- migration 12: the broker a delivery came through
+-- github.broker: the broker ("host/vhost") the stored delivery was consumed
+-- from, for its story; empty for deliveries stored before.
+ALTER TABLE github ADD COLUMN broker TEXT NOT NULL DEFAULT '';

@@ -27,11 +27,11 @@ func payloadText(payload []byte) string {
 // count or alert twice.
 func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channels ...string) (inserted bool, err error) {
 	res, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
-		target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (delivery_id) DO NOTHING`,
+		target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at, broker)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (delivery_id) DO NOTHING`,
 		ev.DeliveryID, ev.Name, ev.Action, nullInt(ev.HookID), ev.TargetType, nullInt(ev.TargetID),
 		nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
-		payloadText(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()))
+		payloadText(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker)
 	if err != nil {
 		return false, fmt.Errorf("insert github: %w", err)
 	}

@@ -52,14 +52,18 @@ type StoryError struct {
 
 // StoryReceipt is the delivery's raw github row, without the payload.
 type StoryReceipt struct {
-	Event        string     `json:"event"`
-	Action       string     `json:"action,omitempty"`
-	Repository   string     `json:"repository,omitempty"`
-	Sender       string     `json:"sender,omitempty"`
-	SourceIP     string     `json:"source_ip,omitempty"`
-	Forbidden    bool       `json:"forbidden"`
-	TargetType   string     `json:"target_type,omitempty"`
-	TargetID     int64      `json:"target_id,omitempty"`
+	Event      string `json:"event"`
+	Action     string `json:"action,omitempty"`
+	Repository string `json:"repository,omitempty"`
+	Sender     string `json:"sender,omitempty"`
+	SourceIP   string `json:"source_ip,omitempty"`
+	Forbidden  bool   `json:"forbidden"`
+	HookID     int64  `json:"hook_id,omitempty"`
+	TargetType string `json:"target_type,omitempty"`
+	TargetID   int64  `json:"target_id,omitempty"`
+	// Broker is the broker ("host/vhost") it came through to the worker
+	// that stored it.
+	Broker       string     `json:"broker,omitempty"`
 	ReceivedAt   time.Time  `json:"received_at"`
 	StoredAt     time.Time  `json:"stored_at"`
 	PayloadBytes int        `json:"payload_bytes"`
@@ -113,15 +117,15 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	st := &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Workers: []StoryWorker{}, Rows: []StoryRow{}, Alerts: []StoryAlert{}}
 	var r StoryReceipt
 	var received, stored string
-	var targetID sql.NullInt64
+	var targetID, hookID sql.NullInt64
 	var pruned, lastDup sql.NullString
-	err := s.r.QueryRowContext(ctx, `SELECT event, action, repository, sender, source_ip, forbidden, target_type, target_id,
-		received_at, processed_at, payload, payload_pruned_at, duplicates, last_duplicate_at FROM github WHERE delivery_id = ?`, guid).
-		Scan(&r.Event, &r.Action, &r.Repository, &r.Sender, &r.SourceIP, &r.Forbidden, &r.TargetType, &targetID,
-			&received, &stored, &st.Payload, &pruned, &r.Duplicates, &lastDup)
+	err := s.r.QueryRowContext(ctx, `SELECT event, action, repository, sender, source_ip, forbidden, hook_id, target_type, target_id,
+		received_at, processed_at, payload, payload_pruned_at, duplicates, last_duplicate_at, broker FROM github WHERE delivery_id = ?`, guid).
+		Scan(&r.Event, &r.Action, &r.Repository, &r.Sender, &r.SourceIP, &r.Forbidden, &hookID, &r.TargetType, &targetID,
+			&received, &stored, &st.Payload, &pruned, &r.Duplicates, &lastDup, &r.Broker)
 	switch {
 	case err == nil:
-		r.TargetID, r.PayloadBytes, r.PrunedAt = targetID.Int64, len(st.Payload), parseTimePtr(pruned)
+		r.HookID, r.TargetID, r.PayloadBytes, r.PrunedAt = hookID.Int64, targetID.Int64, len(st.Payload), parseTimePtr(pruned)
 		r.LastDuplicateAt = parseTimePtr(lastDup)
 		r.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
 		r.StoredAt, _ = time.Parse(time.RFC3339Nano, stored)

@@ -107,6 +107,9 @@ func decodeEvent(m *Message, prepare Preparer, log *slog.Logger) decoded {
 		}
 		return decoded{log: log, err: err}
 	}
+	if m.Broker != nil {
+		ev.Broker = usageKey(m.Broker.Host, m.Broker.Vhost)
+	}
 	if prepare != nil {
 		prepare(ev)
 	}
