@@ -164,26 +164,26 @@ func TestStatusExitCodes(t *testing.T) {
 	eventually(t, 30*time.Second, "the spare's topology declared", func() bool { return queueExists(t, b, queueGitHub) })
 	cfg := *d.cfg
 	cfg.Server.Listen = strings.TrimPrefix(d.URL, "http://")
-	status := func() (int, error, string) {
+	status := func() (int, string, error) {
 		var out strings.Builder
 		err := printStatus(context.Background(), &cfg, false, &out)
-		return exitCode(err, io.Discard), err, out.String()
+		return exitCode(err, io.Discard), out.String(), err
 	}
 
 	eventually(t, 30*time.Second, "status exits 0", func() bool { code, _, _ := status(); return code == 0 })
-	if _, _, out := status(); !strings.Contains(out, "all is well") {
+	if _, out, _ := status(); !strings.Contains(out, "all is well") {
 		t.Errorf("status with nothing wrong does not say so:\n%s", out)
 	}
 
 	proxy.Close()
 	down := "broker #1 (127.0.0.1 vhost " + b + ") is down"
 	eventually(t, 30*time.Second, "status exits 1 naming the stopped broker", func() bool {
-		code, err, out := status()
+		code, out, err := status()
 		return code == 1 && strings.Contains(err.Error(), down) && strings.Contains(out, down)
 	})
 
 	d.stop(t)
-	if code, err, _ := status(); code != exitUnreachable || !strings.Contains(err.Error(), "is switchyard serving") {
+	if code, _, err := status(); code != exitUnreachable || !strings.Contains(err.Error(), "is switchyard serving") {
 		t.Errorf("status of a stopped daemon: exit %d (%v), want %d", code, err, exitUnreachable)
 	}
 }
@@ -499,16 +499,14 @@ func TestDeliveriesSearch(t *testing.T) {
 	// Raw, as GitHub sends it: encoding/json would write \u003c.
 	hostile := []byte(strings.Replace(string(loadFixture(t, "issues", "opened")),
 		`"title": "Webhooks from the second broker arrive twice"`, `"title": "<script>alert(\"x\")</script>"`, 1))
-	var issues, pulls []string
+	var issues []string
 	for i := range 7 {
 		g := fmt.Sprintf("issue-%02d-%s", i, newGUID()[:8])
 		issues = append(issues, g)
 		postWebhook(t, d.URL, "issues", g, hostile)
 	}
 	for i := range 3 {
-		g := fmt.Sprintf("pull-%02d-%s", i, newGUID()[:8])
-		pulls = append(pulls, g)
-		postWebhook(t, d.URL, "pull_request", g, loadFixture(t, "pull_request", "opened"))
+		postWebhook(t, d.URL, "pull_request", fmt.Sprintf("pull-%02d-%s", i, newGUID()[:8]), loadFixture(t, "pull_request", "opened"))
 	}
 	eventually(t, 20*time.Second, "all stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") == 10 })
 	get := func(path string) (int, string) {
