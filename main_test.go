@@ -643,7 +643,7 @@ func TestMigrateUpgradesInPlace(t *testing.T) {
 		t.Fatal(err)
 	}
 	ev := &Event{DeliveryID: "old-row", Name: "ping", Payload: []byte("{}"), ReceivedAt: time.Now()}
-	if err := store.Batch(ctx, func(tx *Tx) error { _, err := tx.InsertEvent(ctx, ev, false); return err }); err != nil {
+	if err := insertOldRow(store, ev); err != nil {
 		t.Fatal(err)
 	}
 	from, to, err := store.Migrate(ctx)

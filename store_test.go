@@ -321,7 +321,7 @@ func TestMigrationFillsGitHubUpdatedAt(t *testing.T) {
 	}
 	body := loadFixture(t, "pull_request", "closed")
 	ev := &Event{DeliveryID: "pr-closed", Name: "pull_request", Action: "closed", Payload: body, ReceivedAt: time.Now()}
-	if err := store.Batch(ctx, func(tx *Tx) error { _, err := tx.InsertEvent(ctx, ev, false); return err }); err != nil {
+	if err := insertOldRow(store, ev); err != nil {
 		t.Fatal(err)
 	}
 	for i, delivery := range []string{"pr-closed", "raw-row-gone"} {
@@ -425,4 +425,12 @@ func TestSearchReadsIndexes(t *testing.T) {
 			t.Errorf("filter %+v: plan %q, want it to read %s in order", c.f, text, c.uses)
 		}
 	}
+}
+
+// insertOldRow writes ev's github row as the first schema has it, the way
+// an old release stored it, for the tests that upgrade an old database.
+func insertOldRow(store *Store, ev *Event) error {
+	_, err := store.w.Exec(`INSERT INTO github (delivery_id, event, action, payload, received_at, processed_at)
+		VALUES (?, ?, ?, ?, ?, ?)`, ev.DeliveryID, ev.Name, ev.Action, string(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()))
+	return err
 }
