@@ -71,21 +71,12 @@ func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error,
 		verdicts[0] = next(0).handleAlone(ctx, o.Batch, o.Handle, o.Usage)
 		return verdicts, nil
 	}
-	var undo func()
-	err := o.Batch.Batch(ctx, func(tx *Tx) error {
+	err := batchWithUsage(ctx, o.Batch, o.Usage, func(tx *Tx) error {
 		for i := range msgs {
 			verdicts[i] = next(i).handle(ctx, tx, o.Handle)
 		}
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		var err error
-		undo, err = o.Usage.addUsageIn(ctx, tx)
-		return err
+		return ctx.Err()
 	})
-	if err != nil && undo != nil {
-		undo()
-	}
 	return verdicts, err
 }
 
@@ -203,21 +194,37 @@ func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *B
 	}
 	ctx = withLogger(ctx, m.log)
 	var handled error
-	var undo func()
-	err := b.Batch(ctx, func(tx *Tx) error {
+	err := batchWithUsage(ctx, b, usage, func(tx *Tx) error {
 		handled = h(ctx, tx, m.ev)
-		if handled != nil && !errors.Is(handled, ErrDuplicate) {
-			return handled
+		if errors.Is(handled, ErrDuplicate) {
+			return nil
+		}
+		return handled
+	})
+	if err != nil {
+		return verdict(err)
+	}
+	return verdict(handled)
+}
+
+// batchWithUsage runs fn in one transaction of batcher and, when fn
+// succeeds, adds to the same transaction what usage's queues counted since
+// it was last taken:
+// a message's delivery is counted with the commit of what it did, and a
+// daemon at work writes no transaction of its own for its counts. Counts a
+// transaction did not commit go back. A nil usage runs fn alone.
+func batchWithUsage(ctx context.Context, batcher Batcher, usage *Budget, fn func(tx *Tx) error) error {
+	undo := func() {}
+	err := batcher.Batch(ctx, func(tx *Tx) error {
+		if err := fn(tx); err != nil || usage == nil {
+			return err
 		}
 		var err error
 		undo, err = usage.addUsageIn(ctx, tx)
 		return err
 	})
 	if err != nil {
-		if undo != nil {
-			undo()
-		}
-		return verdict(err)
+		undo()
 	}
-	return verdict(handled)
+	return err
 }

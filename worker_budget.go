@@ -135,14 +135,9 @@ func WriteUsage(ctx context.Context, store *Store, queues *Queues, now time.Time
 
 // addUsageIn adds what the queues counted since it was last taken to
 // broker_usage in tx, the transaction a batch of consumed messages commits
-// in: a message's delivery is counted with the commit of what it did, and
-// a daemon at work writes no transaction of its own for its counts. undo
-// gives the counts back, for a transaction that did not commit. A nil
-// Budget counts nothing.
+// in (batchWithUsage); undo gives the counts back, for a transaction that
+// does not commit.
 func (b *Budget) addUsageIn(ctx context.Context, tx *Tx) (undo func(), err error) {
-	if b == nil {
-		return func() {}, nil
-	}
 	usage := b.queues.TakeUsage()
 	if !spentAny(usage) {
 		return func() {}, nil
