@@ -81,6 +81,13 @@ func deliveriesQuery(q url.Values) (f DeliveryFilter, limit int, err error) {
 	default:
 		return f, 0, bad("outcome", "want stored, forbidden or stale")
 	}
+	if v := q.Get("hook"); v != "" {
+		hook, err := parseHookID(v)
+		if err != nil {
+			return f, 0, bad("hook", "want the X-GitHub-Hook-ID of a copy, up to %d digits", maxHookIDLen)
+		}
+		f.Hook = &hook
+	}
 	if f.From, err = when("from"); err != nil {
 		return f, 0, err
 	}
@@ -139,11 +146,20 @@ func (a *API) deliveriesPage(w http.ResponseWriter, r *http.Request, _ httproute
 	}
 }
 
-// deliveryPage is GET /status/deliveries/GUID: the story and the payload,
+// deliveryPage is GET /status/deliveries/GUID: the story (every hook's
+// copy, or with ?hook=ID that hook's only) and the first copy's payload,
 // or with ?download=1 the whole payload as application/json.
 func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
 	guid := ps.ByName("guid")
+	hook, err := hookQuery(r.URL.Query())
+	if err != nil {
+		http.Error(w, "400 "+err.Error(), http.StatusBadRequest)
+		return
+	}
 	st, err := a.store.Story(r.Context(), guid)
+	if err == nil && hook >= 0 {
+		err = st.Narrow(hook)
+	}
 	if errors.Is(err, ErrUnknownDelivery) {
 		// Not stored: it may still wait in an -error queue, so the page
 		// offers the replay.
@@ -157,13 +173,18 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 		http.Error(w, "500 internal error", http.StatusInternalServerError)
 		return
 	}
+	payload := st.Payload()
 	if r.URL.Query().Get("download") == "1" {
 		w.Header().Set("Content-Type", "application/json")
 		w.Header().Set("Content-Disposition", `attachment; filename="delivery.json"`)
-		_, _ = w.Write([]byte(st.Payload))
+		_, _ = w.Write([]byte(payload))
 		return
 	}
-	shown := st.Payload
+	download := "?download=1"
+	if hook >= 0 {
+		download += "&hook=" + strconv.FormatInt(hook, 10)
+	}
+	shown := payload
 	cut := len(shown) > shownPayload
 	if cut {
 		shown = shown[:shownPayload]
@@ -173,12 +194,28 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 	if err := deliveryTemplate.Execute(w, struct {
 		*DeliveryStory
 		pageActions
-		GUID  string // both embed one
-		Shown string
-		Cut   bool
-	}{st, a.actions(r, guid), guid, shown, cut}); err != nil {
+		GUID     string // both embed one
+		Lines    []StoryLine
+		Shown    string
+		Cut      bool
+		Download string
+	}{st, a.actions(r, guid), guid, st.Lines(), shown, cut, download}); err != nil {
 		a.log.Warn("delivery page", "error", err)
 	}
+}
+
+// hookQuery reads ?hook=, the hook whose copy alone a page shows; -1 when
+// it is not given.
+func hookQuery(q url.Values) (int64, error) {
+	v := q.Get("hook")
+	if v == "" {
+		return -1, nil
+	}
+	id, err := parseHookID(v)
+	if err != nil {
+		return 0, fmt.Errorf("%w: hook: want the X-GitHub-Hook-ID of a copy, up to %d digits", ErrBadRequest, maxHookIDLen)
+	}
+	return id, nil
 }
 
 // csrfToken is the token the delivery page's form for action on guid
@@ -317,15 +354,16 @@ var deliveriesTemplate = template.Must(template.New("deliveries").Funcs(pageFunc
 <input name="action" placeholder="action" value="{{.Query.Get "action"}}">
 <input name="repository" placeholder="owner/name" value="{{.Query.Get "repository"}}">
 <input name="sender" placeholder="sender" value="{{.Query.Get "sender"}}">
+<input name="hook" placeholder="hook ID" value="{{.Query.Get "hook"}}">
 <select name="outcome"><option value="">any outcome</option>{{$o := .Query.Get "outcome"}}{{range $v := (split "stored forbidden stale")}}<option{{if eq $v $o}} selected{{end}}>{{$v}}</option>{{end}}</select>
 <input name="from" placeholder="from (RFC 3339)" value="{{.Query.Get "from"}}">
 <input name="to" placeholder="to (RFC 3339)" value="{{.Query.Get "to"}}">
 <button type="submit">Search</button>
 </form>
 <table id="deliveries">
-<tr><th>received</th><th>delivery</th><th>event</th><th>repository</th><th>sender</th><th>outcome</th></tr>
-{{range .Rows}}<tr><td>{{when .ReceivedAt}}</td><td><a href="/status/deliveries/{{escape .GUID}}">{{.GUID}}</a></td><td>{{.Event}}{{if .Action}}.{{.Action}}{{end}}</td><td>{{.Repository}}</td><td>{{.Sender}}</td><td>{{if .Forbidden}}forbidden{{else if .Stale}}stale{{else}}stored{{end}}{{if .Pruned}} (payload pruned){{end}}</td></tr>
-{{else}}<tr><td colspan="6">No stored delivery matches.</td></tr>{{end}}
+<tr><th>received</th><th>delivery</th><th>hook</th><th>event</th><th>repository</th><th>sender</th><th>outcome</th></tr>
+{{range .Rows}}<tr><td>{{when .ReceivedAt}}</td><td><a href="/status/deliveries/{{escape .GUID}}?hook={{.Hook}}">{{.GUID}}</a></td><td>{{.Hook}}{{with .TargetType}} ({{.}}){{end}}</td><td>{{.Event}}{{if .Action}}.{{.Action}}{{end}}</td><td>{{.Repository}}</td><td>{{.Sender}}</td><td>{{if .Forbidden}}forbidden{{else if .Stale}}stale{{else}}stored{{end}}{{if .Pruned}} (payload pruned){{end}}</td></tr>
+{{else}}<tr><td colspan="7">No stored delivery matches.</td></tr>{{end}}
 </table>
 {{with .Next}}<p><a id="next" href="{{.}}">Older →</a></p>{{end}}
 </body></html>`))
@@ -337,33 +375,20 @@ var deliveryTemplate = template.Must(template.Must(template.New("delivery").Func
 </head><body>
 <h1><a href="/status">switchyard</a> · <a href="/status/deliveries">deliveries</a> · {{.GUID}}</h1>
 <table id="story">
-{{range .GitHub}}<tr><th>github attempt</th><td>{{when .DeliveredAt}} {{.StatusCode}} {{.Status}}{{if .Redelivery}} (redelivery){{end}}</td></tr>{{end}}
-{{with .Received}}<tr><th>event</th><td>{{.Event}}{{if .Action}}.{{.Action}}{{end}} on {{.Repository}} by {{.Sender}}</td></tr>
-<tr><th>accepted</th><td>{{when .ReceivedAt}} from {{.SourceIP}}{{if .Forbidden}} (outside the allowed sources: github-forbidden){{end}}</td></tr>
-{{if .Broker}}<tr><th>broker</th><td>came through {{.Broker}}</td></tr>{{end}}
-{{if .TargetType}}<tr><th>hook</th><td>{{.TargetType}} {{.TargetID}}</td></tr>{{end}}
-<tr><th>stored</th><td>{{when .StoredAt}}</td></tr>
-{{if .Duplicates}}<tr><th>duplicate</th><td>received again {{.Duplicates}} times after it was stored, the last {{when .LastDuplicateAt}}; each changed nothing</td></tr>{{end}}
-<tr><th>payload</th><td>{{if .PrunedAt}}pruned {{when .PrunedAt}}{{else}}{{.PayloadBytes}} bytes{{end}}</td></tr>
-{{else}}<tr><th>stored</th><td>not in github</td></tr>{{end}}
-{{range .Workers}}<tr><th>worker {{.Worker}}</th><td>{{.Outcome}} {{when .At}}</td></tr>{{end}}
-{{range .Rows}}<tr><th>typed row</th><td>{{.Table}} {{.Key}}</td></tr>{{end}}
-{{with .Hooks}}<tr><th>redelivery</th><td>queued on github-hooks {{when .QueuedAt}}{{with .RepublishedAt}}, republished {{when .}}{{end}}</td></tr>{{end}}
-{{with .Gap}}<tr><th>gap</th><td>found {{when .FoundAt}}{{if .UnrecoverableAt}}, unrecoverable: {{.LastError}}{{end}}</td></tr>{{end}}
-{{range .Alerts}}<tr><th>alert {{.Channel}}</th><td>{{with .SentAt}}sent {{when .}}{{else}}waiting{{end}}</td></tr>{{end}}
-</table>
-{{with .Received}}<h2>Request headers</h2>
-<table id="headers">
+{{range .Lines}}{{if .Head}}<tr class="copy"><th colspan="2">{{.Text}}</th></tr>{{else}}<tr><th>{{.Label}}</th><td>{{.Text}}</td></tr>{{end}}
+{{end}}</table>
+{{range .Copies}}{{$hook := .Hook}}{{with .Received}}<h2>Request headers, hook {{$hook}}</h2>
+<table class="headers">
 <tr><th>X-GitHub-Delivery</th><td>{{$.GUID}}</td></tr>
 <tr><th>X-GitHub-Event</th><td>{{.Event}}</td></tr>
-{{if .HookID}}<tr><th>X-GitHub-Hook-ID</th><td>{{.HookID}}</td></tr>{{end}}
+{{if $hook}}<tr><th>X-GitHub-Hook-ID</th><td>{{$hook}}</td></tr>{{end}}
 {{if .TargetType}}<tr><th>X-GitHub-Hook-Installation-Target-Type</th><td>{{.TargetType}}</td></tr>
 <tr><th>X-GitHub-Hook-Installation-Target-ID</th><td>{{.TargetID}}</td></tr>{{end}}
 <tr><th>from</th><td>{{.SourceIP}}</td></tr>
-</table>{{end}}
+</table>{{end}}{{end}}
 {{template "replay" .}}
 {{if .Shown}}<h2>Payload</h2>
-{{if .Cut}}<p>The first 256 KiB; <a href="?download=1">download the whole payload</a>.</p>{{else}}<p><a href="?download=1">Download</a></p>{{end}}
+{{if .Cut}}<p>The first 256 KiB; <a href="{{.Download}}">download the whole payload</a>.</p>{{else}}<p><a href="{{.Download}}">Download</a></p>{{end}}
 <pre id="payload">{{.Shown}}</pre>{{end}}
 </body></html>`))
 

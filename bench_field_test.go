@@ -384,7 +384,7 @@ func benchDatabaseBytes(b *testing.B) (total, payloads int64) {
 	store, _ := benchStore(b)
 	defer store.Close()
 	log := slog.New(slog.DiscardHandler)
-	svc, dbh := serviceHandler(nil, false), databaseHandler(testBotAppID, nil, log)
+	svc, dbh := serviceHandler(nil, 0, false), databaseHandler(testBotAppID, nil, log)
 	fixtures := loadFixtures(b)
 	ctx := context.Background()
 	for i := 0; i < 10000; i += 100 {

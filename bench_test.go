@@ -585,7 +585,7 @@ func drainRate(b testing.TB, store *Store, cfg *Config, brokerURL string, n int)
 	always := func() bool { return true }
 	start := time.Now()
 	got, err := q.Drain(context.Background(), q.conns[0].broker,
-		EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, false), Batch: store, Log: log}.consume(), n, always)
+		EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, 0, false), Batch: store, Log: log}.consume(), n, always)
 	if err != nil || got != n {
 		b.Fatalf("drain: %d, %v", got, err)
 	}

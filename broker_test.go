@@ -614,7 +614,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 	publishRaw(t, b, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened")))
 	var mu sync.Mutex
 	calls := 0
-	service := serviceHandler(nil, false)
+	service := serviceHandler(nil, 0, false)
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		calls++

@@ -342,6 +342,7 @@ type DeliveriesOptions struct {
 	Since   time.Duration // how far back to ask GitHub
 	Gaps    bool          // only the open gaps, from the database
 	Payload bool          // show: the stored payload too
+	Hook    int64         // show: only this hook's copy; -1: every copy
 }
 
 // listDeliveries prints GitHub's deliveries of the window with what became of

@@ -4,7 +4,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -40,18 +39,22 @@ func errorWaits(ctx context.Context, cfg *Config, store *Store, guid string) []S
 	q := operatorQueues(cfg, brokers, slog.New(slog.DiscardHandler))
 	defer q.Close()
 	defer func() { _ = WriteUsage(context.WithoutCancel(ctx), store, q, time.Now()) }()
+	hook := func(d *amqp.Delivery) int64 {
+		id, _ := parseHookID(tableString(d.Headers, hdrHookID))
+		return id
+	}
 	var out []StoryError
 	for _, b := range brokers {
 		for _, queue := range logicalQueues {
 			_, _ = q.PeekErrors(ctx, b, queue, errorPeekLimit, func(d *amqp.Delivery) {
 				if isDelivery(d, guid) {
-					out = append(out, StoryError{Broker: b.Index, Queue: errorQueue(queue), Reason: tableString(d.Headers, hdrErrorReason),
-						Attempts: tableString(d.Headers, hdrErrorAttempts)})
+					out = append(out, StoryError{Broker: b.Index, Queue: errorQueue(queue), Hook: hook(d),
+						Reason: tableString(d.Headers, hdrErrorReason), Attempts: tableString(d.Headers, hdrErrorAttempts)})
 				}
 			})
 			_, _ = q.PeekRetries(ctx, b, queue, errorPeekLimit, func(d *amqp.Delivery, failures int64) {
 				if isDelivery(d, guid) {
-					out = append(out, StoryError{Broker: b.Index, Queue: retryQueue(queue), Reason: reasonRetrying,
+					out = append(out, StoryError{Broker: b.Index, Queue: retryQueue(queue), Hook: hook(d), Reason: reasonRetrying,
 						Attempts: strconv.FormatInt(failures, 10)})
 				}
 			})
@@ -60,11 +63,11 @@ func errorWaits(ctx context.Context, cfg *Config, store *Store, guid string) []S
 	return out
 }
 
-// showDelivery prints everything the database knows of one delivery:
-// when it was accepted and stored, what each worker made of it, the typed
-// rows it wrote, its redelivery, its gap, its alerts, and whether its
-// payload was pruned. An unknown GUID is an error (exit 1).
-func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON bool, stdout io.Writer) error {
+// showDelivery prints everything the database knows of one event's
+// deliveries, every hook's copy or, with hook at 0 or more, that hook's
+// only (StoryLine tells how), and its messages waiting in -error and
+// -retry queues. An unknown GUID is an error (exit 1).
+func showDelivery(ctx context.Context, cfg *Config, guid string, hook int64, payload, asJSON bool, stdout io.Writer) error {
 	store, err := openExisting(ctx, cfg.Database)
 	if err != nil {
 		return err
@@ -73,19 +76,27 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON
 	st, err := store.Story(ctx, guid)
 	waiting := errorWaits(ctx, cfg, store, guid)
 	if errors.Is(err, ErrUnknownDelivery) && len(waiting) > 0 {
-		st, err = &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Workers: []StoryWorker{}, Rows: []StoryRow{}, Alerts: []StoryAlert{}}, nil
+		st, err = newStory(guid), nil
+		for _, e := range waiting {
+			st.copyOf(e.Hook)
+		}
 	}
 	if err != nil {
 		return err
 	}
 	st.Errors = waiting
+	if hook >= 0 {
+		if err := st.Narrow(hook); err != nil {
+			return err
+		}
+	}
 	if asJSON {
 		out := struct {
 			*DeliveryStory
 			Payload *json.RawMessage `json:"payload,omitempty"`
 		}{DeliveryStory: st}
-		if payload && json.Valid([]byte(st.Payload)) {
-			raw := json.RawMessage(st.Payload)
+		if p := st.Payload(); payload && json.Valid([]byte(p)) {
+			raw := json.RawMessage(p)
 			out.Payload = &raw
 		}
 		enc := json.NewEncoder(stdout)
@@ -93,91 +104,12 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, payload, asJSON
 		return enc.Encode(out)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	defer tw.Flush()
-	when := func(t time.Time) string { return t.UTC().Format(time.RFC3339) }
-	fmt.Fprintf(tw, "delivery\t%s\n", guid)
-	for _, a := range st.GitHub {
-		fmt.Fprintf(tw, "github attempt\t%s\n", attemptLine(a))
+	for _, l := range st.Lines() {
+		fmt.Fprintf(tw, "%s\t%s\n", l.Label, l.Text)
 	}
-	if r := st.Received; r != nil {
-		what := r.Event
-		if r.Action != "" {
-			what += "." + r.Action
-		}
-		fmt.Fprintf(tw, "event\t%s on %s by %s\n", what, cmp.Or(r.Repository, "-"), cmp.Or(r.Sender, "-"))
-		fmt.Fprintf(tw, "accepted\t%s from %s%s\n", when(r.ReceivedAt), cmp.Or(r.SourceIP, "-"),
-			map[bool]string{true: " (outside the allowed sources: github-forbidden)", false: ""}[r.Forbidden])
-		if r.Broker != "" {
-			fmt.Fprintf(tw, "broker\tcame through %s\n", r.Broker)
-		}
-		if r.TargetType != "" {
-			fmt.Fprintf(tw, "hook\t%s %d\n", r.TargetType, r.TargetID)
-		}
-		fmt.Fprintf(tw, "stored\t%s\n", when(r.StoredAt))
-		if r.Duplicates > 0 && r.LastDuplicateAt != nil {
-			fmt.Fprintf(tw, "duplicate\treceived again %s after it was stored, the last %s; each changed nothing\n",
-				plural(r.Duplicates, "time"), when(*r.LastDuplicateAt))
-		}
-		if r.PrunedAt != nil {
-			fmt.Fprintf(tw, "payload\tpruned %s (database.raw_retention); the row stays as the delivery's identity\n", when(*r.PrunedAt))
-		} else {
-			fmt.Fprintf(tw, "payload\t%d bytes\n", r.PayloadBytes)
-		}
-	} else {
-		fmt.Fprintf(tw, "stored\tnot in github\n")
-	}
-	for _, w := range st.Workers {
-		outcome := w.Outcome
-		if outcome == "stale" {
-			outcome = "stale: the typed row held a newer object and was kept"
-		}
-		fmt.Fprintf(tw, "worker %s\t%s %s\n", w.Worker, outcome, when(w.At))
-	}
-	for _, r := range st.Rows {
-		fmt.Fprintf(tw, "typed row\t%s %s\n", r.Table, r.Key)
-	}
-	if h := st.Hooks; h != nil {
-		line := "queued on github-hooks " + when(h.QueuedAt)
-		if h.RepublishedAt != nil {
-			line += ", republished " + when(*h.RepublishedAt)
-		}
-		fmt.Fprintf(tw, "redelivery\t%s\n", line)
-	}
-	if g := st.Gap; g != nil {
-		state := "open"
-		switch {
-		case g.UnrecoverableAt != nil:
-			state = "unrecoverable: " + g.LastError
-		case g.RedeliveredAt != nil:
-			state = "open, redelivery asked " + when(*g.RedeliveredAt)
-		}
-		fmt.Fprintf(tw, "gap\tfound %s, GitHub delivered it %s; %s\n", when(g.FoundAt), when(g.DeliveredAt), state)
-	}
-	for _, e := range st.Errors {
-		fmt.Fprintf(tw, "in %s\t%s on broker #%d: %s (attempts %s)\n", e.Queue, e.Queue, e.Broker, e.Reason, cmp.Or(e.Attempts, "-"))
-	}
-	for _, a := range st.Alerts {
-		state := "waiting"
-		if a.SentAt != nil {
-			state = "sent " + when(*a.SentAt)
-		} else if a.LastError != "" {
-			state = "not sent yet: " + a.LastError
-		}
-		fmt.Fprintf(tw, "alert %s\t%s\n", a.Channel, state)
-	}
-	if payload && st.Payload != "" {
-		tw.Flush()
-		fmt.Fprintf(stdout, "\n%s\n", st.Payload)
+	tw.Flush()
+	if p := st.Payload(); payload && p != "" {
+		fmt.Fprintf(stdout, "\n%s\n", p)
 	}
 	return nil
-}
-
-// attemptLine tells one of GitHub's attempts: when, the status code and
-// status GitHub recorded, and whether it was a redelivery.
-func attemptLine(a StoryAttempt) string {
-	line := fmt.Sprintf("%s %d %s", a.DeliveredAt.UTC().Format(time.RFC3339), a.StatusCode, a.Status)
-	if a.Redelivery {
-		line += " (redelivery)"
-	}
-	return line
 }

@@ -90,13 +90,13 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	}
 	retention := NewRetention(store, cfg.Database, log.With("worker", "cleanup"))
 	d.workers = []*Worker{
-		worker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(alerter, false),
+		worker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(alerter, cfg.GitHub.AppID, false),
 			Batch: store, Window: w.Window, Health: hc(cfg.HealthChecks.Service, "service")}),
 		worker(WorkerOptions{Name: "database-service", Queue: queueDatabase,
 			Handle:  databaseHandler(cfg.GitHub.BotAppID, metrics, log.With("worker", "database-service")),
 			Prepare: databasePrepare(cfg.GitHub.BotAppID),
 			Batch:   store, Window: w.Window, Health: hc(cfg.HealthChecks.DatabaseService, "database-service")}),
-		worker(WorkerOptions{Name: "cleanup", Queue: queueForbidden, Handle: serviceHandler(alerter, true),
+		worker(WorkerOptions{Name: "cleanup", Queue: queueForbidden, Handle: serviceHandler(alerter, cfg.GitHub.AppID, true),
 			Batch: store, Window: w.CleanupWindow, Every: w.CleanupEvery, Health: hc(cfg.HealthChecks.Cleanup, "cleanup"),
 			Poll: func(ctx context.Context) error { _, _, err := retention.Prune(ctx); return err }, PollEvery: w.CleanupEvery}),
 	}

@@ -303,6 +303,10 @@ func (a *GitHubApp) Delivery(ctx context.Context, id int64) (*hookDeliveryDetail
 // redeliveries Redeliver asks in any minute.
 func (a *GitHubApp) RedeliverPerMinute() int { return a.redeliveries.n }
 
+// ID is the App's id (github.app_id): its hook's copy of an event is the
+// one its deliveries speak of.
+func (a *GitHubApp) ID() int64 { return a.appID }
+
 // ErrRedeliveryPaced is a redelivery not asked because
 // github.redeliver_per_minute were asked in the last minute.
 var ErrRedeliveryPaced = errors.New("github.redeliver_per_minute reached; asked later")

@@ -65,7 +65,11 @@ func DecodeEvent(d Delivery) (*Event, error) {
 	if ev.Name == "" {
 		return nil, malformed("no event name (x-github-event header or type)")
 	}
-	ev.HookID, _ = strconv.ParseInt(get(hdrHookID), 10, 64)
+	if ev.HookID, err = parseHookID(get(hdrHookID)); err != nil {
+		// The hook is half the delivery's identity: a guess would make
+		// it another delivery's duplicate, or a copy of its own.
+		return nil, malformed("%v", err)
+	}
 	ev.TargetID, _ = strconv.ParseInt(get(hdrTargetID), 10, 64)
 	if env.Repository != nil {
 		ev.Repository = env.Repository.FullName

@@ -43,6 +43,26 @@ type Event struct {
 	rowsErr error
 }
 
+// DeliveryKey is a delivery's identity: the hook its copy of the event was
+// sent to (0 when the message does not say) and the event's GUID.
+type DeliveryKey struct {
+	Hook int64
+	GUID string
+}
+
+// Key is the Event's delivery identity.
+func (ev *Event) Key() DeliveryKey { return DeliveryKey{Hook: ev.HookID, GUID: ev.DeliveryID} }
+
+// AppCopy reports whether this copy of the event is the one GitHub sent to
+// App appID's hook (installation target "integration", the App's id): the
+// copy the App's record of its deliveries (the ledger) speaks of. A copy
+// with no hook or target recorded, from before hooks were told apart,
+// counts as the App's, as it did then. The store's appCopy clause says
+// the same of github rows.
+func (ev *Event) AppCopy(appID int64) bool {
+	return (ev.TargetType == "integration" && ev.TargetID == appID) || (ev.HookID == 0 && ev.TargetType == "")
+}
+
 // Message header names.
 const (
 	hdrEvent      = "x-github-event"

@@ -1,12 +1,14 @@
 package main
 
 import (
+	"cmp"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 )
 
@@ -59,7 +61,29 @@ const (
 	maxDeliveryLen = 255
 	maxEventLen    = 64
 	maxHeaderLen   = 255
+	// maxHookIDLen is the most digits X-GitHub-Hook-ID may have.
+	maxHookIDLen = 20
 )
+
+// parseHookID reads X-GitHub-Hook-ID: the hook a copy of an event was sent
+// to, part of the delivery's identity (hook, GUID). None is hook 0, the
+// hook of messages from before hooks were told apart. More than
+// maxHookIDLen digits, anything but digits, or a number past what SQLite
+// stores is an error.
+func parseHookID(s string) (int64, error) {
+	if s == "" {
+		return 0, nil
+	}
+	bad := fmt.Errorf("X-GitHub-Hook-ID: want 1 to %d decimal digits", maxHookIDLen)
+	if len(s) > maxHookIDLen || strings.IndexFunc(s, func(c rune) bool { return c < '0' || c > '9' }) >= 0 {
+		return 0, bad
+	}
+	id, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("X-GitHub-Hook-ID: %s is past the largest hook ID a delivery may have", s)
+	}
+	return id, nil
+}
 
 // eventName reports whether s may be an event (or action) name: at most
 // maxEventLen bytes of a-z, 0-9 and _. Empty is one here; callers that
@@ -83,7 +107,10 @@ func checkHeaders(h http.Header) error {
 	if !eventName(event) {
 		return fmt.Errorf("%w: X-GitHub-Event: want 1 to %d bytes of a-z, 0-9 and _", ErrBadRequest, maxEventLen)
 	}
-	for _, k := range []string{"X-GitHub-Hook-ID", "X-GitHub-Hook-Installation-Target-ID", "X-GitHub-Hook-Installation-Target-Type"} {
+	if _, err := parseHookID(h.Get("X-GitHub-Hook-ID")); err != nil || len(h.Values("X-GitHub-Hook-ID")) > 1 {
+		return fmt.Errorf("%w: %v", ErrBadRequest, cmp.Or(err, errors.New("X-GitHub-Hook-ID: one value only")))
+	}
+	for _, k := range []string{"X-GitHub-Hook-Installation-Target-ID", "X-GitHub-Hook-Installation-Target-Type"} {
 		for _, v := range h.Values(k) {
 			if len(v) > maxHeaderLen {
 				return fmt.Errorf("%w: %s: longer than %d bytes", ErrBadRequest, k, maxHeaderLen)

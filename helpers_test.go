@@ -27,6 +27,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -189,6 +190,10 @@ func sign(secret string, body []byte) string {
 	return "sha256=" + hex.EncodeToString(mac.Sum(nil))
 }
 
+// testHookID is the X-GitHub-Hook-ID of webhookRequest's deliveries: a
+// repository webhook's.
+const testHookID = 123456
+
 // webhookRequest builds a signed GitHub-style delivery.
 func webhookRequest(t testing.TB, url, event, guid string, body []byte) *http.Request {
 	t.Helper()
@@ -199,7 +204,7 @@ func webhookRequest(t testing.TB, url, event, guid string, body []byte) *http.Re
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-GitHub-Event", event)
 	req.Header.Set("X-GitHub-Delivery", guid)
-	req.Header.Set("X-GitHub-Hook-ID", "123456")
+	req.Header.Set("X-GitHub-Hook-ID", strconv.Itoa(testHookID))
 	req.Header.Set("X-GitHub-Hook-Installation-Target-Type", "repository")
 	req.Header.Set("X-GitHub-Hook-Installation-Target-ID", "35129377")
 	req.Header.Set("X-Hub-Signature-256", sign(testSecret, body))

@@ -84,6 +84,7 @@ var commands = []command{
 			fs.DurationVar(&o.deliveries.Since, "since", githubRedeliveryWindow, "look this far back (GitHub keeps 72h)")
 			fs.BoolVar(&o.deliveries.Gaps, "gaps", false, "list only the open gaps the hooks worker recorded, without asking GitHub")
 			fs.BoolVar(&o.deliveries.Payload, "payload", false, "show: print the stored payload too")
+			fs.Int64Var(&o.deliveries.Hook, "hook", -1, "show: only the copy sent to this hook (X-GitHub-Hook-ID; 0: none recorded)")
 			fs.BoolVar(&o.json, "json", false, "show: print the story as JSON")
 		}},
 	{name: "version", noConfig: true, summary: "print the version and the Go version"},
@@ -190,7 +191,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
-		return showDelivery(ctx, cfg, pos[1], o.deliveries.Payload, o.json, stdout)
+		return showDelivery(ctx, cfg, pos[1], o.deliveries.Hook, o.deliveries.Payload, o.json, stdout)
 	}
 	if len(pos) != cmd.nargs {
 		return usagef("%s takes %d argument(s), got %d", cmd.name, cmd.nargs, len(pos))

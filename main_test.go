@@ -793,7 +793,7 @@ func TestDeliveriesShow(t *testing.T) {
 		return out.String(), err
 	}
 	out, err := show("show", stored)
-	for _, want := range []string{"pull_request.opened on octo-org/switchyard-demo by mona", "accepted", "integration 4242",
+	for _, want := range []string{"pull_request.opened on octo-org/switchyard-demo by mona", "accepted", "sent to integration 4242",
 		"worker database-service", "done", "typed row", "github_pull_requests PR_kwDOKtN3FM5yp7Bb", "payload"} {
 		if err != nil || !strings.Contains(out, want) {
 			t.Errorf("show of a stored delivery lacks %q (%v):\n%s", want, err, out)
@@ -810,7 +810,8 @@ func TestDeliveriesShow(t *testing.T) {
 	}
 	out, err = show("-json", "show", stored)
 	var st DeliveryStory
-	if err != nil || json.Unmarshal([]byte(out), &st) != nil || st.Received == nil || st.Received.Event != "pull_request" || len(st.Rows) == 0 {
+	if err != nil || json.Unmarshal([]byte(out), &st) != nil || len(st.Copies) != 1 || st.Copies[0].Received == nil ||
+		st.Copies[0].Received.Event != "pull_request" || len(st.Copies[0].Rows) == 0 {
 		t.Errorf("show -json: %v\n%s", err, out)
 	}
 	out, err = show("show", gap)

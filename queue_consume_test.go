@@ -68,7 +68,7 @@ func TestRetryCycle(t *testing.T) {
 	failing, flaky := newGUID(), newGUID()
 	var mu sync.Mutex
 	calls := map[string]int{}
-	service := serviceHandler(nil, false)
+	service := serviceHandler(nil, 0, false)
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		calls[ev.DeliveryID]++
@@ -406,7 +406,7 @@ func TestBatchedCommits(t *testing.T) {
 	}
 	failOnce := map[string]bool{guids[10]: true, guids[111]: true}
 	var mu sync.Mutex
-	service := serviceHandler(nil, false)
+	service := serviceHandler(nil, 0, false)
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		fail := failOnce[ev.DeliveryID]
@@ -481,7 +481,7 @@ func TestBatchDecodesAhead(t *testing.T) {
 			close(secondPrepared)
 		}
 	}
-	service := serviceHandler(nil, false)
+	service := serviceHandler(nil, 0, false)
 	var handled atomic.Int64
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		if handled.Add(1) == 1 {
@@ -661,7 +661,7 @@ func TestBatchFailuresSettledAfterCommit(t *testing.T) {
 	var mu sync.Mutex
 	var badTx *Tx
 	var after, inError int // messages handled in bad's transaction after it, and how many saw it in -error
-	service := serviceHandler(nil, false)
+	service := serviceHandler(nil, 0, false)
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		defer mu.Unlock()

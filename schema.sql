@@ -475,3 +475,73 @@ CREATE INDEX github_forbidden_received ON github (received_at) WHERE forbidden =
 -- github.broker: the broker ("host/vhost") the stored delivery was consumed
 -- from, for its story; empty for deliveries stored before.
 ALTER TABLE github ADD COLUMN broker TEXT NOT NULL DEFAULT '';
+
+-- migration 13: one event, many hooks
+-- GitHub sends one event to every hook that subscribes to it (a repository
+-- or organization webhook, each App) under the same X-GitHub-Delivery GUID,
+-- told apart by X-GitHub-Hook-ID. A delivery is therefore (hook, GUID): each
+-- hook's copy has its own github row and its own worker records, and only a
+-- copy for the same hook again is a duplicate. Rows stored before keep their
+-- hook (0 where none was recorded), so what was a duplicate stays one.
+-- worker_deliveries first, while github still has one row per GUID to take
+-- each record's hook from; the hooks worker's own records are about the
+-- App's deliveries and keep hook 0.
+CREATE TABLE worker_deliveries_by_hook (
+    worker       TEXT NOT NULL,
+    delivery_id  TEXT NOT NULL,
+    hook_id      INTEGER NOT NULL DEFAULT 0,  -- X-GitHub-Hook-ID of the copy, 0 when none
+    processed_at TEXT NOT NULL,
+    outcome      TEXT NOT NULL DEFAULT 'done' CHECK (outcome IN ('done', 'stale')),
+    PRIMARY KEY (worker, delivery_id, hook_id)
+) STRICT, WITHOUT ROWID;
+INSERT INTO worker_deliveries_by_hook (worker, delivery_id, hook_id, processed_at, outcome)
+    SELECT w.worker, w.delivery_id,
+        CASE WHEN w.worker = 'hooks' THEN 0
+            ELSE coalesce((SELECT g.hook_id FROM github g WHERE g.delivery_id = w.delivery_id), 0) END,
+        w.processed_at, w.outcome
+    FROM worker_deliveries w;
+DROP TABLE worker_deliveries;
+ALTER TABLE worker_deliveries_by_hook RENAME TO worker_deliveries;
+CREATE INDEX worker_deliveries_processed_at ON worker_deliveries (processed_at);
+CREATE INDEX worker_deliveries_stale ON worker_deliveries (delivery_id, hook_id) WHERE outcome = 'stale';
+
+CREATE TABLE github_by_hook (
+    id                INTEGER PRIMARY KEY,
+    delivery_id       TEXT NOT NULL,            -- X-GitHub-Delivery GUID: one per event, shared by its hooks
+    event             TEXT NOT NULL,            -- X-GitHub-Event
+    action            TEXT NOT NULL DEFAULT '', -- payload "action", '' when none
+    hook_id           INTEGER NOT NULL DEFAULT 0, -- X-GitHub-Hook-ID, 0 when none
+    target_type       TEXT NOT NULL DEFAULT '', -- X-GitHub-Hook-Installation-Target-Type
+    target_id         INTEGER,                  -- X-GitHub-Hook-Installation-Target-ID
+    installation_id   INTEGER,                  -- payload installation.id
+    repository        TEXT NOT NULL DEFAULT '', -- payload repository.full_name (owner/name)
+    sender            TEXT NOT NULL DEFAULT '', -- payload sender.login
+    source_ip         TEXT NOT NULL DEFAULT '', -- the address the webhook came from
+    forbidden         INTEGER NOT NULL DEFAULT 0 CHECK (forbidden IN (0, 1)), -- 1: source outside the allow list
+    payload           TEXT NOT NULL,            -- the webhook's JSON body, '' once pruned
+    received_at       TEXT NOT NULL,            -- when the webhook endpoint took it
+    processed_at      TEXT NOT NULL,            -- when this row was committed
+    alerted_at        TEXT,                     -- when its alert went out, NULL when none
+    payload_pruned_at TEXT,                     -- when retention emptied the payload
+    duplicates        INTEGER NOT NULL DEFAULT 0, -- how often this hook's copy came again
+    last_duplicate_at TEXT,
+    broker            TEXT NOT NULL DEFAULT '', -- the broker ("host/vhost") it was consumed from
+    UNIQUE (delivery_id, hook_id)
+) STRICT;
+INSERT INTO github_by_hook (id, delivery_id, event, action, hook_id, target_type, target_id, installation_id,
+        repository, sender, source_ip, forbidden, payload, received_at, processed_at, alerted_at,
+        payload_pruned_at, duplicates, last_duplicate_at, broker)
+    SELECT id, delivery_id, event, action, coalesce(hook_id, 0), target_type, target_id, installation_id,
+        repository, sender, source_ip, forbidden, payload, received_at, processed_at, alerted_at,
+        payload_pruned_at, duplicates, last_duplicate_at, broker
+    FROM github;
+DROP TABLE github;
+ALTER TABLE github_by_hook RENAME TO github;
+CREATE INDEX github_event_action ON github (event, action);
+CREATE INDEX github_received_at ON github (received_at);
+CREATE INDEX github_event_received ON github (event, received_at);
+CREATE INDEX github_repository_received ON github (repository, received_at);
+CREATE INDEX github_sender_received ON github (sender, received_at);
+CREATE INDEX github_forbidden_received ON github (received_at) WHERE forbidden = 1;
+-- The deliveries search narrowed to one hook's copies reads this in order.
+CREATE INDEX github_hook_received ON github (hook_id, received_at);

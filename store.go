@@ -331,8 +331,8 @@ func (tx *Tx) DeleteIdentitiesBefore(ctx context.Context, cutoff time.Time) (int
 	if err != nil {
 		return 0, err
 	}
-	_, err = tx.exec(ctx, `DELETE FROM worker_deliveries WHERE (worker, delivery_id) IN
-		(SELECT worker, delivery_id FROM worker_deliveries WHERE processed_at < ? LIMIT ?)`, formatTime(cutoff), retentionBatch)
+	_, err = tx.exec(ctx, `DELETE FROM worker_deliveries WHERE (worker, delivery_id, hook_id) IN
+		(SELECT worker, delivery_id, hook_id FROM worker_deliveries WHERE processed_at < ? LIMIT ?)`, formatTime(cutoff), retentionBatch)
 	if err != nil {
 		return 0, fmt.Errorf("delete worker records: %w", err)
 	}

@@ -41,7 +41,7 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 			coalesce(g.action, dg.event, ''), coalesce(g.repository, ''), coalesce(g.sender, ''), coalesce(g.source_ip, ''),
 			coalesce(g.payload, dg.last_error, '{}'), coalesce(g.received_at, dg.delivered_at, o.created_at)
 		FROM alert_outbox o
-		LEFT JOIN github g ON g.delivery_id = o.delivery_id
+		LEFT JOIN github g ON g.id = (SELECT min(id) FROM github WHERE delivery_id = o.delivery_id)
 		LEFT JOIN delivery_gaps dg ON (o.delivery_id LIKE 'gap:%' AND dg.guid = substr(o.delivery_id, 5))
 			OR (o.delivery_id LIKE 'unrecoverable:%' AND dg.guid = substr(o.delivery_id, 15))
 		WHERE o.channel = ? AND o.sent_at IS NULL AND o.next_at <= ?
@@ -69,15 +69,17 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 	return out, rows.Err()
 }
 
-// AlertSent marks an alert sent, and the delivery alerted once none of its
-// alerts waits any more. (A gap's alert has no github row to mark.)
+// AlertSent marks an alert sent, and the event's first copy, the one it
+// was queued for, alerted once none of its alerts waits any more. (A gap's
+// alert has no github row to mark.)
 func (tx *Tx) AlertSent(ctx context.Context, id int64, deliveryID string) error {
 	now := formatTime(time.Now())
 	if _, err := tx.exec(ctx, "UPDATE alert_outbox SET sent_at = ? WHERE id = ?", now, id); err != nil {
 		return fmt.Errorf("mark alert sent: %w", err)
 	}
-	_, err := tx.exec(ctx, `UPDATE github SET alerted_at = ? WHERE delivery_id = ? AND alerted_at IS NULL
-		AND NOT EXISTS (SELECT 1 FROM alert_outbox WHERE delivery_id = ? AND sent_at IS NULL)`, now, deliveryID, deliveryID)
+	_, err := tx.exec(ctx, `UPDATE github SET alerted_at = ? WHERE id = (SELECT min(id) FROM github WHERE delivery_id = ?)
+		AND alerted_at IS NULL AND NOT EXISTS (SELECT 1 FROM alert_outbox WHERE delivery_id = ? AND sent_at IS NULL)`,
+		now, deliveryID, deliveryID)
 	if err != nil {
 		return fmt.Errorf("set alerted_at: %w", err)
 	}

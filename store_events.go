@@ -21,15 +21,17 @@ func payloadText(payload []byte) string {
 }
 
 // InsertEvent writes the raw Event, counts it in its 6-hour bucket and
-// queues its alert on each of channels (alert_outbox), in tx. It reports
-// false, and changes nothing but the delivery's duplicate count, when the
-// delivery is already stored: a retried or redelivered message must not
-// count or alert twice.
+// queues its alert on each of channels (alert_outbox), in tx. A delivery is
+// one hook's copy of an event (hook, GUID): the first copy of an event is
+// counted and alerted, a copy for another hook is stored and changes
+// neither. It reports false, and changes nothing but the copy's duplicate
+// count, when this hook's copy is already stored: a retried or redelivered
+// message must not count or alert twice.
 func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channels ...string) (inserted bool, err error) {
 	res, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
 		target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at, broker)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (delivery_id) DO NOTHING`,
-		ev.DeliveryID, ev.Name, ev.Action, nullInt(ev.HookID), ev.TargetType, nullInt(ev.TargetID),
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (delivery_id, hook_id) DO NOTHING`,
+		ev.DeliveryID, ev.Name, ev.Action, ev.HookID, ev.TargetType, nullInt(ev.TargetID),
 		nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
 		payloadText(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker)
 	if err != nil {
@@ -37,14 +39,20 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 	}
 	if n, _ := res.RowsAffected(); n == 0 {
 		// Stored before: the story of the delivery says it came again.
-		if _, err := tx.exec(ctx, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = ? WHERE delivery_id = ?",
-			formatTime(time.Now()), ev.DeliveryID); err != nil {
+		if _, err := tx.exec(ctx, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = ? WHERE delivery_id = ? AND hook_id = ?",
+			formatTime(time.Now()), ev.DeliveryID, ev.HookID); err != nil {
 			return false, fmt.Errorf("count a duplicate: %w", err)
 		}
 		return false, nil
 	}
-	if err := tx.resolveGap(ctx, ev.DeliveryID); err != nil {
-		return false, err
+	var copies int
+	if err := tx.queryRow(ctx, "SELECT count(*) FROM github WHERE delivery_id = ?", ev.DeliveryID).Scan(&copies); err != nil {
+		return false, fmt.Errorf("count the event's copies: %w", err)
+	}
+	if copies > 1 {
+		// Another hook's copy came first: the event is counted and
+		// alerted already.
+		return true, nil
 	}
 	_, err = tx.exec(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES (?, ?, ?, 1)
 		ON CONFLICT (bucket, event, action) DO UPDATE SET count = count + 1`,
@@ -58,9 +66,9 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 // MarkDelivery runs fn and records that worker finished the delivery, in tx,
 // with the outcome fn returns ("" is done). It reports false, without
 // running fn, when the worker already finished it.
-func (tx *Tx) MarkDelivery(ctx context.Context, worker, deliveryID string, fn func(tx *Tx) (outcome string, err error)) (done bool, err error) {
-	res, err := tx.exec(ctx, `INSERT INTO worker_deliveries (worker, delivery_id, processed_at)
-		VALUES (?, ?, ?) ON CONFLICT DO NOTHING`, worker, deliveryID, formatTime(time.Now()))
+func (tx *Tx) MarkDelivery(ctx context.Context, worker string, key DeliveryKey, fn func(tx *Tx) (outcome string, err error)) (done bool, err error) {
+	res, err := tx.exec(ctx, `INSERT INTO worker_deliveries (worker, delivery_id, hook_id, processed_at)
+		VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING`, worker, key.GUID, key.Hook, formatTime(time.Now()))
 	if err != nil {
 		return false, fmt.Errorf("mark delivery: %w", err)
 	}
@@ -74,15 +82,16 @@ func (tx *Tx) MarkDelivery(ctx context.Context, worker, deliveryID string, fn fu
 	if err != nil || outcome == "" {
 		return true, err
 	}
-	_, err = tx.exec(ctx, "UPDATE worker_deliveries SET outcome = ? WHERE worker = ? AND delivery_id = ?", outcome, worker, deliveryID)
+	_, err = tx.exec(ctx, "UPDATE worker_deliveries SET outcome = ? WHERE worker = ? AND delivery_id = ? AND hook_id = ?",
+		outcome, worker, key.GUID, key.Hook)
 	return true, err
 }
 
 // Finished reports whether worker finished the delivery (MarkDelivery).
-func (s *Store) Finished(ctx context.Context, worker, deliveryID string) (bool, error) {
+func (s *Store) Finished(ctx context.Context, worker string, key DeliveryKey) (bool, error) {
 	var n int
-	err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM worker_deliveries WHERE worker = ? AND delivery_id = ?",
-		worker, deliveryID).Scan(&n)
+	err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM worker_deliveries WHERE worker = ? AND delivery_id = ? AND hook_id = ?",
+		worker, key.GUID, key.Hook).Scan(&n)
 	if err != nil {
 		return false, fmt.Errorf("read worker_deliveries: %w", err)
 	}

@@ -31,9 +31,16 @@ func (tx *Tx) hookRepublished(ctx context.Context, guid string) error {
 	return nil
 }
 
-// LedgerLookup reads, for each GUID, whether it is stored in github and
-// whether it was queued on github-hooks, a few hundred GUIDs per query.
-func (s *Store) LedgerLookup(ctx context.Context, guids []string) (stored, queued map[string]bool, err error) {
+// appCopy selects the github rows that are App ?'s own copy of their
+// event, as Event.AppCopy tells it: the copy its hook's deliveries, which
+// the ledger reads, speak of. Another hook's copy of the same event (a
+// repository webhook's) says nothing of the App's delivery.
+const appCopy = "((target_type = 'integration' AND target_id = ?) OR (hook_id = 0 AND target_type = ''))"
+
+// LedgerLookup reads, for each GUID of App appID's deliveries, whether the
+// App's copy is stored in github and whether it was queued on
+// github-hooks, a few hundred GUIDs per query.
+func (s *Store) LedgerLookup(ctx context.Context, appID int64, guids []string) (stored, queued map[string]bool, err error) {
 	stored, queued = map[string]bool{}, map[string]bool{}
 	for chunk := range slices.Chunk(guids, 500) {
 		args := make([]any, len(chunk))
@@ -41,13 +48,12 @@ func (s *Store) LedgerLookup(ctx context.Context, guids []string) (stored, queue
 			args[i] = g
 		}
 		in := "(?" + strings.Repeat(", ?", len(chunk)-1) + ")"
-		for query, into := range map[string]map[string]bool{
-			"SELECT delivery_id FROM github WHERE delivery_id IN " + in: stored,
-			"SELECT guid FROM hook_redeliveries WHERE guid IN " + in:    queued,
-		} {
-			if err := s.collect(ctx, query, args, into); err != nil {
-				return nil, nil, fmt.Errorf("read the delivery ledger: %w", err)
-			}
+		if err := s.collect(ctx, "SELECT delivery_id FROM github WHERE delivery_id IN "+in+" AND "+appCopy,
+			append(args, appID), stored); err != nil {
+			return nil, nil, fmt.Errorf("read the delivery ledger: %w", err)
+		}
+		if err := s.collect(ctx, "SELECT guid FROM hook_redeliveries WHERE guid IN "+in, args, queued); err != nil {
+			return nil, nil, fmt.Errorf("read the delivery ledger: %w", err)
 		}
 	}
 	return stored, queued, nil
@@ -77,6 +83,7 @@ type deliveryGap struct {
 	DeliveredAt   time.Time  `json:"delivered_at"`
 	FoundAt       time.Time  `json:"found_at"`
 	RedeliveredAt *time.Time `json:"redelivered_at,omitempty"`
+	ResolvedAt    *time.Time `json:"resolved_at,omitempty"`
 	// Refusals counts the redeliveries GitHub refused for good; at
 	// maxRefusals, or at once for a delivery no message may carry, the gap
 	// is unrecoverable: never asked for again. LastError says why.
@@ -151,10 +158,10 @@ func (tx *Tx) GapRedelivered(ctx context.Context, guid string, at time.Time) err
 	return err
 }
 
-// resolveGap marks guid's gap resolved, inside the transaction that stores
-// it. Nothing is asked while no gap is open (gapsOpen), so storing pays
-// for it only while there is one.
-func (tx *Tx) resolveGap(ctx context.Context, guid string) error {
+// ResolveGap marks guid's gap resolved, inside the transaction that stores
+// the App's copy of it. Nothing is asked while no gap is open (gapsOpen),
+// so storing pays for it only while there is one.
+func (tx *Tx) ResolveGap(ctx context.Context, guid string) error {
 	if !tx.s.gapsOpen.Load() {
 		return nil
 	}
@@ -166,12 +173,12 @@ func (tx *Tx) resolveGap(ctx context.Context, guid string) error {
 	return nil
 }
 
-// ResolveStoredGaps resolves, in tx, every open gap whose GUID is stored,
-// and refreshes whether any gap is still open. It returns how many it
-// resolved.
-func (tx *Tx) ResolveStoredGaps(ctx context.Context) (int64, error) {
+// ResolveStoredGaps resolves, in tx, every open gap whose GUID App appID's
+// copy is stored of, and refreshes whether any gap is still open. It
+// returns how many it resolved.
+func (tx *Tx) ResolveStoredGaps(ctx context.Context, appID int64) (int64, error) {
 	res, err := tx.exec(ctx, `UPDATE delivery_gaps SET resolved_at = ? WHERE resolved_at IS NULL
-		AND EXISTS (SELECT 1 FROM github WHERE delivery_id = delivery_gaps.guid)`, formatTime(time.Now()))
+		AND EXISTS (SELECT 1 FROM github WHERE delivery_id = delivery_gaps.guid AND `+appCopy+`)`, formatTime(time.Now()), appID)
 	if err != nil {
 		return 0, fmt.Errorf("resolve stored gaps: %w", err)
 	}
@@ -202,8 +209,13 @@ func (s *Store) OpenGaps(ctx context.Context, limit int) (gaps []deliveryGap, to
 
 // gaps reads the delivery_gaps rows the clause selects.
 func (s *Store) gaps(ctx context.Context, clause string, args ...any) ([]deliveryGap, error) {
-	rows, err := s.r.QueryContext(ctx, `SELECT guid, delivery_id, event, delivered_at, found_at, redelivered_at,
-		refusals, unrecoverable_at, last_error FROM delivery_gaps `+clause, args...)
+	return readGaps(ctx, s.r, clause, args...)
+}
+
+// readGaps reads the delivery_gaps rows the clause selects, through q.
+func readGaps(ctx context.Context, q queryer, clause string, args ...any) ([]deliveryGap, error) {
+	rows, err := q.QueryContext(ctx, `SELECT guid, delivery_id, event, delivered_at, found_at, redelivered_at,
+		refusals, unrecoverable_at, last_error, resolved_at FROM delivery_gaps `+clause, args...)
 	if err != nil {
 		return nil, fmt.Errorf("read gaps: %w", err)
 	}
@@ -212,15 +224,16 @@ func (s *Store) gaps(ctx context.Context, clause string, args ...any) ([]deliver
 	for rows.Next() {
 		var g deliveryGap
 		var delivered, found string
-		var redelivered, unrecoverable sql.NullString
+		var redelivered, unrecoverable, resolved sql.NullString
 		if err := rows.Scan(&g.GUID, &g.DeliveryID, &g.Event, &delivered, &found, &redelivered,
-			&g.Refusals, &unrecoverable, &g.LastError); err != nil {
+			&g.Refusals, &unrecoverable, &g.LastError, &resolved); err != nil {
 			return nil, fmt.Errorf("read gaps: %w", err)
 		}
 		g.DeliveredAt, _ = time.Parse(time.RFC3339Nano, delivered)
 		g.FoundAt, _ = time.Parse(time.RFC3339Nano, found)
 		g.RedeliveredAt = parseTimePtr(redelivered)
 		g.UnrecoverableAt = parseTimePtr(unrecoverable)
+		g.ResolvedAt = parseTimePtr(resolved)
 		out = append(out, g)
 	}
 	return out, rows.Err()

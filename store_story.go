@@ -1,32 +1,46 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 )
 
-// DeliveryStory is what the database knows of one delivery: GitHub's
-// attempts, its raw row, what each worker made of it, the typed rows it
-// wrote, its redelivery through github-hooks, its gap, and its alerts.
+// DeliveryStory is what the database knows of one event's deliveries:
+// GitHub's attempts, each hook's copy (its raw row, what each worker made
+// of it, the typed rows it wrote), its redelivery through github-hooks,
+// its gap, and its alerts. GitHub sends one event to every hook that
+// subscribes to it under one GUID; each hook's copy is a delivery of its
+// own.
 type DeliveryStory struct {
 	GUID string `json:"guid"`
-	// GitHub are GitHub's attempts, oldest first, as the hooks poll listed
-	// them (with the GitHub App configured, for 72 hours).
-	GitHub   []StoryAttempt `json:"github_attempts"`
-	Received *StoryReceipt  `json:"received,omitempty"`
-	Workers  []StoryWorker  `json:"workers"`
-	Rows     []StoryRow     `json:"typed_rows"`
-	Hooks    *StoryHooks    `json:"redelivered_through_hooks,omitempty"`
-	Gap      *deliveryGap   `json:"gap,omitempty"`
-	Alerts   []StoryAlert   `json:"alerts"`
-	// Errors are its messages waiting in -error queues (`deliveries show`
-	// looks; the store does not know them).
-	Errors  []StoryError `json:"waiting_in_error_queues,omitempty"`
-	Payload string       `json:"-"`
+	// GitHub are GitHub's attempts at the App's copy, oldest first, as the
+	// hooks poll listed them (with the GitHub App configured, for 72 hours).
+	GitHub []StoryAttempt `json:"github_attempts"`
+	// Copies are the hooks' copies known here, in the order they were stored.
+	Copies []StoryCopy  `json:"copies"`
+	Hooks  *StoryHooks  `json:"redelivered_through_hooks,omitempty"`
+	Gap    *deliveryGap `json:"gap,omitempty"`
+	// Alerts are the event's, sent once at its first copy.
+	Alerts []StoryAlert `json:"alerts"`
+	// Errors are its messages waiting in -error and -retry queues
+	// (`deliveries show` looks; the store does not know them).
+	Errors []StoryError `json:"waiting_in_error_queues,omitempty"`
+}
+
+// StoryCopy is one hook's copy of the event: its raw row when stored, what
+// each worker made of it, the typed rows it wrote.
+type StoryCopy struct {
+	Hook     int64         `json:"hook_id"`
+	Received *StoryReceipt `json:"received,omitempty"`
+	Workers  []StoryWorker `json:"workers"`
+	Rows     []StoryRow    `json:"typed_rows"`
+	Payload  string        `json:"-"`
 }
 
 // StoryAttempt is one of GitHub's attempts at the delivery: when, and the
@@ -42,15 +56,20 @@ type StoryAttempt struct {
 // maxStoryAttempts bounds the attempts a story lists.
 const maxStoryAttempts = 50
 
-// StoryError is one message of the delivery in an -error queue.
+// maxStoryCopies bounds the hooks' copies a story lists: GitHub sends an
+// event to each of a few hooks, and the rest would only be a long page.
+const maxStoryCopies = 50
+
+// StoryError is one message of the delivery in an -error or -retry queue.
 type StoryError struct {
 	Broker   int    `json:"broker"`
 	Queue    string `json:"queue"`
+	Hook     int64  `json:"hook_id"`
 	Reason   string `json:"reason"`
 	Attempts string `json:"attempts,omitempty"`
 }
 
-// StoryReceipt is the delivery's raw github row, without the payload.
+// StoryReceipt is the copy's raw github row, without the payload.
 type StoryReceipt struct {
 	Event      string `json:"event"`
 	Action     string `json:"action,omitempty"`
@@ -58,7 +77,6 @@ type StoryReceipt struct {
 	Sender     string `json:"sender,omitempty"`
 	SourceIP   string `json:"source_ip,omitempty"`
 	Forbidden  bool   `json:"forbidden"`
-	HookID     int64  `json:"hook_id,omitempty"`
 	TargetType string `json:"target_type,omitempty"`
 	TargetID   int64  `json:"target_id,omitempty"`
 	// Broker is the broker ("host/vhost") it came through to the worker
@@ -68,8 +86,8 @@ type StoryReceipt struct {
 	StoredAt     time.Time  `json:"stored_at"`
 	PayloadBytes int        `json:"payload_bytes"`
 	PrunedAt     *time.Time `json:"payload_pruned_at,omitempty"`
-	// Duplicates is how often it came again after it was stored, the
-	// last time at LastDuplicateAt.
+	// Duplicates is how often this hook's copy came again after it was
+	// stored, the last time at LastDuplicateAt.
 	Duplicates      int        `json:"duplicates,omitempty"`
 	LastDuplicateAt *time.Time `json:"last_duplicate_at,omitempty"`
 }
@@ -103,85 +121,164 @@ type StoryAlert struct {
 // ErrUnknownDelivery is a GUID the database has no record of.
 var ErrUnknownDelivery = errors.New("no delivery with this GUID is known")
 
-// storyTables are the typed tables that keep the delivery that wrote a
-// row, and the column that names the row.
-var storyTables = []struct{ table, key string }{
-	{"github_releases", "release_id"}, {"github_release_workflow_runs", "run_id"}, {"github_branches", "ref"},
-	{"github_issues", "node_id"}, {"github_pull_requests", "node_id"}, {"github_comments", "comment_id"},
-	{"github_discussions", "node_id"}, {"github_check_runs", "check_run_id"}, {"github_pushes", "head_commit"},
-	{"github_installations", "installation_id"}, {"github_repositories", "repository"},
+// newStory is an empty story of guid, its lists empty rather than null.
+func newStory(guid string) *DeliveryStory {
+	return &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Copies: []StoryCopy{}, Alerts: []StoryAlert{}}
 }
 
-// Story reads everything the database knows of delivery guid.
+// copyOf is the story's copy for hook, added when there is none yet.
+func (st *DeliveryStory) copyOf(hook int64) *StoryCopy {
+	for i := range st.Copies {
+		if st.Copies[i].Hook == hook {
+			return &st.Copies[i]
+		}
+	}
+	st.Copies = append(st.Copies, StoryCopy{Hook: hook, Workers: []StoryWorker{}, Rows: []StoryRow{}})
+	return &st.Copies[len(st.Copies)-1]
+}
+
+// Narrow keeps only hook's copy, and the messages of it waiting in queues.
+// A hook with no copy known is ErrUnknownDelivery.
+func (st *DeliveryStory) Narrow(hook int64) error {
+	for _, c := range st.Copies {
+		if c.Hook == hook {
+			st.Copies = []StoryCopy{c}
+			st.Errors = slices.DeleteFunc(st.Errors, func(e StoryError) bool { return e.Hook != hook })
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: %s for hook %d", ErrUnknownDelivery, st.GUID, hook)
+}
+
+// Payload is the payload of the first stored copy, the one a page shows.
+func (st *DeliveryStory) Payload() string {
+	for _, c := range st.Copies {
+		if c.Received != nil {
+			return c.Payload
+		}
+	}
+	return ""
+}
+
+// storyTables are the typed tables that keep the delivery that wrote a
+// row, the column that names the row, and the column of the hook whose
+// copy wrote it. Release tracking reads every copy and keeps no hook:
+// its rows are told with the first copy.
+var storyTables = []struct{ table, key, hook string }{
+	{"github_releases", "release_id", "NULL"}, {"github_release_workflow_runs", "run_id", "NULL"},
+	{"github_branches", "ref", "hook_id"}, {"github_issues", "node_id", "hook_id"},
+	{"github_pull_requests", "node_id", "hook_id"}, {"github_comments", "comment_id", "hook_id"},
+	{"github_discussions", "node_id", "hook_id"}, {"github_check_runs", "check_run_id", "hook_id"},
+	{"github_pushes", "head_commit", "hook_id"}, {"github_installations", "installation_id", "hook_id"},
+	{"github_repositories", "repository", "hook_id"},
+}
+
+// Story reads everything the database knows of guid's deliveries, in one
+// read transaction so that its parts agree with each other.
 func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) {
-	st := &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Workers: []StoryWorker{}, Rows: []StoryRow{}, Alerts: []StoryAlert{}}
-	var r StoryReceipt
-	var received, stored string
-	var targetID, hookID sql.NullInt64
-	var pruned, lastDup sql.NullString
-	err := s.r.QueryRowContext(ctx, `SELECT event, action, repository, sender, source_ip, forbidden, hook_id, target_type, target_id,
-		received_at, processed_at, payload, payload_pruned_at, duplicates, last_duplicate_at, broker FROM github WHERE delivery_id = ?`, guid).
-		Scan(&r.Event, &r.Action, &r.Repository, &r.Sender, &r.SourceIP, &r.Forbidden, &hookID, &r.TargetType, &targetID,
-			&received, &stored, &st.Payload, &pruned, &r.Duplicates, &lastDup, &r.Broker)
-	switch {
-	case err == nil:
-		r.HookID, r.TargetID, r.PayloadBytes, r.PrunedAt = hookID.Int64, targetID.Int64, len(st.Payload), parseTimePtr(pruned)
+	tx, err := s.r.BeginTx(ctx, &sql.TxOptions{ReadOnly: true})
+	if err != nil {
+		return nil, fmt.Errorf("read a story: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // read only: nothing to keep
+	st := newStory(guid)
+	each := func(what, query string, scan func(*sql.Rows) error, args ...any) error {
+		rows, err := tx.QueryContext(ctx, query, args...)
+		if err != nil {
+			return fmt.Errorf("read %s: %w", what, err)
+		}
+		defer rows.Close()
+		for rows.Next() {
+			if err := scan(rows); err != nil {
+				return fmt.Errorf("read %s: %w", what, err)
+			}
+		}
+		if err := rows.Err(); err != nil {
+			return fmt.Errorf("read %s: %w", what, err)
+		}
+		return nil
+	}
+	err = each("github", `SELECT hook_id, event, action, repository, sender, source_ip, forbidden, target_type, target_id,
+		received_at, processed_at, payload, payload_pruned_at, duplicates, last_duplicate_at, broker
+		FROM github WHERE delivery_id = ? ORDER BY id LIMIT ?`, func(rows *sql.Rows) error {
+		var r StoryReceipt
+		var hook int64
+		var received, stored, payload string
+		var targetID sql.NullInt64
+		var pruned, lastDup sql.NullString
+		if err := rows.Scan(&hook, &r.Event, &r.Action, &r.Repository, &r.Sender, &r.SourceIP, &r.Forbidden, &r.TargetType, &targetID,
+			&received, &stored, &payload, &pruned, &r.Duplicates, &lastDup, &r.Broker); err != nil {
+			return err
+		}
+		r.TargetID, r.PayloadBytes, r.PrunedAt = targetID.Int64, len(payload), parseTimePtr(pruned)
 		r.LastDuplicateAt = parseTimePtr(lastDup)
 		r.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
 		r.StoredAt, _ = time.Parse(time.RFC3339Nano, stored)
-		st.Received = &r
-	case !errors.Is(err, sql.ErrNoRows):
-		return nil, fmt.Errorf("read github: %w", err)
-	}
-	attempts, err := s.r.QueryContext(ctx, `SELECT attempt_id, delivered_at, status_code, status, redelivery FROM github_attempts
-		WHERE guid = ? ORDER BY delivered_at, attempt_id LIMIT ?`, guid, maxStoryAttempts)
+		c := st.copyOf(hook)
+		c.Received, c.Payload = &r, payload
+		return nil
+	}, guid, maxStoryCopies)
 	if err != nil {
-		return nil, fmt.Errorf("read github_attempts: %w", err)
+		return nil, err
 	}
-	for attempts.Next() {
+	err = each("github_attempts", `SELECT attempt_id, delivered_at, status_code, status, redelivery FROM github_attempts
+		WHERE guid = ? ORDER BY delivered_at, attempt_id LIMIT ?`, func(rows *sql.Rows) error {
 		var a StoryAttempt
 		var at string
-		if err := attempts.Scan(&a.ID, &at, &a.StatusCode, &a.Status, &a.Redelivery); err != nil {
-			attempts.Close()
-			return nil, err
+		if err := rows.Scan(&a.ID, &at, &a.StatusCode, &a.Status, &a.Redelivery); err != nil {
+			return err
 		}
 		a.DeliveredAt, _ = time.Parse(time.RFC3339Nano, at)
 		st.GitHub = append(st.GitHub, a)
-	}
-	attempts.Close()
-	rows, err := s.r.QueryContext(ctx, "SELECT worker, outcome, processed_at FROM worker_deliveries WHERE delivery_id = ? ORDER BY worker", guid)
+		return nil
+	}, guid, maxStoryAttempts)
 	if err != nil {
-		return nil, fmt.Errorf("read worker_deliveries: %w", err)
+		return nil, err
 	}
-	for rows.Next() {
+	err = each("worker_deliveries", `SELECT hook_id, worker, outcome, processed_at FROM worker_deliveries
+		WHERE delivery_id = ? ORDER BY hook_id, worker LIMIT ?`, func(rows *sql.Rows) error {
 		var w StoryWorker
+		var hook int64
 		var at string
-		if err := rows.Scan(&w.Worker, &w.Outcome, &at); err != nil {
-			rows.Close()
-			return nil, err
+		if err := rows.Scan(&hook, &w.Worker, &w.Outcome, &at); err != nil {
+			return err
 		}
 		w.At, _ = time.Parse(time.RFC3339Nano, at)
-		st.Workers = append(st.Workers, w)
+		if w.Worker == "hooks" {
+			// The hooks worker's record is of the App's delivery,
+			// told by the redelivery line; it keeps no hook.
+			return nil
+		}
+		c := st.copyOf(hook)
+		c.Workers = append(c.Workers, w)
+		return nil
+	}, guid, maxStoryCopies*4)
+	if err != nil {
+		return nil, err
 	}
-	rows.Close()
 	for _, t := range storyTables {
-		keys, err := s.r.QueryContext(ctx, "SELECT "+t.key+" FROM "+t.table+" WHERE delivery_id = ?", guid)
-		if err != nil {
-			return nil, fmt.Errorf("read %s: %w", t.table, err)
-		}
-		for keys.Next() {
+		err := each(t.table, "SELECT "+t.hook+", "+t.key+" FROM "+t.table+" WHERE delivery_id = ?", func(rows *sql.Rows) error {
+			var hook sql.NullInt64
 			var k any
-			if err := keys.Scan(&k); err != nil {
-				keys.Close()
-				return nil, err
+			if err := rows.Scan(&hook, &k); err != nil {
+				return err
 			}
-			st.Rows = append(st.Rows, StoryRow{Table: t.table, Key: fmt.Sprint(k)})
+			var c *StoryCopy
+			if !hook.Valid && t.hook == "NULL" && len(st.Copies) > 0 {
+				c = &st.Copies[0]
+			} else {
+				c = st.copyOf(hook.Int64)
+			}
+			c.Rows = append(c.Rows, StoryRow{Table: t.table, Key: fmt.Sprint(k)})
+			return nil
+		}, guid)
+		if err != nil {
+			return nil, err
 		}
-		keys.Close()
 	}
 	var queued string
 	var republished sql.NullString
-	err = s.r.QueryRowContext(ctx, "SELECT queued_at, republished_at FROM hook_redeliveries WHERE guid = ?", guid).Scan(&queued, &republished)
+	err = tx.QueryRowContext(ctx, "SELECT queued_at, republished_at FROM hook_redeliveries WHERE guid = ?", guid).Scan(&queued, &republished)
 	if err == nil {
 		h := &StoryHooks{RepublishedAt: parseTimePtr(republished)}
 		h.QueuedAt, _ = time.Parse(time.RFC3339Nano, queued)
@@ -189,30 +286,28 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	} else if !errors.Is(err, sql.ErrNoRows) {
 		return nil, fmt.Errorf("read hook_redeliveries: %w", err)
 	}
-	gaps, err := s.gaps(ctx, "WHERE guid = ?", guid)
+	gaps, err := readGaps(ctx, tx, "WHERE guid = ?", guid)
 	if err != nil {
 		return nil, err
 	}
 	if len(gaps) == 1 {
 		st.Gap = &gaps[0]
 	}
-	alerts, err := s.r.QueryContext(ctx, "SELECT channel, sent_at, last_error FROM alert_outbox WHERE delivery_id IN (?, ?, ?) ORDER BY id",
-		guid, gapAlertID(guid), unrecoverableAlertID(guid))
+	err = each("alert_outbox", "SELECT channel, sent_at, last_error FROM alert_outbox WHERE delivery_id IN (?, ?, ?) ORDER BY id",
+		func(rows *sql.Rows) error {
+			var a StoryAlert
+			var sent sql.NullString
+			if err := rows.Scan(&a.Channel, &sent, &a.LastError); err != nil {
+				return err
+			}
+			a.SentAt = parseTimePtr(sent)
+			st.Alerts = append(st.Alerts, a)
+			return nil
+		}, guid, gapAlertID(guid), unrecoverableAlertID(guid))
 	if err != nil {
-		return nil, fmt.Errorf("read alert_outbox: %w", err)
+		return nil, err
 	}
-	for alerts.Next() {
-		var a StoryAlert
-		var sent sql.NullString
-		if err := alerts.Scan(&a.Channel, &sent, &a.LastError); err != nil {
-			alerts.Close()
-			return nil, err
-		}
-		a.SentAt = parseTimePtr(sent)
-		st.Alerts = append(st.Alerts, a)
-	}
-	alerts.Close()
-	if st.Received == nil && len(st.Workers) == 0 && st.Hooks == nil && st.Gap == nil && len(st.GitHub) == 0 {
+	if len(st.Copies) == 0 && st.Hooks == nil && st.Gap == nil && len(st.GitHub) == 0 {
 		return nil, fmt.Errorf("%w: %s", ErrUnknownDelivery, guid)
 	}
 	return st, nil
@@ -223,7 +318,9 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 type DeliveryFilter struct {
 	GUIDPrefix, Event, Action, Repository, Sender string
 	Outcome                                       string // "", "stored", "forbidden" or "stale"
-	From, To                                      time.Time
+	// Hook, when set, narrows to the copies sent to that hook.
+	Hook     *int64
+	From, To time.Time
 	// After is the keyset cursor: the page starts after the row received
 	// at AfterTime with id AfterID, in newest-first order.
 	AfterTime time.Time
@@ -234,6 +331,8 @@ type DeliveryFilter struct {
 type DeliveryRow struct {
 	ID                                      int64
 	GUID, Event, Action, Repository, Sender string
+	Hook                                    int64 // the hook the copy was sent to, 0 when none recorded
+	TargetType                              string
 	Forbidden, Stale, Pruned                bool
 	ReceivedAt                              time.Time
 }
@@ -252,7 +351,7 @@ func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit in
 	for res.Next() {
 		var r DeliveryRow
 		var received string
-		if err := res.Scan(&r.ID, &r.GUID, &r.Event, &r.Action, &r.Repository, &r.Sender, &r.Forbidden, &received,
+		if err := res.Scan(&r.ID, &r.GUID, &r.Hook, &r.TargetType, &r.Event, &r.Action, &r.Repository, &r.Sender, &r.Forbidden, &received,
 			&r.Pruned, &r.Stale); err != nil {
 			return nil, false, fmt.Errorf("search deliveries: %w", err)
 		}
@@ -287,7 +386,10 @@ func searchQuery(f DeliveryFilter, limit int) (string, []any) {
 	case "stored":
 		add("g.forbidden = 0")
 	case "stale":
-		add("g.delivery_id IN (SELECT delivery_id FROM worker_deliveries WHERE outcome = 'stale')")
+		add("(g.delivery_id, g.hook_id) IN (SELECT delivery_id, hook_id FROM worker_deliveries WHERE outcome = 'stale')")
+	}
+	if f.Hook != nil {
+		add("g.hook_id = ?", *f.Hook)
 	}
 	if !f.From.IsZero() {
 		add("g.received_at >= ?", formatTime(f.From))
@@ -300,8 +402,124 @@ func searchQuery(f DeliveryFilter, limit int) (string, []any) {
 		add("(g.received_at < ? OR (g.received_at = ? AND g.id < ?))", t, t, f.AfterID)
 	}
 	args = append(args, limit+1)
-	return `SELECT g.id, g.delivery_id, g.event, g.action, g.repository, g.sender, g.forbidden, g.received_at,
+	return `SELECT g.id, g.delivery_id, g.hook_id, g.target_type, g.event, g.action, g.repository, g.sender, g.forbidden, g.received_at,
 		g.payload_pruned_at IS NOT NULL,
-		EXISTS (SELECT 1 FROM worker_deliveries w WHERE w.worker = 'database-service' AND w.delivery_id = g.delivery_id AND w.outcome = 'stale')
+		EXISTS (SELECT 1 FROM worker_deliveries w WHERE w.worker = 'database-service' AND w.delivery_id = g.delivery_id
+			AND w.hook_id = g.hook_id AND w.outcome = 'stale')
 		FROM github g WHERE ` + strings.Join(where, " AND ") + ` ORDER BY g.received_at DESC, g.id DESC LIMIT ?`, args
+}
+
+// StoryLine is one line of a delivery's story as people read it: a label
+// and what it says. Head starts one hook's copy. The command prints the
+// lines and the delivery page shows them, so that the two cannot tell
+// different stories.
+type StoryLine struct {
+	Label, Text string
+	Head        bool
+}
+
+// Lines tells the story, the way `deliveries show` prints it and the
+// delivery page shows it: GitHub's attempts, then each hook's copy (when it
+// was accepted and stored, through which broker, what each worker made of
+// it, the typed rows it wrote), then what is the event's own: its
+// redelivery, its gap, its messages waiting in queues and its alerts.
+func (st *DeliveryStory) Lines() []StoryLine {
+	var out []StoryLine
+	add := func(label, format string, args ...any) {
+		out = append(out, StoryLine{Label: label, Text: fmt.Sprintf(format, args...)})
+	}
+	when := func(t time.Time) string { return t.UTC().Format(time.RFC3339) }
+	add("delivery", "%s", st.GUID)
+	for _, a := range st.GitHub {
+		line := fmt.Sprintf("%s %d %s", when(a.DeliveredAt), a.StatusCode, a.Status)
+		if a.Redelivery {
+			line += " (redelivery)"
+		}
+		add("github attempt", "%s", line)
+	}
+	for _, c := range st.Copies {
+		head := fmt.Sprintf("hook %d", c.Hook)
+		if c.Hook == 0 {
+			head = "hook 0 (none recorded)"
+		}
+		if r := c.Received; r != nil && r.TargetType != "" {
+			head += fmt.Sprintf(", sent to %s %d", r.TargetType, r.TargetID)
+		}
+		out = append(out, StoryLine{Label: "copy", Text: head, Head: true})
+		if r := c.Received; r != nil {
+			what := r.Event
+			if r.Action != "" {
+				what += "." + r.Action
+			}
+			add("event", "%s on %s by %s", what, cmp.Or(r.Repository, "-"), cmp.Or(r.Sender, "-"))
+			forbidden := ""
+			if r.Forbidden {
+				forbidden = " (outside the allowed sources: github-forbidden)"
+			}
+			add("accepted", "%s from %s%s", when(r.ReceivedAt), cmp.Or(r.SourceIP, "-"), forbidden)
+			if r.Broker != "" {
+				add("broker", "came through %s", r.Broker)
+			}
+			add("stored", "%s", when(r.StoredAt))
+			if r.Duplicates > 0 && r.LastDuplicateAt != nil {
+				times := "1 time"
+				if r.Duplicates != 1 {
+					times = fmt.Sprintf("%d times", r.Duplicates)
+				}
+				add("duplicate", "received again %s after it was stored, the last %s; each changed nothing", times, when(*r.LastDuplicateAt))
+			}
+			if r.PrunedAt != nil {
+				add("payload", "pruned %s (database.raw_retention); the row stays as the delivery's identity", when(*r.PrunedAt))
+			} else {
+				add("payload", "%d bytes", r.PayloadBytes)
+			}
+		} else {
+			add("stored", "not in github")
+		}
+		for _, w := range c.Workers {
+			outcome := w.Outcome
+			if outcome == "stale" {
+				outcome = "stale: the typed row held a newer object and was kept"
+			}
+			add("worker "+w.Worker, "%s %s", outcome, when(w.At))
+		}
+		for _, r := range c.Rows {
+			add("typed row", "%s %s", r.Table, r.Key)
+		}
+	}
+	if len(st.Copies) == 0 {
+		add("stored", "not in github")
+	}
+	if h := st.Hooks; h != nil {
+		line := "queued on github-hooks " + when(h.QueuedAt)
+		if h.RepublishedAt != nil {
+			line += ", republished " + when(*h.RepublishedAt)
+		}
+		add("redelivery", "%s", line)
+	}
+	if g := st.Gap; g != nil {
+		state := "open"
+		switch {
+		case g.ResolvedAt != nil:
+			state = "resolved " + when(*g.ResolvedAt)
+		case g.UnrecoverableAt != nil:
+			state = "unrecoverable: " + g.LastError
+		case g.RedeliveredAt != nil:
+			state = "open, redelivery asked " + when(*g.RedeliveredAt)
+		}
+		add("gap", "found %s, GitHub delivered it %s; %s", when(g.FoundAt), when(g.DeliveredAt), state)
+	}
+	for _, e := range st.Errors {
+		add("in "+e.Queue, "%s on broker #%d, hook %d: %s (attempts %s)", e.Queue, e.Broker, e.Hook, e.Reason, cmp.Or(e.Attempts, "-"))
+	}
+	for _, a := range st.Alerts {
+		state := "waiting"
+		if a.SentAt != nil {
+			state = "sent " + when(*a.SentAt)
+		} else if a.LastError != "" {
+			state = "not sent yet: " + a.LastError
+		}
+		add("alert "+a.Channel, "%s", state)
+	}
+	return out
 }

@@ -226,8 +226,10 @@ func TestRawRetention(t *testing.T) {
 			}
 		}
 		for i := 0; i < 3; i++ {
+			// Copies of the hook webhookRequest names, which the
+			// redelivery below is a duplicate of.
 			if _, err := tx.InsertEvent(ctx, &Event{DeliveryID: fmt.Sprintf("pruned-%d", i), Name: "issues", Action: "opened",
-				Payload: body, ReceivedAt: pruned}, false); err != nil {
+				HookID: testHookID, TargetType: "integration", TargetID: 4242, Payload: body, ReceivedAt: pruned}, false); err != nil {
 				return err
 			}
 		}
@@ -237,7 +239,10 @@ func TestRawRetention(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.store.Batch(ctx, func(tx *Tx) error { _, err := tx.MarkDelivery(ctx, "database-service", "pruned-1", nil); return err }); err != nil {
+	if err := p.store.Batch(ctx, func(tx *Tx) error {
+		_, err := tx.MarkDelivery(ctx, "database-service", DeliveryKey{Hook: testHookID, GUID: "pruned-1"}, nil)
+		return err
+	}); err != nil {
 		t.Fatal(err)
 	}
 	// One call does one batch.
@@ -288,7 +293,7 @@ func TestRawRetention(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	stored, _, err := s.LedgerLookup(ctx, []string{"pruned-0", "old-0", "recent"})
+	stored, _, err := s.LedgerLookup(ctx, 4242, []string{"pruned-0", "old-0", "recent"})
 	if err != nil || !stored["pruned-0"] || !stored["recent"] || stored["old-0"] {
 		t.Errorf("ledger: stored %v (%v), want pruned-0 and recent", stored, err)
 	}

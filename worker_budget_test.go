@@ -247,7 +247,7 @@ func TestUsageInBatchTransactions(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, false),
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, 0, false),
 			Batch: p.store, Usage: budget, Log: p.log}.consume())
 		close(done)
 	}()

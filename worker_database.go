@@ -28,7 +28,7 @@ func databaseHandler(botAppID int64, metrics *Metrics, log *slog.Logger) Handler
 		}
 		m := newRowMeta(ev)
 		var stale string
-		done, err := tx.MarkDelivery(ctx, "database-service", ev.DeliveryID, func(tx *Tx) (string, error) {
+		done, err := tx.MarkDelivery(ctx, "database-service", ev.Key(), func(tx *Tx) (string, error) {
 			var err error
 			if stale, err = tx.writeTableRows(ctx, m, rows); err != nil || stale == "" {
 				return "", err

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"slices"
+	"strconv"
 	"time"
 )
 
@@ -138,7 +139,7 @@ func ledger(ctx context.Context, app *GitHubApp, store *Store, since, now time.T
 	for i, e := range book.entries {
 		guids[i] = e.GUID
 	}
-	stored, queued, err := store.LedgerLookup(ctx, guids)
+	stored, queued, err := store.LedgerLookup(ctx, app.ID(), guids)
 	if err != nil {
 		return nil, nil, false, err
 	}
@@ -213,7 +214,7 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 	}
 	if h.store.MayHaveOpenGaps() {
 		var n int64
-		if err := h.store.Batch(ctx, func(tx *Tx) (err error) { n, err = tx.ResolveStoredGaps(ctx); return err }); err != nil {
+		if err := h.store.Batch(ctx, func(tx *Tx) (err error) { n, err = tx.ResolveStoredGaps(ctx, h.app.ID()); return err }); err != nil {
 			return queued, err
 		}
 		if n > 0 {
@@ -385,7 +386,7 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 	if err := json.Unmarshal(msg.Body, &m); err != nil || m.DeliveryID == 0 || m.GUID == "" {
 		return permanent("github-hooks message without delivery_id or guid")
 	}
-	if done, err := h.store.Finished(ctx, "hooks", m.GUID); err != nil || done {
+	if done, err := h.store.Finished(ctx, "hooks", DeliveryKey{GUID: m.GUID}); err != nil || done {
 		return cmp.Or(err, ErrDuplicate)
 	}
 	d, err := h.app.Delivery(ctx, m.DeliveryID)
@@ -406,6 +407,11 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 	if hdr.Get(hdrEvent) == "" {
 		hdr.Set(hdrEvent, d.Event)
 	}
+	// It is the App hook's copy, whatever GitHub's record kept of the
+	// request: the ledger counts it stored from that copy only, and the
+	// typed tables are filled from it.
+	hdr.Set(hdrTargetType, "integration")
+	hdr.Set(hdrTargetID, strconv.FormatInt(h.app.ID(), 10))
 	// The headers become the message's, as a webhook's do: checked first,
 	// so that nothing in them can close the shared connection.
 	if err := checkHeaders(hdr); err != nil {
@@ -419,7 +425,7 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 		return fmt.Errorf("republish %s: %w", d.GUID, err)
 	}
 	return h.store.Batch(ctx, func(tx *Tx) error {
-		_, err := tx.MarkDelivery(ctx, "hooks", m.GUID, func(tx *Tx) (string, error) {
+		_, err := tx.MarkDelivery(ctx, "hooks", DeliveryKey{GUID: m.GUID}, func(tx *Tx) (string, error) {
 			return "", tx.hookRepublished(ctx, m.GUID)
 		})
 		return err

@@ -550,6 +550,9 @@ func TestDeliveryLedgerGaps(t *testing.T) {
 		payload := gh.payloads[hd.ID]
 		gh.mu.Unlock()
 		req := webhookRequest(t, d.URL, hd.Event, hd.GUID, payload)
+		// The App's hook's copy: the one its deliveries speak of.
+		req.Header.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
+		req.Header.Set("X-GitHub-Hook-Installation-Target-ID", strconv.Itoa(testAppID))
 		if resp, err := http.DefaultClient.Do(req); err == nil {
 			resp.Body.Close()
 		}

@@ -7,10 +7,11 @@ import (
 // serviceHandler is the service worker's handler (queue github), and with
 // forbidden set the cleanup worker's (queue github-forbidden): the raw Event,
 // its 6-hour count and, when a rule matches, its alerts queued in
-// alert_outbox, all in one transaction. The alerts go out after the commit
+// alert_outbox, all in one transaction; the App's copy (github.app_id,
+// appID) resolves the delivery's gap. The alerts go out after the commit
 // (AlertSender): nothing here waits on the network while the transaction is
 // open, and a retried or redelivered message changes nothing the second time.
-func serviceHandler(alerter *Alerter, forbidden bool) Handler {
+func serviceHandler(alerter *Alerter, appID int64, forbidden bool) Handler {
 	return func(ctx context.Context, tx *Tx, ev *Event) error {
 		inserted, err := tx.InsertEvent(ctx, ev, forbidden, alerter.Channels(ev)...)
 		if err != nil {
@@ -18,6 +19,9 @@ func serviceHandler(alerter *Alerter, forbidden bool) Handler {
 		}
 		if !inserted {
 			return ErrDuplicate
+		}
+		if ev.AppCopy(appID) {
+			return tx.ResolveGap(ctx, ev.DeliveryID)
 		}
 		return nil
 	}
