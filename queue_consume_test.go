@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"os/exec"
 	"slices"
@@ -36,6 +37,23 @@ func TestDeathCount(t *testing.T) {
 	}
 	if got, ok := deathCount(nil, "github"); got != 0 || !ok {
 		t.Errorf("no header: got %d %t, want 0 true", got, ok)
+	}
+	// LavinMQ up to 2.6.1 splits one queue's rejections over entries that
+	// name different exchanges: they add up.
+	split := amqp.Table{"x-death": []any{
+		amqp.Table{"queue": "github", "reason": "rejected", "exchange": "", "count": int64(4)},
+		amqp.Table{"queue": "github-retry", "reason": "expired", "exchange": "", "count": int64(10)},
+		amqp.Table{"queue": "github", "reason": "rejected", "exchange": "github-exchange", "count": int64(6)},
+	}}
+	if got, ok := deathCount(split, "github"); got != 10 || !ok {
+		t.Errorf("split entries: got %d %t, want 10 true", got, ok)
+	}
+	overflow := amqp.Table{"x-death": []any{
+		amqp.Table{"queue": "github", "reason": "rejected", "count": int64(math.MaxInt64)},
+		amqp.Table{"queue": "github", "reason": "rejected", "count": int64(1)},
+	}}
+	if _, ok := deathCount(overflow, "github"); ok {
+		t.Errorf("counts that overflow: read as valid")
 	}
 	for _, count := range []any{int64(-1000000), int32(-1), "3", 2.5, nil} {
 		forged := amqp.Table{"x-death": []any{amqp.Table{"queue": "github", "reason": "rejected", "count": count}}}
@@ -136,6 +154,43 @@ func TestRetryCycle(t *testing.T) {
 	_ = store.r.QueryRow("SELECT sum(count) FROM github_statistics_6h").Scan(&count)
 	if count != 1 {
 		t.Errorf("statistics: got %d, want 1 (the flaky message, counted once)", count)
+	}
+}
+
+// A message whose x-death splits its 10 rejections over two entries (4 and
+// 6, two exchanges, as LavinMQ up to 2.6.1 writes them) has used its 10
+// attempts: its next failure moves it to -error, with x-attempts 11.
+func TestSplitDeathCountEndsInError(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.MaxAttempts = 10
+	p := newParts(t, cfg)
+	var calls atomic.Int32
+	h := func(ctx context.Context, tx *Tx, ev *Event) error {
+		calls.Add(1)
+		return errors.New("database is locked (simulated)")
+	}
+	if err := p.queues.Reachable(context.Background(), p.brokers.List()[0]); err != nil {
+		t.Fatal(err)
+	}
+	msg := eventMessage("issues", newGUID(), loadFixture(t, "issues", "opened"))
+	msg.Headers["x-death"] = []any{
+		amqp.Table{"queue": queueGitHub, "reason": "rejected", "exchange": "", "count": int64(4), "routing-keys": []any{queueGitHub}},
+		amqp.Table{"queue": queueGitHub, "reason": "rejected", "exchange": exchangeName, "count": int64(6), "routing-keys": []any{""}},
+	}
+	publishRaw(t, vhost, "", queueGitHub, msg)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.consume())
+		close(done)
+	}()
+	defer func() { cancel(); <-done }()
+	eventually(t, 30*time.Second, "the message in github-error", func() bool { return ready(t, vhost, errorQueue(queueGitHub)) == 1 })
+	d := getOne(t, vhost, errorQueue(queueGitHub))
+	if got := tableString(d.Headers, hdrErrorAttempts); got != "11" || calls.Load() != 1 {
+		t.Errorf("x-attempts %q after %d failures, want 11 after its first failure here", got, calls.Load())
 	}
 }
 

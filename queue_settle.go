@@ -134,10 +134,15 @@ type settler struct {
 // worker's context: on shutdown the messages in hand are finished and acked.
 const handleTimeout = 2 * time.Minute
 
-// deathCount is the attempt number of a message: the count of its x-death
-// entry for queue with reason rejected, i.e. how often it was nacked there.
-// ok is false when that count is negative or not an integer: the header is
-// forged or broken, and no retry budget can be read from it.
+// deathCount is the attempt number of a message: the sum of the counts of
+// its x-death entries for queue with reason rejected, i.e. how often it was
+// nacked there. RabbitMQ keeps one such entry per queue and reason; LavinMQ
+// up to 2.6.1 starts another whenever the dead-letter exchange differs, so
+// the count is split over entries that name different exchanges, and
+// reading one of them would let a message fail more than max_attempts
+// times. ok is false when a count is negative or not an integer, or the
+// sum overflows: the header is forged or broken, and no retry budget can be
+// read from it.
 func deathCount(h amqp.Table, queue string) (n int64, ok bool) {
 	deaths, _ := h["x-death"].([]any)
 	for _, d := range deaths {
@@ -146,17 +151,21 @@ func deathCount(h amqp.Table, queue string) (n int64, ok bool) {
 			continue
 		}
 		// RabbitMQ writes a long; a forged header may carry any type.
-		switch c := reflect.ValueOf(t["count"]); {
-		case c.CanInt():
-			n = c.Int()
-		case c.CanUint() && c.Uint() <= math.MaxInt64:
-			n = int64(c.Uint())
+		var c int64
+		switch v := reflect.ValueOf(t["count"]); {
+		case v.CanInt():
+			c = v.Int()
+		case v.CanUint() && v.Uint() <= math.MaxInt64:
+			c = int64(v.Uint())
 		default:
 			return 0, false
 		}
-		return n, n >= 0
+		if c < 0 || n > math.MaxInt64-c {
+			return 0, false
+		}
+		n += c
 	}
-	return 0, true
+	return n, true
 }
 
 // reasonBadDeath is the x-error-reason of a message whose x-death is broken.
