@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -305,6 +306,30 @@ type queued struct {
 	Queue      string `json:"queue,omitempty"`
 }
 
+// notQueued is a webhook no broker took. Its text, the 503's body, says
+// what failed and names no broker (host, port and vhost are a hosted
+// plan's account); the log line has the whole cause.
+type notQueued struct {
+	delivery string
+	cause    error
+}
+
+func (e *notQueued) Error() string {
+	what := "broker unreachable"
+	var refusal *BrokerRefusal
+	switch {
+	case errors.As(e.cause, &refusal):
+		what = refusal.Error()
+	case errors.Is(e.cause, ErrPublishTimeout), errors.Is(e.cause, context.DeadlineExceeded):
+		what = "no confirm from the broker within queue.publish_timeout"
+	case errors.Is(e.cause, ErrUnroutable):
+		what = "message routed to no queue: the broker's topology is missing a queue"
+	}
+	return fmt.Sprintf("%v: delivery %s not queued: %s", ErrUnavailable, e.delivery, what)
+}
+
+func (e *notQueued) Unwrap() error { return ErrUnavailable }
+
 // rejectOutcome names a refused webhook for the metrics and the log.
 func rejectOutcome(err error) string {
 	switch statusOf(err) {
@@ -326,6 +351,9 @@ func (wh *Webhook) reject(w http.ResponseWriter, r *http.Request, err error, src
 	wh.metrics.webhook(outcome)
 	if ok, suppressed := wh.rejects.allow(outcome, time.Now()); ok {
 		args := []any{"outcome", outcome, "status", statusOf(err), "source_ip", addrText(src), "error", err}
+		if nq, ok := err.(*notQueued); ok {
+			args = append(args, "cause", nq.cause)
+		}
 		if suppressed > 0 {
 			args = append(args, "suppressed", suppressed)
 		}
@@ -371,7 +399,7 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 	b, err := wh.queues.PublishToTarget(r.Context(), wh.brokers, exchange, key, msg)
 	if err != nil {
-		wh.reject(w, r, fmt.Errorf("%w: delivery %s not queued: %v", ErrUnavailable, msg.MessageId, err), src)
+		wh.reject(w, r, &notQueued{delivery: msg.MessageId, cause: err}, src)
 		return
 	}
 	outcome := "accepted"

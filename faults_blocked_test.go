@@ -88,3 +88,75 @@ func TestFaultBrokerBlocked(t *testing.T) {
 		t.Errorf("switchyard_broker_blocked after the alarm cleared: %v, want 0", v)
 	}
 }
+
+// A broker that refuses publishes without blocking the connection (here a
+// queue policy, overflow reject-publish: the confirm comes as a nack; LavinMQ
+// low on disk closes the channel with 406 instead) is blocked, not
+// unreachable: the webhook gets 503 naming the refusal at once, the gauge
+// and the status say so, one alert goes out, and the first confirmed
+// publish after the policy is cleared ends it.
+func TestFaultBrokerRefuses(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the refusal's, not the timeout's
+	pushed := make(chan string, 10)
+	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		pushed <- r.Header.Get("Title") + "\n" + string(body)
+	}))
+	t.Cleanup(push.Close)
+	cfg.Alerts = AlertsConfig{Rules: []AlertRule{{Events: []string{"blocked"}, Channels: []string{"push"}}},
+		Push: PushConfig{URL: push.URL}}
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened")
+	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
+		t.Fatalf("before the policy: %d", code)
+	}
+	rabbitmqctl(t, "set_policy", "-p", vhost, "--apply-to", "queues", "refuse", "^github$", `{"max-length":0,"overflow":"reject-publish"}`)
+	var code int
+	var answer string
+	eventually(t, 30*time.Second, "the policy in force", func() bool {
+		code, answer = do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
+		return code != http.StatusAccepted
+	})
+	gauge := scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`]
+	if code != http.StatusServiceUnavailable || !strings.Contains(answer, "broker refusing publishes") || gauge != 1 {
+		t.Errorf("a webhook the broker refuses: %d %s, gauge %v; want 503 naming the refusal, gauge 1", code, answer, gauge)
+	}
+	b := d.brokers.List()[0]
+	if strings.Contains(answer, b.Host) || strings.Contains(answer, vhost) {
+		t.Errorf("the 503 names where the broker is: %s", answer)
+	}
+	_, raw := do(t, mustRequestAuth(t, d.URL+"/api/v1/status"))
+	var st Status
+	if err := json.Unmarshal([]byte(raw), &st); err != nil || len(st.Brokers) != 1 || !strings.Contains(st.Brokers[0].Blocked, "nack") {
+		t.Errorf("the status while refusing: %v %+v, want broker #0 blocked by the refusal", err, st.Brokers)
+	}
+	for range 3 {
+		if err := d.budget.Flush(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	db := openDB(t, cfg.Database.Path)
+	if n := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id LIKE 'blocked:%' AND channel = 'push'"); n != 1 {
+		t.Errorf("alerts of the refusal: %d, want 1", n)
+	}
+	select {
+	case text := <-pushed:
+		if !strings.Contains(text, "Broker blocked") {
+			t.Errorf("the refusal's alert reads:\n%s\nwant it to name the block", text)
+		}
+	case <-time.After(30 * time.Second):
+		t.Error("the refusal's alert was not sent")
+	}
+
+	rabbitmqctl(t, "clear_policy", "-p", vhost, "refuse")
+	eventually(t, 30*time.Second, "webhooks accepted again", func() bool {
+		return postWebhook(t, d.URL, "issues", newGUID(), body) == http.StatusAccepted
+	})
+	if v := scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`]; v != 0 {
+		t.Errorf("switchyard_broker_blocked after a confirmed publish: %v, want 0", v)
+	}
+}
+

@@ -28,7 +28,24 @@ var (
 	// blocked the connection (connection.blocked: a resource alarm, or a
 	// plan's quota): waiting out publish_timeout would change nothing.
 	ErrBrokerBlocked = errors.New("broker blocked the connection")
+	// ErrBrokerRefused is a publish the broker refused without blocking
+	// the connection: a nacked confirm (a queue with overflow
+	// reject-publish), or the publishing channel closed with a channel
+	// error (LavinMQ low on disk: 406 PRECONDITION_FAILED).
+	ErrBrokerRefused = errors.New("broker refusing publishes")
 )
+
+// BrokerRefusal is a publish the broker blocked (ErrBrokerBlocked) or
+// refused (ErrBrokerRefused), with the broker's reason. Its text names no
+// broker: on a hosted plan the host and vhost are the account, so what a
+// webhook's answer tells stops here, and the log has the rest.
+type BrokerRefusal struct {
+	Kind   error
+	Reason string
+}
+
+func (r *BrokerRefusal) Error() string { return r.Kind.Error() + ": " + r.Reason }
+func (r *BrokerRefusal) Unwrap() error { return r.Kind }
 
 // brokerConn is the one connection to one broker. It starts one goroutine
 // per connection it dials, watchBlocked, which ends when that connection
@@ -61,6 +78,11 @@ type brokerConn struct {
 	// it when the block ends.
 	blocked    atomic.Pointer[blockedState]
 	blockedSig atomic.Pointer[chan struct{}]
+	// refused is the broker's last refusal of a publish while it holds:
+	// from a refused publish until one is confirmed again. A refusing
+	// broker is blocked too (Queues.Blocked), but publishes still go to
+	// it, as no notification says when it takes them again.
+	refused atomic.Pointer[blockedState]
 	// published and delivered count the messages switchyard sent to this
 	// broker and took from it (basic.deliver and basic.get-ok, redeliveries
 	// included) since they were last taken: what a plan's quota counts.
@@ -241,9 +263,13 @@ type blockedState struct {
 	Since  time.Time
 }
 
-// isBlocked reports whether the broker blocks the connection now, and why.
+// isBlocked reports whether the broker blocks the connection now, or
+// refuses publishes, and why.
 func (bc *brokerConn) isBlocked() (blockedState, bool) {
 	if st := bc.blocked.Load(); st != nil {
+		return *st, true
+	}
+	if st := bc.refused.Load(); st != nil {
 		return *st, true
 	}
 	return blockedState{}, false
@@ -251,8 +277,32 @@ func (bc *brokerConn) isBlocked() (blockedState, bool) {
 
 // blockedError is the error of a publish the block refused.
 func (bc *brokerConn) blockedError() error {
-	st, _ := bc.isBlocked()
-	return fmt.Errorf("%w: %s: %s, since %s", ErrBrokerBlocked, bc.broker, cmp.Or(st.Reason, "blocked"), st.Since.Format(time.RFC3339))
+	st := blockedState{}
+	if p := bc.blocked.Load(); p != nil {
+		st = *p
+	}
+	return fmt.Errorf("%s: %w", bc.broker, &BrokerRefusal{Kind: ErrBrokerBlocked,
+		Reason: cmp.Or(st.Reason, "blocked") + ", since " + st.Since.Format(time.RFC3339)})
+}
+
+// refuse records that the broker refused a publish, for reason: it counts
+// as blocked from the first refusal until a publish is confirmed again.
+func (bc *brokerConn) refuse(reason string) {
+	if bc.refused.CompareAndSwap(nil, &blockedState{Reason: reason, Since: time.Now().UTC()}) {
+		bc.log.Warn("broker refuses publishes: webhooks answer 503 until it confirms one again",
+			"broker", bc.broker.String(), "reason", reason)
+		bc.metrics.brokerBlocked(bc.broker.Index, true)
+	}
+}
+
+// confirmed records that the broker confirmed a publish: a refusal, if one
+// held, is over.
+func (bc *brokerConn) confirmed() {
+	if bc.refused.Load() == nil || bc.refused.Swap(nil) == nil {
+		return
+	}
+	bc.log.Info("broker takes publishes again", "broker", bc.broker.String())
+	bc.metrics.brokerBlocked(bc.broker.Index, bc.blocked.Load() != nil)
 }
 
 // watchBlocked follows the broker's connection.blocked and unblocked
@@ -270,10 +320,10 @@ func (bc *brokerConn) watchBlocked(notes <-chan amqp.Blocking) {
 			bc.unblock()
 			bc.log.Info("broker unblocked publishing", "broker", bc.broker.String())
 		}
-		bc.metrics.brokerBlocked(bc.broker.Index, n.Active)
+		bc.metrics.brokerBlocked(bc.broker.Index, n.Active || bc.refused.Load() != nil)
 	}
 	if bc.unblock() {
-		bc.metrics.brokerBlocked(bc.broker.Index, false)
+		bc.metrics.brokerBlocked(bc.broker.Index, bc.refused.Load() != nil)
 	}
 }
 

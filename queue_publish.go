@@ -13,7 +13,6 @@ import (
 // Errors a publish ends with, besides those of the connection.
 var (
 	ErrPublishTimeout = errors.New("no publisher confirm in time")
-	ErrPublishNacked  = errors.New("broker refused the message")
 	ErrUnroutable     = errors.New("message routed to no queue")
 )
 
@@ -65,6 +64,10 @@ type lane struct {
 	ch       *amqp.Channel
 	returns  chan amqp.Return
 	returned map[string]int // message ids returned as unroutable, not yet claimed
+	// closes tells why the broker closed ch; closeErr keeps what it told,
+	// for every publish that was on ch.
+	closes   chan *amqp.Error
+	closeErr *amqp.Error
 }
 
 // newPublisher prepares publishing on the connection bc keeps; nothing is
@@ -168,7 +171,33 @@ func (l *lane) channel(bc *brokerConn) (*amqp.Channel, chan amqp.Return, error) 
 	l.ch = ch
 	l.returns = ch.NotifyReturn(make(chan amqp.Return, maxInFlight))
 	l.returned = map[string]int{}
+	// amqp091-go sends the close reason once, before it resolves the
+	// channel's outstanding confirms as nacks: a buffer of one takes it.
+	l.closes, l.closeErr = ch.NotifyClose(make(chan *amqp.Error, 1)), nil
 	return ch, l.returns, nil
+}
+
+// closedBy is why the broker closed ch, the lane's channel a publish was
+// on: a channel error (Recover: the connection lives on) is the broker
+// refusing what was sent on it; nil when the connection went, or the lane
+// has moved to another channel since.
+func (l *lane) closedBy(ch *amqp.Channel) *amqp.Error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if ch != l.ch {
+		return nil
+	}
+	if l.closeErr == nil {
+		select {
+		case e := <-l.closes:
+			l.closeErr = e
+		default:
+		}
+	}
+	if l.closeErr == nil || !l.closeErr.Recover {
+		return nil
+	}
+	return l.closeErr
 }
 
 // wasReturned claims a return for msgID. RabbitMQ sends basic.return before the
@@ -213,7 +242,9 @@ func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 	start := time.Now()
 	defer func() { p.metrics.publish(b.Index, err, time.Since(start)) }()
 	blockedSig := *bc.blockedSig.Load()
-	if _, blocked := bc.isBlocked(); blocked {
+	if bc.blocked.Load() != nil {
+		// A refusal (bc.refused) does not stop a publish: only a confirmed
+		// one can tell that the broker takes them again.
 		return bc.blockedError()
 	}
 	conn, err := bc.connection(ctx)
@@ -251,13 +282,22 @@ func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 		return bc.blockedError()
 	}
 	if !dc.Acked() {
+		// amqp091-go resolves outstanding confirms as nacks when the
+		// channel closes: a channel error is the broker refusing (LavinMQ
+		// low on disk closes it with 406), a closed connection is the
+		// broker gone.
+		reason := "publish nacked"
 		if ch.IsClosed() {
-			// amqp091-go resolves outstanding confirms as nacks when the
-			// channel closes: the broker never said no, it went away.
-			return fmt.Errorf("publish to %s: %w: channel closed before the confirm", b, ErrBrokerUnreachable)
+			e := l.closedBy(ch)
+			if e == nil {
+				return fmt.Errorf("publish to %s: %w: channel closed before the confirm", b, ErrBrokerUnreachable)
+			}
+			reason = fmt.Sprintf("channel closed: %d %s", e.Code, e.Reason)
 		}
-		return fmt.Errorf("publish to %s: %w", b, ErrPublishNacked)
+		bc.refuse(reason)
+		return fmt.Errorf("publish to %s: %w", b, &BrokerRefusal{Kind: ErrBrokerRefused, Reason: reason})
 	}
+	bc.confirmed()
 	if l.wasReturned(returns, msg.MessageId) {
 		return fmt.Errorf("publish to %s %q: %w", b, exchange+"/"+key, ErrUnroutable)
 	}
