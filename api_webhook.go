@@ -398,6 +398,11 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	msg := newPublishing(r.Header, payload, addrText(src), time.Now())
 
 	b, err := wh.queues.PublishToTarget(r.Context(), wh.brokers, exchange, key, msg)
+	var tooLarge *TooLargeError
+	if errors.As(err, &tooLarge) {
+		wh.reject(w, r, fmt.Errorf("%w: delivery %s not queued: %v", ErrTooLarge, msg.MessageId, tooLarge), src)
+		return
+	}
 	if err != nil {
 		wh.reject(w, r, &notQueued{delivery: msg.MessageId, cause: err}, src)
 		return

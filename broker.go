@@ -27,6 +27,19 @@ type Broker struct {
 	Host   string
 	Port   int
 	Vhost  string // URL-decoded; "/" for the default vhost
+	// MaxMessageBytes is the largest message the broker takes
+	// (brokers[].max_message_bytes); 0 when not known.
+	MaxMessageBytes int64
+}
+
+// NewBroker is broker index as its [[brokers]] entry c configures it.
+func NewBroker(index int, c BrokerConfig) (*Broker, error) {
+	b, err := ParseBroker(index, c.URL)
+	if err != nil {
+		return nil, err
+	}
+	b.MaxMessageBytes = c.maxMessageBytes()
+	return b, nil
 }
 
 // ParseBroker reads a broker URL the way amqp091-go dials it: the vhost is the
@@ -105,7 +118,7 @@ type Brokers struct {
 func NewBrokers(ctx context.Context, cfgs []BrokerConfig, store *Store, metrics *Metrics, log *slog.Logger) (*Brokers, error) {
 	bs := &Brokers{store: store, metrics: metrics, log: log, changed: make(chan struct{})}
 	for i, c := range cfgs {
-		b, err := ParseBroker(i, c.URL)
+		b, err := NewBroker(i, c)
 		if err != nil {
 			return nil, fmt.Errorf("brokers[%d].url: %w", i, err)
 		}

@@ -125,7 +125,7 @@ func backup(ctx context.Context, cfg *Config, dest string, stdout io.Writer) err
 func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, asJSON bool, stdout io.Writer) error {
 	var brokers []*Broker
 	for i, bc := range cfg.Brokers {
-		b, err := ParseBroker(i, bc.URL)
+		b, err := NewBroker(i, bc)
 		if err != nil {
 			return err
 		}

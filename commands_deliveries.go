@@ -32,7 +32,7 @@ const errorPeekLimit = 1000
 func errorWaits(ctx context.Context, cfg *Config, store *Store, guid string) []StoryError {
 	var brokers []*Broker
 	for i, bc := range cfg.Brokers {
-		if b, err := ParseBroker(i, bc.URL); err == nil {
+		if b, err := NewBroker(i, bc); err == nil {
 			brokers = append(brokers, b)
 		}
 	}

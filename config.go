@@ -142,6 +142,10 @@ type QueueConfig struct {
 	RotateOnBudget     bool          `toml:"rotate_on_budget"`
 	RotateAt           float64       `toml:"rotate_at"`
 	BlockedRotateAfter time.Duration `toml:"blocked_rotate_after"`
+	// CompressOver is the body size over which a webhook is published
+	// gzip-compressed (content_encoding gzip); 0 publishes every body as
+	// it came, for queues another consumer also reads.
+	CompressOver int64 `toml:"compress_over"`
 }
 
 // WorkersConfig sets the cadence of the four workers.
@@ -163,7 +167,17 @@ type BrokerConfig struct {
 	// BudgetResetsOn is the day of the month (1-28, UTC) its quota starts
 	// anew; 0 is the 1st.
 	BudgetResetsOn int `toml:"budget_resets_on"`
+	// MaxMessageBytes is the largest message the broker takes (RabbitMQ
+	// 4's max_message_size is 16 MiB by default); a webhook still over it
+	// once compressed is answered 413. 0 is the default, 16 MiB.
+	MaxMessageBytes int64 `toml:"max_message_bytes"`
 }
+
+// defaultMaxMessageBytes is RabbitMQ 4's default max_message_size.
+const defaultMaxMessageBytes = 16 << 20
+
+// maxMessageBytes is the largest message the broker takes.
+func (b BrokerConfig) maxMessageBytes() int64 { return cmp.Or(b.MaxMessageBytes, defaultMaxMessageBytes) }
 
 // resetDay is the day of the month the broker's budget starts anew.
 func (b BrokerConfig) resetDay() int { return max(b.BudgetResetsOn, 1) }
@@ -236,6 +250,7 @@ func DefaultConfig() *Config {
 			BudgetWarnAt:       0.8,
 			RotateAt:           0.9,
 			BlockedRotateAfter: 5 * time.Minute,
+			CompressOver:       1 << 20,
 		},
 		Workers: WorkersConfig{
 			Window:               5 * time.Minute,

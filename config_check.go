@@ -171,6 +171,9 @@ func (c *Config) Validate() error {
 	if c.Queue.KeepaliveEvery <= 0 || c.Queue.KeepaliveEvery > 7*24*time.Hour {
 		bad("queue.keepalive_every", "want more than 0 and at most 7 days (free plans delete queues unused for 28), got %s", c.Queue.KeepaliveEvery)
 	}
+	if c.Queue.CompressOver < 0 {
+		bad("queue.compress_over", "want 0 (off) or a size in bytes, got %d", c.Queue.CompressOver)
+	}
 	if c.Queue.MaxBatchBytes < 1<<20 {
 		bad("queue.max_batch_bytes", "at least 1 MiB (1048576), got %d", c.Queue.MaxBatchBytes)
 	}
@@ -199,6 +202,9 @@ func (c *Config) Validate() error {
 		}
 		if b.MonthlyMessages < 0 {
 			bad(fmt.Sprintf("brokers[%d].monthly_messages", i), "must not be negative (0: no quota)")
+		}
+		if b.MaxMessageBytes < 0 {
+			bad(fmt.Sprintf("brokers[%d].max_message_bytes", i), "want 0 (16 MiB) or a size in bytes, got %d", b.MaxMessageBytes)
 		}
 		if b.BudgetResetsOn < 0 || b.BudgetResetsOn > 28 {
 			bad(fmt.Sprintf("brokers[%d].budget_resets_on", i), "want a day from 1 to 28, got %d", b.BudgetResetsOn)
@@ -352,12 +358,14 @@ func (c *Config) Summary(w io.Writer) {
 	p("queue.declare_topology = %t, keepalive_every = %s", c.Queue.DeclareTopology, c.Queue.KeepaliveEvery)
 	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
 		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)
+	p("queue.compress_over = %d", c.Queue.CompressOver)
 	p("workers.window = %s, pending_check_interval = %s, leftover_drain_limit = %d",
 		c.Workers.Window, c.Workers.PendingCheckInterval, c.Workers.LeftoverDrainLimit)
 	p("workers.cleanup_every = %s, cleanup_window = %s, hooks_poll_every = %s",
 		c.Workers.CleanupEvery, c.Workers.CleanupWindow, c.Workers.HooksPollEvery)
 	for i, b := range c.Brokers {
-		p("brokers[%d].url = %s, monthly_messages = %d, budget_resets_on = %d", i, redactAMQPURL(b.URL), b.MonthlyMessages, b.resetDay())
+		p("brokers[%d].url = %s, monthly_messages = %d, budget_resets_on = %d, max_message_bytes = %d", i, redactAMQPURL(b.URL),
+		b.MonthlyMessages, b.resetDay(), b.maxMessageBytes())
 	}
 	p("alerts.rules = %d, email = %s, push = %s", len(c.Alerts.Rules),
 		map[bool]string{true: "on", false: "off"}[c.Alerts.Email.Host != ""], maskURL(c.Alerts.Push.URL))

@@ -160,3 +160,77 @@ func TestFaultBrokerRefuses(t *testing.T) {
 	}
 }
 
+// largeIssue is an issues webhook of about size bytes, mostly an issue
+// body of random hex, which compresses as much as real text does or less.
+func largeIssue(t testing.TB, size int) []byte {
+	t.Helper()
+	return mutate(t, loadFixture(t, "issues", "opened"), func(p map[string]any) {
+		obj(p, "issue")["body"] = randHex(size / 2)
+	})
+}
+
+// RabbitMQ 4 takes messages up to 16 MiB; GitHub sends payloads up to
+// 25 MB. A 20 MiB webhook goes compressed and is stored whole under a
+// broker whose max_message_size is 16 MiB; with compression off it is
+// answered 413 before anything is published; and a broker whose limit is
+// below max_message_bytes closes the channel (406), which is a refusal,
+// not an unreachable broker. max_message_size is the node's, so this runs
+// in the sequential phase, and the old value is always put back.
+func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
+	out, err := exec.Command("rabbitmqctl", "-q", "eval", "application:get_env(rabbit, max_message_size).").CombinedOutput()
+	old := strings.TrimSpace(string(out))
+	if err != nil || !strings.HasPrefix(old, "{ok,") {
+		t.Skipf("rabbitmqctl cannot read max_message_size here (%v: %s)", err, out)
+	}
+	old = strings.TrimSuffix(strings.TrimPrefix(old, "{ok,"), "}")
+	t.Cleanup(func() {
+		_ = exec.Command("rabbitmqctl", "-q", "eval", "application:set_env(rabbit, max_message_size, "+old+").").Run()
+	})
+	rabbitmqctl(t, "eval", "application:set_env(rabbit, max_message_size, 16777216).")
+
+	body := largeIssue(t, 20<<20)
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.PublishTimeout = 30 * time.Second
+	d := startDaemon(t, cfg)
+	guid := newGUID()
+	if code, answer := do(t, webhookRequest(t, d.URL, "issues", guid, body)); code != http.StatusAccepted {
+		t.Fatalf("a 20 MiB webhook, compressed: %d %s, want 202", code, answer)
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 60*time.Second, "the 20 MiB webhook stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+	})
+	if n := queryInt(t, db, "SELECT length(payload) FROM github WHERE delivery_id = ?", guid); n != len(body) {
+		t.Errorf("stored payload: %d bytes, want %d, whole", n, len(body))
+	}
+	d.stop(t)
+
+	// Compression off: 413 before publishing, the delivery named in the log.
+	cfg.Queue.CompressOver = 0
+	d = startDaemon(t, cfg)
+	tooLarge := newGUID()
+	if code, answer := do(t, webhookRequest(t, d.URL, "issues", tooLarge, body)); code != http.StatusRequestEntityTooLarge ||
+		!strings.Contains(answer, "max_message_bytes") {
+		t.Errorf("a 20 MiB webhook, not compressed: %d %s, want 413 naming max_message_bytes", code, answer)
+	}
+	if !strings.Contains(d.logs.String(), tooLarge) {
+		t.Errorf("no log line names the delivery refused as too large")
+	}
+	d.stop(t)
+
+	// A broker limit below max_message_bytes: the broker closes the
+	// channel, and says why.
+	cfg.Brokers[0].MaxMessageBytes = 64 << 20
+	d = startDaemon(t, cfg)
+	code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
+	if code != http.StatusServiceUnavailable || !strings.Contains(answer, "broker refusing publishes") || !strings.Contains(answer, "406") {
+		t.Errorf("a message over the broker's own limit: %d %s, want 503 naming the refusal (406)", code, answer)
+	}
+	if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
+		t.Errorf("a small webhook after the refusal: %d, want 202", code)
+	}
+	if v := scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`]; v != 0 {
+		t.Errorf("switchyard_broker_blocked after a confirmed publish: %v, want 0", v)
+	}
+}

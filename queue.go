@@ -103,9 +103,26 @@ func (q *Queues) PublishToTarget(ctx context.Context, brokers *Brokers, exchange
 	if err != nil {
 		return nil, err
 	}
+	if msg, err = q.fit(b, msg); err != nil {
+		return b, err
+	}
 	ctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
 	defer cancel()
 	return b, q.Publish(ctx, b, exchange, key, msg)
+}
+
+// fit makes msg fit broker b: a body over queue.compress_over goes
+// gzip-compressed, and one still over b's max_message_bytes is a
+// *TooLargeError, refused here rather than by the broker (which closes the
+// channel for it).
+func (q *Queues) fit(b *Broker, msg amqp.Publishing) (amqp.Publishing, error) {
+	if q.cfg.CompressOver > 0 && int64(len(msg.Body)) > q.cfg.CompressOver && msg.ContentEncoding == "" {
+		msg.Body, msg.ContentEncoding = compressBody(msg.Body), encodingGzip
+	}
+	if b.MaxMessageBytes > 0 && int64(len(msg.Body)) > b.MaxMessageBytes {
+		return msg, &TooLargeError{Size: int64(len(msg.Body)), Max: b.MaxMessageBytes}
+	}
+	return msg, nil
 }
 
 // Publish sends msg to broker b and waits for its publisher confirm until

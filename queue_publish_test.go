@@ -1,9 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -121,4 +123,56 @@ func TestPublisherOpensLanesInBackground(t *testing.T) {
 	}
 	p.put(busy, true)
 	p.put(warmed, true)
+}
+
+// A compressed body is read back as it was; one that inflates past the
+// largest webhook, a broken stream or an unknown encoding is refused.
+func TestInflateBounded(t *testing.T) {
+	t.Parallel()
+	body := []byte(`{"action":"opened","x":"` + strings.Repeat("a", 4<<20) + `"}`)
+	got, err := inflateBody(encodingGzip, compressBody(body))
+	if err != nil || !bytes.Equal(got, body) {
+		t.Errorf("round trip: %d bytes, %v; want the %d bytes back", len(got), err, len(body))
+	}
+	if got, err := inflateBody("", body); err != nil || len(got) != len(body) {
+		t.Errorf("a plain body: %v", err)
+	}
+	bomb := compressBody(make([]byte, maxInflated+1))
+	if len(bomb) > 1<<20 {
+		t.Fatalf("the bomb is %d bytes compressed", len(bomb))
+	}
+	for name, c := range map[string]struct {
+		enc  string
+		body []byte
+	}{"bomb": {encodingGzip, bomb}, "broken": {encodingGzip, []byte("not gzip")}, "unknown": {"br", body}} {
+		if _, err := inflateBody(c.enc, c.body); err == nil {
+			t.Errorf("%s: read without error", name)
+		}
+	}
+}
+
+// A message whose gzip body inflates past the bound goes to -error with
+// the reason, and the worker goes on to the next.
+func TestInflateBombToError(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	d := startDaemon(t, cfg)
+	eventually(t, 10*time.Second, "topology declared", func() bool {
+		return d.queues.Reachable(context.Background(), d.brokers.List()[0]) == nil
+	})
+	bomb := eventMessage("issues", newGUID(), nil)
+	bomb.Body, bomb.ContentEncoding = compressBody(make([]byte, maxInflated+1)), encodingGzip
+	publishRaw(t, vhost, "", queueGitHub, bomb)
+	good := newGUID()
+	publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", good, loadFixture(t, "issues", "opened")))
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 20*time.Second, "the good message stored after the bomb", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", good) == 1
+	})
+	eventually(t, 20*time.Second, "the bomb in github-error", func() bool { return ready(t, vhost, errorQueue(queueGitHub)) == 1 })
+	if m := getOne(t, vhost, errorQueue(queueGitHub)); !strings.Contains(tableString(m.Headers, hdrErrorReason), "inflates past") ||
+		m.ContentEncoding != encodingGzip {
+		t.Errorf("x-error-reason %q, encoding %q; want the bound named, the body kept compressed", tableString(m.Headers, hdrErrorReason), m.ContentEncoding)
+	}
 }

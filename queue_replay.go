@@ -58,7 +58,7 @@ func (q *Queues) moveBack(ctx context.Context, d *amqp.Delivery, to *Broker, que
 		delete(headers, k)
 	}
 	pctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
-	err := q.Publish(pctx, to, "", queue, amqp.Publishing{Headers: headers, ContentType: d.ContentType,
+	err := q.Publish(pctx, to, "", queue, amqp.Publishing{Headers: headers, ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
 		DeliveryMode: amqp.Persistent, MessageId: d.MessageId, Timestamp: d.Timestamp, Type: d.Type, Body: d.Body})
 	cancel()
 	if err != nil {

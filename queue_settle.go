@@ -254,7 +254,12 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 			verdicts[i] = permanent("%s", reasonBadDeath)
 			continue
 		}
-		msgs = append(msgs, Message{ID: d.MessageId, Type: d.Type, Headers: d.Headers, Body: d.Body, Broker: s.bc.broker,
+		body, err := inflateBody(d.ContentEncoding, d.Body)
+		if err != nil {
+			verdicts[i] = permanent("%v", err)
+			continue
+		}
+		msgs = append(msgs, Message{ID: d.MessageId, Type: d.Type, Headers: d.Headers, Body: body, Broker: s.bc.broker,
 			Timestamp: d.Timestamp, Attempts: attempts})
 		at = append(at, i)
 	}

@@ -421,7 +421,12 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 	if _, _, err := decodePayload(payload, hdr.Get(hdrEvent)); err != nil {
 		return permanent("delivery %d: %v", m.DeliveryID, err)
 	}
-	if _, err := h.queues.PublishToTarget(ctx, h.brokers, exchangeName, "", newPublishing(hdr, payload, "", time.Now())); err != nil {
+	_, err = h.queues.PublishToTarget(ctx, h.brokers, exchangeName, "", newPublishing(hdr, payload, "", time.Now()))
+	var tooLarge *TooLargeError
+	if errors.As(err, &tooLarge) {
+		return permanent("delivery %d: %v", m.DeliveryID, err)
+	}
+	if err != nil {
 		return fmt.Errorf("republish %s: %w", d.GUID, err)
 	}
 	return h.store.Batch(ctx, func(tx *Tx) error {
