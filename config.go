@@ -146,6 +146,10 @@ type QueueConfig struct {
 	// gzip-compressed (content_encoding gzip); 0 publishes every body as
 	// it came, for queues another consumer also reads.
 	CompressOver int64 `toml:"compress_over"`
+	// Type is the queue type every queue is declared with, explicitly
+	// (x-queue-type), so that a vhost's default type changes nothing:
+	// "classic" or "quorum".
+	Type string `toml:"type"`
 }
 
 // WorkersConfig sets the cadence of the four workers.
@@ -251,6 +255,7 @@ func DefaultConfig() *Config {
 			RotateAt:           0.9,
 			BlockedRotateAfter: 5 * time.Minute,
 			CompressOver:       1 << 20,
+			Type:               "classic",
 		},
 		Workers: WorkersConfig{
 			Window:               5 * time.Minute,

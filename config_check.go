@@ -174,6 +174,9 @@ func (c *Config) Validate() error {
 	if c.Queue.CompressOver < 0 {
 		bad("queue.compress_over", "want 0 (off) or a size in bytes, got %d", c.Queue.CompressOver)
 	}
+	if c.Queue.Type != "classic" && c.Queue.Type != "quorum" {
+		bad("queue.type", "want classic or quorum, got %q", c.Queue.Type)
+	}
 	if c.Queue.MaxBatchBytes < 1<<20 {
 		bad("queue.max_batch_bytes", "at least 1 MiB (1048576), got %d", c.Queue.MaxBatchBytes)
 	}
@@ -358,7 +361,7 @@ func (c *Config) Summary(w io.Writer) {
 	p("queue.declare_topology = %t, keepalive_every = %s", c.Queue.DeclareTopology, c.Queue.KeepaliveEvery)
 	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
 		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)
-	p("queue.compress_over = %d", c.Queue.CompressOver)
+	p("queue.type = %s, compress_over = %d", c.Queue.Type, c.Queue.CompressOver)
 	p("workers.window = %s, pending_check_interval = %s, leftover_drain_limit = %d",
 		c.Workers.Window, c.Workers.PendingCheckInterval, c.Workers.LeftoverDrainLimit)
 	p("workers.cleanup_every = %s, cleanup_window = %s, hooks_poll_every = %s",

@@ -33,7 +33,7 @@ func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.L
 	q := &Queues{cfg: cfg, log: log, drainQuiet: time.Second, done: newDoneTimes()}
 	var onDial func(*brokerConn, *amqp.Connection) error
 	if cfg.DeclareTopology {
-		onDial = declareTopology(cfg.RetryTTL)
+		onDial = declareTopology(cfg)
 	}
 	sizes := &messageSizes{}
 	for _, b := range brokers {
@@ -165,7 +165,7 @@ func (q *Queues) Redeclare(ctx context.Context, b *Broker) error {
 	if err != nil {
 		return err
 	}
-	return declareTopology(q.cfg.RetryTTL)(bc, conn)
+	return declareTopology(q.cfg)(bc, conn)
 }
 
 // Drained reports whether broker b holds no ready message in the main and

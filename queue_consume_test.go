@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"net/http"
 	"os/exec"
@@ -77,9 +78,19 @@ func consumeUntil(ctx context.Context, q *Queues, b *Broker, o ConsumeOptions) {
 // stored exactly once.
 func TestRetryCycle(t *testing.T) {
 	t.Parallel()
+	for _, queueType := range []string{"classic", "quorum"} {
+		t.Run(queueType, func(t *testing.T) {
+			t.Parallel()
+			testRetryCycle(t, queueType)
+		})
+	}
+}
+
+func testRetryCycle(t *testing.T, queueType string) {
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.MaxAttempts = 3
+	cfg.Queue.Type = queueType
 	p := newParts(t, cfg)
 	store, brokers, q, log := p.store, p.brokers.List(), p.queues, p.log
 
@@ -751,5 +762,82 @@ func TestBatchFailuresSettledAfterCommit(t *testing.T) {
 	}
 	if inError > 0 {
 		t.Errorf("%d of %d messages handled in the same transaction after the refused one saw it in -error already", inError, after)
+	}
+}
+
+// declareTopologyOf declares the 12 queues on vhost as cfg says.
+func declareTopologyOf(t testing.TB, vhost string, cfg QueueConfig) {
+	t.Helper()
+	cfg.DeclareTopology = true
+	q := NewQueues(cfg, mustBrokers(t, amqpURL(vhost)), nil, slog.New(slog.DiscardHandler))
+	defer q.Close()
+	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// With queue.type = "quorum" every queue is declared quorum, and the whole
+// cycle works on them: the drain check holds a Pending Switch until the
+// active broker is drained, the Leftover Drain empties a broker nobody
+// reads, and a replay from -error (a compressed message among them) is
+// stored. (The retry cycle and -error: TestRetryCycle/quorum.)
+func TestQuorumQueues(t *testing.T) {
+	t.Parallel()
+	a, b, c := newVhost(t), newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b), amqpURL(c))
+	cfg.Queue.Type = "quorum"
+	for _, v := range []string{a, b, c} {
+		declareTopologyOf(t, v, cfg.Queue)
+	}
+	out, err := exec.Command("rabbitmqctl", "-q", "list_queues", "-p", a, "name", "type").CombinedOutput()
+	if err != nil {
+		t.Skipf("rabbitmqctl list_queues: %v %s", err, out)
+	}
+	if n := strings.Count(string(out), "quorum"); n != 12 {
+		t.Errorf("queues of type quorum: %d, want 12:\n%s", n, out)
+	}
+	onA := publishN(t, a, "a", 10)
+	onC := publishN(t, c, "c", 5) // neither active nor pending: the Leftover Drain's
+	body := loadFixture(t, "issues", "opened")
+	dead, packed := newGUID(), newGUID()
+	publishRaw(t, a, "", errorQueue(queueGitHub), eventMessage("issues", dead, body))
+	big := largeIssue(t, 2<<20)
+	msg := eventMessage("issues", packed, big)
+	msg.Body, msg.ContentEncoding = compressBody(big), encodingGzip
+	publishRaw(t, a, "", errorQueue(queueGitHub), msg)
+
+	d := startDaemon(t, cfg)
+	code, m := apiCall(t, "POST", d.URL+"/api/v1/broker/pending-switch", "producer-token-for-tests",
+		notification("127.0.0.1", b, time.Now().UTC().Truncate(time.Second)))
+	if code != 202 {
+		t.Fatalf("notify: %d %v", code, m)
+	}
+	onB := publishN(t, b, "b", 5)
+	storedAll(t, cfg.Database.Path, append(append(append([]string{}, onA...), onB...), onC...), 60*time.Second)
+	eventually(t, 30*time.Second, "the switch to b once a is drained", func() bool { return activeIndex(t, d.URL) == 1 })
+	_, hiA := idRange(t, cfg.Database.Path, onA)
+	loB, _ := idRange(t, cfg.Database.Path, onB)
+	if hiA >= loB {
+		t.Errorf("order broken: a message from a committed after one from b")
+	}
+
+	brokers := d.brokers.List()
+	moved, total, err := d.queues.Replay(context.Background(), brokers[0], brokers[1], queueGitHub, 0, nil)
+	if err != nil || moved != 2 || total != 2 {
+		t.Fatalf("replay: %d of %d, %v; want 2 of 2", moved, total, err)
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 30*time.Second, "the replayed deliveries stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id IN (?, ?)", dead, packed) == 2
+	})
+	if n := queryInt(t, db, "SELECT length(payload) FROM github WHERE delivery_id = ?", packed); n != len(big) {
+		t.Errorf("the compressed delivery stored with %d bytes, want %d", n, len(big))
+	}
+	for _, v := range []string{a, c} {
+		for _, q := range []string{queueGitHub, queueDatabase, retryQueue(queueGitHub), errorQueue(queueGitHub)} {
+			if n := ready(t, v, q); n != 0 {
+				t.Errorf("%s on %s: %d left", q, v, n)
+			}
+		}
 	}
 }

@@ -1,10 +1,10 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -45,10 +45,39 @@ func consumedQueues(cfg *Config) []string {
 	return []string{queueGitHub, queueDatabase, queueForbidden}
 }
 
+// quorumDeliveryLimit is the x-delivery-limit of quorum queues. A quorum
+// queue counts every return of a message (a consumer's window ending hands
+// back what it was sent) toward it, and RabbitMQ 4 sets 20 when none is
+// given: a backlog could reach that without one failure. This is never
+// reached before max_attempts, and a message past it is dead-lettered to
+// its -retry queue and comes back, never dropped.
+const quorumDeliveryLimit = 1_000_000
+
+// queueArgs are the arguments of queue name, one of the 12, as declared:
+// its type, always explicit, so that a vhost whose default queue type is
+// another (RabbitMQ 4's default_queue_type, Amazon MQ's quorum) changes
+// nothing; the dead-letter routes of the retry cycle; the -retry queue's
+// TTL.
+func queueArgs(cfg QueueConfig, name string) amqp.Table {
+	args := amqp.Table{"x-queue-type": cmp.Or(cfg.Type, "classic")}
+	if cfg.Type == "quorum" {
+		args["x-delivery-limit"] = int64(quorumDeliveryLimit)
+	}
+	for _, q := range logicalQueues {
+		switch name {
+		case q:
+			args["x-dead-letter-exchange"], args["x-dead-letter-routing-key"] = "", retryQueue(q)
+		case retryQueue(q):
+			args["x-message-ttl"] = cfg.RetryTTL.Milliseconds()
+			args["x-dead-letter-exchange"], args["x-dead-letter-routing-key"] = "", q
+		}
+	}
+	return args
+}
+
 // declareTopology returns what declares github-exchange, the 12 queues
-// (-retry queues holding a message retryTTL) and the bindings on a
-// connection.
-func declareTopology(retryTTL time.Duration) func(bc *brokerConn, conn *amqp.Connection) error {
+// (queueArgs) and the bindings on a connection.
+func declareTopology(cfg QueueConfig) func(bc *brokerConn, conn *amqp.Connection) error {
 	return func(bc *brokerConn, conn *amqp.Connection) error {
 		ch, err := bc.channel(conn)
 		if err != nil {
@@ -59,19 +88,9 @@ func declareTopology(retryTTL time.Duration) func(bc *brokerConn, conn *amqp.Con
 			if err := ch.ExchangeDeclare(exchangeName, amqp.ExchangeFanout, true, false, false, false, nil); err != nil {
 				return struct{}{}, fmt.Errorf("exchange %s: %w", exchangeName, err)
 			}
-			for _, name := range logicalQueues {
-				for _, d := range []struct {
-					name string
-					args amqp.Table
-				}{
-					{name, amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": retryQueue(name)}},
-					{retryQueue(name), amqp.Table{"x-message-ttl": retryTTL.Milliseconds(),
-						"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name}},
-					{errorQueue(name), nil},
-				} {
-					if _, err := ch.QueueDeclare(d.name, true, false, false, false, d.args); err != nil {
-						return struct{}{}, fmt.Errorf("queue %s: %w", d.name, err)
-					}
+			for _, name := range allQueues() {
+				if _, err := ch.QueueDeclare(name, true, false, false, false, queueArgs(cfg, name)); err != nil {
+					return struct{}{}, fmt.Errorf("queue %s: %w", name, err)
 				}
 			}
 			for _, name := range []string{queueGitHub, queueDatabase} {
