@@ -5,9 +5,11 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"os/exec"
 	"slices"
 	"strings"
 	"sync"
@@ -992,4 +994,56 @@ func TestReplayWhileServing(t *testing.T) {
 		t.Errorf("replay -broker 7: got %v, want a usage error", err)
 	}
 	d.stop(t)
+}
+
+// check-broker passes on the local RabbitMQ (exit 0, every line ok) and
+// fails (exit 1) with the failing line on a vhost whose github-retry queue
+// has no TTL, where a failed message would wait for ever; its own queues
+// are gone afterwards.
+func TestCheckBrokerCommand(t *testing.T) {
+	t.Parallel()
+	good, noTTL := newVhost(t), newVhost(t)
+	ch := amqpChannel(t, noTTL)
+	if _, err := ch.QueueDeclare(retryQueue(queueGitHub), true, false, false, false,
+		amqp.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": queueGitHub}); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	config := writeConfig(t, dir, freeAddr(t), dir+"/switchyard.db", amqpURL(good), amqpURL(noTTL))
+
+	var out bytes.Buffer
+	err := run(context.Background(), []string{"check-broker", "-config", config}, &out, &out)
+	if err != nil || strings.Contains(out.String(), "FAIL") || !strings.Contains(out.String(), "the broker fits") {
+		t.Errorf("check-broker on the local RabbitMQ: %v\n%s", err, out.String())
+	}
+	for _, want := range []string{"nack -> -retry -> back", "compressed message, 20 MiB", "mandatory publish, no route", "billable messages"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("check-broker does not tell %q:\n%s", want, out.String())
+		}
+	}
+	if n := strings.Count(listQueueNames(t, good), "switchyard-check-"); n != 0 {
+		t.Errorf("check-broker left %d queues of its own", n)
+	}
+
+	out.Reset()
+	err = run(context.Background(), []string{"check-broker", "-config", config, "-broker", "1"}, &out, &out)
+	failing := ""
+	for _, line := range strings.Split(out.String(), "\n") {
+		if strings.HasPrefix(line, "FAIL") {
+			failing = line
+		}
+	}
+	if exitCode(err, io.Discard) != 1 || !strings.Contains(failing, "topology") || !strings.Contains(failing, "x-message-ttl") {
+		t.Errorf("check-broker on a -retry queue without TTL: exit %d, failing line %q\n%s", exitCode(err, io.Discard), failing, out.String())
+	}
+}
+
+// listQueueNames is rabbitmqctl's list of vhost's queues.
+func listQueueNames(t testing.TB, vhost string) string {
+	t.Helper()
+	out, err := exec.Command("rabbitmqctl", "-q", "list_queues", "-p", vhost, "name").CombinedOutput()
+	if err != nil {
+		t.Fatalf("rabbitmqctl list_queues: %v %s", err, out)
+	}
+	return string(out)
 }

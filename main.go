@@ -55,10 +55,11 @@ type command struct {
 
 // options are the flags of every command, filled by parsing.
 type options struct {
-	config     string
-	replay     ReplayOptions
-	deliveries DeliveriesOptions
-	json       bool // queues, status
+	config      string
+	replay      ReplayOptions
+	deliveries  DeliveriesOptions
+	json        bool // queues, status
+	checkBroker int  // check-broker -broker
 }
 
 var commands = []command{
@@ -86,6 +87,10 @@ var commands = []command{
 			fs.BoolVar(&o.deliveries.Payload, "payload", false, "show: print the stored payload too")
 			fs.Int64Var(&o.deliveries.Hook, "hook", -1, "show: only the copy sent to this hook (X-GitHub-Hook-ID; 0: none recorded)")
 			fs.BoolVar(&o.json, "json", false, "show: print the story as JSON")
+		}},
+	{name: "check-broker", summary: "check one configured broker for what switchyard relies on (confirms, returns, fanout, the retry cycle, a 20 MiB compressed message, the topology); exit 1 when it does not fit",
+		flags: func(fs *flag.FlagSet, o *options) {
+			fs.IntVar(&o.checkBroker, "broker", 0, "the broker to check (index)")
 		}},
 	{name: "version", noConfig: true, summary: "print the version and the Go version"},
 	{name: "help", args: "[COMMAND]", noConfig: true, summary: "print this, or a command's usage and flags"},
@@ -229,6 +234,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return replay(ctx, cfg, log, pos[0], o.replay, stdout)
 	case "deliveries":
 		return listDeliveries(ctx, cfg, log, o.deliveries, stdout)
+	case "check-broker":
+		return checkBroker(ctx, cfg, o.checkBroker, log, stdout)
 	}
 	return nil
 }
