@@ -181,7 +181,9 @@ type BrokerConfig struct {
 const defaultMaxMessageBytes = 16 << 20
 
 // maxMessageBytes is the largest message the broker takes.
-func (b BrokerConfig) maxMessageBytes() int64 { return cmp.Or(b.MaxMessageBytes, defaultMaxMessageBytes) }
+func (b BrokerConfig) maxMessageBytes() int64 {
+	return cmp.Or(b.MaxMessageBytes, defaultMaxMessageBytes)
+}
 
 // resetDay is the day of the month the broker's budget starts anew.
 func (b BrokerConfig) resetDay() int { return max(b.BudgetResetsOn, 1) }

@@ -368,7 +368,7 @@ func (c *Config) Summary(w io.Writer) {
 		c.Workers.CleanupEvery, c.Workers.CleanupWindow, c.Workers.HooksPollEvery)
 	for i, b := range c.Brokers {
 		p("brokers[%d].url = %s, monthly_messages = %d, budget_resets_on = %d, max_message_bytes = %d", i, redactAMQPURL(b.URL),
-		b.MonthlyMessages, b.resetDay(), b.maxMessageBytes())
+			b.MonthlyMessages, b.resetDay(), b.maxMessageBytes())
 	}
 	p("alerts.rules = %d, email = %s, push = %s", len(c.Alerts.Rules),
 		map[bool]string{true: "on", false: "off"}[c.Alerts.Email.Host != ""], maskURL(c.Alerts.Push.URL))
