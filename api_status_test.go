@@ -159,7 +159,7 @@ func TestStatusAPI(t *testing.T) {
 func TestStatusExitCodes(t *testing.T) {
 	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	proxy := newTCPProxy(t, testBrokerAddr())
 	d := startDaemon(t, testConfig(t, amqpURL(a), proxy.URL(b)))
 	eventually(t, 30*time.Second, "the spare's topology declared", func() bool { return queueExists(t, b, queueGitHub) })
 	cfg := *d.cfg
@@ -298,7 +298,7 @@ func sizeOf(fi os.FileInfo) int64 {
 func TestStatusWithStalledBroker(t *testing.T) {
 	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	proxy := newTCPProxy(t, testBrokerAddr())
 	cfg := testConfig(t, amqpURL(a), proxy.URL(b))
 	cfg.Queue.CallTimeout = 10 * time.Minute // a stalled call would outlast the test
 	d := startDaemon(t, cfg)

@@ -329,7 +329,7 @@ func TestWebhookForbiddenSource(t *testing.T) {
 func TestWebhookBrokerUnavailable(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	proxy := newTCPProxy(t, testBrokerAddr())
 	cfg := testConfig(t, proxy.URL(vhost))
 	cfg.Queue.PublishTimeout = time.Second
 	d := startDaemon(t, cfg)
@@ -503,6 +503,7 @@ func TestOneConnectionPerBroker(t *testing.T) {
 // brokerConnections lists the AMQP connections open to vhost, by their
 // broker-side process id: a connection closed and dialed again has a new one.
 func brokerConnections(t testing.TB, vhost string) []string {
+	needRabbitmqctl(t)
 	t.Helper()
 	out, err := exec.Command("rabbitmqctl", "-q", "--no-table-headers", "list_connections", "vhost", "pid").CombinedOutput()
 	if err != nil {

@@ -278,7 +278,7 @@ func sustained(b testing.TB, p *benchProcess, payload []byte, clients int, d tim
 func benchWANIngest(b *testing.B, payload []byte, rtt time.Duration) (ours, base float64) {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
-	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
+	proxy := newWANProxy(b, testBrokerAddr(), rtt)
 	cfg := testConfig(b, proxy.URL(vhost))
 	cfg.Queue.DeclareTopology = false
 	return ingestRounds(b, cfg, vhost, proxy.URL(vhost), payload, 64, 4, 1000)
@@ -292,7 +292,7 @@ func benchWANIngest(b *testing.B, payload []byte, rtt time.Duration) (ours, base
 func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate float64, daemon, broker, bench time.Duration) {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
-	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
+	proxy := newWANProxy(b, testBrokerAddr(), rtt)
 	p := startBenchProcess(b, proxy.URL(vhost), "")
 	brokerCPU := brokerCPU(b)
 	// A second of webhooks first, not counted, stored before the clock
@@ -312,7 +312,7 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate flo
 func benchBurst(b *testing.B, payload []byte, rtt time.Duration) (p50, p99 float64) {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
-	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
+	proxy := newWANProxy(b, testBrokerAddr(), rtt)
 	p := startBenchProcess(b, proxy.URL(vhost), "")
 	const n, conns = 2000, 200
 	body := newBotBody(b, payload)
@@ -352,7 +352,7 @@ func benchWANDrain(b *testing.B, payload []byte, rtt time.Duration) (ours, base 
 	const n, baseN = 5000, 200
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
-	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
+	proxy := newWANProxy(b, testBrokerAddr(), rtt)
 	fillQueue(b, vhost, queueGitHub, payload, n)
 	store, cfg := benchStore(b)
 	defer store.Close()
@@ -649,7 +649,7 @@ const (
 func benchBilling(b *testing.B, payload []byte, rtt time.Duration) billing {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
-	proxy := newWANProxy(b, "127.0.0.1:5672", rtt)
+	proxy := newWANProxy(b, testBrokerAddr(), rtt)
 	wire := proxy.countFrames()
 	billable := func() int64 { return wire.publish.Load() + wire.deliver.Load() + wire.getOK.Load() }
 	p := startBenchProcess(b, proxy.URL(vhost), "")

@@ -512,8 +512,8 @@ func TestPendingSwitchWaitsForUnreachableActive(t *testing.T) {
 	a, b, spare := newVhost(t), newVhost(t), newVhost(t)
 	declareTestTopology(t, a, 200*time.Millisecond)
 	declareTestTopology(t, b, 200*time.Millisecond)
-	proxyA := newTCPProxy(t, "127.0.0.1:5672")
-	proxySpare := newTCPProxy(t, "127.0.0.1:5672")
+	proxyA := newTCPProxy(t, testBrokerAddr())
+	proxySpare := newTCPProxy(t, testBrokerAddr())
 	proxySpare.Close() // the spare is down from the start
 	cfg := testConfig(t, proxyA.URL(a), amqpURL(b), proxySpare.URL(spare))
 	d := startDaemon(t, cfg)
@@ -660,7 +660,7 @@ func TestQueuesAndReplayCommands(t *testing.T) {
 	t.Parallel()
 	a := newVhost(t)
 	declareTestTopology(t, a, time.Hour)
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	proxy := newTCPProxy(t, testBrokerAddr())
 	proxy.Close()
 	dir := t.TempDir()
 	config := writeConfig(t, dir, freeAddr(t), dir+"/switchyard.db", amqpURL(a), proxy.URL("gone"))
@@ -1021,8 +1021,10 @@ func TestCheckBrokerCommand(t *testing.T) {
 			t.Errorf("check-broker does not tell %q:\n%s", want, out.String())
 		}
 	}
-	if n := strings.Count(listQueueNames(t, good), "switchyard-check-"); n != 0 {
-		t.Errorf("check-broker left %d queues of its own", n)
+	if testBroker().local {
+		if n := strings.Count(listQueueNames(t, good), "switchyard-check-"); n != 0 {
+			t.Errorf("check-broker left %d queues of its own", n)
+		}
 	}
 
 	out.Reset()
@@ -1040,6 +1042,7 @@ func TestCheckBrokerCommand(t *testing.T) {
 
 // listQueueNames is rabbitmqctl's list of vhost's queues.
 func listQueueNames(t testing.TB, vhost string) string {
+	needRabbitmqctl(t)
 	t.Helper()
 	out, err := exec.Command("rabbitmqctl", "-q", "list_queues", "-p", vhost, "name").CombinedOutput()
 	if err != nil {

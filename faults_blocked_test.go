@@ -19,6 +19,7 @@ import (
 // webhooks are 202 again and nothing accepted is lost. Not parallel: the
 // alarm blocks every test's publishers, so it runs in the sequential phase.
 func TestFaultBrokerBlocked(t *testing.T) {
+	needRabbitmqctl(t)
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the block's, not the timeout's
@@ -177,6 +178,7 @@ func largeIssue(t testing.TB, size int) []byte {
 // not an unreachable broker. max_message_size is the node's, so this runs
 // in the sequential phase, and the old value is always put back.
 func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
+	needRabbitmqctl(t)
 	out, err := exec.Command("rabbitmqctl", "-q", "eval", "application:get_env(rabbit, max_message_size).").CombinedOutput()
 	old := strings.TrimSpace(string(out))
 	if err != nil || !strings.HasPrefix(old, "{ok,") {

@@ -81,7 +81,7 @@ func TestFaultConnectionCuts(t *testing.T) {
 	before := goleak.IgnoreCurrent()
 	t.Cleanup(func() { goleak.VerifyNone(t, before) })
 	vhost := newVhost(t)
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	proxy := newTCPProxy(t, testBrokerAddr())
 	cfg := testConfig(t, proxy.URL(vhost))
 	cfg.Log.Level = "info"
 	d := startDaemon(t, cfg)
@@ -125,6 +125,7 @@ func TestFaultConnectionCuts(t *testing.T) {
 // 202 after, and nothing accepted is lost. Not parallel: it stops the broker
 // every test uses, so it runs in the sequential phase, before the others.
 func TestFaultRabbitMQRestart(t *testing.T) {
+	needRabbitmqctl(t)
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Log.Level = "info"
@@ -187,7 +188,7 @@ func TestFaultSIGKILL(t *testing.T) {
 func TestFaultStalledBroker(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	proxy := newTCPProxy(t, testBrokerAddr())
 	cfg := testConfig(t, proxy.URL(vhost))
 	cfg.Queue.CallTimeout = time.Second
 	cfg.Queue.PublishTimeout = time.Second

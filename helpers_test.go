@@ -37,10 +37,58 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// These tests talk to the real RabbitMQ on 127.0.0.1:5672 and real SQLite
-// files. Each test makes its own vhosts, so no test sees another's messages.
+// These tests talk to a real broker and real SQLite files: by default the
+// local RabbitMQ on 127.0.0.1:5672, or the AMQP 0-9-1 broker
+// SWITCHYARD_TEST_AMQP_URL names (its user must be able to use any vhost
+// it is given), with its test vhosts made and removed through
+// SWITCHYARD_TEST_MANAGEMENT_URL, a RabbitMQ-compatible HTTP API such as
+// http://guest:guest@127.0.0.1:15672 (LavinMQ has one), or rabbitmqctl
+// when that is unset. Each test makes its own vhosts, so no test sees
+// another's messages. Tests that need rabbitmqctl itself (alarms, policies,
+// the node's settings, stopping it) skip on another broker, saying so.
 
 const testSecret = "test-webhook-secret"
+
+// testBroker is the broker the tests run against, read once.
+var testBroker = sync.OnceValue(func() (b struct {
+	url  *url.URL // with the path (vhost) left out
+	mgmt string   // the management API's base URL, "" for rabbitmqctl
+	// local: the local RabbitMQ, which rabbitmqctl drives.
+	local bool
+}) {
+	raw := os.Getenv("SWITCHYARD_TEST_AMQP_URL")
+	b.local = raw == ""
+	if raw == "" {
+		raw = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		panic(fmt.Sprintf("SWITCHYARD_TEST_AMQP_URL: %v", err))
+	}
+	u.Path, u.RawPath = "/", ""
+	b.url = u
+	b.mgmt = strings.TrimRight(os.Getenv("SWITCHYARD_TEST_MANAGEMENT_URL"), "/")
+	return b
+})
+
+// testBrokerAddr is the host:port of the broker the tests run against, for
+// the proxies tests put in front of it.
+func testBrokerAddr() string {
+	u := testBroker().url
+	if u.Port() == "" {
+		return u.Hostname() + ":5672"
+	}
+	return u.Host
+}
+
+// needRabbitmqctl skips a test that drives the local RabbitMQ node with
+// rabbitmqctl when the tests run against another broker.
+func needRabbitmqctl(t testing.TB) {
+	t.Helper()
+	if !testBroker().local {
+		t.Skip("needs rabbitmqctl on the local RabbitMQ; SWITCHYARD_TEST_AMQP_URL names another broker")
+	}
+}
 
 // newVhost creates a fresh vhost for the test and deletes it afterwards.
 func newVhost(t testing.TB) string {
@@ -50,18 +98,70 @@ func newVhost(t testing.TB) string {
 		name = name[:40]
 	}
 	name += "-" + randHex(4)
-	rabbitmqctl(t, "add_vhost", name)
-	rabbitmqctl(t, "set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+	if mgmt := testBroker().mgmt; mgmt != "" {
+		user := testBroker().url.User.Username()
+		management(t, http.MethodPut, mgmt+"/api/vhosts/"+url.PathEscape(name), "")
+		management(t, http.MethodPut, mgmt+"/api/permissions/"+url.PathEscape(name)+"/"+url.PathEscape(user),
+			`{"configure":".*","write":".*","read":".*"}`)
+		t.Cleanup(func() { management(t, http.MethodDelete, mgmt+"/api/vhosts/"+url.PathEscape(name), "") })
+		return name
+	}
+	ctl := func(args ...string) error {
+		out, err := exec.Command("rabbitmqctl", append([]string{"-q"}, args...)...).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("rabbitmqctl %v: %v: %s", args, err, out)
+		}
+		return nil
+	}
+	user := testBroker().url.User.Username()
+	for _, args := range [][]string{{"add_vhost", name}, {"set_permissions", "-p", name, user, ".*", ".*", ".*"}} {
+		if err := ctl(args...); err != nil {
+			t.Fatal(err)
+		}
+	}
 	t.Cleanup(func() {
-		if out, err := exec.Command("rabbitmqctl", "-q", "delete_vhost", name).CombinedOutput(); err != nil {
-			t.Logf("delete_vhost %s: %v: %s", name, err, out)
+		if err := ctl("delete_vhost", name); err != nil {
+			t.Logf("delete_vhost %s: %v", name, err)
 		}
 	})
 	return name
 }
 
+// management sends one request to the management API, with the user and
+// password its URL carries.
+func management(t testing.TB, method, rawURL, body string) {
+	t.Helper()
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	user := u.User
+	u.User = nil
+	req, err := http.NewRequest(method, u.String(), strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if user != nil {
+		pw, _ := user.Password()
+		req.SetBasicAuth(user.Username(), pw)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("management API %s %s: %v", method, u.Path, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode >= 300 && !(method == http.MethodDelete && resp.StatusCode == http.StatusNotFound) {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		t.Fatalf("management API %s %s: %d %s", method, u.Path, resp.StatusCode, b)
+	}
+}
+
+// rabbitmqctl runs rabbitmqctl on the local node; a test that needs it
+// skips on another broker.
 func rabbitmqctl(t testing.TB, args ...string) {
 	t.Helper()
+	needRabbitmqctl(t)
 	out, err := exec.Command("rabbitmqctl", append([]string{"-q"}, args...)...).CombinedOutput()
 	if err != nil {
 		t.Fatalf("rabbitmqctl %v: %v: %s", args, err, out)
@@ -80,7 +180,11 @@ func newGUID() string {
 	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }
 
-func amqpURL(vhost string) string { return "amqp://guest:guest@127.0.0.1:5672/" + vhost }
+// amqpURL is the test broker's URL for vhost.
+func amqpURL(vhost string) string {
+	u := *testBroker().url
+	return u.String() + url.PathEscape(vhost)
+}
 
 // testConfig is a valid config over the given broker URLs, with short
 // durations so that windows, retries and switches happen within a test.
@@ -797,10 +901,11 @@ func (p *tcpProxy) Reopen() {
 // URL is an AMQP URL to vhost through the proxy: amqps, trusting the
 // proxy's certificate, when the proxy ends TLS.
 func (p *tcpProxy) URL(vhost string) string {
+	userinfo := testBroker().url.User.String() + "@"
 	if p.tls != nil {
-		return "amqps://guest:guest@" + p.addr + "/" + vhost + "?cacertfile=" + url.QueryEscape(p.caFile)
+		return "amqps://" + userinfo + p.addr + "/" + url.PathEscape(vhost) + "?cacertfile=" + url.QueryEscape(p.caFile)
 	}
-	return "amqp://guest:guest@" + p.addr + "/" + vhost
+	return "amqp://" + userinfo + p.addr + "/" + url.PathEscape(vhost)
 }
 
 // parts are the daemon's pieces over cfg without the daemon: a migrated

@@ -14,7 +14,7 @@ import (
 func TestAMQPSEndToEnd(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
-	proxy := newTLSProxy(t, "127.0.0.1:5672")
+	proxy := newTLSProxy(t, testBrokerAddr())
 	cfg := testConfig(t, proxy.URL(vhost))
 
 	// The certificate is checked: without the CA file the broker is not

@@ -123,7 +123,7 @@ func TestNoSecretLeaks(t *testing.T) {
 	rabbitmqctl(t, "add_user", user, password)
 	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "-q", "delete_user", user).Run() })
 	rabbitmqctl(t, "set_permissions", "-p", vhost, user, ".*", ".*", ".*")
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	proxy := newTCPProxy(t, testBrokerAddr())
 	brokerURL := "amqp://" + user + ":" + password + "@" + proxy.addr + "/" + vhost
 
 	smtp, push := newSMTPSink(t), newPushSink(t)

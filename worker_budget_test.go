@@ -269,6 +269,6 @@ func TestUsageInBatchTransactions(t *testing.T) {
 func wireConfig(t *testing.T) (vhost string, wire *frameCounts, cfg *Config) {
 	t.Helper()
 	vhost = newVhost(t)
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	proxy := newTCPProxy(t, testBrokerAddr())
 	return vhost, proxy.countFrames(), testConfig(t, proxy.URL(vhost))
 }

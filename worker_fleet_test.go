@@ -22,7 +22,7 @@ func queueExists(t testing.TB, vhost, queue string) bool {
 func TestFleetKeepaliveAndGauges(t *testing.T) {
 	t.Parallel()
 	a, spare, gone := newVhost(t), newVhost(t), newVhost(t)
-	down := newTCPProxy(t, "127.0.0.1:5672")
+	down := newTCPProxy(t, testBrokerAddr())
 	cfg := testConfig(t, amqpURL(a), amqpURL(spare), down.URL(gone))
 	cfg.Queue.KeepaliveEvery = 300 * time.Millisecond
 	down.Close() // the third broker cannot be reached

@@ -58,7 +58,7 @@ func runWorker(t *testing.T, brokerURL, pingURL string) (*Store, *logSink) {
 func TestHealthChecksPings(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
-	proxy := newTCPProxy(t, "127.0.0.1:5672")
+	proxy := newTCPProxy(t, testBrokerAddr())
 	hc := newHCServer(t)
 	runWorker(t, proxy.URL(vhost), hc.srv.URL+"/ping/uuid")
 
