@@ -236,3 +236,35 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 		t.Errorf("switchyard_broker_blocked after a confirmed publish: %v, want 0", v)
 	}
 }
+
+// With rotate_on_budget, a refusal of the publish target that lasts
+// blocked_rotate_after counts as a spent budget, as a connection.blocked
+// does: switchyard records a Pending Switch to the next broker.
+func TestRefusalRotates(t *testing.T) {
+	t.Parallel()
+	a, b := newVhost(t), newVhost(t)
+	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	cfg.Queue.RotateOnBudget, cfg.Queue.BlockedRotateAfter = true, time.Millisecond
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened")
+	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
+		t.Fatalf("before the policy: %d", code)
+	}
+	rabbitmqctl(t, "set_policy", "-p", a, "--apply-to", "queues", "refuse", "^github$", `{"max-length":0,"overflow":"reject-publish"}`)
+	eventually(t, 30*time.Second, "the broker refusing", func() bool {
+		return postWebhook(t, d.URL, "issues", newGUID(), body) == http.StatusServiceUnavailable
+	})
+	var m map[string]any
+	eventually(t, 10*time.Second, "a pending switch to broker 1 once the refusal outlasts blocked_rotate_after", func() bool {
+		if err := d.budget.Flush(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		_, m = apiCall(t, "GET", d.URL+"/api/v1/broker", "operator-token-for-tests", "")
+		pending, _ := m["pending_switch"].(map[string]any)
+		return pending != nil && pending["index"] == float64(1)
+	})
+	// The webhook endpoint publishes to the pending target at once.
+	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
+		t.Errorf("a webhook once the switch is pending: %d, want 202 from broker 1", code)
+	}
+}
