@@ -11,6 +11,7 @@ import (
 	"net/http/httptest"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -155,7 +156,8 @@ func TestBrokerAPI(t *testing.T) {
 		t.Fatalf("brokers: %v", list)
 	}
 	first := list[0].(map[string]any)
-	if first["host"] != "127.0.0.1" || first["port"] != float64(5672) || first["vhost"] != a || first["active"] != true || first["pending"] != false {
+	wantPort, _ := strconv.Atoi(testBrokerAddr()[strings.LastIndex(testBrokerAddr(), ":")+1:])
+	if first["host"] != "127.0.0.1" || first["port"] != float64(wantPort) || first["vhost"] != a || first["active"] != true || first["pending"] != false {
 		t.Errorf("brokers[0]: %v", first)
 	}
 

@@ -146,6 +146,7 @@ func management(t testing.TB, method, rawURL, body string) {
 		req.SetBasicAuth(user.Username(), pw)
 	}
 	req.Header.Set("Content-Type", "application/json")
+	req.Close = true // no idle connection left behind: the tests check for goroutines
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatalf("management API %s %s: %v", method, u.Path, err)
