@@ -187,7 +187,11 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	}
 	cancel()
 
-	// 2. Stop the workers; each finishes and acks the message in hand.
+	// 2. Stop the workers; each finishes and acks the message in hand. At
+	// the deadline, what is still in hand is abandoned: its transaction
+	// (waiting on a locked database, say) rolls back and the broker gives
+	// its messages back. Run returns only once every worker has, so that
+	// Close never closes the store under one.
 	stopWork()
 	finished := make(chan error, 1)
 	go func() { finished <- work.Wait() }()
@@ -195,9 +199,28 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	case err := <-finished:
 		errs = append(errs, err)
 	case <-time.After(time.Until(deadline)):
-		errs = append(errs, fmt.Errorf("shutdown took longer than %s", d.cfg.Server.ShutdownTimeout))
+		d.log.Warn("server.shutdown_timeout passed: the messages in hand are left unacknowledged, and the broker gives them back",
+			"shutdown_timeout", d.cfg.Server.ShutdownTimeout.String())
+		d.queues.Abandon()
+		errs = append(errs, <-finished)
+	}
+
+	// 3. What the brokers cost since the last write, within what is left
+	// of the shutdown (and half a second more, when it is spent).
+	fctx, cancel := context.WithDeadline(context.Background(), later(deadline, time.Now().Add(500*time.Millisecond)))
+	defer cancel()
+	if err := d.budget.Flush(fctx); err != nil {
+		d.log.Warn("broker usage since the last write not written at shutdown", "error", err)
 	}
 	return errors.Join(errs...)
+}
+
+// later is the later of two times.
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }
 
 // httpServers are the API server on ln and, with server.metrics_listen,

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -852,5 +853,100 @@ func TestDeliveriesShowRetrying(t *testing.T) {
 	}
 	if n := ready(t, vhost, retryQueue(queueDatabase)); n != 1 {
 		t.Errorf("github-database-retry holds %d after the look, want the message still there", n)
+	}
+}
+
+// SIGTERM while a worker's transaction waits on a database another process
+// holds locked, with busy_timeout longer than shutdown_timeout: at the
+// timeout the wait is given up, the message in hand left unacknowledged,
+// and the process exits 0 while the lock still holds (long before the
+// busy wait would have ended), with no use of a closed store; after a
+// restart every webhook is stored exactly once.
+func TestShutdownTimeoutAbandonsLockedWork(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	dir := t.TempDir()
+	addr := freeAddr(t)
+	dbPath := filepath.Join(dir, "switchyard.db")
+	config := writeConfig(t, dir, addr, dbPath, amqpURL(vhost))
+	raw, err := os.ReadFile(config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const shutdownTimeout, busyTimeout = 3 * time.Second, 60 * time.Second
+	patched := strings.Replace(strings.Replace(string(raw), "[server]\n", fmt.Sprintf("[server]\nshutdown_timeout = %q\n", shutdownTimeout.String()), 1),
+		"[database]\n", fmt.Sprintf("[database]\nbusy_timeout = %q\n", busyTimeout.String()), 1)
+	if err := os.WriteFile(config, []byte(patched), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd, out := startProcess(t, config, addr)
+	body := loadFixture(t, "issues", "opened")
+	before := newGUID()
+	if code := postWebhook(t, "http://"+addr, "issues", before, body); code != http.StatusAccepted {
+		t.Fatalf("webhook: %d", code)
+	}
+	db := openDB(t, dbPath)
+	eventually(t, 20*time.Second, "the first webhook stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", before) == 1
+	})
+
+	// Another process's write lock, held until the daemon has exited.
+	locker, err := sql.Open("sqlite", "file:"+dbPath+"?_pragma=busy_timeout(5000)")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Close()
+	lock, err := locker.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Close()
+	if _, err := lock.ExecContext(context.Background(), "BEGIN IMMEDIATE"); err != nil {
+		t.Fatal(err)
+	}
+	locked := newGUID()
+	if code := postWebhook(t, "http://"+addr, "issues", locked, body); code != http.StatusAccepted {
+		t.Fatalf("webhook under the lock: %d", code)
+	}
+	eventually(t, 20*time.Second, "the message in a worker's hand", func() bool {
+		return ready(t, vhost, queueGitHub) == 0
+	})
+
+	start := time.Now()
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	waited := make(chan error, 1)
+	go func() { waited <- cmd.Wait() }()
+	select {
+	case err := <-waited:
+		if err != nil {
+			t.Errorf("exit after SIGTERM: %v, want status 0\n%s", err, out)
+		}
+	case <-time.After(busyTimeout / 2):
+		t.Fatalf("still running %s after SIGTERM, the lock held\n%s", busyTimeout/2, out)
+	}
+	t.Logf("exited %s after SIGTERM (shutdown_timeout %s, busy_timeout %s)", time.Since(start).Round(time.Millisecond), shutdownTimeout, busyTimeout)
+	for _, bad := range []string{"database is closed", "sql: database is closed", "level=ERROR"} {
+		if strings.Contains(out.String(), bad) {
+			t.Errorf("the log has %q:\n%s", bad, out)
+		}
+	}
+	if !strings.Contains(out.String(), "left unacknowledged") {
+		t.Errorf("the log does not say the message in hand was left:\n%s", out)
+	}
+	if _, err := lock.ExecContext(context.Background(), "ROLLBACK"); err != nil {
+		t.Fatal(err)
+	}
+
+	startProcess(t, config, addr)
+	eventually(t, 30*time.Second, "the webhook in hand at shutdown stored after the restart", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", locked) == 1
+	})
+	if n := queryInt(t, db, "SELECT count(*) FROM github"); n != 2 {
+		t.Errorf("github rows: %d, want each webhook once", n)
+	}
+	if n := queryInt(t, db, "SELECT sum(count) FROM github_statistics_6h"); n != 2 {
+		t.Errorf("statistics: %d, want 2", n)
 	}
 }

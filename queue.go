@@ -25,12 +25,15 @@ type Queues struct {
 	// drainQuiet is how long a broker must stay empty, with no message in
 	// a worker's hands, before Drained says so (see Drained).
 	drainQuiet time.Duration
+	// abandon ends the handling of every message in hand (Abandon).
+	abandon context.CancelFunc
 }
 
 // NewQueues prepares connections to the brokers; nothing is dialed yet.
 // metrics may be nil (the commands that record none).
 func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.Logger) *Queues {
-	q := &Queues{cfg: cfg, log: log, drainQuiet: time.Second, done: newDoneTimes()}
+	handling, abandon := context.WithCancel(context.Background())
+	q := &Queues{cfg: cfg, log: log, drainQuiet: time.Second, done: newDoneTimes(), abandon: abandon}
 	var onDial func(*brokerConn, *amqp.Connection) error
 	if cfg.DeclareTopology {
 		onDial = declareTopology(cfg)
@@ -42,15 +45,24 @@ func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.L
 		q.conns = append(q.conns, bc)
 		q.pubs = append(q.pubs, pub)
 		q.readers = append(q.readers, &reader{
-			settler:  settler{bc: bc, pub: pub, maxAttempts: cfg.MaxAttempts, publishTimeout: cfg.PublishTimeout, metrics: metrics, done: q.done},
+			settler: settler{bc: bc, pub: pub, maxAttempts: cfg.MaxAttempts, publishTimeout: cfg.PublishTimeout, metrics: metrics,
+				done: q.done, handling: handling},
 			prefetch: cfg.Prefetch, maxBatchBytes: cfg.MaxBatchBytes, sizes: sizes,
 		})
 	}
 	return q
 }
 
+// Abandon ends the handling of every message in hand, at once: a
+// transaction waiting on the database gives up and rolls back, and the
+// messages are left unacknowledged (ErrAbandoned), so the broker gives
+// them back once the connection closes. A shutdown that outlasts
+// shutdown_timeout calls it; nothing is handled after it.
+func (q *Queues) Abandon() { q.abandon() }
+
 // Close closes every connection; whatever is in flight fails.
 func (q *Queues) Close() error {
+	q.abandon()
 	var errs []error
 	for _, bc := range q.conns {
 		if err := bc.close(); err != nil {

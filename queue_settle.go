@@ -128,11 +128,20 @@ type settler struct {
 	publishTimeout time.Duration
 	metrics        *Metrics
 	done           doneTimes
+	// handling is the parent of every batch's handling: Queues.Abandon
+	// cancels it.
+	handling context.Context
 }
 
 // handleTimeout bounds one batch's processing. It does not follow the
-// worker's context: on shutdown the messages in hand are finished and acked.
+// worker's context: on shutdown the messages in hand are finished and acked,
+// unless shutdown_timeout passes first (Queues.Abandon).
 const handleTimeout = 2 * time.Minute
+
+// ErrAbandoned is a batch whose handling Queues.Abandon ended: its
+// messages are left unacknowledged, and the broker gives them back once
+// the connection closes.
+var ErrAbandoned = errors.New("messages in hand abandoned at shutdown")
 
 // deathCount is the attempt number of a message: the sum of the counts of
 // its x-death entries for queue with reason rejected, i.e. how often it was
@@ -242,7 +251,7 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 	inHand := &s.bc.inHand
 	defer inHand.Add(-int64(len(ds)))
 	start := time.Now()
-	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
+	ctx, cancel := context.WithTimeout(s.handling, handleTimeout)
 	defer cancel()
 	verdicts := make([]error, len(ds))
 	var msgs []Message
@@ -275,6 +284,12 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 			if _, ok := settled(verdicts[i]); ok && err != nil {
 				verdicts[i] = err
 			}
+		}
+		if s.handling.Err() != nil {
+			// Not a failure of the messages: neither nacked into the
+			// retry cycle (an attempt they did not fail) nor acked.
+			log.Warn("shutdown_timeout passed: messages in hand left unacknowledged, the broker gives them back", "messages", len(ds))
+			return ErrAbandoned
 		}
 		if err != nil {
 			log.Warn("batch not committed, its messages will retry", "messages", len(msgs), "error", err)

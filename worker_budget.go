@@ -69,8 +69,8 @@ func budgetMonth(now time.Time, day int) (start, end time.Time) {
 	return start, start.AddDate(0, 1, 0)
 }
 
-// Run writes and checks every budgetEvery until ctx ends, then writes what
-// is left.
+// Run writes and checks every budgetEvery until ctx ends; the daemon
+// writes what is left once the workers have stopped.
 func (b *Budget) Run(ctx context.Context) error {
 	t := time.NewTicker(budgetEvery)
 	defer t.Stop()
@@ -80,9 +80,7 @@ func (b *Budget) Run(ctx context.Context) error {
 		}
 		select {
 		case <-ctx.Done():
-			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-			defer cancel()
-			return b.Flush(fctx)
+			return nil // the daemon writes the rest once the workers have stopped
 		case <-t.C:
 		}
 	}
