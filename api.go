@@ -38,7 +38,16 @@ type API struct {
 	started time.Time
 	auth    *authGuard
 	log     *slog.Logger
+	// inspections are the status page's looks at brokers that outlive the
+	// request that started them (a stalled broker answers after the page
+	// gave up on it); Close waits for them.
+	inspections sync.WaitGroup
 }
+
+// Close waits for the broker inspections still running for a status
+// page; each ends within call_timeout. Call it once the HTTP server has
+// stopped, before the queues close.
+func (a *API) Close() { a.inspections.Wait() }
 
 // NewAPI builds the HTTP surface over the daemon's parts.
 func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, workers []*Worker,

@@ -202,10 +202,10 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 				err     error
 			}
 			done := make(chan result, 1)
-			go func() {
+			a.inspections.Go(func() {
 				queues, missing, err := a.queues.Inspect(bctx, b)
 				done <- result{queues, missing, err}
-			}()
+			})
 			select {
 			case r := <-done:
 				if r.err != nil {

@@ -17,6 +17,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"go.uber.org/goleak"
 )
 
 // statusScene is a daemon with two brokers, a Pending Switch to the second
@@ -742,4 +744,32 @@ func TestDeliveriesInBrowser(t *testing.T) {
 	if path := os.Getenv("SWITCHYARD_SCREENSHOT_DELIVERIES"); path != "" {
 		runChromium(t, "--screenshot="+path, "--window-size=1000,900", "--hide-scrollbars", base+"/status/deliveries/"+guid)
 	}
+}
+
+// The daemon owns what it starts, the API's looks at brokers included: a
+// status page that gave up on a stalled broker leaves its look running
+// past the request, and Close waits for it. After Run and Close no
+// goroutine is left. Not parallel: goleak sees every goroutine.
+func TestDaemonCloseLeavesNoGoroutine(t *testing.T) {
+	before := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+	a, b := newVhost(t), newVhost(t)
+	stalled := newTCPProxy(t, testBrokerAddr())
+	cfg := testConfig(t, amqpURL(a), stalled.URL(b))
+	d := startDaemon(t, cfg)
+	if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
+		t.Fatalf("webhook: %d", code)
+	}
+	if err := d.queues.Reachable(context.Background(), d.brokers.List()[1]); err != nil {
+		t.Fatal(err)
+	}
+	stalled.Stall(true)
+	req := mustRequestAuth(t, d.URL+"/api/v1/status")
+	code, raw := do(t, req)
+	var st Status
+	if err := json.Unmarshal([]byte(raw), &st); code != http.StatusOK || err != nil || len(st.Brokers) != 2 || st.Brokers[1].Up || st.Brokers[1].Error == "" {
+		t.Errorf("/api/v1/status with a stalled broker: %d %v, want 200 with broker #1 not answering", code, err)
+	}
+	d.stop(t)
+	stalled.Close()
 }

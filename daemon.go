@@ -125,9 +125,11 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	return d, nil
 }
 
-// Close closes what NewDaemon opened: the broker connections, then the
-// database. Call it once Run has returned.
+// Close closes what NewDaemon opened, once what uses it has ended: the
+// API's last broker inspections, the broker connections (and the
+// goroutines they own), then the database. Call it once Run has returned.
 func (d *Daemon) Close() error {
+	d.api.Close()
 	return errors.Join(d.queues.Close(), d.store.Close())
 }
 

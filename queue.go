@@ -60,7 +60,9 @@ func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.L
 // shutdown_timeout calls it; nothing is handled after it.
 func (q *Queues) Abandon() { q.abandon() }
 
-// Close closes every connection; whatever is in flight fails.
+// Close closes every connection, whatever is in flight failing, and
+// waits for the goroutines they own: the block watchers and the lanes
+// opening in the background.
 func (q *Queues) Close() error {
 	q.abandon()
 	var errs []error
@@ -68,6 +70,9 @@ func (q *Queues) Close() error {
 		if err := bc.close(); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	for _, p := range q.pubs {
+		p.opening.Wait()
 	}
 	return errors.Join(errs...)
 }

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -64,6 +65,9 @@ type brokerConn struct {
 
 	lock     chan struct{} // a mutex that a context can give up on
 	conn     *amqp.Connection
+	// watchers are the watchBlocked goroutines, one per connection dialed,
+	// each ending when its connection closes; close waits for them.
+	watchers sync.WaitGroup
 	failures int
 	retryAt  time.Time
 	lastErr  error
@@ -128,7 +132,8 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 		bc.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
 	}
 	bc.conn, bc.failures, bc.lastErr = conn, 0, nil
-	go bc.watchBlocked(conn.NotifyBlocked(make(chan amqp.Blocking, 4)))
+	notes := conn.NotifyBlocked(make(chan amqp.Blocking, 4))
+	bc.watchers.Go(func() { bc.watchBlocked(notes) })
 	return conn, nil
 }
 
@@ -167,9 +172,12 @@ func (bc *brokerConn) close() error {
 	conn := bc.conn
 	bc.conn = nil
 	if conn == nil || conn.IsClosed() {
+		bc.watchers.Wait()
 		return nil
 	}
-	if err := conn.CloseDeadline(time.Now().Add(bc.callTimeout)); err != nil && !errors.Is(err, amqp.ErrClosed) {
+	err := conn.CloseDeadline(time.Now().Add(bc.callTimeout))
+	bc.watchers.Wait() // amqp091-go closes their notifications with the connection
+	if err != nil && !errors.Is(err, amqp.ErrClosed) {
 		return fmt.Errorf("close %s: %w", bc.broker, err)
 	}
 	return nil

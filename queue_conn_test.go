@@ -5,8 +5,11 @@ import (
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"go.uber.org/goleak"
 )
 
 // TestAMQPSEndToEnd: a broker behind TLS (amqps://, its CA from cacertfile):
@@ -33,4 +36,40 @@ func TestAMQPSEndToEnd(t *testing.T) {
 		t.Fatalf("webhook over amqps: %d %s", code, body)
 	}
 	storedAll(t, cfg.Database.Path, []string{guid}, 20*time.Second)
+}
+
+// The queues own the goroutines they start: once Close returns, none is
+// left (the block watchers, the lanes opened in the background, the
+// consumers). Not parallel: goleak sees every goroutine of the process.
+func TestQueuesCloseLeavesNoGoroutine(t *testing.T) {
+	before := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	p := newParts(t, cfg)
+	b := p.brokers.List()[0]
+	ctx := context.Background()
+	if err := p.queues.Reachable(ctx, b); err != nil {
+		t.Fatal(err)
+	}
+	body := loadFixture(t, "issues", "opened")
+	var wg sync.WaitGroup
+	for range 32 { // enough at once to open lanes in the background
+		wg.Go(func() {
+			if err := p.queues.Publish(ctx, b, exchangeName, "", eventMessage("issues", newGUID(), body)); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+	if _, _, err := p.queues.Inspect(ctx, b); err != nil {
+		t.Fatal(err)
+	}
+	o := EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, 0, false), Batch: p.store, Log: p.log}.consume()
+	if n, err := p.queues.Consume(ctx, b, o, 300*time.Millisecond, nil); err != nil || n != 32 {
+		t.Errorf("consumed %d (%v), want 32", n, err)
+	}
+	if err := p.queues.Close(); err != nil {
+		t.Fatal(err)
+	}
 }

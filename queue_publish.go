@@ -43,6 +43,10 @@ type publisher struct {
 	bc      *brokerConn
 	metrics *Metrics
 	sem     chan struct{}
+	// opening are the goroutines opening lanes in the background, each
+	// ending once its channel is open or failed, within call_timeout;
+	// Queues.Close waits for them.
+	opening sync.WaitGroup
 
 	mu    sync.Mutex
 	conn  *amqp.Connection    // the connection the lanes are on; nil before the first publish
@@ -93,7 +97,8 @@ func (p *publisher) onConn(conn *amqp.Connection) {
 		p.idle = append(p.idle, &p.lanes[i])
 	}
 	p.lanes[0].usable = true
-	go func() { _, _, _ = p.lanes[0].channel(p.bc) }()
+	lane := &p.lanes[0]
+	p.opening.Go(func() { _, _, _ = lane.channel(p.bc) })
 }
 
 // take returns a lane for one publish: an idle one if there is one, else a
@@ -119,7 +124,7 @@ func (p *publisher) take() (l *lane, idle bool) {
 		if l.usable {
 			return l, true
 		}
-		go p.warm(l)
+		p.opening.Go(func() { p.warm(l) })
 	}
 	for {
 		p.next = (p.next + 1) % confirmLanes
