@@ -97,7 +97,10 @@ func (c *Config) Validate() error {
 		bad("database.delivery_retention", "at least 72h, GitHub's redelivery window, got %s", c.Database.DeliveryRetention)
 	}
 
-	for field, tok := range map[string]string{"api.operator_token": c.API.OperatorToken, "api.producer_token": c.API.ProducerToken} {
+	// Slices, not maps: the errors come in the file's order, the same at
+	// every run.
+	for _, f := range []struct{ field, tok string }{{"api.operator_token", c.API.OperatorToken}, {"api.producer_token", c.API.ProducerToken}} {
+		field, tok := f.field, f.tok
 		switch {
 		case strings.TrimSpace(tok) == "":
 			bad(field, "required, and more than spaces")
@@ -181,15 +184,18 @@ func (c *Config) Validate() error {
 		bad("queue.max_batch_bytes", "at least 1 MiB (1048576), got %d", c.Queue.MaxBatchBytes)
 	}
 
-	for name, d := range map[string]time.Duration{
-		"workers.window":                 c.Workers.Window,
-		"workers.pending_check_interval": c.Workers.PendingCheckInterval,
-		"workers.cleanup_every":          c.Workers.CleanupEvery,
-		"workers.cleanup_window":         c.Workers.CleanupWindow,
-		"workers.hooks_poll_every":       c.Workers.HooksPollEvery,
+	for _, w := range []struct {
+		name string
+		d    time.Duration
+	}{
+		{"workers.window", c.Workers.Window},
+		{"workers.pending_check_interval", c.Workers.PendingCheckInterval},
+		{"workers.cleanup_every", c.Workers.CleanupEvery},
+		{"workers.cleanup_window", c.Workers.CleanupWindow},
+		{"workers.hooks_poll_every", c.Workers.HooksPollEvery},
 	} {
-		if d <= 0 {
-			bad(name, "must be positive")
+		if w.d <= 0 {
+			bad(w.name, "must be positive")
 		}
 	}
 	if c.Workers.LeftoverDrainLimit < 0 {
@@ -234,17 +240,17 @@ func (c *Config) Validate() error {
 		}
 	}
 
-	for name, u := range map[string]string{
-		"healthchecks.service":          c.HealthChecks.Service,
-		"healthchecks.database_service": c.HealthChecks.DatabaseService,
-		"healthchecks.hooks":            c.HealthChecks.Hooks,
-		"healthchecks.cleanup":          c.HealthChecks.Cleanup,
+	for _, h := range []struct{ name, u string }{
+		{"healthchecks.service", c.HealthChecks.Service},
+		{"healthchecks.database_service", c.HealthChecks.DatabaseService},
+		{"healthchecks.hooks", c.HealthChecks.Hooks},
+		{"healthchecks.cleanup", c.HealthChecks.Cleanup},
 	} {
-		if u == "" {
+		if h.u == "" {
 			continue
 		}
-		if pu, err := url.Parse(u); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") {
-			bad(name, "want an http(s) URL")
+		if pu, err := url.Parse(h.u); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") {
+			bad(h.name, "want an http(s) URL")
 		}
 	}
 

@@ -375,9 +375,11 @@ func searchQuery(f DeliveryFilter, limit int) (string, []any) {
 		// A range, not LIKE: it reads the unique index.
 		add("g.delivery_id >= ? AND g.delivery_id < ?", f.GUIDPrefix, f.GUIDPrefix+"\uffff")
 	}
-	for col, v := range map[string]string{"event": f.Event, "action": f.Action, "repository": f.Repository, "sender": f.Sender} {
-		if v != "" {
-			add("g."+col+" = ?", v)
+	// A slice, not a map: the same filter is the same query text, which
+	// the statement cache and the query plan test rely on.
+	for _, c := range []struct{ col, v string }{{"event", f.Event}, {"action", f.Action}, {"repository", f.Repository}, {"sender", f.Sender}} {
+		if c.v != "" {
+			add("g."+c.col+" = ?", c.v)
 		}
 	}
 	switch f.Outcome {
