@@ -545,3 +545,21 @@ CREATE INDEX github_sender_received ON github (sender, received_at);
 CREATE INDEX github_forbidden_received ON github (received_at) WHERE forbidden = 1;
 -- The deliveries search narrowed to one hook's copies reads this in order.
 CREATE INDEX github_hook_received ON github (hook_id, received_at);
+
+-- migration 14: github_attempts is STRICT, as every table is
+CREATE TABLE github_attempts_strict (
+    attempt_id   INTEGER PRIMARY KEY,
+    guid         TEXT NOT NULL,
+    delivered_at TEXT NOT NULL,
+    status_code  INTEGER NOT NULL,
+    status       TEXT NOT NULL,
+    redelivery   INTEGER NOT NULL CHECK (redelivery IN (0, 1))
+) STRICT;
+INSERT INTO github_attempts_strict (attempt_id, guid, delivered_at, status_code, status, redelivery)
+    SELECT attempt_id, CAST(guid AS TEXT), CAST(delivered_at AS TEXT), CAST(status_code AS INTEGER), CAST(status AS TEXT),
+        CASE WHEN redelivery THEN 1 ELSE 0 END
+    FROM github_attempts;
+DROP TABLE github_attempts;
+ALTER TABLE github_attempts_strict RENAME TO github_attempts;
+CREATE INDEX github_attempts_guid ON github_attempts (guid);
+CREATE INDEX github_attempts_delivered_at ON github_attempts (delivered_at);

@@ -439,3 +439,30 @@ func insertOldRow(store *Store, ev *Event) error {
 		VALUES (?, ?, ?, ?, ?, ?)`, ev.DeliveryID, ev.Name, ev.Action, string(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()))
 	return err
 }
+
+// Every table is STRICT: SQLite then refuses a value of the wrong type
+// instead of storing it.
+func TestEveryTableStrict(t *testing.T) {
+	t.Parallel()
+	p := newParts(t, testConfig(t, amqpURL("unused")))
+	rows, err := p.store.r.Query("SELECT name, strict FROM pragma_table_list WHERE schema = 'main' AND type = 'table' AND name NOT LIKE 'sqlite_%'")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	n := 0
+	for rows.Next() {
+		var name string
+		var strict bool
+		if err := rows.Scan(&name, &strict); err != nil {
+			t.Fatal(err)
+		}
+		n++
+		if !strict {
+			t.Errorf("table %s is not STRICT", name)
+		}
+	}
+	if err := rows.Err(); err != nil || n < 20 {
+		t.Errorf("tables read: %d (%v)", n, err)
+	}
+}
