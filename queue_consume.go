@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -197,7 +198,7 @@ func (c *consumer) resize(r *reader, limit int) error {
 // exist is treated as empty for the window. The message in hand is always
 // finished.
 func (r *reader) consume(ctx context.Context, o ConsumeOptions, window time.Duration, stop <-chan struct{}) (int, error) {
-	queue, batch, log := o.Queue, o.Batch, o.Log
+	queue, log := o.Queue, o.Log
 	bc, b := r.bc, r.bc.broker
 	conn, err := bc.connection(ctx)
 	if err != nil {
@@ -233,34 +234,54 @@ func (r *reader) consume(ctx context.Context, o ConsumeOptions, window time.Dura
 			if !ok {
 				return n, fmt.Errorf("consume %s on %s: %w: channel closed", queue, b, ErrBrokerUnreachable)
 			}
-			bc.inHand.Add(1)
 			bc.delivered.Add(1)
-			// Whatever else the broker sends close behind joins this
-			// message's batch (batchGap, batchWindow): one commit and one
-			// ack for all.
-			ds := []amqp.Delivery{d}
-			size := int64(len(d.Body))
-			until := time.Now().Add(batchWindow)
-			for batch && !r.batchFull(c.win, len(ds), size) {
-				d, ok := receive(ctx, c.deliveries, batchWait(len(ds), until))
-				if !ok {
-					break
-				}
-				bc.inHand.Add(1)
-				bc.delivered.Add(1)
-				ds = append(ds, d)
-				size += int64(len(d.Body))
-			}
-			if err := r.settleBatch(ds, o); err != nil {
-				return n, fmt.Errorf("settle on %s: %w", b, err)
-			}
+			ds, _, err := r.handleBatch(ctx, c, d, math.MaxInt, o, nil)
 			n += len(ds)
-			r.sizes.observe(queue, len(ds), size)
+			if err != nil {
+				return n, err
+			}
 			if err := c.resize(r, r.prefetch); err != nil {
 				return n, fmt.Errorf("consume %s on %s: %w", queue, b, err)
 			}
 		}
 	}
+}
+
+// handleBatch is the one batch loop of the consumer's window and the
+// Leftover Drain: it takes first, and whatever else the broker sends close
+// behind it (batchGap, batchWindow) up to max messages and the window's
+// bytes, into one batch that is handled with one commit and one ack. A
+// delivery counts as delivered when it arrives (the broker bills it
+// whether or not it is handled) and as in hand once taken. take, when set,
+// is asked before each is taken: once it says no, that delivery is not
+// handled (closing the channel gives it back, in order), the batch ends
+// and refused says so. first is taken already (delivered counted).
+func (r *reader) handleBatch(ctx context.Context, c *consumer, first amqp.Delivery, max int, o ConsumeOptions,
+	take func() bool) (ds []amqp.Delivery, refused bool, err error) {
+	bc := r.bc
+	bc.inHand.Add(1)
+	ds = []amqp.Delivery{first}
+	size := int64(len(first.Body))
+	until := time.Now().Add(batchWindow)
+	for o.Batch && len(ds) < max && !r.batchFull(c.win, len(ds), size) {
+		d, ok := receive(ctx, c.deliveries, batchWait(len(ds), until))
+		if !ok {
+			break
+		}
+		bc.delivered.Add(1)
+		if take != nil && !take() {
+			refused = true
+			break
+		}
+		bc.inHand.Add(1)
+		ds = append(ds, d)
+		size += int64(len(d.Body))
+	}
+	if err := r.settleBatch(ds, o); err != nil {
+		return ds, refused, fmt.Errorf("settle on %s: %w", bc.broker, err)
+	}
+	r.sizes.observe(o.Queue, len(ds), size)
+	return ds, refused, nil
 }
 
 // receive waits up to wait for the next delivery; ok is false when none
@@ -332,7 +353,6 @@ func (r *reader) drain(ctx context.Context, o ConsumeOptions, limit int, unchang
 	defer func() { c.close() }()
 	idle := max(drainIdle, 3*time.Since(start))
 
-	inHand := &bc.inHand
 	n := 0
 	for n < want && ctx.Err() == nil {
 		d, ok := receive(ctx, c.deliveries, idle)
@@ -342,32 +362,10 @@ func (r *reader) drain(ctx context.Context, o ConsumeOptions, limit int, unchang
 		if !ok || !unchanged() {
 			break // empty for a while, the channel closed, or the state changed
 		}
-		inHand.Add(1)
-		ds := []amqp.Delivery{d}
-		size := int64(len(d.Body))
-		changed := false
-		until := time.Now().Add(batchWindow)
-		for len(ds) < want-n && !r.batchFull(c.win, len(ds), size) {
-			d, ok := receive(ctx, c.deliveries, batchWait(len(ds), until))
-			if !ok {
-				break
-			}
-			bc.delivered.Add(1)
-			if !unchanged() {
-				changed = true // this one is not handled: it goes back
-				break
-			}
-			inHand.Add(1)
-			ds = append(ds, d)
-			size += int64(len(d.Body))
-		}
-		if err := r.settleBatch(ds, o); err != nil {
-			return n, fmt.Errorf("settle on %s: %w", b, err)
-		}
+		ds, changed, err := r.handleBatch(ctx, c, d, want-n, o, unchanged)
 		n += len(ds)
-		r.sizes.observe(queue, len(ds), size)
-		if changed {
-			break
+		if err != nil || changed {
+			return n, err
 		}
 		if batch && n < want {
 			if err := c.resize(r, want); err != nil {
