@@ -251,8 +251,8 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 			return st, err
 		}
 	}
-	if a.budget != nil {
-		if st.Budgets, err = a.budget.Views(ctx, st.Now); err != nil {
+	if a.usage != nil {
+		if st.Budgets, err = a.usage.Views(ctx, st.Now); err != nil {
 			return st, err
 		}
 	}

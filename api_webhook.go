@@ -50,13 +50,13 @@ func (s prefixSet) contains(a netip.Addr) bool {
 // Webhook is the POST /webhooks/github endpoint: bound, verify, then publish.
 type Webhook struct {
 	// auth is what a SIGHUP may change: secrets, allow list, proxies.
-	auth    atomic.Pointer[webhookAuth]
-	brokers *Brokers
-	queues  *Queues
-	log     *slog.Logger
-	metrics *Metrics
-	budget  *bodyBudget
-	rejects *logLimiter
+	auth     atomic.Pointer[webhookAuth]
+	brokers  *Brokers
+	queues   *Queues
+	log      *slog.Logger
+	metrics  *Metrics
+	inflight *inflightBodies
+	rejects  *logLimiter
 
 	// bodies holds request body buffers between webhooks: a 25 KB payload
 	// would otherwise be allocated and zeroed for each one, and collected.
@@ -107,7 +107,7 @@ func NewWebhook(cfg *Config, brokers *Brokers, queues *Queues, metrics *Metrics,
 		return nil, err
 	}
 	wh := &Webhook{brokers: brokers, queues: queues, metrics: metrics, log: log,
-		budget: newBodyBudget(cfg.Server.MaxInflightBytes), rejects: newLogLimiter(10 * time.Second)}
+		inflight: newInflightBodies(cfg.Server.MaxInflightBytes), rejects: newLogLimiter(10 * time.Second)}
 	wh.auth.Store(auth)
 	wh.bodies.New = func() any { return new([]byte) }
 	return wh, nil
@@ -170,26 +170,27 @@ const firstReserve = 64 << 10
 // being read at once. 503 with Retry-After.
 var ErrBusy = fmt.Errorf("%w: too many webhook bytes in flight", ErrUnavailable)
 
-// bodyBudget bounds the webhook body bytes held at once: every
+// inflightBodies bounds the webhook body bytes held at once
+// (server.max_inflight_bytes): every
 // body takes its size from it before it is read, and gives it back when the
 // request ends. Bytes beyond a body's first firstReserve may hold at most
 // three quarters of it together: the last quarter is kept for ordinary
 // webhooks (GitHub's are tens of KB), so that a flood of large or slow
 // bodies, signed or not, cannot starve them.
-type bodyBudget struct {
+type inflightBodies struct {
 	mu           sync.Mutex
 	limit        int64
 	used, large  int64 // all bytes taken; the part of them beyond firstReserve
 	maxLargePart int64
 }
 
-func newBodyBudget(limit int64) *bodyBudget {
-	return &bodyBudget{limit: limit, maxLargePart: limit * 3 / 4}
+func newInflightBodies(limit int64) *inflightBodies {
+	return &inflightBodies{limit: limit, maxLargePart: limit * 3 / 4}
 }
 
-// take reserves n more bytes for a body that already holds had; false, and
+// reserve reserves n more bytes for a body that already holds had; false, and
 // nothing taken, when they do not fit.
-func (b *bodyBudget) take(had, n int64) bool {
+func (b *inflightBodies) reserve(had, n int64) bool {
 	large := max(0, had+n-firstReserve) - max(0, had-firstReserve)
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -201,29 +202,29 @@ func (b *bodyBudget) take(had, n int64) bool {
 	return true
 }
 
-// give returns a body's whole reservation of n bytes.
-func (b *bodyBudget) give(n int64) {
+// free returns a body's whole reservation of n bytes.
+func (b *inflightBodies) free(n int64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.used -= n
 	b.large -= max(0, n-firstReserve)
 }
 
-// readBody reads the request body within the budget and returns it in
-// *buf's memory. A Content-Length over 25 MiB is refused before reading; so is
-// one that does not fit the budget (ErrBusy). A body of unknown length is
-// charged step by step as it arrives. Either way the buffer grows only as
+// readBody reads the request body within server.max_inflight_bytes
+// (inflightBodies) and returns it in *buf's memory. A Content-Length over
+// 25 MiB is refused before reading; so is one that does not fit (ErrBusy).
+// A body of unknown length is charged step by step as it arrives. Either way the buffer grows only as
 // bytes come, and never past what was charged. release gives the charge back;
 // call it once the body is no longer used.
 func (wh *Webhook) readBody(w http.ResponseWriter, r *http.Request, buf *[]byte) (body []byte, release func(), err error) {
 	var charged int64
-	release = func() { wh.budget.give(charged) }
+	release = func() { wh.inflight.free(charged) }
 	if r.ContentLength > maxWebhookBody {
 		return nil, release, fmt.Errorf("%w: Content-Length over %d bytes", ErrTooLarge, maxWebhookBody)
 	}
 	if n := r.ContentLength; n >= 0 {
 		// One byte more than claimed, to read the end of the body.
-		if !wh.budget.take(0, n+1) {
+		if !wh.inflight.reserve(0, n+1) {
 			return nil, release, ErrBusy
 		}
 		charged = n + 1
@@ -234,7 +235,7 @@ func (wh *Webhook) readBody(w http.ResponseWriter, r *http.Request, buf *[]byte)
 	for {
 		if int64(len(b)) == charged {
 			step := min(max(firstReserve, charged), maxWebhookBody+1-charged)
-			if !wh.budget.take(charged, step) {
+			if !wh.inflight.reserve(charged, step) {
 				return nil, release, ErrBusy
 			}
 			charged += step

@@ -507,7 +507,7 @@ func benchConsume(b *testing.B, payload []byte) consumeResult {
 		defer cancel()
 		cpu := selfCPU()
 		start := time.Now()
-		go consumeUntil(ctx, q, q.conns[0].broker, EventOptions{Queue: queueDatabase, Handle: counted, Prepare: databasePrepare(testBotAppID), Batch: store, Log: log}.consume())
+		go consumeUntil(ctx, q, q.conns[0].broker, EventOptions{Queue: queueDatabase, Handle: counted, Prepare: databasePrepare(testBotAppID), Batch: store, Log: log}.options())
 		for done.Load() < n {
 			time.Sleep(time.Millisecond)
 		}
@@ -585,7 +585,7 @@ func drainRate(b testing.TB, store *Store, cfg *Config, brokerURL string, n int)
 	always := func() bool { return true }
 	start := time.Now()
 	got, err := q.Drain(context.Background(), q.conns[0].broker,
-		EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, 0, false), Batch: store, Log: log}.consume(), n, always)
+		EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, 0, false), Batch: store, Log: log}.options(), n, always)
 	if err != nil || got != n {
 		b.Fatalf("drain: %d, %v", got, err)
 	}

@@ -26,18 +26,18 @@ import (
 // Daemon is `switchyard serve`: the store, the brokers, the HTTP server and
 // the workers, with one lifetime.
 type Daemon struct {
-	cfg     *Config
-	log     *slog.Logger
-	store   *Store
-	brokers *Brokers
-	queues  *Queues
-	metrics *Metrics
-	api     *API
-	alerter *Alerter
-	alerts  *AlertSender
-	fleet   *Fleet
-	budget  *Budget
-	workers []*Worker
+	cfg       *Config
+	log       *slog.Logger
+	store     *Store
+	brokers   *Brokers
+	queues    *Queues
+	metrics   *Metrics
+	api       *API
+	alerter   *Alerter
+	alerts    *AlertSender
+	keepalive *Keepalive
+	usage     *Usage
+	workers   []*Worker
 }
 
 // NewDaemon opens and migrates the database and wires everything; nothing runs
@@ -76,15 +76,19 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
-	d.fleet = NewFleet(cfg.Queue, brokers.List(), queues, metrics, log)
+	d.keepalive = NewKeepalive(cfg.Queue, brokers.List(), queues, metrics, log)
 	store.RegisterMetrics(metrics)
 	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
 	consumed := consumedQueues(cfg)
-	d.budget = NewBudget(cfg, brokers, queues, store, d.alerter, metrics, log)
+	var rotate func(ctx context.Context, views []BudgetView, now time.Time) error
+	if r := NewRotation(cfg, brokers, queues, store, d.alerter, log); r != nil {
+		rotate = r.Check
+	}
+	d.usage = NewUsage(cfg, brokers, queues, store, d.alerter, metrics, log, rotate)
 	worker := func(o WorkerOptions) *Worker {
 		o.Consumed, o.Metrics = consumed, metrics
 		if o.Batch != nil {
-			o.Usage = d.budget
+			o.Usage = d.usage
 		}
 		return NewWorker(o, w, brokers, queues, log)
 	}
@@ -121,7 +125,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 				return err
 			}}))
 	}
-	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.budget, hooks, log)
+	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.usage, hooks, log)
 	return d, nil
 }
 
@@ -153,8 +157,8 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 		work.Go(func() error { return w.Run(wctx) })
 	}
 	work.Go(func() error { return d.alerts.Run(wctx) })
-	work.Go(func() error { return d.fleet.Run(wctx) })
-	work.Go(func() error { return d.budget.Run(wctx) })
+	work.Go(func() error { return d.keepalive.Run(wctx) })
+	work.Go(func() error { return d.usage.Run(wctx) })
 	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
 		work.Go(func() error { d.watchdog(wctx, interval); return nil })
 	}
@@ -211,7 +215,7 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	// of the shutdown (and half a second more, when it is spent).
 	fctx, cancel := context.WithDeadline(context.Background(), later(deadline, time.Now().Add(500*time.Millisecond)))
 	defer cancel()
-	if err := d.budget.Flush(fctx); err != nil {
+	if err := d.usage.Flush(fctx); err != nil {
 		d.log.Warn("broker usage since the last write not written at shutdown", "error", err)
 	}
 	return errors.Join(errs...)

@@ -62,7 +62,7 @@ func TestFaultBrokerBlocked(t *testing.T) {
 	// One alert for the block, however often the budget checks while it holds.
 	db := openDB(t, cfg.Database.Path)
 	for range 3 {
-		if err := d.budget.Flush(context.Background()); err != nil {
+		if err := d.usage.Flush(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -135,7 +135,7 @@ func TestFaultBrokerRefuses(t *testing.T) {
 		t.Errorf("the status while refusing: %v %+v, want broker #0 blocked by the refusal", err, st.Brokers)
 	}
 	for range 3 {
-		if err := d.budget.Flush(context.Background()); err != nil {
+		if err := d.usage.Flush(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -256,7 +256,7 @@ func TestRefusalRotates(t *testing.T) {
 	})
 	var m map[string]any
 	eventually(t, 10*time.Second, "a pending switch to broker 1 once the refusal outlasts blocked_rotate_after", func() bool {
-		if err := d.budget.Flush(context.Background()); err != nil {
+		if err := d.usage.Flush(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 		_, m = apiCall(t, "GET", d.URL+"/api/v1/broker", "operator-token-for-tests", "")

@@ -211,7 +211,7 @@ func (m *Metrics) publish(broker int, err error, took time.Duration) {
 	m.publishes.WithLabelValues(b, outcome).Inc()
 }
 
-func (m *Metrics) consume(queue, outcome string, took time.Duration) {
+func (m *Metrics) messageEnded(queue, outcome string, took time.Duration) {
 	if m != nil {
 		m.consumed.WithLabelValues(queue, outcome).Inc()
 		m.processSeconds.WithLabelValues(queue).Observe(took.Seconds())

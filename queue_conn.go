@@ -63,8 +63,8 @@ type brokerConn struct {
 	// with jitter. Fields so tests can shorten them.
 	minBackoff, maxBackoff time.Duration
 
-	lock     chan struct{} // a mutex that a context can give up on
-	conn     *amqp.Connection
+	lock chan struct{} // a mutex that a context can give up on
+	conn *amqp.Connection
 	// watchers are the watchBlocked goroutines, one per connection dialed,
 	// each ending when its connection closes; close waits for them.
 	watchers sync.WaitGroup

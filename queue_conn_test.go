@@ -65,7 +65,7 @@ func TestQueuesCloseLeavesNoGoroutine(t *testing.T) {
 	if _, _, err := p.queues.Inspect(ctx, b); err != nil {
 		t.Fatal(err)
 	}
-	o := EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, 0, false), Batch: p.store, Log: p.log}.consume()
+	o := EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, 0, false), Batch: p.store, Log: p.log}.options()
 	if n, err := p.queues.Consume(ctx, b, o, 300*time.Millisecond, nil); err != nil || n != 32 {
 		t.Errorf("consumed %d (%v), want 32", n, err)
 	}

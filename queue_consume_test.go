@@ -121,7 +121,7 @@ func testRetryCycle(t *testing.T, queueType string) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, q, brokers[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: store, Log: log}.consume())
+		consumeUntil(ctx, q, brokers[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: store, Log: log}.options())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -194,7 +194,7 @@ func TestSplitDeathCountEndsInError(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.consume())
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.options())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -489,7 +489,7 @@ func TestBatchedCommits(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, b, EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.consume())
+		consumeUntil(ctx, p.queues, b, EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.options())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -562,7 +562,7 @@ func TestBatchDecodesAhead(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, b, EventOptions{Queue: queueGitHub, Handle: h, Prepare: prepare, Batch: p.store, Log: p.log}.consume())
+		consumeUntil(ctx, p.queues, b, EventOptions{Queue: queueGitHub, Handle: h, Prepare: prepare, Batch: p.store, Log: p.log}.options())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -636,7 +636,7 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.consume())
+	go consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.options())
 	eventually(t, 10*time.Second, "the first delivery handled", func() bool { return handled.Load() == 1 })
 	if n := unacked(t, vhost, queueGitHub); n > 4 {
 		t.Errorf("unacked 1 MB messages with a 4 MiB bound: %d, want at most 4", n)
@@ -747,7 +747,7 @@ func TestBatchFailuresSettledAfterCommit(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.consume())
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.options())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()

@@ -101,7 +101,7 @@ func (p *publisher) onConn(conn *amqp.Connection) {
 	p.opening.Go(func() { _, _, _ = lane.channel(p.bc) })
 }
 
-// take returns a lane for one publish: an idle one if there is one, else a
+// pickLane returns a lane for one publish: an idle one if there is one, else a
 // busy one to pipeline behind. put gives it back when the confirm is in.
 // Idle lanes are taken last in, first out, so a daemon that never has more
 // than a few webhooks in flight keeps using (and opening) only a few
@@ -113,7 +113,7 @@ func (p *publisher) onConn(conn *amqp.Connection) {
 // first (onConn opens it); when every lane in use is busy, the next
 // is opened in the background while the publish pipelines behind one that
 // is.
-func (p *publisher) take() (l *lane, idle bool) {
+func (p *publisher) pickLane() (l *lane, idle bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	// Lanes never opened stay at the bottom of idle (every lane put back
@@ -266,7 +266,7 @@ func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 	}
 	defer func() { <-p.sem }()
 
-	l, idle := p.take()
+	l, idle := p.pickLane()
 	defer p.put(l, idle)
 	ch, returns, err := l.channel(bc)
 	if err != nil {

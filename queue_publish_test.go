@@ -108,16 +108,16 @@ func TestPublisherOpensLanesInBackground(t *testing.T) {
 	if n := openLanes(p); n != 1 {
 		t.Fatalf("a connection that published once has %d channels open, want 1", n)
 	}
-	busy, idle := p.take() // a publish in flight on the open lane
+	busy, idle := p.pickLane() // a publish in flight on the open lane
 	if busy != &p.lanes[0] || !idle {
 		t.Fatalf("the first publish took lane %p (idle %v), want the open lane 0", busy, idle)
 	}
-	next, idle := p.take()
+	next, idle := p.pickLane()
 	if next != &p.lanes[0] || idle {
 		t.Fatalf("with lane 0 busy, a publish took lane %p (idle %v), want to pipeline behind lane 0", next, idle)
 	}
 	eventually(t, 30*time.Second, "a second lane opened in the background", func() bool { return openLanes(p) == 2 })
-	warmed, idle := p.take()
+	warmed, idle := p.pickLane()
 	if warmed == &p.lanes[0] || !idle {
 		t.Fatalf("once a second lane is open, a publish took lane %p (idle %v), want it", warmed, idle)
 	}

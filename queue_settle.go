@@ -320,7 +320,7 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 
 // consumed records how one message of queue ended.
 func (s *settler) consumed(queue string, outcome Outcome, start time.Time) {
-	s.metrics.consume(queue, string(outcome), time.Since(start))
+	s.metrics.messageEnded(queue, string(outcome), time.Since(start))
 	if outcome == OutcomeDone {
 		s.done.mark(queue)
 	}

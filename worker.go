@@ -26,7 +26,7 @@ type WorkerOptions struct {
 	Batch Batcher
 	// Usage, when set, writes the brokers' counted messages in the
 	// transactions Batch commits.
-	Usage *Budget
+	Usage *Usage
 	// Window is how long one cycle consumes the active broker.
 	Window time.Duration
 	// Every, when set, is the pause between cycles (cleanup runs hourly);
@@ -258,5 +258,5 @@ func (w *Worker) consumeOptions(log *slog.Logger) ConsumeOptions {
 	if w.HandleMessages != nil {
 		return ConsumeOptions{Queue: w.Queue, Handle: w.HandleMessages, Log: log}
 	}
-	return EventOptions{Queue: w.Queue, Handle: w.Handle, Prepare: w.Prepare, Batch: w.Batch, Usage: w.Usage, Log: log}.consume()
+	return EventOptions{Queue: w.Queue, Handle: w.Handle, Prepare: w.Prepare, Batch: w.Batch, Usage: w.Usage, Log: log}.options()
 }

@@ -44,12 +44,12 @@ type EventOptions struct {
 	Batch Batcher
 	// Usage, when set, writes the brokers' counted messages in each
 	// transaction a batch commits.
-	Usage *Budget
+	Usage *Usage
 	Log   *slog.Logger
 }
 
-// consume is what the queue's consumer does with o's messages.
-func (o EventOptions) consume() ConsumeOptions {
+// options is what the queue's consumer does with o's messages.
+func (o EventOptions) options() ConsumeOptions {
 	return ConsumeOptions{Queue: o.Queue, Handle: o.handleBatch, Batch: o.Batch != nil, Log: o.Log}
 }
 
@@ -188,7 +188,7 @@ func loggerFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
 // without a savepoint: a failure rolls it back, a duplicate commits what
 // its handler wrote of it (the receipt's count), with the brokers' counts
 // (usage) when it commits.
-func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *Budget) error {
+func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *Usage) error {
 	if m.err != nil {
 		return verdict(m.err)
 	}
@@ -213,7 +213,7 @@ func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *B
 // a message's delivery is counted with the commit of what it did, and a
 // daemon at work writes no transaction of its own for its counts. Counts a
 // transaction did not commit go back. A nil usage runs fn alone.
-func batchWithUsage(ctx context.Context, batcher Batcher, usage *Budget, fn func(tx *Tx) error) error {
+func batchWithUsage(ctx context.Context, batcher Batcher, usage *Usage, fn func(tx *Tx) error) error {
 	undo := func() {}
 	err := batcher.Batch(ctx, func(tx *Tx) error {
 		if err := fn(tx); err != nil || usage == nil {

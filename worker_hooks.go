@@ -69,19 +69,19 @@ type ledgerEntry struct {
 	Outcome  string
 }
 
-// ledgerBook folds GitHub's attempts, page by page, into one entry per
+// attemptFold folds GitHub's attempts, page by page, into one entry per
 // GUID, in the order GitHub listed the GUIDs (newest first). It holds a
 // small entry per GUID, never GitHub's pages, and no more GUIDs than
 // github.max_pages_per_poll pages list.
-type ledgerBook struct {
+type attemptFold struct {
 	byGUID  map[string]*ledgerEntry
 	entries []*ledgerEntry
 }
 
-func newLedgerBook() *ledgerBook { return &ledgerBook{byGUID: map[string]*ledgerEntry{}} }
+func newAttemptFold() *attemptFold { return &attemptFold{byGUID: map[string]*ledgerEntry{}} }
 
 // add folds one page of attempts in.
-func (b *ledgerBook) add(page []hookDelivery) {
+func (b *attemptFold) add(page []hookDelivery) {
 	for _, d := range page {
 		if d.GUID == "" {
 			continue
@@ -127,24 +127,24 @@ const ledgerTimeout = 2 * time.Minute
 // classifies them. complete reports whether the listing got back to since.
 func ledger(ctx context.Context, app *GitHubApp, store *Store, since, now time.Time, grace time.Duration, maxPages int) (
 	entries []*ledgerEntry, queued map[string]bool, complete bool, err error) {
-	book := newLedgerBook()
+	fold := newAttemptFold()
 	complete, err = app.EachDeliveryPage(ctx, since, maxPages, func(page []hookDelivery) error {
-		book.add(page)
+		fold.add(page)
 		return nil
 	})
 	if err != nil {
 		return nil, nil, false, fmt.Errorf("list hook deliveries: %w", err)
 	}
-	guids := make([]string, len(book.entries))
-	for i, e := range book.entries {
+	guids := make([]string, len(fold.entries))
+	for i, e := range fold.entries {
 		guids[i] = e.GUID
 	}
 	stored, queued, err := store.LedgerLookup(ctx, app.ID(), guids)
 	if err != nil {
 		return nil, nil, false, err
 	}
-	classify(book.entries, stored, now, grace)
-	return book.entries, queued, complete, nil
+	classify(fold.entries, stored, now, grace)
+	return fold.entries, queued, complete, nil
 }
 
 // Poll pages every delivery since the checkpoint (never more than GitHub's 3

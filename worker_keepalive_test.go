@@ -19,7 +19,7 @@ func queueExists(t testing.TB, vhost, queue string) bool {
 // warning; the depth gauges show a message put on the spare's -error queue;
 // every broker's up and info gauges, the build info, and counters at 0
 // before anything happened.
-func TestFleetKeepaliveAndGauges(t *testing.T) {
+func TestKeepaliveAndGauges(t *testing.T) {
 	t.Parallel()
 	a, spare, gone := newVhost(t), newVhost(t), newVhost(t)
 	down := newTCPProxy(t, testBrokerAddr())
@@ -65,7 +65,7 @@ func TestFleetKeepaliveAndGauges(t *testing.T) {
 	// topology after it, and puts the queue back without having seen it
 	// missing: then it is deleted again, for the next keepalive to see.
 	eventually(t, 30*time.Second, "the warning", func() bool {
-		if strings.Contains(d.logs.String(), `msg="queues were missing on the broker, declared again" worker=fleet broker="#1`) &&
+		if strings.Contains(d.logs.String(), `msg="queues were missing on the broker, declared again" worker=keepalive broker="#1`) &&
 			strings.Contains(d.logs.String(), "missing=["+deleted+"]") {
 			return true
 		}
@@ -99,7 +99,7 @@ func TestFleetKeepaliveAndGauges(t *testing.T) {
 
 // With declare_topology off, a missing queue is a warning at every keepalive,
 // and nothing is declared.
-func TestFleetKeepaliveWithoutDeclaring(t *testing.T) {
+func TestKeepaliveWithoutDeclaring(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
 	declareTestTopology(t, vhost, 200*time.Millisecond)

@@ -10,14 +10,14 @@ import (
 // refreshed.
 const depthEvery = time.Minute
 
-// Fleet looks after every configured broker, read or not: the
+// Keepalive looks after every configured broker, read or not: the
 // depths of its 12 queues for the gauges, refreshed every depthEvery, and
 // every keepalive a check that none of them is missing. Free plans delete a
 // queue that nobody declared, consumed or read for 28 days, and a spare
 // broker may sit idle for months: with declare_topology on, the topology is
 // declared again at each keepalive, so that a producer rotating to the spare
 // finds its queues; with it off, a missing queue is a warning each time.
-type Fleet struct {
+type Keepalive struct {
 	brokers   []*Broker
 	queues    *Queues
 	metrics   *Metrics
@@ -27,15 +27,15 @@ type Fleet struct {
 	log       *slog.Logger
 }
 
-// NewFleet watches brokers through queues, refreshing the depths every
+// NewKeepalive watches brokers through queues, refreshing the depths every
 // depthEvery (or every keepalive, when that is shorter).
-func NewFleet(cfg QueueConfig, brokers []*Broker, queues *Queues, metrics *Metrics, log *slog.Logger) *Fleet {
-	return &Fleet{brokers: brokers, queues: queues, metrics: metrics, declare: cfg.DeclareTopology,
-		every: min(depthEvery, cfg.KeepaliveEvery), keepalive: cfg.KeepaliveEvery, log: log.With("worker", "fleet")}
+func NewKeepalive(cfg QueueConfig, brokers []*Broker, queues *Queues, metrics *Metrics, log *slog.Logger) *Keepalive {
+	return &Keepalive{brokers: brokers, queues: queues, metrics: metrics, declare: cfg.DeclareTopology,
+		every: min(depthEvery, cfg.KeepaliveEvery), keepalive: cfg.KeepaliveEvery, log: log.With("worker", "keepalive")}
 }
 
 // Run refreshes and keeps alive until ctx ends; the first pass runs at once.
-func (f *Fleet) Run(ctx context.Context) error {
+func (f *Keepalive) Run(ctx context.Context) error {
 	t := time.NewTicker(f.every)
 	defer t.Stop()
 	var lastKeepalive time.Time
@@ -57,7 +57,7 @@ func (f *Fleet) Run(ctx context.Context) error {
 
 // look reads broker b's queues (Inspect records their depths) and, at a
 // keepalive, puts back what is missing.
-func (f *Fleet) look(ctx context.Context, b *Broker, keepalive bool) {
+func (f *Keepalive) look(ctx context.Context, b *Broker, keepalive bool) {
 	log := f.log.With("broker", b.String())
 	_, missing, err := f.queues.Inspect(ctx, b)
 	f.metrics.brokerSeen(b.Index, err)

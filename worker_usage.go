@@ -11,36 +11,35 @@ import (
 // and the budgets checked.
 const budgetEvery = 10 * time.Second
 
-// Budget keeps what each broker costs: the messages the queues counted
+// Usage keeps what each broker costs: the messages the queues counted
 // (publishes, deliveries and basic.get-oks) go to broker_usage, so that they
 // survive restarts, in the transactions the workers' batches commit and,
 // for what is left (publishes while nothing is consumed), every
-// budgetEvery and at shutdown; it sets the budget gauges, and alerts once per broker
-// and budget month when a broker passes queue.budget_warn_at of its
-// monthly_messages, and once when it passes all of it. It talks to no
-// broker: an idle daemon spends nothing on it.
-type Budget struct {
+// budgetEvery and at shutdown. It sets the budget gauges, alerts once per
+// broker and budget month when a broker passes queue.budget_warn_at of its
+// monthly_messages and once when it passes all of it, and once per block
+// of a broker; then it hands the brokers' spending to the Rotation, when
+// there is one. It talks to no broker: an idle daemon spends nothing on it.
+type Usage struct {
 	bs      *Brokers
 	brokers []*Broker
 	cfgs    []BrokerConfig
 	warnAt  float64
-	// rotate, rotateAt and blockedAfter are queue.rotate_on_budget,
-	// rotate_at and blocked_rotate_after.
-	rotate       bool
-	rotateAt     float64
-	blockedAfter time.Duration
-	queues       *Queues
-	store        *Store
-	alerter      *Alerter
-	metrics      *Metrics
-	log          *slog.Logger
+	queues  *Queues
+	store   *Store
+	alerter *Alerter
+	metrics *Metrics
+	log     *slog.Logger
+	// then is run on every check with the brokers' spending: the daemon's
+	// Rotation, with queue.rotate_on_budget; nil for none.
+	then func(ctx context.Context, views []BudgetView, now time.Time) error
 }
 
-// NewBudget keeps the budgets of cfg's brokers.
-func NewBudget(cfg *Config, bs *Brokers, queues *Queues, store *Store, alerter *Alerter, metrics *Metrics, log *slog.Logger) *Budget {
-	return &Budget{bs: bs, brokers: bs.List(), cfgs: cfg.Brokers, warnAt: cfg.Queue.BudgetWarnAt, rotate: cfg.Queue.RotateOnBudget,
-		rotateAt: cfg.Queue.RotateAt, blockedAfter: cfg.Queue.BlockedRotateAfter, queues: queues, store: store,
-		alerter: alerter, metrics: metrics, log: log.With("worker", "budget")}
+// NewUsage keeps the budgets of cfg's brokers.
+func NewUsage(cfg *Config, bs *Brokers, queues *Queues, store *Store, alerter *Alerter, metrics *Metrics, log *slog.Logger,
+	then func(ctx context.Context, views []BudgetView, now time.Time) error) *Usage {
+	return &Usage{bs: bs, brokers: bs.List(), cfgs: cfg.Brokers, warnAt: cfg.Queue.BudgetWarnAt, queues: queues, store: store,
+		alerter: alerter, metrics: metrics, log: log.With("worker", "usage"), then: then}
 }
 
 // BudgetView is one broker's spending this budget month, for the status.
@@ -71,7 +70,7 @@ func budgetMonth(now time.Time, day int) (start, end time.Time) {
 
 // Run writes and checks every budgetEvery until ctx ends; the daemon
 // writes what is left once the workers have stopped.
-func (b *Budget) Run(ctx context.Context) error {
+func (b *Usage) Run(ctx context.Context) error {
 	t := time.NewTicker(budgetEvery)
 	defer t.Stop()
 	for {
@@ -88,7 +87,7 @@ func (b *Budget) Run(ctx context.Context) error {
 
 // Flush writes the messages counted since the last flush, then sets the
 // gauges and queues the alerts the budgets call for.
-func (b *Budget) Flush(ctx context.Context) error {
+func (b *Usage) Flush(ctx context.Context) error {
 	now := time.Now()
 	if err := WriteUsage(ctx, b.store, b.queues, now); err != nil {
 		return err
@@ -108,8 +107,8 @@ func (b *Budget) Flush(ctx context.Context) error {
 			}
 		}
 	}
-	if b.rotate {
-		return b.rotateIfSpent(ctx, views, now)
+	if b.then != nil {
+		return b.then(ctx, views, now)
 	}
 	return nil
 }
@@ -135,7 +134,7 @@ func WriteUsage(ctx context.Context, store *Store, queues *Queues, now time.Time
 // broker_usage in tx, the transaction a batch of consumed messages commits
 // in (batchWithUsage); undo gives the counts back, for a transaction that
 // does not commit.
-func (b *Budget) addUsageIn(ctx context.Context, tx *Tx) (undo func(), err error) {
+func (b *Usage) addUsageIn(ctx context.Context, tx *Tx) (undo func(), err error) {
 	usage := b.queues.TakeUsage()
 	if !spentAny(usage) {
 		return func() {}, nil
@@ -166,52 +165,8 @@ func spentAny(usage []BrokerUsage) bool {
 	return false
 }
 
-// spent reports whether broker i counts as out of budget: past rotate_at
-// of its monthly_messages, or blocking the connection for
-// blocked_rotate_after.
-func (b *Budget) spent(v BudgetView, now time.Time) bool {
-	if v.Monthly > 0 && v.UsedRatio >= b.rotateAt {
-		return true
-	}
-	blk, blocked := b.queues.Blocked(b.brokers[v.Broker])
-	return blocked && now.Sub(blk.Since) >= b.blockedAfter
-}
-
-// rotateIfSpent records a Pending Switch, as a producer's notification
-// would, from a spent publish target to the next broker in config order
-// that is not spent and answers; the workers follow once the old broker is
-// drained. A Pending Switch already waiting is left alone: the producer's
-// word and the operator's hand win. With no broker left it stays, and
-// alerts once a budget month.
-func (b *Budget) rotateIfSpent(ctx context.Context, views []BudgetView, now time.Time) error {
-	st := b.bs.Cached()
-	if st.Pending != nil || !b.spent(views[st.Active], now) {
-		return nil
-	}
-	from := b.brokers[st.Active]
-	for i := 1; i < len(b.brokers); i++ {
-		to := b.brokers[(st.Active+i)%len(b.brokers)]
-		if b.spent(views[to.Index], now) || b.queues.Reachable(ctx, to) != nil {
-			continue
-		}
-		result, _, err := b.bs.Notify(ctx, to.Host, to.Vhost, now)
-		if err != nil {
-			return fmt.Errorf("record a pending switch from %s to %s: %w", from, to, err)
-		}
-		b.log.Warn("broker budget spent: publishing moves to the next broker; the workers follow once it is drained",
-			"from", from.String(), "to", to.String(), "result", result)
-		return nil
-	}
-	id := fmt.Sprintf("budget:every broker:%s:none", views[st.Active].MonthStart.Format("2006-01-02"))
-	queued, err := b.ownAlert(ctx, id, AlertIntent{Name: "budget", Action: "none"})
-	if queued {
-		b.log.Error("broker budget spent, and no broker is left under queue.rotate_at that answers: publishing stays", "broker", from.String())
-	}
-	return err
-}
-
 // Views is every broker's spending this budget month as of now.
-func (b *Budget) Views(ctx context.Context, now time.Time) ([]BudgetView, error) {
+func (b *Usage) Views(ctx context.Context, now time.Time) ([]BudgetView, error) {
 	var out []BudgetView
 	for i, br := range b.brokers {
 		key := usageKey(br.Host, br.Vhost)
@@ -246,7 +201,7 @@ func (b *Budget) Views(ctx context.Context, now time.Time) ([]BudgetView, error)
 // announced (connection.blocked) that still holds at a check, every
 // budgetEvery: a block lifted within seconds pages nobody. The queue logs
 // each block as it begins and ends.
-func (b *Budget) alertBlocks(ctx context.Context) error {
+func (b *Usage) alertBlocks(ctx context.Context) error {
 	for _, br := range b.brokers {
 		blk, blocked := b.queues.Blocked(br)
 		if !blocked {
@@ -262,9 +217,15 @@ func (b *Budget) alertBlocks(ctx context.Context) error {
 
 // ownAlert queues, once, the alert named id on the channels intent's rules
 // name; queued reports whether it was new.
-func (b *Budget) ownAlert(ctx context.Context, id string, intent AlertIntent) (queued bool, err error) {
-	err = b.store.Batch(ctx, func(tx *Tx) (err error) {
-		queued, err = tx.QueueOwnAlert(ctx, id, b.alerter.ChannelsFor(intent))
+func (b *Usage) ownAlert(ctx context.Context, id string, intent AlertIntent) (queued bool, err error) {
+	return queueOwnAlert(ctx, b.store, b.alerter, id, intent)
+}
+
+// queueOwnAlert queues, once, switchyard's own alert named id (a budget
+// or a block, not an Event's) on the channels intent's rules name.
+func queueOwnAlert(ctx context.Context, store *Store, alerter *Alerter, id string, intent AlertIntent) (queued bool, err error) {
+	err = store.Batch(ctx, func(tx *Tx) (err error) {
+		queued, err = tx.QueueOwnAlert(ctx, id, alerter.ChannelsFor(intent))
 		return err
 	})
 	return queued, err
@@ -277,7 +238,7 @@ func blockedAlertID(broker string, since time.Time, reason string) string {
 
 // alert queues the budget alerts v's spending calls for, each once per
 // broker and budget month.
-func (b *Budget) alert(ctx context.Context, v BudgetView) error {
+func (b *Usage) alert(ctx context.Context, v BudgetView) error {
 	br := b.brokers[v.Broker]
 	for _, level := range []struct {
 		name string

@@ -61,12 +61,12 @@ func TestBrokerUsageCounted(t *testing.T) {
 	// window closed is delivered, and counted, again (as the broker counts
 	// it: TestUsageMatchesTheWire holds the count to the wire's).
 	eventually(t, 20*time.Second, "every delivery counted", func() bool {
-		if err := d.budget.Flush(ctx); err != nil {
+		if err := d.usage.Flush(ctx); err != nil {
 			t.Fatal(err)
 		}
 		return queryInt(t, db, "SELECT coalesce(sum(delivered), 0) FROM broker_usage") >= 2*n
 	})
-	if err := d.budget.Flush(ctx); err != nil {
+	if err := d.usage.Flush(ctx); err != nil {
 		t.Fatal(err)
 	}
 	pub := queryInt(t, db, "SELECT coalesce(sum(published), 0) FROM broker_usage")
@@ -80,7 +80,7 @@ func TestBrokerUsageCounted(t *testing.T) {
 		t.Errorf("gauges: published %v, delivered %v, ratio %v; want %d, %d, %v", m[`switchyard_broker_messages{broker="0",kind="published"}`],
 			m[`switchyard_broker_messages{broker="0",kind="delivered"}`], m[`switchyard_broker_budget_used_ratio{broker="0"}`], pub, del, float64(pub+del)/50)
 	}
-	if err := d.budget.Flush(ctx); err != nil {
+	if err := d.usage.Flush(ctx); err != nil {
 		t.Fatal(err)
 	}
 	for _, level := range []string{"warn", "exhausted"} {
@@ -150,7 +150,7 @@ func TestRotateOnBudget(t *testing.T) {
 			waitDatabase(t, db, guids...)
 			if allSpent {
 				for range 2 {
-					if err := d.budget.Flush(ctx); err != nil {
+					if err := d.usage.Flush(ctx); err != nil {
 						t.Fatal(err)
 					}
 				}
@@ -163,7 +163,7 @@ func TestRotateOnBudget(t *testing.T) {
 				return
 			}
 			eventually(t, 30*time.Second, "publishing moved to broker 1 and the workers followed", func() bool {
-				if err := d.budget.Flush(ctx); err != nil {
+				if err := d.usage.Flush(ctx); err != nil {
 					t.Fatal(err)
 				}
 				st, err := d.brokers.State(ctx)
@@ -209,7 +209,7 @@ func TestUsageMatchesTheWire(t *testing.T) {
 	})
 	ctx := context.Background()
 	eventually(t, 20*time.Second, "switchyard's count equal to the wire's", func() bool {
-		if err := d.budget.Flush(ctx); err != nil {
+		if err := d.usage.Flush(ctx); err != nil {
 			t.Fatal(err)
 		}
 		pub := queryInt(t, db, "SELECT coalesce(sum(published), 0) FROM broker_usage")
@@ -228,7 +228,7 @@ func TestUsageMatchesTheWire(t *testing.T) {
 }
 
 // A batch of consumed messages commits the deliveries the broker counted
-// for it in its own transaction: with no Budget running (nothing flushes),
+// for it in its own transaction: with no Usage running (nothing flushes),
 // broker_usage holds every delivery the wire carried once the rows are
 // stored (more than one a message: a consumer that resizes its window has
 // the messages it held sent again, and the broker counts them again).
@@ -239,7 +239,7 @@ func TestUsageInBatchTransactions(t *testing.T) {
 	if err := p.queues.Reachable(context.Background(), p.brokers.List()[0]); err != nil { // declares the topology
 		t.Fatal(err)
 	}
-	budget := NewBudget(cfg, p.brokers, p.queues, p.store, nil, nil, p.log) // never Run
+	budget := NewUsage(cfg, p.brokers, p.queues, p.store, nil, nil, p.log, nil) // never Run
 	body := loadFixture(t, "issues", "opened")
 	for range 40 {
 		publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", newGUID(), body))
@@ -248,7 +248,7 @@ func TestUsageInBatchTransactions(t *testing.T) {
 	done := make(chan struct{})
 	go func() {
 		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, 0, false),
-			Batch: p.store, Usage: budget, Log: p.log}.consume())
+			Batch: p.store, Usage: budget, Log: p.log}.options())
 		close(done)
 	}()
 	t.Cleanup(func() { cancel(); <-done })
