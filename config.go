@@ -246,8 +246,9 @@ func DefaultConfig() *Config {
 			RetryTTL:    10 * time.Minute,
 			MaxAttempts: 10,
 			// 4 consumers share a connection: 800 unacked, within CloudAMQP's
-			// 1,000 per connection on free plans. Over a 50 ms link a window of
-			// 1 is 20 messages a second (BENCHMARKS.md).
+			// 1,000 per connection on free plans. A consumer waits a round
+			// trip per window, so a window of 1 over a WAN link is a few
+			// dozen messages a second.
 			Prefetch:           200,
 			PublishTimeout:     5 * time.Second,
 			CallTimeout:        10 * time.Second,

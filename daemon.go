@@ -275,12 +275,12 @@ func sdNotify(log *slog.Logger, state string) {
 }
 
 // gcPercentUnderLimit is the collector's GOGC while a soft memory limit
-// holds the heap: end to end over amqps the default 100 ran 440 collections
-// in 30 s on a heap of ~20 MB, 5 to 10 % of the daemon's CPU per webhook
-// (BENCHMARKS.md). 200 gave that back but let the heap grow to three times
-// what is live: 6 MB more peak RSS end to end than 150. Since the payload
-// is no longer copied on its way to SQLite (a sixth less garbage per
-// webhook), 150 collects only a tenth more often than 200 did then.
+// holds the heap. The heap of a running daemon is small and turns over
+// fast (every webhook is garbage once stored), so the default 100 collects
+// often and spends a visible share of the CPU per webhook on it; a higher
+// value collects less often but lets the heap, and the peak RSS a small
+// VPS pays for, grow to that multiple of what is live. 150 is between the
+// two; BENCHMARKS.md has the measurements.
 const gcPercentUnderLimit = 150
 
 // setGCLimits sets the Go runtime's soft memory limit (server.memory_limit;

@@ -19,19 +19,19 @@ var (
 // maxInFlight bounds the publishes awaiting a confirm on one broker. It also
 // bounds the returns that can wait in a lane's buffer (see wasReturned), so
 // every lane holds a buffer of that many amqp.Return (264 bytes each) for as
-// long as it is open: at 512, 2.2 MB always live, and the collector lets
-// the heap grow to GOGC's multiple of what is live. 256 in flight still
-// confirm 3,200 webhooks/s at 80 ms away, more than two cores store, and
-// more than the 200 connections of the burst row ask at once.
+// long as it is open, always live, and the collector lets the heap grow to
+// GOGC's multiple of what is live: the bound is kept as low as still lets
+// the confirms of a WAN link pipeline faster than two cores store, and
+// above what a burst of webhooks asks at once.
 const maxInFlight = 256
 
 // confirmLanes is how many confirm channels a broker's publisher spreads its
 // publishes over. RabbitMQ runs each channel as one process, so a single
 // channel serializes every publish of the daemon through it. A publish takes
 // an idle lane when there is one and pipelines behind a busy one only when
-// all are busy: measured with 16 concurrent publishers of 25 KB, four lanes
-// taken round robin gave 2,400 confirmed msg/s, sixteen taken idle-first
-// 4,200, against 5,200 for sixteen channels used one publish at a time.
+// all are busy, which comes close to a channel per concurrent publisher
+// while keeping the channels a plan counts few (BENCHMARKS.md has the
+// measurements).
 const confirmLanes = 16
 
 // publisher is one broker's publishing: up to confirmLanes confirm-mode

@@ -53,8 +53,8 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 	// indexes that inserts touch, for a big github table. Each 4 KiB page
 	// takes an 8 KiB slot of the driver's allocator (page and headers,
 	// rounded up to a power of two), so n MiB of cache hold 2n MB of RSS:
-	// 8 MiB held 16 MB, and bought nothing over 4 MiB in the million-row
-	// row (BENCHMARKS.md). Readers keep the default.
+	// 4 MiB is where a larger cache stopped speeding up inserts into a
+	// table of a million rows (BENCHMARKS.md). Readers keep the default.
 	w, err := sql.Open("sqlite", dsn("cache_size(-4096)"))
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)

@@ -11,9 +11,9 @@ import (
 // each worker's mark that it finished it.
 
 // payloadText is the payload as the TEXT it is stored as, without a copy:
-// string(payload) copied every 25 KB webhook on the Go heap, a sixth of all
-// the daemon allocated end to end, only for the driver to copy it again into
-// SQLite's memory when it binds it (sqlite3_bind_text). The bytes are the
+// string(payload) copied every webhook on the Go heap, a large share of all
+// the daemon allocates, only for the driver to copy it again into SQLite's
+// memory when it binds it (sqlite3_bind_text). The bytes are the
 // delivery's body, which nothing writes to. (A []byte would be bound, and
 // stored, as a BLOB, not as the TEXT the column holds.)
 func payloadText(payload []byte) string {
