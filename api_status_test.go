@@ -1,10 +1,12 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"html"
 	"io"
 	"net"
 	"net/http"
@@ -13,6 +15,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -577,7 +580,7 @@ func TestDeliveriesSearch(t *testing.T) {
 	}
 	vhost := d.brokers.List()[0].Vhost
 	for _, want := range []string{"<th>X-GitHub-Event</th><td>issues</td>", "<th>X-GitHub-Delivery</th><td>" + issues[0] + "</td>",
-		"<th>from</th><td>127.0.0.1</td>", "came through " + d.brokers.List()[0].Host + "/" + vhost} {
+		"<th>from</th><td>127.0.0.1</td>", "came through " + d.brokers.List()[0].Host + " vhost " + vhost} {
 		if !strings.Contains(page, want) {
 			t.Errorf("the delivery page lacks %q (its request headers, the broker it came through):\n%.3000s", want, page)
 		}
@@ -772,4 +775,80 @@ func TestDaemonCloseLeavesNoGoroutine(t *testing.T) {
 	}
 	d.stop(t)
 	stalled.Close()
+}
+
+// The command and the page tell a delivery's story from one model
+// (DeliveryStory.Lines): on a gap, a duplicate and a delivery one worker
+// moved to -error, the page's story table holds exactly the command's
+// lines, less the command's look into the -error and -retry queues (which
+// the page does not take: each look is a delivery a plan bills).
+func TestStoryOneModelTwoViews(t *testing.T) {
+	t.Parallel()
+	d, cfg, db := botDaemon(t)
+	ctx := context.Background()
+	dup := newGUID()
+	postAs(t, d.URL, "pull_request", dup, loadFixture(t, "pull_request", "opened"), true)
+	waitDatabase(t, db, dup)
+	postAs(t, d.URL, "pull_request", dup, loadFixture(t, "pull_request", "opened"), true)
+	eventually(t, 20*time.Second, "the duplicate counted", func() bool {
+		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = ?", dup) == 1
+	})
+	gap := newGUID()
+	if err := d.store.Batch(ctx, func(tx *Tx) error {
+		_, err := tx.RecordGap(ctx, deliveryGap{GUID: gap, DeliveryID: 7, Event: "issues",
+			DeliveredAt: time.Now().Add(-5 * time.Hour), FoundAt: time.Now()}, nil)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// Stored by the service worker; the database-service refuses it for
+	// good (no node id), to github-database-error.
+	failed := newGUID()
+	postAs(t, d.URL, "issues", failed, mutate(t, loadFixture(t, "issues", "opened"), func(p map[string]any) {
+		delete(obj(p, "issue"), "node_id")
+	}), true)
+	vhost := d.brokers.List()[0].Vhost
+	eventually(t, 20*time.Second, "the delivery in github-database-error", func() bool {
+		return ready(t, vhost, errorQueue(queueDatabase)) == 1 &&
+			queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", failed) == 1
+	})
+	config := writeConfig(t, t.TempDir(), "127.0.0.1:1", cfg.Database.Path, cfg.Brokers[0].URL)
+	cell := regexp.MustCompile(`<tr><th>(.*?)</th><td>(.*?)</td></tr>|<tr class="copy"><th colspan="2">(.*?)</th></tr>`)
+	for name, guid := range map[string]string{"duplicate": dup, "gap": gap, "-error": failed} {
+		var out bytes.Buffer
+		if err := run(ctx, []string{"deliveries", "-config", config, "show", guid}, &out, &out); err != nil {
+			t.Fatalf("%s: deliveries show: %v\n%s", name, err, out.String())
+		}
+		var command, queues []string
+		for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+			label, text, _ := strings.Cut(line, "  ")
+			line = label + " | " + strings.TrimSpace(text)
+			if strings.HasPrefix(label, "in ") {
+				queues = append(queues, line)
+				continue
+			}
+			command = append(command, line)
+		}
+		req, _ := http.NewRequest(http.MethodGet, d.URL+"/status/deliveries/"+guid, nil)
+		req.SetBasicAuth("operator", "operator-token-for-tests")
+		code, page := do(t, req)
+		if code != http.StatusOK {
+			t.Fatalf("%s: page %d", name, code)
+		}
+		table, _, _ := strings.Cut(page[strings.Index(page, `<table id="story">`):], "</table>")
+		var shown []string
+		for _, m := range cell.FindAllStringSubmatch(table, -1) {
+			if m[3] != "" {
+				shown = append(shown, "copy | "+html.UnescapeString(m[3]))
+				continue
+			}
+			shown = append(shown, html.UnescapeString(m[1])+" | "+html.UnescapeString(m[2]))
+		}
+		if strings.Join(command, "\n") != strings.Join(shown, "\n") {
+			t.Errorf("%s: the command and the page differ:\ncommand:\n%s\npage:\n%s", name, strings.Join(command, "\n"), strings.Join(shown, "\n"))
+		}
+		if name == "-error" && (len(queues) != 1 || !strings.Contains(queues[0], "github-database-error")) {
+			t.Errorf("the command's look into the queues: %q, want the message in github-database-error", queues)
+		}
+	}
 }

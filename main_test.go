@@ -800,7 +800,7 @@ func TestDeliveriesShow(t *testing.T) {
 			t.Errorf("show of a stored delivery lacks %q (%v):\n%s", want, err, out)
 		}
 	}
-	if b := d.brokers.List()[0]; !strings.Contains(out, "came through "+b.Host+"/"+b.Vhost) {
+	if b := d.brokers.List()[0]; !strings.Contains(out, "came through "+b.Host+" vhost "+b.Vhost) {
 		t.Errorf("show of a stored delivery does not name the broker it came through:\n%s", out)
 	}
 	if !strings.Contains(out, "received again 1 time after it was stored") {

@@ -460,7 +460,9 @@ func (st *DeliveryStory) Lines() []StoryLine {
 			}
 			add("accepted", "%s from %s%s", when(r.ReceivedAt), cmp.Or(r.SourceIP, "-"), forbidden)
 			if r.Broker != "" {
-				add("broker", "came through %s", r.Broker)
+				// Stored as "host/vhost"; told as status tells a broker.
+				host, vhost, _ := strings.Cut(r.Broker, "/")
+				add("broker", "came through %s vhost %s", host, vhost)
 			}
 			add("stored", "%s", when(r.StoredAt))
 			if r.Duplicates > 0 && r.LastDuplicateAt != nil {
