@@ -237,20 +237,11 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 	for _, w := range a.workers {
 		st.Workers = append(st.Workers, w.State())
 	}
-	if st.Statistics, err = a.store.Statistics(ctx, st.Now.Add(-7*24*time.Hour), st.Now); err != nil {
+	db, err := a.store.Status(ctx, st.Now.Add(-7*24*time.Hour), st.Now, statusGaps)
+	if err != nil {
 		return st, err
 	}
-	if st.Database, err = a.store.DatabaseStatus(ctx); err != nil {
-		return st, err
-	}
-	if st.Gaps, st.GapsTotal, err = a.store.OpenGaps(ctx, statusGaps); err != nil {
-		return st, err
-	}
-	if st.GapsTotal > 0 {
-		if st.Unrecoverable, err = a.store.UnrecoverableGapCount(ctx); err != nil {
-			return st, err
-		}
-	}
+	st.Statistics, st.Database, st.Gaps, st.GapsTotal, st.Unrecoverable = db.Statistics, db.Database, db.Gaps, db.GapsTotal, db.Unrecoverable
 	if a.usage != nil {
 		if st.Budgets, err = a.usage.Views(ctx, st.Now); err != nil {
 			return st, err

@@ -200,10 +200,15 @@ func (s *Store) MayHaveOpenGaps() bool { return s.gapsOpen.Load() }
 // first, and counts them all: a database with a hundred thousand gaps must
 // not make a page or an answer of their size.
 func (s *Store) OpenGaps(ctx context.Context, limit int) (gaps []deliveryGap, total int, err error) {
-	if total, err = s.OpenGapCount(ctx); err != nil || total == 0 {
+	return openGaps(ctx, s.r, limit)
+}
+
+// openGaps is OpenGaps through q.
+func openGaps(ctx context.Context, q queryer, limit int) (gaps []deliveryGap, total int, err error) {
+	if total, err = countOpenGaps(ctx, q); err != nil || total == 0 {
 		return []deliveryGap{}, total, err
 	}
-	gaps, err = s.gaps(ctx, "WHERE resolved_at IS NULL ORDER BY delivered_at DESC, guid LIMIT ?", limit)
+	gaps, err = readGaps(ctx, q, "WHERE resolved_at IS NULL ORDER BY delivered_at DESC, guid LIMIT ?", limit)
 	return gaps, total, err
 }
 
@@ -250,8 +255,13 @@ func parseTimePtr(s sql.NullString) *time.Time {
 
 // UnrecoverableGapCount counts the open gaps given up on.
 func (s *Store) UnrecoverableGapCount(ctx context.Context) (int, error) {
+	return countUnrecoverableGaps(ctx, s.r)
+}
+
+// countUnrecoverableGaps is UnrecoverableGapCount through q.
+func countUnrecoverableGaps(ctx context.Context, q queryer) (int, error) {
 	var n int
-	if err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL AND unrecoverable_at IS NOT NULL").Scan(&n); err != nil {
+	if err := q.QueryRowContext(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL AND unrecoverable_at IS NOT NULL").Scan(&n); err != nil {
 		return 0, fmt.Errorf("count unrecoverable gaps: %w", err)
 	}
 	return n, nil
@@ -259,8 +269,13 @@ func (s *Store) UnrecoverableGapCount(ctx context.Context) (int, error) {
 
 // OpenGapCount counts the open gaps, for the metric.
 func (s *Store) OpenGapCount(ctx context.Context) (int, error) {
+	return countOpenGaps(ctx, s.r)
+}
+
+// countOpenGaps is OpenGapCount through q.
+func countOpenGaps(ctx context.Context, q queryer) (int, error) {
 	var n int
-	if err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&n); err != nil {
+	if err := q.QueryRowContext(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&n); err != nil {
 		return 0, fmt.Errorf("count open gaps: %w", err)
 	}
 	return n, nil

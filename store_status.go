@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"os"
 	"time"
@@ -19,8 +20,42 @@ var statusTables = append([]string{"github", "worker_deliveries", "alert_outbox"
 	"github_releases", "github_release_workflow_runs", "github_branches", "github_pushes", "github_installations",
 	"github_repositories"}, orderSafeTables...)
 
-// DatabaseStatus reads the file sizes and the row counts.
-func (s *Store) DatabaseStatus(ctx context.Context) (DatabaseStatus, error) {
+// StoreStatus is what the status page reads of the database: the last
+// days' statistics, the file and its row counts, and the open gaps.
+type StoreStatus struct {
+	Statistics    []StatisticsBucket
+	Database      DatabaseStatus
+	Gaps          []deliveryGap
+	GapsTotal     int
+	Unrecoverable int
+}
+
+// Status reads the status page's part of the database in one read
+// transaction, so that its counts agree with each other: the statistics
+// from since to now, the row counts, and at most gapLimit open gaps.
+func (s *Store) Status(ctx context.Context, since, now time.Time, gapLimit int) (st StoreStatus, err error) {
+	tx, err := s.r.BeginTx(ctx, &sql.TxOptions{ReadOnly: true})
+	if err != nil {
+		return st, fmt.Errorf("read the status: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // read only: nothing to keep
+	if st.Statistics, err = statistics(ctx, tx, since, now); err != nil {
+		return st, err
+	}
+	if st.Database, err = s.databaseStatus(ctx, tx); err != nil {
+		return st, err
+	}
+	if st.Gaps, st.GapsTotal, err = openGaps(ctx, tx, gapLimit); err != nil {
+		return st, err
+	}
+	if st.GapsTotal > 0 {
+		st.Unrecoverable, err = countUnrecoverableGaps(ctx, tx)
+	}
+	return st, err
+}
+
+// databaseStatus reads the file sizes and, through q, the row counts.
+func (s *Store) databaseStatus(ctx context.Context, q queryer) (DatabaseStatus, error) {
 	st := DatabaseStatus{Path: s.path, Rows: map[string]int{}}
 	for _, p := range []string{s.path, s.path + "-wal"} {
 		if fi, err := os.Stat(p); err == nil {
@@ -29,7 +64,7 @@ func (s *Store) DatabaseStatus(ctx context.Context) (DatabaseStatus, error) {
 	}
 	for _, t := range statusTables {
 		var n int
-		if err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM "+t).Scan(&n); err != nil {
+		if err := q.QueryRowContext(ctx, "SELECT count(*) FROM "+t).Scan(&n); err != nil {
 			return st, fmt.Errorf("count %s: %w", t, err)
 		}
 		st.Rows[t] = n
@@ -43,10 +78,10 @@ type StatisticsBucket struct {
 	Count int       `json:"count"`
 }
 
-// Statistics returns the 6-hour buckets from since on, oldest first, with
-// the empty ones filled in.
-func (s *Store) Statistics(ctx context.Context, since, now time.Time) ([]StatisticsBucket, error) {
-	rows, err := s.r.QueryContext(ctx, `SELECT bucket, sum(count) FROM github_statistics_6h
+// statistics returns, through q, the 6-hour buckets from since on, oldest
+// first, with the empty ones filled in.
+func statistics(ctx context.Context, q queryer, since, now time.Time) ([]StatisticsBucket, error) {
+	rows, err := q.QueryContext(ctx, `SELECT bucket, sum(count) FROM github_statistics_6h
 		WHERE bucket >= ? GROUP BY bucket`, statisticsBucket(since))
 	if err != nil {
 		return nil, fmt.Errorf("read statistics: %w", err)
