@@ -711,3 +711,37 @@ func TestLogLimiter(t *testing.T) {
 		}
 	}
 }
+
+// A webhook's 503 says what failed and names no host, port or vhost: on a
+// hosted plan those are the account's user name (the log keeps them).
+func TestUnavailableNamesNoBroker(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, testBrokerAddr())
+	cfg := testConfig(t, proxy.URL(vhost))
+	cfg.Queue.PublishTimeout = time.Second
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened")
+	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
+		t.Fatalf("before the cut: %d", code)
+	}
+	proxy.Close()
+	var code int
+	var answer string
+	eventually(t, 30*time.Second, "a 503 once the broker is gone", func() bool {
+		code, answer = do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
+		return code == http.StatusServiceUnavailable
+	})
+	_, port, _ := net.SplitHostPort(proxy.addr)
+	if !strings.Contains(answer, "broker unreachable") && !strings.Contains(answer, "no confirm") {
+		t.Errorf("503 body %s, want it to say what failed", answer)
+	}
+	for _, where := range []string{vhost, port, "127.0.0.1"} {
+		if strings.Contains(answer, where) {
+			t.Errorf("503 body %s names %q", answer, where)
+		}
+	}
+	if !strings.Contains(d.logs.String(), vhost) {
+		t.Errorf("the log does not name the broker")
+	}
+}
