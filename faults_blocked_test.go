@@ -24,14 +24,7 @@ func TestFaultBrokerBlocked(t *testing.T) {
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the block's, not the timeout's
 	cfg.Log.Level = "info"
-	pushed := make(chan string, 10)
-	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		body, _ := io.ReadAll(r.Body)
-		pushed <- r.Header.Get("Title") + "\n" + string(body)
-	}))
-	t.Cleanup(push.Close)
-	cfg.Alerts = AlertsConfig{Rules: []AlertRule{{Events: []string{"blocked"}, Channels: []string{"push"}}},
-		Push: PushConfig{URL: push.URL}}
+	pushed := alertOnBlock(t, cfg)
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")
 	before := newGUID()
@@ -90,6 +83,20 @@ func TestFaultBrokerBlocked(t *testing.T) {
 	}
 }
 
+// alertOnBlock sends cfg's "blocked" alerts to a push server of the test's,
+// whose channel has each alert's title and text.
+func alertOnBlock(t *testing.T, cfg *Config) <-chan string {
+	pushed := make(chan string, 10)
+	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		pushed <- r.Header.Get("Title") + "\n" + string(body)
+	}))
+	t.Cleanup(push.Close)
+	cfg.Alerts = AlertsConfig{Rules: []AlertRule{{Events: []string{"blocked"}, Channels: []string{"push"}}},
+		Push: PushConfig{URL: push.URL}}
+	return pushed
+}
+
 // A broker that refuses publishes without blocking the connection (here a
 // queue policy, overflow reject-publish: the confirm comes as a nack; LavinMQ
 // low on disk closes the channel with 406 instead) is blocked, not
@@ -101,14 +108,7 @@ func TestFaultBrokerRefuses(t *testing.T) {
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the refusal's, not the timeout's
-	pushed := make(chan string, 10)
-	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		body, _ := io.ReadAll(r.Body)
-		pushed <- r.Header.Get("Title") + "\n" + string(body)
-	}))
-	t.Cleanup(push.Close)
-	cfg.Alerts = AlertsConfig{Rules: []AlertRule{{Events: []string{"blocked"}, Channels: []string{"push"}}},
-		Push: PushConfig{URL: push.URL}}
+	pushed := alertOnBlock(t, cfg)
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")
 	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
