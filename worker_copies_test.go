@@ -127,6 +127,29 @@ func TestManyHooksOneEvent(t *testing.T) {
 			if err := st.Narrow(testRepoHook); err != nil || len(st.Copies) != 1 || len(st.Copies[0].Rows) != 0 {
 				t.Errorf("narrowed to the repository hook: %v %+v, want its copy alone, with no typed row", err, st.Copies)
 			}
+			// The search lists each copy, ?hook= one; the page shows one
+			// hook's copy with ?hook=.
+			page := func(path string) string {
+				req, _ := http.NewRequest(http.MethodGet, d.URL+path, nil)
+				req.SetBasicAuth("operator", "operator-token-for-tests")
+				code, body := do(t, req)
+				if code != http.StatusOK {
+					t.Fatalf("%s: %d", path, code)
+				}
+				return body
+			}
+			link := func(hook int) string { return fmt.Sprintf(`href="/status/deliveries/%s?hook=%d"`, guid, hook) }
+			if all := page("/status/deliveries?guid=" + guid); !strings.Contains(all, link(testRepoHook)) || !strings.Contains(all, link(testAppHook)) {
+				t.Errorf("the search does not list both copies")
+			}
+			if one := page(fmt.Sprintf("/status/deliveries?guid=%s&hook=%d", guid, testAppHook)); strings.Contains(one, link(testRepoHook)) ||
+				!strings.Contains(one, link(testAppHook)) {
+				t.Errorf("the search with ?hook=%d does not list the App's copy alone", testAppHook)
+			}
+			if p := page(fmt.Sprintf("/status/deliveries/%s?hook=%d", guid, testRepoHook)); strings.Contains(p, fmt.Sprintf("hook %d,", testAppHook)) ||
+				!strings.Contains(p, fmt.Sprintf("hook %d,", testRepoHook)) {
+				t.Errorf("the page with ?hook=%d does not show that copy alone", testRepoHook)
+			}
 			d.stop(t) // the sender sends what is due before it stops
 			if n := pushes.Load(); n != 1 {
 				t.Errorf("alerts pushed: %d, want one for the event", n)
