@@ -17,6 +17,7 @@ import (
 	"regexp"
 	"runtime"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -812,6 +813,12 @@ func TestDeliveriesShow(t *testing.T) {
 	}
 	if !strings.Contains(out, "received again 1 time after it was stored") {
 		t.Errorf("show of a duplicated delivery does not say it came again:\n%s", out)
+	}
+	if out, err := show("show", stored, "-hook", strconv.Itoa(testHookID)); err != nil || !strings.Contains(out, fmt.Sprintf("hook %d,", testHookID)) {
+		t.Errorf("show -hook of the copy's hook: %v\n%s", err, out)
+	}
+	if _, err := show("show", stored, "-hook", "999"); !errors.Is(err, ErrUnknownDelivery) {
+		t.Errorf("show -hook of a hook with no copy: %v, want ErrUnknownDelivery", err)
 	}
 	if out, err := show("show", stale); err != nil || !strings.Contains(out, "stale: the typed row held a newer object") {
 		t.Errorf("show of a stale delivery: %v\n%s", err, out)
