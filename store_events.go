@@ -45,20 +45,20 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 		}
 		return false, nil
 	}
-	var copies int
-	if err := tx.queryRow(ctx, "SELECT count(*) FROM github WHERE delivery_id = ?", ev.DeliveryID).Scan(&copies); err != nil {
-		return false, fmt.Errorf("count the event's copies: %w", err)
+	// Counted only when no other hook's copy of the event is stored: one
+	// statement asks and counts, and whether it counted tells whether the
+	// alerts are this copy's to queue.
+	res, err = tx.exec(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count)
+		SELECT ?, ?, ?, 1 WHERE NOT EXISTS (SELECT 1 FROM github WHERE delivery_id = ? AND hook_id != ?)
+		ON CONFLICT (bucket, event, action) DO UPDATE SET count = count + 1`,
+		statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action, ev.DeliveryID, ev.HookID)
+	if err != nil {
+		return false, fmt.Errorf("count statistics: %w", err)
 	}
-	if copies > 1 {
+	if n, _ := res.RowsAffected(); n == 0 {
 		// Another hook's copy came first: the event is counted and
 		// alerted already.
 		return true, nil
-	}
-	_, err = tx.exec(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES (?, ?, ?, 1)
-		ON CONFLICT (bucket, event, action) DO UPDATE SET count = count + 1`,
-		statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action)
-	if err != nil {
-		return false, fmt.Errorf("count statistics: %w", err)
 	}
 	return true, tx.queueAlerts(ctx, ev.DeliveryID, channels)
 }
