@@ -327,12 +327,11 @@ func (c *brokerCheck) large(maxBytes int64) {
 // hold a failed message for ever.
 func (c *brokerCheck) topology() {
 	const name = "topology"
-	infos, missing, err := c.bc.inspect(context.Background(), allQueues())
+	_, missing, err := c.bc.inspect(context.Background(), allQueues())
 	if err != nil {
 		c.add(name, false, "%v", err)
 		return
 	}
-	_ = infos
 	if len(missing) > 0 && !c.cfg.DeclareTopology {
 		c.add(name, false, "missing %v (queue.declare_topology is off: provision them as the README says)", missing)
 		return
