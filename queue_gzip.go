@@ -39,7 +39,7 @@ func compressBody(body []byte) []byte {
 	var buf bytes.Buffer
 	buf.Grow(len(body) / 4)
 	zw, _ := gzip.NewWriterLevel(&buf, gzip.BestSpeed) // a valid level: no error
-	_, _ = zw.Write(body) // writes to a bytes.Buffer do not fail
+	_, _ = zw.Write(body)                              // writes to a bytes.Buffer do not fail
 	_ = zw.Close()
 	return buf.Bytes()
 }
