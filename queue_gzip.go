@@ -38,8 +38,9 @@ func (e *TooLargeError) Error() string {
 func compressBody(body []byte) []byte {
 	var buf bytes.Buffer
 	buf.Grow(len(body) / 4)
-	zw, _ := gzip.NewWriterLevel(&buf, gzip.BestSpeed) // a valid level: no error
-	_, _ = zw.Write(body)                              // writes to a bytes.Buffer do not fail
+	// A valid level cannot fail, nor can writes to a bytes.Buffer.
+	zw, _ := gzip.NewWriterLevel(&buf, gzip.BestSpeed)
+	_, _ = zw.Write(body)
 	_ = zw.Close()
 	return buf.Bytes()
 }
