@@ -81,11 +81,11 @@ func deliveriesQuery(q url.Values) (f DeliveryFilter, limit int, err error) {
 	default:
 		return f, 0, bad("outcome", "want stored, forbidden or stale")
 	}
-	if v := q.Get("hook"); v != "" {
-		hook, err := parseHookID(v)
-		if err != nil {
-			return f, 0, bad("hook", "want the X-GitHub-Hook-ID of a copy, up to %d digits", maxHookIDLen)
-		}
+	hook, err := hookQuery(q)
+	if err != nil {
+		return f, 0, err
+	}
+	if hook >= 0 {
 		f.Hook = &hook
 	}
 	if f.From, err = when("from"); err != nil {

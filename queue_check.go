@@ -133,10 +133,7 @@ func (c *brokerCheck) declare(name string, args amqp.Table) error {
 	if err := c.open(); err != nil {
 		return err
 	}
-	full := amqp.Table{"x-queue-type": c.cfg.Type}
-	if c.cfg.Type == "" {
-		full["x-queue-type"] = "classic"
-	}
+	full := amqp.Table{"x-queue-type": queueType(c.cfg)}
 	for k, v := range args {
 		full[k] = v
 	}

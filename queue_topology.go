@@ -53,13 +53,17 @@ func consumedQueues(cfg *Config) []string {
 // its -retry queue and comes back, never dropped.
 const quorumDeliveryLimit = 1_000_000
 
+// queueType is the type every queue is declared with: queue.type, classic
+// when it is not set.
+func queueType(cfg QueueConfig) string { return cmp.Or(cfg.Type, "classic") }
+
 // queueArgs are the arguments of queue name, one of the 12, as declared:
 // its type, always explicit, so that a vhost whose default queue type is
 // another (RabbitMQ 4's default_queue_type, Amazon MQ's quorum) changes
 // nothing; the dead-letter routes of the retry cycle; the -retry queue's
 // TTL.
 func queueArgs(cfg QueueConfig, name string) amqp.Table {
-	args := amqp.Table{"x-queue-type": cmp.Or(cfg.Type, "classic")}
+	args := amqp.Table{"x-queue-type": queueType(cfg)}
 	if cfg.Type == "quorum" {
 		args["x-delivery-limit"] = int64(quorumDeliveryLimit)
 	}

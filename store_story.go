@@ -161,16 +161,19 @@ func (st *DeliveryStory) Payload() string {
 }
 
 // storyTables are the typed tables that keep the delivery that wrote a
-// row, the column that names the row, and the column of the hook whose
-// copy wrote it. Release tracking reads every copy and keeps no hook:
-// its rows are told with the first copy.
-var storyTables = []struct{ table, key, hook string }{
-	{"github_releases", "release_id", "NULL"}, {"github_release_workflow_runs", "run_id", "NULL"},
-	{"github_branches", "ref", "hook_id"}, {"github_issues", "node_id", "hook_id"},
-	{"github_pull_requests", "node_id", "hook_id"}, {"github_comments", "comment_id", "hook_id"},
-	{"github_discussions", "node_id", "hook_id"}, {"github_check_runs", "check_run_id", "hook_id"},
-	{"github_pushes", "head_commit", "hook_id"}, {"github_installations", "installation_id", "hook_id"},
-	{"github_repositories", "repository", "hook_id"},
+// row, the column that names the row, and whether they keep the hook whose
+// copy wrote it. Release tracking reads every copy and keeps no hook: its
+// rows are told with the first copy.
+var storyTables = []struct {
+	table, key string
+	hooked     bool
+}{
+	{"github_releases", "release_id", false}, {"github_release_workflow_runs", "run_id", false},
+	{"github_branches", "ref", true}, {"github_issues", "node_id", true},
+	{"github_pull_requests", "node_id", true}, {"github_comments", "comment_id", true},
+	{"github_discussions", "node_id", true}, {"github_check_runs", "check_run_id", true},
+	{"github_pushes", "head_commit", true}, {"github_installations", "installation_id", true},
+	{"github_repositories", "repository", true},
 }
 
 // Story reads everything the database knows of guid's deliveries, in one
@@ -257,14 +260,18 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		return nil, err
 	}
 	for _, t := range storyTables {
-		err := each(t.table, "SELECT "+t.hook+", "+t.key+" FROM "+t.table+" WHERE delivery_id = ?", func(rows *sql.Rows) error {
+		hook := "NULL"
+		if t.hooked {
+			hook = "coalesce(hook_id, 0)"
+		}
+		err := each(t.table, "SELECT "+hook+", "+t.key+" FROM "+t.table+" WHERE delivery_id = ?", func(rows *sql.Rows) error {
 			var hook sql.NullInt64
 			var k any
 			if err := rows.Scan(&hook, &k); err != nil {
 				return err
 			}
 			var c *StoryCopy
-			if !hook.Valid && t.hook == "NULL" && len(st.Copies) > 0 {
+			if !t.hooked && len(st.Copies) > 0 {
 				c = &st.Copies[0]
 			} else {
 				c = st.copyOf(hook.Int64)

@@ -208,21 +208,16 @@ func (b *Usage) alertBlocks(ctx context.Context) error {
 			continue
 		}
 		id := blockedAlertID(usageKey(br.Host, br.Vhost), blk.Since, blk.Reason)
-		if _, err := b.ownAlert(ctx, id, AlertIntent{Name: "blocked"}); err != nil {
+		if _, err := queueOwnAlert(ctx, b.store, b.alerter, id, AlertIntent{Name: "blocked"}); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// ownAlert queues, once, the alert named id on the channels intent's rules
-// name; queued reports whether it was new.
-func (b *Usage) ownAlert(ctx context.Context, id string, intent AlertIntent) (queued bool, err error) {
-	return queueOwnAlert(ctx, b.store, b.alerter, id, intent)
-}
-
 // queueOwnAlert queues, once, switchyard's own alert named id (a budget
-// or a block, not an Event's) on the channels intent's rules name.
+// or a block, not an Event's) on the channels intent's rules name; queued
+// reports whether it was new.
 func queueOwnAlert(ctx context.Context, store *Store, alerter *Alerter, id string, intent AlertIntent) (queued bool, err error) {
 	err = store.Batch(ctx, func(tx *Tx) (err error) {
 		queued, err = tx.QueueOwnAlert(ctx, id, alerter.ChannelsFor(intent))
@@ -248,7 +243,7 @@ func (b *Usage) alert(ctx context.Context, v BudgetView) error {
 			continue
 		}
 		id := fmt.Sprintf("budget:%s:%s:%s", usageKey(br.Host, br.Vhost), v.MonthStart.Format("2006-01-02"), level.name)
-		queued, err := b.ownAlert(ctx, id, AlertIntent{Name: "budget", Action: level.name})
+		queued, err := queueOwnAlert(ctx, b.store, b.alerter, id, AlertIntent{Name: "budget", Action: level.name})
 		if err != nil {
 			return err
 		}
