@@ -449,7 +449,7 @@ func TestStatusBoundedWithManyGaps(t *testing.T) {
 	if _, _, err := store.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	err = store.Batch(ctx, func(tx *Tx) error {
+	err = store.WriteTx(ctx, func(tx *Tx) error {
 		_, err := tx.exec(ctx, `WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 100000)
 			INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at)
 			SELECT printf('gap-%06d', i), i, 'issues', ?, ? FROM n`, formatTime(time.Now().Add(-5*time.Hour)), formatTime(time.Now()))
@@ -794,7 +794,7 @@ func TestStoryOneModelTwoViews(t *testing.T) {
 		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = ?", dup) == 1
 	})
 	gap := newGUID()
-	if err := d.store.Batch(ctx, func(tx *Tx) error {
+	if err := d.store.WriteTx(ctx, func(tx *Tx) error {
 		_, err := tx.RecordGap(ctx, deliveryGap{GUID: gap, DeliveryID: 7, Event: "issues",
 			DeliveredAt: time.Now().Add(-5 * time.Hour), FoundAt: time.Now()}, nil)
 		return err

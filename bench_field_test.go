@@ -388,7 +388,7 @@ func benchDatabaseBytes(b *testing.B) (total, payloads int64) {
 	fixtures := loadFixtures(b)
 	ctx := context.Background()
 	for i := 0; i < 10000; i += 100 {
-		err := store.Batch(ctx, func(tx *Tx) error {
+		err := store.WriteTx(ctx, func(tx *Tx) error {
 			for j := i; j < i+100; j++ {
 				f := fixtures[j%len(fixtures)]
 				msg := eventMessage(f.Event, fmt.Sprintf("size-%d", j), f.Body)

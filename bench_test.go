@@ -821,7 +821,7 @@ func BenchmarkBatchWrite(b *testing.B) {
 		}
 		b.StartTimer()
 		start := selfCPU()
-		err := store.Batch(ctx, func(tx *Tx) error {
+		err := store.WriteTx(ctx, func(tx *Tx) error {
 			for _, ev := range evs {
 				if err := tx.Savepoint(ctx, func() error { return h(ctx, tx, ev) }); err != nil {
 					return err

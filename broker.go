@@ -273,7 +273,7 @@ func (bs *Brokers) change(ctx context.Context, fn func(tx *Tx, st SwitchState, n
 	defer bs.changes.Unlock()
 	var out SwitchState
 	var changed bool
-	err := bs.store.Batch(ctx, func(tx *Tx) error {
+	err := bs.store.WriteTx(ctx, func(tx *Tx) error {
 		st, err := bs.read(ctx, tx.Setting)
 		if err != nil {
 			return err

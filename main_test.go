@@ -785,7 +785,7 @@ func TestDeliveriesShow(t *testing.T) {
 		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = ?", stored) == 1
 	})
 	gap := newGUID()
-	if err := d.store.Batch(context.Background(), func(tx *Tx) error {
+	if err := d.store.WriteTx(context.Background(), func(tx *Tx) error {
 		_, err := tx.RecordGap(context.Background(), deliveryGap{GUID: gap, DeliveryID: 7, Event: "issues",
 			DeliveredAt: time.Now().Add(-5 * time.Hour), FoundAt: time.Now()}, nil)
 		return err

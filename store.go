@@ -93,7 +93,7 @@ func (s *Store) Close() error {
 }
 
 // Tx is one write transaction on the writer connection. Every write is a
-// method of Tx, and Store.Batch is the one way to open one: the caller says
+// method of Tx, and Store.WriteTx is the one way to open one: the caller says
 // what commits together. Nothing else reaches the writer. It is a value passed along, never carried in a context, so that a
 // callee writes inside a transaction only when its caller hands it one. No
 // network I/O may happen while one is open.
@@ -103,11 +103,11 @@ type Tx struct {
 	stmts map[string]*sql.Stmt // the prepared statements bound to tx, by query
 }
 
-// Batch runs fn in one transaction and commits once, or rolls back when fn
+// WriteTx runs fn in one write transaction and commits once, or rolls back when fn
 // fails. One fsync then covers every message fn handles, which
 // synchronous=FULL makes the costliest part of a message. Messages stay in
 // order: fn handles them one after the other, each in a Savepoint.
-func (s *Store) Batch(ctx context.Context, fn func(tx *Tx) error) error {
+func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 	s.prepareWanted(ctx)
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
@@ -223,7 +223,7 @@ func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
 
 // Writable proves the database takes a write lock, for /readyz.
 func (s *Store) Writable(ctx context.Context) error {
-	return s.Batch(ctx, func(tx *Tx) error {
+	return s.WriteTx(ctx, func(tx *Tx) error {
 		_, err := tx.tx.ExecContext(ctx, "UPDATE settings SET value = value WHERE 0")
 		return err
 	})

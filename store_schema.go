@@ -58,7 +58,7 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 	}
 	to = from
 	for _, m := range ms[from:] {
-		err := s.Batch(ctx, func(tx *Tx) error {
+		err := s.WriteTx(ctx, func(tx *Tx) error {
 			if _, err := tx.tx.ExecContext(ctx, m.sql); err != nil {
 				return err
 			}

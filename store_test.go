@@ -218,7 +218,7 @@ func TestRawRetention(t *testing.T) {
 	p := newParts(t, cfg)
 	forgotten, pruned := time.Now().Add(-40*24*time.Hour), time.Now().Add(-4*24*time.Hour)
 	body := loadFixture(t, "issues", "opened")
-	err := p.store.Batch(ctx, func(tx *Tx) error {
+	err := p.store.WriteTx(ctx, func(tx *Tx) error {
 		for i := 0; i < 2500; i++ {
 			if _, err := tx.InsertEvent(ctx, &Event{DeliveryID: fmt.Sprintf("old-%d", i), Name: "issues", Action: "opened",
 				Payload: body, ReceivedAt: forgotten}, false); err != nil {
@@ -239,7 +239,7 @@ func TestRawRetention(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.store.Batch(ctx, func(tx *Tx) error {
+	if err := p.store.WriteTx(ctx, func(tx *Tx) error {
 		_, err := tx.MarkDelivery(ctx, "database-service", DeliveryKey{Hook: testHookID, GUID: "pruned-1"}, nil)
 		return err
 	}); err != nil {
@@ -247,7 +247,7 @@ func TestRawRetention(t *testing.T) {
 	}
 	// One call does one batch.
 	var n int64
-	if err := p.store.Batch(ctx, func(tx *Tx) (err error) {
+	if err := p.store.WriteTx(ctx, func(tx *Tx) (err error) {
 		n, err = tx.PrunePayloadsBefore(ctx, time.Now().Add(-time.Duration(cfg.Database.RawRetention)))
 		return err
 	}); err != nil || n != retentionBatch {
@@ -368,7 +368,7 @@ func TestBatchContextEndsMidway(t *testing.T) {
 	defer cancel()
 	insert := "INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('t', ?, 'x')"
 	var afterCancel error
-	err := store.Batch(ctx, func(tx *Tx) error {
+	err := store.WriteTx(ctx, func(tx *Tx) error {
 		if _, err := tx.exec(ctx, insert, "before"); err != nil {
 			return err
 		}

@@ -73,12 +73,12 @@ func (s *AlertSender) sendDue(ctx context.Context, channel string) {
 			backoff := min(s.minBackoff<<min(a.Attempts, 20), s.maxBackoff)
 			backoff = backoff/2 + rand.N(backoff/2+1)
 			log.Warn("alert not sent, will retry", "attempt", a.Attempts+1, "retry_in", backoff.Round(time.Millisecond), "error", sendErr)
-			if err := s.store.Batch(ctx, func(tx *Tx) error { return tx.AlertFailed(ctx, a.ID, sendErr, time.Now().Add(backoff)) }); err != nil {
+			if err := s.store.WriteTx(ctx, func(tx *Tx) error { return tx.AlertFailed(ctx, a.ID, sendErr, time.Now().Add(backoff)) }); err != nil {
 				log.Warn("cannot record the failed alert", "error", err)
 			}
 			return
 		}
-		if err := s.store.Batch(ctx, func(tx *Tx) error { return tx.AlertSent(ctx, a.ID, a.Event.DeliveryID) }); err != nil {
+		if err := s.store.WriteTx(ctx, func(tx *Tx) error { return tx.AlertSent(ctx, a.ID, a.Event.DeliveryID) }); err != nil {
 			// Sent, but not recorded: it goes out again (at least once).
 			log.Warn("alert sent but not recorded", "error", err)
 			return

@@ -28,9 +28,9 @@ type Handler func(ctx context.Context, tx *Tx, ev *Event) error
 type Preparer func(ev *Event)
 
 // Batcher runs a batch of messages' handlers in one transaction; *Store is
-// one (Store.Batch).
+// one (Store.WriteTx).
 type Batcher interface {
-	Batch(ctx context.Context, fn func(tx *Tx) error) error
+	WriteTx(ctx context.Context, fn func(tx *Tx) error) error
 }
 
 // EventOptions say how a worker handles its queue's messages as Events.
@@ -215,7 +215,7 @@ func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *U
 // transaction did not commit go back. A nil usage runs fn alone.
 func batchWithUsage(ctx context.Context, batcher Batcher, usage *Usage, fn func(tx *Tx) error) error {
 	undo := func() {}
-	err := batcher.Batch(ctx, func(tx *Tx) error {
+	err := batcher.WriteTx(ctx, func(tx *Tx) error {
 		if err := fn(tx); err != nil || usage == nil {
 			return err
 		}

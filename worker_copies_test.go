@@ -195,11 +195,11 @@ func TestLedgerCountsTheAppsCopy(t *testing.T) {
 	handle := serviceHandler(nil, app, false)
 	store1 := func(ev *Event) {
 		t.Helper()
-		if err := store.Batch(ctx, func(tx *Tx) error { return handle(ctx, tx, ev) }); err != nil {
+		if err := store.WriteTx(ctx, func(tx *Tx) error { return handle(ctx, tx, ev) }); err != nil {
 			t.Fatal(err)
 		}
 	}
-	err = store.Batch(ctx, func(tx *Tx) error {
+	err = store.WriteTx(ctx, func(tx *Tx) error {
 		_, err := tx.RecordGap(ctx, deliveryGap{GUID: guid, DeliveryID: 7, Event: "issues", DeliveredAt: time.Now(), FoundAt: time.Now()}, nil)
 		return err
 	})
@@ -213,7 +213,7 @@ func TestLedgerCountsTheAppsCopy(t *testing.T) {
 	if err != nil || stored[guid] {
 		t.Errorf("after the repository hook's copy: stored %v (%v), want the App's delivery not stored", stored[guid], err)
 	}
-	if err := store.Batch(ctx, func(tx *Tx) error { _, err := tx.ResolveStoredGaps(ctx, app); return err }); err != nil {
+	if err := store.WriteTx(ctx, func(tx *Tx) error { _, err := tx.ResolveStoredGaps(ctx, app); return err }); err != nil {
 		t.Fatal(err)
 	}
 	if gaps, _, _ := store.OpenGaps(ctx, 10); len(gaps) != 1 {
@@ -331,7 +331,7 @@ func TestUpgradeKeepsDuplicates(t *testing.T) {
 			Payload: []byte(`{"action":"opened"}`), ReceivedAt: time.Now()}
 		for name, h := range map[string]Handler{"service": handle, "database-service": dbHandle} {
 			var verdict error
-			err := store.Batch(ctx, func(tx *Tx) error { verdict = h(ctx, tx, ev); return nil })
+			err := store.WriteTx(ctx, func(tx *Tx) error { verdict = h(ctx, tx, ev); return nil })
 			if err != nil || verdict != ErrDuplicate {
 				t.Errorf("%s after the upgrade, %s (hook %d): %v %v, want a duplicate", name, c.guid, c.hook, err, verdict)
 			}

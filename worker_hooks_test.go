@@ -226,7 +226,7 @@ func storedBefore(t *testing.T, cfg *Config, evs ...*Event) {
 		t.Fatal(err)
 	}
 	for _, ev := range evs {
-		if err := store.Batch(ctx, func(tx *Tx) error { _, err := tx.InsertEvent(ctx, ev, false); return err }); err != nil {
+		if err := store.WriteTx(ctx, func(tx *Tx) error { _, err := tx.InsertEvent(ctx, ev, false); return err }); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -658,7 +658,7 @@ func TestDeliveryLedgerThreeDays(t *testing.T) {
 	now := time.Now().UTC()
 	body := []byte(`{"action":"opened"}`)
 	var inFlight time.Time
-	err := store.Batch(ctx, func(tx *Tx) error {
+	err := store.WriteTx(ctx, func(tx *Tx) error {
 		for i := 0; i < 10000; i++ {
 			at := now.Add(-time.Duration(i) * 25 * time.Second) // 10,000 over 69 hours, newest first
 			d := hookDelivery{ID: int64(100000 + i), GUID: newGUID(), DeliveredAt: at, Status: "Accepted", StatusCode: 202, Event: "issues"}

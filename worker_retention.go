@@ -55,7 +55,7 @@ func (r *Retention) batches(ctx context.Context, cutoff time.Time, step func(*Tx
 	var total int64
 	for ctx.Err() == nil {
 		var n int64
-		err := r.store.Batch(ctx, func(tx *Tx) (err error) { n, err = step(tx, ctx, cutoff); return err })
+		err := r.store.WriteTx(ctx, func(tx *Tx) (err error) { n, err = step(tx, ctx, cutoff); return err })
 		total += n
 		if err != nil || n < retentionBatch {
 			return total, err

@@ -123,7 +123,7 @@ func WriteUsage(ctx context.Context, store *Store, queues *Queues, now time.Time
 	if !spentAny(usage) {
 		return nil
 	}
-	err := store.Batch(ctx, func(tx *Tx) error { return tx.AddBrokerUsage(ctx, now, usageRows(usage)) })
+	err := store.WriteTx(ctx, func(tx *Tx) error { return tx.AddBrokerUsage(ctx, now, usageRows(usage)) })
 	if err != nil {
 		queues.ReturnUsage(usage)
 	}
@@ -219,7 +219,7 @@ func (b *Usage) alertBlocks(ctx context.Context) error {
 // or a block, not an Event's) on the channels intent's rules name; queued
 // reports whether it was new.
 func queueOwnAlert(ctx context.Context, store *Store, alerter *Alerter, id string, intent AlertIntent) (queued bool, err error) {
-	err = store.Batch(ctx, func(tx *Tx) (err error) {
+	err = store.WriteTx(ctx, func(tx *Tx) (err error) {
 		queued, err = tx.QueueOwnAlert(ctx, id, alerter.ChannelsFor(intent))
 		return err
 	})

@@ -126,7 +126,7 @@ func TestRotateOnBudget(t *testing.T) {
 					t.Fatal(err)
 				}
 				store.Migrate(ctx)
-				if err := store.Batch(ctx, func(tx *Tx) error {
+				if err := store.WriteTx(ctx, func(tx *Tx) error {
 					return tx.AddBrokerUsage(ctx, time.Now(), []usageRow{{Broker: usageKey("127.0.0.1", b), Published: 10}})
 				}); err != nil {
 					t.Fatal(err)
