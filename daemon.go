@@ -16,6 +16,7 @@ import (
 	"runtime/debug"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -162,9 +163,17 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
 		work.Go(func() error { d.watchdog(wctx, interval); return nil })
 	}
+	// Each server's Serve returns once Shutdown has closed its listener;
+	// Run waits for them before it returns.
 	served := make(chan error, len(servers))
+	var serving sync.WaitGroup
+	defer serving.Wait()
 	for i, s := range servers {
-		go func() { served <- s.Serve(listeners[i]) }()
+		serving.Go(func() {
+			if err := s.Serve(listeners[i]); !errors.Is(err, http.ErrServerClosed) {
+				served <- err
+			}
+		})
 	}
 	d.log.Info("switchyard serving", "version", version, "listen", ln.Addr().String(),
 		"database", d.cfg.Database.Path, "brokers", len(d.brokers.List()))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"sync"
 )
 
 // The worker side of consuming: the queue hands over plain messages and
@@ -60,7 +61,8 @@ func (o EventOptions) options() ConsumeOptions {
 // verdicts, and the transaction's failure.
 func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
-	next := decodeAhead(msgs, o.Prepare, o.Log)
+	next, decoded := decodeAhead(msgs, o.Prepare, o.Log)
+	defer decoded()
 	switch {
 	case o.Batch == nil:
 		for i := range msgs {
@@ -109,24 +111,26 @@ func decodeEvent(m *Message, prepare Preparer, log *slog.Logger) decoded {
 
 // decodeAhead decodes msgs, in order, on a goroutine of its own, so that a
 // batch's transaction writes one message while the next is decoded: the
-// consumer keeps two cores busy instead of one. The function it returns
-// waits for message i; ask for them in order.
-func decodeAhead(msgs []Message, prepare Preparer, log *slog.Logger) func(i int) decoded {
+// consumer keeps two cores busy instead of one. next waits for message i
+// (ask for them in order); wait waits for the goroutine to end, which the
+// caller does before it returns, whether or not it asked for every message.
+func decodeAhead(msgs []Message, prepare Preparer, log *slog.Logger) (next func(i int) decoded, wait func()) {
 	out := make([]decoded, len(msgs))
 	ready := make(chan struct{}, len(msgs)) // never blocks: the goroutine ends even if nobody waits
-	go func() {
+	var wg sync.WaitGroup
+	wg.Go(func() {
 		for i := range msgs {
 			out[i] = decodeEvent(&msgs[i], prepare, log)
 			ready <- struct{}{}
 		}
-	}()
+	})
 	got := 0
 	return func(i int) decoded {
 		for ; got <= i; got++ {
 			<-ready
 		}
 		return out[i]
-	}
+	}, wg.Wait
 }
 
 // handle runs h on a decoded message, in tx when one is given (inside a
