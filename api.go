@@ -143,43 +143,64 @@ func (a *API) bounded(h httprouter.Handle) httprouter.Handle {
 // readyCheckTimeout is each /readyz check's own deadline.
 const readyCheckTimeout = 2 * time.Second
 
-// ready answers 200 when the database takes writes and the active broker is
-// reachable, else 503 naming what is not.
-// Each check runs at once beside the others, with a deadline of its own: a
-// locked database must not make the broker look unreachable too.
+// ready answers 200 {"status":"ready"} when the database takes writes and
+// the active broker is reachable and takes publishes, else 503 naming only
+// the parts not ready and how: "broker" with one of "unreachable",
+// "refusing publishes", "refuses access" or "blocked", and "database".
+// Anyone may ask, so the answer says no more than that (brokerProblem);
+// the log and the operator's status have the cause. Each check runs at
+// once beside the other, with a deadline of its own: a locked database
+// must not make the broker look unreachable too.
 func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
-	checks := map[string]func(ctx context.Context) error{
-		"database": a.store.Writable,
-		"broker": func(ctx context.Context) error {
-			b, err := a.brokers.Get(a.brokers.Cached().Active)
-			if err != nil {
-				return err
-			}
-			return a.queues.Reachable(ctx, b)
-		},
+	checks := []struct {
+		name  string
+		check func(ctx context.Context) error
+		// problem is the public text of a failed check.
+		problem func(err error) string
+	}{
+		{"database", a.store.Writable, func(error) string { return "not writable" }},
+		{"broker", a.brokerReady, brokerProblem},
 	}
-	var mu sync.Mutex
+	problems := make([]string, len(checks))
 	var wg sync.WaitGroup
-	problems := map[string]string{}
-	for name, check := range checks {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	for i, c := range checks {
+		wg.Go(func() {
 			ctx, cancel := context.WithTimeout(r.Context(), readyCheckTimeout)
 			defer cancel()
-			if err := check(ctx); err != nil {
-				mu.Lock()
-				problems[name] = err.Error()
-				mu.Unlock()
+			if err := c.check(ctx); err != nil {
+				a.log.Debug("not ready", "part", c.name, "error", err)
+				problems[i] = c.problem(err)
 			}
-		}()
+		})
 	}
 	wg.Wait()
-	if len(problems) > 0 {
-		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "not ready", "problems": problems})
+	out := map[string]string{}
+	for i, c := range checks {
+		if problems[i] != "" {
+			out[c.name] = problems[i]
+		}
+	}
+	if len(out) > 0 {
+		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "not ready", "problems": out})
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
+}
+
+// brokerReady fails when the active broker cannot be reached, or blocks
+// or refuses publishes: webhooks sent to it would answer 503.
+func (a *API) brokerReady(ctx context.Context) error {
+	b, err := a.brokers.Get(a.brokers.Cached().Active)
+	if err != nil {
+		return err
+	}
+	if err := a.queues.Reachable(ctx, b); err != nil {
+		return err
+	}
+	if st, blocked := a.queues.Blocked(b); blocked {
+		return &BrokerRefusal{Kind: st.Kind, Reason: st.Reason}
+	}
+	return nil
 }
 
 // guarded refuses a source that failed too often with 429 and Retry-After,

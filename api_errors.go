@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"log/slog"
@@ -47,16 +48,50 @@ func statusOf(err error) int {
 	}
 }
 
-// writeError answers {"error": "..."} with the error's status; only server
-// errors are logged, and their text stays in the log.
+// brokerProblem is what a public answer may say of a broker's failure: its
+// kind, in a fixed text. Never the broker's own text, nor its host, port,
+// vhost or user: on a hosted plan those are the account, and a webhook's
+// answer is shown on GitHub's Recent Deliveries page. The cause goes to
+// the log and to the operator's status.
+func brokerProblem(err error) string {
+	switch {
+	case errors.Is(err, ErrBrokerAccessRefused):
+		return "refuses access"
+	case errors.Is(err, ErrBrokerBlocked):
+		return "blocked"
+	case errors.Is(err, ErrBrokerRefused), errors.Is(err, ErrUnroutable):
+		return "refusing publishes"
+	case errors.Is(err, ErrPublishTimeout), errors.Is(err, context.DeadlineExceeded):
+		return "no confirm"
+	}
+	return "unreachable"
+}
+
+// publicText is the one mapping from an error to the text an answer
+// carries, for every path that writes a body: a request's own fault (4xx)
+// says what was wrong with the request; a broker's failure says only its
+// kind (brokerProblem); anything else is "internal error".
+func publicText(err error) string {
+	var nq *notQueued
+	switch status := statusOf(err); {
+	case errors.As(err, &nq):
+		return nq.public()
+	case status >= 500 && errors.Is(err, ErrBusy):
+		return ErrBusy.Error()
+	case status >= 500:
+		return "internal error"
+	}
+	return err.Error()
+}
+
+// writeError answers {"error": "..."} with the error's status and its
+// public text; only server errors are logged, with their whole cause.
 func writeError(w http.ResponseWriter, r *http.Request, log *slog.Logger, err error) {
 	status := statusOf(err)
-	msg := err.Error()
 	if status >= 500 {
 		log.Error("request failed", "method", r.Method, "path", r.URL.Path, "error", err)
-		msg = "internal error"
 	}
-	writeJSON(w, status, map[string]string{"error": msg})
+	writeJSON(w, status, map[string]string{"error": publicText(err)})
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

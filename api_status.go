@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/subtle"
 	_ "embed"
+	"errors"
 	"fmt"
 	"html/template"
 	"net/http"
@@ -68,11 +69,13 @@ func (st *Status) problems() []string {
 	ps := []string{}
 	for _, b := range st.Brokers {
 		switch {
+		case !b.Up && b.Problem != "":
+			ps = append(ps, fmt.Sprintf("broker #%d (%s vhost %s) %s: %s", b.Index, b.Host, b.Vhost, b.Problem, b.Error))
 		case !b.Up:
 			ps = append(ps, fmt.Sprintf("broker #%d (%s vhost %s) is down: %s", b.Index, b.Host, b.Vhost, b.Error))
 		case b.Blocked != "":
-			ps = append(ps, fmt.Sprintf("broker #%d (%s vhost %s) blocks publishing since %s: %s; webhooks sent to it answer 503",
-				b.Index, b.Host, b.Vhost, b.BlockedSince.Format(time.RFC3339), b.Blocked))
+			ps = append(ps, fmt.Sprintf("broker #%d (%s vhost %s) %s since %s: %s; webhooks sent to it answer 503",
+				b.Index, b.Host, b.Vhost, b.Problem, b.BlockedSince.Format(time.RFC3339), b.Blocked))
 		case len(b.Missing) > 0:
 			ps = append(ps, fmt.Sprintf("broker #%d (%s vhost %s) lacks %s", b.Index, b.Host, b.Vhost, strings.Join(b.Missing, ", ")))
 		}
@@ -143,10 +146,14 @@ type BrokerView struct {
 	Error   string `json:"error,omitempty"`
 	// Blocked is the broker's reason while it blocks switchyard's
 	// connection (connection.blocked), and BlockedSince since when.
-	Blocked      string               `json:"blocked,omitempty"`
-	BlockedSince time.Time            `json:"blocked_since,omitzero"`
-	Missing      []string             `json:"missing_queues,omitempty"`
-	Queues       map[string]queueInfo `json:"queues,omitempty"`
+	Blocked      string    `json:"blocked,omitempty"`
+	BlockedSince time.Time `json:"blocked_since,omitzero"`
+	// Problem is what is wrong with the broker in a public answer's words
+	// ("blocked", "refusing publishes", "refuses access", ...), "" when
+	// nothing is; Error and Blocked say why, for the operator.
+	Problem string               `json:"problem,omitempty"`
+	Missing []string             `json:"missing_queues,omitempty"`
+	Queues  map[string]queueInfo `json:"queues,omitempty"`
 }
 
 // Role is what the broker is to the workers: "active", "pending target" or
@@ -190,6 +197,7 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 			Pending: sw.Pending != nil && sw.Pending.Index == b.Index}
 		if blk, ok := a.queues.Blocked(b); ok {
 			bs.Blocked, bs.BlockedSince = blk.Reason, blk.Since
+			bs.Problem = brokerProblem(blk.Kind)
 		}
 		wg.Go(func() {
 			bctx, cancel := context.WithTimeout(ctx, statusTimeout)
@@ -210,6 +218,9 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 			case r := <-done:
 				if r.err != nil {
 					bs.Error = r.err.Error()
+					if errors.Is(r.err, ErrBrokerAccessRefused) {
+						bs.Problem = brokerProblem(r.err)
+					}
 				} else {
 					bs.Up, bs.Queues, bs.Missing = true, r.queues, r.missing
 				}

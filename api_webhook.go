@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -307,26 +306,29 @@ type queued struct {
 	Queue      string `json:"queue,omitempty"`
 }
 
-// notQueued is a webhook no broker took. Its text, the 503's body, says
-// what failed and names no broker (host, port and vhost are a hosted
-// plan's account); the log line has the whole cause.
+// notQueued is a webhook no broker took. Its public text, the 503's body,
+// says what failed in one of a few fixed texts (brokerProblem) with the
+// delivery's GUID; its Error, for the log, has the whole cause.
 type notQueued struct {
 	delivery string
 	cause    error
 }
 
 func (e *notQueued) Error() string {
-	what := "broker unreachable"
-	var refusal *BrokerRefusal
-	switch {
-	case errors.As(e.cause, &refusal):
-		what = refusal.Error()
-	case errors.Is(e.cause, ErrPublishTimeout), errors.Is(e.cause, context.DeadlineExceeded):
-		what = "no confirm from the broker within queue.publish_timeout"
-	case errors.Is(e.cause, ErrUnroutable):
-		what = "message routed to no queue: the broker's topology is missing a queue"
+	return fmt.Sprintf("%s: delivery %s not queued: %v", e.what(), e.delivery, e.cause)
+}
+
+// what is the kind of failure in the words of a public answer.
+func (e *notQueued) what() string {
+	if p := brokerProblem(e.cause); p != "no confirm" {
+		return "broker " + p
 	}
-	return fmt.Sprintf("%v: delivery %s not queued: %s", ErrUnavailable, e.delivery, what)
+	return "no confirm from the broker within queue.publish_timeout"
+}
+
+// public is the 503's body text.
+func (e *notQueued) public() string {
+	return fmt.Sprintf("%s: delivery %s not queued, retry later", e.what(), e.delivery)
 }
 
 func (e *notQueued) Unwrap() error { return ErrUnavailable }
@@ -351,20 +353,23 @@ func (wh *Webhook) reject(w http.ResponseWriter, r *http.Request, err error, src
 	outcome := rejectOutcome(err)
 	wh.metrics.webhook(outcome)
 	if ok, suppressed := wh.rejects.allow(outcome, time.Now()); ok {
-		args := []any{"outcome", outcome, "status", statusOf(err), "source_ip", addrText(src), "error", err}
-		if nq, ok := err.(*notQueued); ok {
-			args = append(args, "cause", nq.cause)
+		args := []any{"outcome", outcome, "status", statusOf(err), "source_ip", addrText(src)}
+		if guid, hook := claimedIdentity(r.Header); guid != "" || hook >= 0 {
+			args = append(args, "delivery_id", guid)
+			if hook >= 0 {
+				args = append(args, "hook_id", hook)
+			}
 		}
+		args = append(args, "error", err)
 		if suppressed > 0 {
 			args = append(args, "suppressed", suppressed)
 		}
 		wh.log.Warn("webhook rejected", args...)
 	}
-	msg := err.Error()
 	if statusOf(err) == http.StatusServiceUnavailable {
 		w.Header().Set("Retry-After", "30")
 	}
-	writeJSON(w, statusOf(err), map[string]string{"error": msg})
+	writeJSON(w, statusOf(err), map[string]string{"error": publicText(err)})
 }
 
 func addrText(a netip.Addr) string {

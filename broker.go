@@ -27,6 +27,9 @@ type Broker struct {
 	Host   string
 	Port   int
 	Vhost  string // URL-decoded; "/" for the default vhost
+	// User is the user switchyard logs in as, for the operator's view of
+	// a refused access (never the password).
+	User string
 	// MaxMessageBytes is the largest message the broker takes
 	// (brokers[].max_message_bytes); 0 when not known.
 	MaxMessageBytes int64
@@ -49,7 +52,8 @@ func ParseBroker(index int, raw string) (*Broker, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Broker{Index: index, URL: raw, Scheme: u.Scheme, Host: u.Host, Port: u.Port, Vhost: normalizeVhost(u.Vhost)}, nil
+	return &Broker{Index: index, URL: raw, Scheme: u.Scheme, Host: u.Host, Port: u.Port, Vhost: normalizeVhost(u.Vhost),
+		User: u.Username}, nil
 }
 
 // String names the broker without its credentials.

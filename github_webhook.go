@@ -85,6 +85,29 @@ func parseHookID(s string) (int64, error) {
 	return id, nil
 }
 
+// validDeliveryID reports whether s may be an X-GitHub-Delivery: 1 to
+// maxDeliveryLen bytes of printable ASCII without spaces.
+func validDeliveryID(s string) bool {
+	return s != "" && len(s) <= maxDeliveryLen && strings.IndexFunc(s, func(c rune) bool { return c <= ' ' || c > '~' }) < 0
+}
+
+// claimedIdentity is the delivery a request says it is, as far as its
+// headers are well-formed: its GUID ("" when absent or malformed) and its
+// hook (-1 when absent or malformed). It is a claim, unverified: a
+// refused request's log line and record carry it, nothing trusts it.
+func claimedIdentity(h http.Header) (guid string, hook int64) {
+	if g := h.Get("X-GitHub-Delivery"); validDeliveryID(g) {
+		guid = g
+	}
+	hook = -1
+	if v := h.Get("X-GitHub-Hook-ID"); v != "" {
+		if id, err := parseHookID(v); err == nil {
+			hook = id
+		}
+	}
+	return guid, hook
+}
+
 // eventName reports whether s may be an event (or action) name: at most
 // maxEventLen bytes of a-z, 0-9 and _. Empty is one here; callers that
 // need a name check that apart.
@@ -99,7 +122,7 @@ func checkHeaders(h http.Header) error {
 	if event == "" || delivery == "" {
 		return fmt.Errorf("%w: X-GitHub-Event and X-GitHub-Delivery are required", ErrBadRequest)
 	}
-	if len(delivery) > maxDeliveryLen || strings.IndexFunc(delivery, func(c rune) bool { return c <= ' ' || c > '~' }) >= 0 {
+	if !validDeliveryID(delivery) {
 		return fmt.Errorf("%w: X-GitHub-Delivery: want 1 to %d bytes of printable ASCII without spaces", ErrBadRequest, maxDeliveryLen)
 	}
 	// Not [a-z_] alone: GitHub's own event names have digits too

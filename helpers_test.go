@@ -14,6 +14,7 @@ import (
 	"database/sql"
 	"encoding/binary"
 	"encoding/hex"
+	"encoding/json"
 	"encoding/pem"
 	"errors"
 	"fmt"
@@ -127,9 +128,32 @@ func newVhost(t testing.TB) string {
 	return name
 }
 
+// managementGet reads path (such as /api/queues/VHOST) of the test
+// broker's management API into v; ok is false when the tests use
+// rabbitmqctl instead (no SWITCHYARD_TEST_MANAGEMENT_URL).
+func managementGet(t testing.TB, path string, v any) (ok bool) {
+	t.Helper()
+	mgmt := testBroker().mgmt
+	if mgmt == "" {
+		return false
+	}
+	var body bytes.Buffer
+	managementDo(t, http.MethodGet, mgmt+path, "", &body)
+	if err := json.Unmarshal(body.Bytes(), v); err != nil {
+		t.Fatalf("management API GET %s: %v", path, err)
+	}
+	return true
+}
+
 // management sends one request to the management API, with the user and
 // password its URL carries.
 func management(t testing.TB, method, rawURL, body string) {
+	t.Helper()
+	managementDo(t, method, rawURL, body, io.Discard)
+}
+
+// managementDo is management, writing the answer's body to out.
+func managementDo(t testing.TB, method, rawURL, body string, out io.Writer) {
 	t.Helper()
 	u, err := url.Parse(rawURL)
 	if err != nil {
@@ -156,6 +180,28 @@ func management(t testing.TB, method, rawURL, body string) {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		t.Fatalf("management API %s %s: %d %s", method, u.Path, resp.StatusCode, b)
 	}
+	if _, err := io.Copy(out, resp.Body); err != nil {
+		t.Fatalf("management API %s %s: %v", method, u.Path, err)
+	}
+}
+
+// newBrokerUser makes a user of the test broker with a password of its
+// own and the given permissions (regular expressions; "" allows nothing)
+// on vhost, and deletes it when the test ends.
+func newBrokerUser(t testing.TB, vhost, configure, write, read string) (user, password string) {
+	t.Helper()
+	user, password = "sy-user-"+randHex(4), randHex(12)
+	if mgmt := testBroker().mgmt; mgmt != "" {
+		management(t, http.MethodPut, mgmt+"/api/users/"+user, fmt.Sprintf(`{"password":%q,"tags":""}`, password))
+		management(t, http.MethodPut, mgmt+"/api/permissions/"+url.PathEscape(vhost)+"/"+user,
+			fmt.Sprintf(`{"configure":%q,"write":%q,"read":%q}`, configure, write, read))
+		t.Cleanup(func() { management(t, http.MethodDelete, mgmt+"/api/users/"+user, "") })
+		return user, password
+	}
+	rabbitmqctl(t, "add_user", user, password)
+	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "-q", "delete_user", user).Run() })
+	rabbitmqctl(t, "set_permissions", "-p", vhost, user, configure, write, read)
+	return user, password
 }
 
 // rabbitmqctl runs rabbitmqctl on the local node; a test that needs it

@@ -8,6 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -39,9 +42,12 @@ const checkLargeBody = 20 << 20
 // brokerCheck runs the checks on one connection; spent counts the
 // billable messages (publishes, basic.deliver, basic.get-ok).
 type brokerCheck struct {
-	bc     *brokerConn
-	conn   *amqp.Connection
-	ch     *amqp.Channel
+	bc   *brokerConn
+	conn *amqp.Connection
+	ch   *amqp.Channel
+	// closes tells why the broker closed ch: a 403 is a permission the
+	// user lacks, which the check names.
+	closes chan *amqp.Error
 	cfg    QueueConfig
 	prefix string
 	spent  int64
@@ -73,8 +79,10 @@ func CheckBroker(ctx context.Context, b *Broker, cfg QueueConfig, log *slog.Logg
 	c.unroutable()
 	c.fanout()
 	c.retryCycle()
-	c.large(b.MaxMessageBytes)
 	c.topology()
+	// Last: a broker whose message size limit is below it may drop the
+	// whole connection, and every check after it would read as unreachable.
+	c.large(b.MaxMessageBytes)
 	return c.checks, c.spent, nil
 }
 
@@ -95,7 +103,21 @@ func (c *brokerCheck) open() error {
 	if _, err := call(c.bc, c.conn, "confirm select", func() (struct{}, error) { return struct{}{}, ch.Confirm(false) }); err != nil {
 		return err
 	}
-	c.ch = ch
+	c.ch, c.closes = ch, ch.NotifyClose(make(chan *amqp.Error, 1))
+	return nil
+}
+
+// closedBy is why the broker closed the check's channel, as the user's
+// missing permission when it was one (brokerConn.refusal); nil when it
+// did not say.
+func (c *brokerCheck) closedBy(op string) error {
+	select {
+	case e := <-c.closes:
+		if e != nil {
+			return c.bc.refusal(op, e)
+		}
+	case <-time.After(100 * time.Millisecond):
+	}
 	return nil
 }
 
@@ -118,6 +140,14 @@ func (c *brokerCheck) publish(exchange, key string, msg amqp.Publishing) (return
 		return false, fmt.Errorf("no confirm within queue.publish_timeout: %w", err)
 	}
 	if !acked {
+		if c.conn.IsClosed() {
+			return false, fmt.Errorf("%w: the broker dropped the connection on a message of %d bytes", ErrBrokerUnreachable, len(msg.Body))
+		}
+		if c.ch.IsClosed() {
+			if err := c.closedBy("publish"); err != nil {
+				return false, fmt.Errorf("the broker closed the channel: %w", err)
+			}
+		}
 		return false, errors.New("the broker nacked the publish")
 	}
 	select {
@@ -140,7 +170,7 @@ func (c *brokerCheck) declare(name string, args amqp.Table) error {
 	_, err := call(c.bc, c.conn, "declare "+name, func() (amqp.Queue, error) {
 		return c.ch.QueueDeclare(name, true, false, false, false, full)
 	})
-	return err
+	return c.bc.refusal("declare", err)
 }
 
 // get takes one message of queue, waiting up to within for one to come.
@@ -299,6 +329,11 @@ func (c *brokerCheck) large(maxBytes int64) {
 	if err == nil {
 		_, err = c.publish("", q, amqp.Publishing{Body: packed, ContentEncoding: encodingGzip, MessageId: "check-large", DeliveryMode: amqp.Persistent})
 	}
+	if err != nil && c.conn.IsClosed() {
+		c.add(name, false, "%d bytes compressed: the broker dropped the connection on it: its message size limit is below that; "+
+			"set brokers[%d].max_message_bytes under the limit so that switchyard answers 413 instead (%v)", len(packed), c.bc.broker.Index, err)
+		return
+	}
 	if err != nil {
 		c.add(name, false, "%d bytes compressed: %v", len(packed), err)
 		return
@@ -349,25 +384,47 @@ func (c *brokerCheck) topology() {
 		_, err := call(c.bc, c.conn, "declare "+q, func() (amqp.Queue, error) {
 			return c.ch.QueueDeclare(q, true, false, false, false, queueArgs(c.cfg, q))
 		})
+		if err = c.bc.refusal("declare", err); errors.Is(err, ErrBrokerAccessRefused) {
+			// A provisioned broker's user needs no configure permission
+			// at run time: present is what can be checked.
+			c.checks = append(c.checks, BrokerCheck{Name: name, OK: true, Warn: true,
+				Detail: fmt.Sprintf("the 12 queues are present; their arguments not compared: %v", err)})
+			return
+		}
 		if err != nil {
-			c.add(name, false, "%s differs from what switchyard declares: %v", q, err)
+			// Brokers word a 406 each their own way (RabbitMQ names the
+			// argument, LavinMQ does not): what switchyard declares is
+			// said here.
+			c.add(name, false, "%s differs from what switchyard declares (%s): %v", q, argsText(queueArgs(c.cfg, q)), err)
 			return
 		}
 	}
 	c.add(name, true, "the 12 queues are present with the arguments switchyard declares")
 }
 
-// cleanup deletes the check's own queues and exchange.
+// argsText is a queue's arguments as key=value, in key order.
+func argsText(args amqp.Table) string {
+	var kv []string
+	for _, k := range slices.Sorted(maps.Keys(args)) {
+		kv = append(kv, fmt.Sprintf("%s=%v", k, args[k]))
+	}
+	return strings.Join(kv, " ")
+}
+
+// cleanup deletes the check's own queues and exchange, on a connection
+// dialed again when the broker dropped the check's.
 func (c *brokerCheck) cleanup() {
-	ch, err := c.bc.channel(c.conn)
+	ctx, cancel := context.WithTimeout(context.Background(), c.bc.callTimeout)
+	defer cancel()
+	conn, ch, err := c.bc.openChannel(ctx)
 	if err != nil {
 		return
 	}
-	defer c.bc.closeChannel(c.conn, ch)
+	defer c.bc.closeChannel(conn, ch)
 	for _, q := range []string{"-a", "-b", "-cycle", "-cycle-retry", "-large"} {
-		_, _ = call(c.bc, c.conn, "delete", func() (int, error) { return ch.QueueDelete(c.prefix+q, false, false, false) })
+		_, _ = call(c.bc, conn, "delete", func() (int, error) { return ch.QueueDelete(c.prefix+q, false, false, false) })
 	}
-	_, _ = call(c.bc, c.conn, "delete exchange", func() (struct{}, error) {
+	_, _ = call(c.bc, conn, "delete exchange", func() (struct{}, error) {
 		return struct{}{}, ch.ExchangeDelete(c.prefix+"-fanout", false, false)
 	})
 }

@@ -34,12 +34,19 @@ var (
 	// reject-publish), or the publishing channel closed with a channel
 	// error (LavinMQ low on disk: 406 PRECONDITION_FAILED).
 	ErrBrokerRefused = errors.New("broker refusing publishes")
+	// ErrBrokerAccessRefused is the broker refusing switchyard's user what
+	// it asks: a login (a wrong password, a vhost that does not exist or
+	// that the user may not use), or a declare, publish or consume its
+	// permissions do not cover. Waiting changes nothing; the operator
+	// must fix the user.
+	ErrBrokerAccessRefused = errors.New("broker refuses access")
 )
 
-// BrokerRefusal is a publish the broker blocked (ErrBrokerBlocked) or
-// refused (ErrBrokerRefused), with the broker's reason. Its text names no
-// broker: on a hosted plan the host and vhost are the account, so what a
-// webhook's answer tells stops here, and the log has the rest.
+// BrokerRefusal is what the broker blocked (ErrBrokerBlocked) or refused
+// (ErrBrokerRefused, ErrBrokerAccessRefused), with the broker's reason. The
+// reason may name the user and the vhost, which on a hosted plan are the
+// account: it is for the log and the operator's status, never for a public
+// answer (those say only the kind).
 type BrokerRefusal struct {
 	Kind   error
 	Reason string
@@ -118,7 +125,7 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 	}
 	b := bc.broker
 	if now := time.Now(); now.Before(bc.retryAt) {
-		return nil, fmt.Errorf("%w: %s: %v (next try in %s)", ErrBrokerUnreachable, b, bc.lastErr, bc.retryAt.Sub(now).Round(time.Millisecond))
+		return nil, fmt.Errorf("%w (next try in %s)", dialFailure(b, bc.lastErr), bc.retryAt.Sub(now).Round(time.Millisecond))
 	}
 	conn, err := bc.dial(ctx)
 	if err != nil {
@@ -126,7 +133,7 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 		backoff := min(bc.minBackoff<<min(bc.failures-1, 16), bc.maxBackoff)
 		backoff = backoff/2 + rand.N(backoff/2+1) // jitter: brokers restarting see no thundering herd
 		bc.retryAt, bc.lastErr = time.Now().Add(backoff), err
-		return nil, fmt.Errorf("%w: %s: %v", ErrBrokerUnreachable, b, err)
+		return nil, dialFailure(b, err)
 	}
 	if bc.failures > 0 {
 		bc.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
@@ -135,6 +142,15 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 	notes := conn.NotifyBlocked(make(chan amqp.Blocking, 4))
 	bc.watchers.Go(func() { bc.watchBlocked(notes) })
 	return conn, nil
+}
+
+// dialFailure is why broker b could not be used: the broker refusing
+// access, which it says as such, or else unreachable.
+func dialFailure(b *Broker, err error) error {
+	if errors.Is(err, ErrBrokerAccessRefused) {
+		return fmt.Errorf("%s: %w", b, err)
+	}
+	return fmt.Errorf("%w: %s: %v", ErrBrokerUnreachable, b, err)
 }
 
 // dial opens one connection, bounded by call_timeout and ctx, and prepares
@@ -153,12 +169,12 @@ func (bc *brokerConn) dial(ctx context.Context) (*amqp.Connection, error) {
 		Properties: amqp.Table{"connection_name": "switchyard"},
 	})
 	if err != nil {
-		return nil, redactDialError(err)
+		return nil, bc.refusal("login", redactDialError(err))
 	}
 	if bc.onDial != nil {
 		if err := bc.onDial(bc, conn); err != nil {
 			_ = conn.CloseDeadline(time.Now().Add(time.Second))
-			return nil, err
+			return nil, bc.refusal("declare", err)
 		}
 	}
 	return conn, nil
@@ -183,6 +199,30 @@ func (bc *brokerConn) close() error {
 	return nil
 }
 
+// refusal is err, the broker's answer to op, as ErrBrokerAccessRefused
+// when the broker refused the user (403 ACCESS_REFUSED, or 530
+// NOT_ALLOWED for a vhost), with what the user lacks; any other err is
+// returned as it is. op is "login", "declare", "publish", "consume" or
+// "get": each needs its own right.
+func (bc *brokerConn) refusal(op string, err error) error {
+	var aerr *amqp.Error
+	if !errors.As(err, &aerr) || (aerr.Code != amqp.AccessRefused && aerr.Code != amqp.NotAllowed) {
+		return err
+	}
+	b := bc.broker
+	var lacks string
+	switch {
+	case op == "login" && aerr.Code == amqp.NotAllowed, op == "login" && aerr.Reason == amqp.ErrVhost.Reason:
+		lacks = fmt.Sprintf("vhost %q does not exist, or user %q has no permissions on it", b.Vhost, b.User)
+	case op == "login":
+		lacks = fmt.Sprintf("user %q was refused at login: a wrong password, or no such user", b.User)
+	default:
+		right := map[string]string{"declare": "configure", "publish": "write", "consume": "read", "get": "read"}[op]
+		lacks = fmt.Sprintf("user %q lacks the %s permission in vhost %q (needed to %s)", b.User, right, b.Vhost, op)
+	}
+	return &BrokerRefusal{Kind: ErrBrokerAccessRefused, Reason: fmt.Sprintf("%s: %d %s", lacks, aerr.Code, aerr.Reason)}
+}
+
 // redactDialError keeps the error's meaning but never the URL (and so never
 // the password) that some dial errors quote.
 func redactDialError(err error) error {
@@ -190,7 +230,7 @@ func redactDialError(err error) error {
 	var nerr net.Error
 	switch {
 	case errors.As(err, &aerr):
-		return fmt.Errorf("%s (code %d)", aerr.Reason, aerr.Code)
+		return &amqp.Error{Code: aerr.Code, Reason: aerr.Reason, Server: aerr.Server, Recover: aerr.Recover}
 	case errors.As(err, &nerr):
 		return nerr
 	default:
@@ -262,11 +302,14 @@ func (bc *brokerConn) get(conn *amqp.Connection, ch *amqp.Channel, queue string)
 	if g.ok {
 		bc.delivered.Add(1)
 	}
-	return g.d, g.ok, err
+	return g.d, g.ok, bc.refusal("get", err)
 }
 
-// blockedState is a block the broker announced: why, and since when.
+// blockedState is a block the broker announced, or its refusal of a
+// publish: which (ErrBrokerBlocked, ErrBrokerRefused or
+// ErrBrokerAccessRefused), why, and since when.
 type blockedState struct {
+	Kind   error
 	Reason string
 	Since  time.Time
 }
@@ -293,12 +336,12 @@ func (bc *brokerConn) blockedError() error {
 		Reason: cmp.Or(st.Reason, "blocked") + ", since " + st.Since.Format(time.RFC3339)})
 }
 
-// refuse records that the broker refused a publish, for reason: it counts
-// as blocked from the first refusal until a publish is confirmed again.
-func (bc *brokerConn) refuse(reason string) {
-	if bc.refused.CompareAndSwap(nil, &blockedState{Reason: reason, Since: time.Now().UTC()}) {
-		bc.log.Warn("broker refuses publishes: webhooks answer 503 until it confirms one again",
-			"broker", bc.broker.String(), "reason", reason)
+// refuse records that the broker refused a publish (r): it counts as
+// blocked from the first refusal until a publish is confirmed again.
+func (bc *brokerConn) refuse(r *BrokerRefusal) {
+	if bc.refused.CompareAndSwap(nil, &blockedState{Kind: r.Kind, Reason: r.Reason, Since: time.Now().UTC()}) {
+		bc.log.Warn(r.Kind.Error()+": webhooks answer 503 until it confirms a publish again",
+			"broker", bc.broker.String(), "reason", r.Reason)
 		bc.metrics.brokerBlocked(bc.broker.Index, true)
 	}
 }
@@ -320,7 +363,7 @@ func (bc *brokerConn) watchBlocked(notes <-chan amqp.Blocking) {
 	for n := range notes {
 		if n.Active {
 			reason := cmp.Or(n.Reason, "no reason given")
-			if bc.blocked.Swap(&blockedState{Reason: reason, Since: time.Now().UTC()}) == nil {
+			if bc.blocked.Swap(&blockedState{Kind: ErrBrokerBlocked, Reason: reason, Since: time.Now().UTC()}) == nil {
 				close(*bc.blockedSig.Load()) // publishes in flight give up now
 			}
 			bc.log.Warn("broker blocks publishing: webhooks answer 503 until it unblocks", "broker", bc.broker.String(), "reason", reason)

@@ -143,7 +143,7 @@ func startConsumer(bc *brokerConn, conn *amqp.Connection, queue string, win int)
 		if !isNotFound(err) {
 			bc.closeChannel(conn, ch) // a 404 has closed it already
 		}
-		return nil, err
+		return nil, bc.refusal("consume", err)
 	}
 	return &consumer{bc: bc, conn: conn, ch: ch, queue: queue, tag: tag, win: win, deliveries: deliveries}, nil
 }

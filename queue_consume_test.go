@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os/exec"
 	"slices"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -595,8 +596,14 @@ func TestBatchDecodesAhead(t *testing.T) {
 // unacked is the broker's count of messages delivered on queue and not yet
 // acknowledged.
 func unacked(t testing.TB, vhost, queue string) int {
-	needRabbitmqctl(t)
 	t.Helper()
+	var q struct {
+		Unacked int `json:"messages_unacknowledged"`
+	}
+	if managementGet(t, "/api/queues/"+url.PathEscape(vhost)+"/"+url.PathEscape(queue), &q) {
+		return q.Unacked
+	}
+	needRabbitmqctl(t)
 	out, err := exec.Command("rabbitmqctl", "-q", "--no-table-headers", "list_queues", "-p", vhost, "name", "messages_unacknowledged").CombinedOutput()
 	if err != nil {
 		t.Fatalf("list_queues: %v: %s", err, out)

@@ -291,16 +291,20 @@ func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 		// channel closes: a channel error is the broker refusing (LavinMQ
 		// low on disk closes it with 406), a closed connection is the
 		// broker gone.
-		reason := "publish nacked"
+		refusal := &BrokerRefusal{Kind: ErrBrokerRefused, Reason: "publish nacked"}
 		if ch.IsClosed() {
 			e := l.closedBy(ch)
 			if e == nil {
 				return fmt.Errorf("publish to %s: %w: channel closed before the confirm", b, ErrBrokerUnreachable)
 			}
-			reason = fmt.Sprintf("channel closed: %d %s", e.Code, e.Reason)
+			refusal.Reason = fmt.Sprintf("channel closed: %d %s", e.Code, e.Reason)
+			// A user without the write permission: 403 on the channel.
+			if r, ok := bc.refusal("publish", e).(*BrokerRefusal); ok {
+				refusal = r
+			}
 		}
-		bc.refuse(reason)
-		return fmt.Errorf("publish to %s: %w", b, &BrokerRefusal{Kind: ErrBrokerRefused, Reason: reason})
+		bc.refuse(refusal)
+		return fmt.Errorf("publish to %s: %w", b, refusal)
 	}
 	bc.confirmed()
 	if l.wasReturned(returns, msg.MessageId) {

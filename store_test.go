@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -119,10 +118,7 @@ func TestBackupWhileServing(t *testing.T) {
 func TestNoSecretLeaks(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
-	user, password := "sy-"+randHex(4), "brokerpw-"+randHex(8)
-	rabbitmqctl(t, "add_user", user, password)
-	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "-q", "delete_user", user).Run() })
-	rabbitmqctl(t, "set_permissions", "-p", vhost, user, ".*", ".*", ".*")
+	user, password := newBrokerUser(t, vhost, ".*", ".*", ".*")
 	proxy := newTCPProxy(t, testBrokerAddr())
 	brokerURL := "amqp://" + user + ":" + password + "@" + proxy.addr + "/" + vhost
 

@@ -1,0 +1,121 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+)
+
+// What anyone may read, /readyz and a webhook's answer (which GitHub
+// shows on its Recent Deliveries page), names nothing of the account: a
+// hosted plan's host, port, vhost and user are the account, and the
+// broker's own text names them. Each failure says its kind in a fixed
+// text; the operator's status and the log name the cause, with the user
+// and the permission it lacks.
+func TestPublicAnswersNameNothing(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	declareTestTopology(t, vhost, time.Second) // by the administrator
+	user, password := newBrokerUser(t, vhost, "^$", "^$", ".*")
+	down := newTCPProxy(t, testBrokerAddr())
+	down.Close()
+	host, port := "127.0.0.1", testBrokerAddr()[strings.LastIndex(testBrokerAddr(), ":")+1:]
+	withUser := func(pw string) string {
+		u := *testBroker().url
+		u.User = url.UserPassword(user, pw)
+		return u.String() + url.PathEscape(vhost)
+	}
+	cases := []struct {
+		name, url, want string
+		// operator is what the status and the log say of it.
+		operator []string
+	}{
+		{"broker down", down.URL(vhost), "unreachable", []string{"connection refused"}},
+		{"user without write permission", withUser(password), "refuses access",
+			[]string{user, "lacks the write permission in vhost"}},
+		{"wrong password", withUser("not-" + password), "refuses access",
+			[]string{user, "was refused at login"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := testConfig(t, c.url)
+			cfg.Queue.DeclareTopology = false
+			// RabbitMQ answers a refused login after 3 s.
+			cfg.Queue.PublishTimeout = 10 * time.Second
+			d := startDaemon(t, cfg)
+			secrets := []string{host, vhost, user, password, "ACCESS_REFUSED", "refused for user", "connection refused", "vhost"}
+			if c.name == "broker down" {
+				secrets = append(secrets, down.addr[strings.LastIndex(down.addr, ":")+1:])
+			} else {
+				secrets = append(secrets, port)
+			}
+			named := func(what, body string) {
+				t.Helper()
+				for _, s := range secrets {
+					if strings.Contains(body, s) {
+						t.Errorf("%s names %q: %s", what, s, body)
+					}
+				}
+			}
+
+			guid := newGUID()
+			code, body := do(t, webhookRequest(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened")))
+			if code != http.StatusServiceUnavailable || !strings.Contains(body, "broker "+c.want) || !strings.Contains(body, guid) {
+				t.Errorf("webhook: %d %s, want 503 saying broker %s with the GUID", code, body, c.want)
+			}
+			named("the webhook's 503", body)
+
+			resp, err := http.Get(d.URL + "/readyz")
+			if err != nil {
+				t.Fatal(err)
+			}
+			var ready struct {
+				Status   string            `json:"status"`
+				Problems map[string]string `json:"problems"`
+			}
+			var raw bytes.Buffer
+			err = json.NewDecoder(io.TeeReader(resp.Body, &raw)).Decode(&ready)
+			resp.Body.Close()
+			if err != nil || resp.StatusCode != http.StatusServiceUnavailable || ready.Problems["broker"] != c.want {
+				t.Errorf("/readyz: %d %s (%v), want 503 with broker %q", resp.StatusCode, raw.String(), err, c.want)
+			}
+			named("/readyz", raw.String())
+
+			var st Status
+			_, text := do(t, mustRequestAuth(t, d.URL+"/api/v1/status"))
+			if err := json.Unmarshal([]byte(text), &st); err != nil {
+				t.Fatal(err)
+			}
+			problems := strings.Join(st.Problems, "\n")
+			for _, want := range c.operator {
+				if !strings.Contains(problems, want) {
+					t.Errorf("the status's problems:\n%s\nwant them to say %q", problems, want)
+				}
+				if !strings.Contains(d.logs.String(), want) {
+					t.Errorf("the log does not say %q", want)
+				}
+			}
+			if c.want == "refuses access" && !strings.Contains(problems, "refuses access") {
+				t.Errorf("the status's problems:\n%s\nwant the broker told as refusing access", problems)
+			}
+			if c.want == "refuses access" {
+				// check-broker names the user and what it lacks too.
+				var out bytes.Buffer
+				err := checkBroker(context.Background(), cfg, 0, slog.New(slog.DiscardHandler), &out)
+				told := out.String() + fmt.Sprint(err)
+				if err == nil || !strings.Contains(told, `user "`+user+`"`) || !strings.Contains(told, c.operator[1][:strings.Index(c.operator[1], " ")]) {
+					t.Errorf("check-broker as %s: %v\n%s\nwant it to fail naming the user and what it lacks", c.name, err, out.String())
+				}
+			}
+		})
+	}
+}
