@@ -119,3 +119,45 @@ func TestPublicAnswersNameNothing(t *testing.T) {
 		})
 	}
 }
+
+// The status tells the present: once the broker is back and the workers
+// consume again, their failures are 0 and `status` exits 0, within
+// seconds, though each worker's window is 5 minutes long.
+func TestStatusTellsThePresent(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, testBrokerAddr())
+	cfg := testConfig(t, proxy.URL(vhost))
+	cfg.Workers.Window = 5 * time.Minute
+	d := startDaemon(t, cfg)
+	c := *cfg
+	c.Server.Listen = strings.TrimPrefix(d.URL, "http://")
+	failures := func() float64 {
+		m := scrape(t, d.URL+"/metrics")
+		return m[`switchyard_worker_failures{worker="service"}`] + m[`switchyard_worker_failures{worker="database-service"}`]
+	}
+	eventually(t, 30*time.Second, "the workers consuming", func() bool {
+		return printStatus(context.Background(), &c, false, &bytes.Buffer{}) == nil
+	})
+
+	proxy.Close()
+	eventually(t, 30*time.Second, "status exiting 1 with the broker down", func() bool {
+		var out bytes.Buffer
+		err := printStatus(context.Background(), &c, false, &out)
+		return err != nil && strings.Contains(out.String(), "failed") && failures() > 0
+	})
+	proxy.Reopen()
+	var out bytes.Buffer
+	eventually(t, 60*time.Second, "status exiting 0 once the workers consume again", func() bool {
+		out.Reset()
+		return printStatus(context.Background(), &c, false, &out) == nil
+	})
+	if f := failures(); f != 0 {
+		t.Errorf("switchyard_worker_failures once consuming: %v, want 0", f)
+	}
+	for _, w := range d.workers[:2] { // service and database-service: cleanup's window is short
+		if st := w.State(); st.Failures != 0 || st.LastError != "" || !st.WindowEnds.After(time.Now().Add(time.Minute)) {
+			t.Errorf("worker %s: %+v; want no failure while its 5-minute window runs", w.Name, st)
+		}
+	}
+}

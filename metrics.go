@@ -101,9 +101,9 @@ func NewMetrics(labels MetricLabels) *Metrics {
 		buildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_build_info",
 			Help: "Always 1: the version of switchyard and of Go it was built with."}, []string{"version", "goversion"}),
 		workerCycle: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_worker_last_cycle_timestamp_seconds",
-			Help: "When the worker's last cycle ended well (Unix time); 0 before the first."}, []string{"worker"}),
+			Help: "When the worker was last known well (Unix time): its consumer attached, or a cycle ended well; 0 before the first."}, []string{"worker"}),
 		workerFailures: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_worker_failures",
-			Help: "Cycles the worker failed in a row, 0 once one ends well."}, []string{"worker"}),
+			Help: "Cycles the worker failed in a row; 0 once its consumer attaches again or a cycle ends well."}, []string{"worker"}),
 	}
 	m.reg.MustRegister(m.webhooks, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,

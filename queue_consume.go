@@ -207,6 +207,9 @@ func (r *reader) consume(ctx context.Context, o ConsumeOptions, window time.Dura
 	timer := time.NewTimer(window)
 	defer timer.Stop()
 	c, err := startConsumer(bc, conn, queue, r.window(queue))
+	if (err == nil || isNotFound(err)) && o.Attached != nil {
+		o.Attached()
+	}
 	if isNotFound(err) {
 		log.Warn("queue does not exist on broker, treating it as empty", "queue", queue)
 		select {

@@ -117,6 +117,9 @@ type ConsumeOptions struct {
 	// message is handed over on its own.
 	Batch bool
 	Log   *slog.Logger
+	// Attached, when set, is called each time a consumer of the queue is
+	// attached: the worker is consuming again.
+	Attached func()
 }
 
 // settler ends the messages of one broker by their verdicts: it acks them,

@@ -66,9 +66,11 @@ type Worker struct {
 type WorkerState struct {
 	Name  string `json:"name"`
 	Queue string `json:"queue"`
-	// LastCycle is when the last cycle ended well (absent before the
-	// first); Failures counts the cycles failed since, LastError says why
-	// the last one failed.
+	// LastCycle is when the worker was last known well (absent before
+	// the first time): its consumer attached, or a cycle ended well.
+	// Failures counts the cycles failed since, LastError says why the
+	// last one failed: both tell the present, so they are cleared as soon
+	// as the worker consumes again, not when its window ends.
 	LastCycle time.Time `json:"last_cycle,omitzero"`
 	Failures  int       `json:"failures"`
 	LastError string    `json:"last_error,omitempty"`
@@ -255,8 +257,10 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 // consumeOptions are what the worker's consumers and drains do with its
 // queue's messages.
 func (w *Worker) consumeOptions(log *slog.Logger) ConsumeOptions {
-	if w.HandleMessages != nil {
-		return ConsumeOptions{Queue: w.Queue, Handle: w.HandleMessages, Log: log}
+	o := ConsumeOptions{Queue: w.Queue, Handle: w.HandleMessages, Log: log}
+	if w.HandleMessages == nil {
+		o = EventOptions{Queue: w.Queue, Handle: w.Handle, Prepare: w.Prepare, Batch: w.Batch, Usage: w.Usage, Log: log}.options()
 	}
-	return EventOptions{Queue: w.Queue, Handle: w.Handle, Prepare: w.Prepare, Batch: w.Batch, Usage: w.Usage, Log: log}.options()
+	o.Attached = func() { w.record(nil) }
+	return o
 }
