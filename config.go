@@ -440,6 +440,17 @@ func loadMetaHooks(path string) ([]string, error) {
 	return meta.Hooks, nil
 }
 
+// githubHooksCIDRs are the "hooks" ranges of GitHub's /meta endpoint: the
+// allow list when neither allowed_cidrs nor meta_file is configured.
+var githubHooksCIDRs = []string{
+	"192.30.252.0/22",
+	"185.199.108.0/22",
+	"140.82.112.0/20",
+	"143.55.64.0/20",
+	"2a0a:a440::/29",
+	"2606:50c0::/32",
+}
+
 // parsePrefix accepts a CIDR or a bare address (a /32 or /128).
 func parsePrefix(s string) (netip.Prefix, error) {
 	if strings.Contains(s, "/") {

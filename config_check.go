@@ -11,11 +11,13 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -58,11 +60,11 @@ func (c *Config) Validate() error {
 		errs = append(errs, fmt.Errorf("%s: %s", field, fmt.Sprintf(format, args...)))
 	}
 
-	if _, _, err := net.SplitHostPort(c.Server.Listen); err != nil {
-		bad("server.listen", "want host:port, got %q", c.Server.Listen)
+	if err := checkListen(c.Server.Listen); err != nil {
+		bad("server.listen", "%v", err)
 	}
-	if _, _, err := net.SplitHostPort(c.Server.MetricsListen); err != nil {
-		bad("server.metrics_listen", "want host:port (server.listen's to serve /metrics there), got %q", c.Server.MetricsListen)
+	if err := checkListen(c.Server.MetricsListen); err != nil {
+		bad("server.metrics_listen", "%v (server.listen's to serve /metrics there)", err)
 	}
 	for i, p := range c.Server.TrustedProxies {
 		if _, err := parsePrefix(p); err != nil {
@@ -266,6 +268,19 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
+// checkListen accepts a listen address: host:port with a numeric port
+// (0 to 65535), the host empty or an address or name.
+func checkListen(addr string) error {
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("want host:port, got %q", addr)
+	}
+	if n, err := strconv.ParseUint(port, 10, 16); err != nil || port == "" || n > 65535 {
+		return fmt.Errorf("want a port number from 0 to 65535, got %q", port)
+	}
+	return nil
+}
+
 // minTokenLen is the shortest API token accepted; warnTokenLen the shortest
 // that passes without a warning.
 const (
@@ -308,12 +323,39 @@ func (c *Config) Warnings(path string) []string {
 	if n := len(c.GitHub.WebhookSecret); n > 0 && n < warnSecretLen && c.GitHub.WebhookSecret != example.GitHub.WebhookSecret {
 		ws = append(ws, fmt.Sprintf("github.webhook_secret: %d characters; %d or more is safer (openssl rand -hex 32)", n, warnSecretLen))
 	}
+	if len(c.GitHub.AllowedCIDRs) > 0 && c.GitHub.MetaFile == "" && !coversGitHubHooks(c.GitHub.AllowedCIDRs) {
+		ws = append(ws, "github.allowed_cidrs replaces GitHub's hooks ranges and leaves some out: webhooks from GitHub "+
+			"itself go to github-forbidden; list GitHub's ranges too (its /meta \"hooks\", or github.meta_file), or leave the key out")
+	}
 	if path != "" {
 		if fi, err := os.Stat(path); err == nil && fi.Mode().Perm()&0o004 != 0 {
 			ws = append(ws, fmt.Sprintf("%s: readable by every user (mode %04o), and it holds secrets: chmod 0640", path, fi.Mode().Perm()))
 		}
 	}
 	return ws
+}
+
+// coversGitHubHooks reports whether cidrs take in every range of GitHub's
+// hooks (githubHooksCIDRs): each of GitHub's ranges lies within one of them.
+func coversGitHubHooks(cidrs []string) bool {
+	var set []netip.Prefix
+	for _, c := range cidrs {
+		p, err := parsePrefix(c)
+		if err != nil {
+			return false
+		}
+		set = append(set, p)
+	}
+	for _, g := range githubHooksCIDRs {
+		p, err := parsePrefix(g)
+		if err != nil {
+			return false
+		}
+		if !slices.ContainsFunc(set, func(s netip.Prefix) bool { return s.Bits() <= p.Bits() && s.Contains(p.Addr()) }) {
+			return false
+		}
+	}
+	return true
 }
 
 // mask hides a secret while saying whether it is set.

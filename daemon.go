@@ -313,13 +313,16 @@ func setGCLimits(memoryLimit int64) {
 // SIGHUP reloads the config file at path.
 func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, log *slog.Logger, ready func()) error {
 	setGCLimits(cfg.Server.MemoryLimit)
-	d, err := NewDaemon(ctx, cfg, log)
-	if err != nil {
-		return err
-	}
+	// The listener first: an address in use fails before a database is
+	// created or migrated.
 	ln, err := net.Listen("tcp", cfg.Server.Listen)
 	if err != nil {
-		return errors.Join(fmt.Errorf("listen %s: %w", cfg.Server.Listen, err), d.Close())
+		return fmt.Errorf("listen %s (server.listen): %w", cfg.Server.Listen, err)
+	}
+	d, err := NewDaemon(ctx, cfg, log)
+	if err != nil {
+		ln.Close()
+		return err
 	}
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)

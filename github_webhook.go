@@ -13,23 +13,12 @@ import (
 )
 
 // What GitHub's webhooks are and how they are told from forgeries: its
-// published source ranges, its signature, and the headers a delivery
+// signature, and the headers a delivery
 // carries, checked before any of them is copied into a message, whether
 // the delivery came to the webhook endpoint or from GitHub's API.
 
 // ErrBadRequest is a delivery whose headers or body break GitHub's rules.
 var ErrBadRequest = errors.New("bad request")
-
-// githubHooksCIDRs are the "hooks" ranges of GitHub's /meta endpoint, used when
-// neither allowed_cidrs nor meta_file is configured.
-var githubHooksCIDRs = []string{
-	"192.30.252.0/22",
-	"185.199.108.0/22",
-	"140.82.112.0/20",
-	"143.55.64.0/20",
-	"2a0a:a440::/29",
-	"2606:50c0::/32",
-}
 
 // validSignature checks an X-Hub-Signature-256 header against every
 // accepted secret, in constant time per secret.

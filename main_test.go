@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
@@ -313,6 +314,67 @@ vhostx = "y"
 		"database.path: directory " + filepath.Join(dir, "no-such-dir") + " does not exist"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("check-config of a file with many mistakes lacks %q:\n%v", want, err)
+		}
+	}
+
+	// A port that is not a number is refused before serve creates
+	// anything; so is one past 65535.
+	ports := filepath.Join(dir, "ports.toml")
+	dbPath := filepath.Join(dir, "never.db")
+	os.WriteFile(ports, []byte(`
+[server]
+listen = "127.0.0.1:808O"
+metrics_listen = "127.0.0.1:70000"
+[database]
+path = "`+dbPath+`"
+[api]
+operator_token = "operator-token-for-tests"
+producer_token = "producer-token-for-tests"
+[github]
+webhook_secret = "a-webhook-secret-for-tests"
+[[brokers]]
+url = "amqp://guest:guest@127.0.0.1:5672/"
+`), 0o600)
+	err = run(context.Background(), []string{"check-config", "-config", ports}, &stdout, &stdout)
+	for _, want := range []string{`server.listen: want a port number from 0 to 65535, got "808O"`, `server.metrics_listen: want a port number from 0 to 65535, got "70000"`} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("check-config of bad ports lacks %q:\n%v", want, err)
+		}
+	}
+	if err := run(context.Background(), []string{"serve", "-config", ports}, &stdout, &stdout); err == nil {
+		t.Error("serve took a config whose port is not a number")
+	}
+	if _, err := os.Stat(dbPath); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("serve with a bad port created %s (%v)", dbPath, err)
+	}
+
+	// allowed_cidrs replaces GitHub's ranges: a list that leaves them out
+	// is a warning; one that takes them in is not.
+	for _, c := range []struct {
+		cidrs string
+		warn  bool
+	}{
+		{`["127.0.0.0/8"]`, true},
+		{`["127.0.0.0/8", "192.30.252.0/22", "185.199.108.0/22", "140.82.112.0/20", "143.55.64.0/20", "2a0a:a440::/29", "2606:50c0::/32"]`, false},
+		{`["0.0.0.0/0", "::/0"]`, false},
+	} {
+		path := filepath.Join(dir, "cidrs.toml")
+		os.WriteFile(path, []byte(`
+[api]
+operator_token = "operator-token-for-tests-0123456789"
+producer_token = "producer-token-for-tests-0123456789"
+[github]
+webhook_secret = "a-webhook-secret-for-tests"
+allowed_cidrs = `+c.cidrs+`
+[[brokers]]
+url = "amqp://guest:guest@127.0.0.1:5672/"
+`), 0o600)
+		stdout.Reset()
+		if err := run(context.Background(), []string{"check-config", "-config", path}, &stdout, &stdout); err != nil {
+			t.Fatal(err)
+		}
+		if got := strings.Contains(stdout.String(), "github.allowed_cidrs replaces GitHub's hooks ranges"); got != c.warn {
+			t.Errorf("allowed_cidrs = %s: warned %t, want %t:\n%s", c.cidrs, got, c.warn, stdout.String())
 		}
 	}
 
