@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -158,6 +159,69 @@ func TestStatusTellsThePresent(t *testing.T) {
 	for _, w := range d.workers[:2] { // service and database-service: cleanup's window is short
 		if st := w.State(); st.Failures != 0 || st.LastError != "" || !st.WindowEnds.After(time.Now().Add(time.Minute)) {
 			t.Errorf("worker %s: %+v; want no failure while its 5-minute window runs", w.Name, st)
+		}
+	}
+}
+
+// A publish that the broker refuses for github-database while github took
+// it is told as it is: github stored, database-service waiting for a
+// redelivery; GitHub's redelivery is then stored by database-service,
+// which the story says, and the raw row is told as received again.
+func TestStoryOfAHalfRefusedPublish(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.GitHub.BotAppID = testBotAppID
+	d := startDaemon(t, cfg)
+	rabbitmqctl(t, "set_policy", "-p", vhost, "--apply-to", "queues", "refuse", "^github-database$", `{"max-length":0,"overflow":"reject-publish"}`)
+	body := loadFixture(t, "pull_request", "opened")
+	guid := newGUID()
+	req := func() *http.Request {
+		r := webhookRequest(t, d.URL, "pull_request", guid, body)
+		r.Header.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
+		r.Header.Set("X-GitHub-Hook-Installation-Target-ID", strconv.Itoa(testBotAppID))
+		return r
+	}
+	eventually(t, 30*time.Second, "the policy in force", func() bool {
+		code, _ := do(t, req())
+		return code == http.StatusServiceUnavailable
+	})
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 30*time.Second, "the github copy stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+	})
+	st, err := d.store.Story(context.Background(), guid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := storyText(st)
+	for _, want := range []string{"stored", "worker database-service\tnot yet", "a redelivery brings it"} {
+		if !strings.Contains(text, want) {
+			t.Errorf("the story of a half-refused publish:\n%s\nwant %q", text, want)
+		}
+	}
+
+	rabbitmqctl(t, "clear_policy", "-p", vhost, "refuse")
+	eventually(t, 30*time.Second, "the redelivery accepted", func() bool {
+		code, _ := do(t, req())
+		return code == http.StatusAccepted
+	})
+	waitDatabase(t, db, guid)
+	eventually(t, 30*time.Second, "the raw row's duplicate counted", func() bool {
+		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = ?", guid) == 1
+	})
+	if st, err = d.store.Story(context.Background(), guid); err != nil {
+		t.Fatal(err)
+	}
+	text = storyText(st)
+	for _, want := range []string{"worker database-service\tstored", "the raw row kept as it was", "typed row\tgithub_pull_requests"} {
+		if !strings.Contains(text, want) {
+			t.Errorf("the story after the redelivery:\n%s\nwant %q", text, want)
+		}
+	}
+	for _, not := range []string{"changed nothing", "not yet"} {
+		if strings.Contains(text, not) {
+			t.Errorf("the story after the redelivery:\n%s\nsays %q", text, not)
 		}
 	}
 }

@@ -477,7 +477,7 @@ func (st *DeliveryStory) Lines() []StoryLine {
 				if r.Duplicates != 1 {
 					times = fmt.Sprintf("%d times", r.Duplicates)
 				}
-				add("duplicate", "received again %s after it was stored, the last %s; each changed nothing", times, when(*r.LastDuplicateAt))
+				add("duplicate", "received again %s after it was stored, the last %s; the raw row kept as it was", times, when(*r.LastDuplicateAt))
 			}
 			if r.PrunedAt != nil {
 				add("payload", "pruned %s (database.raw_retention); the row stays as the delivery's identity", when(*r.PrunedAt))
@@ -488,11 +488,18 @@ func (st *DeliveryStory) Lines() []StoryLine {
 			add("stored", "not in github")
 		}
 		for _, w := range c.Workers {
-			outcome := w.Outcome
-			if outcome == "stale" {
+			outcome := "stored"
+			if w.Outcome == "stale" {
 				outcome = "stale: the typed row held a newer object and was kept"
 			}
 			add("worker "+w.Worker, "%s %s", outcome, when(w.At))
+		}
+		if r := c.Received; r != nil && !r.Forbidden && !slices.ContainsFunc(c.Workers, func(w StoryWorker) bool { return w.Worker == "database-service" }) {
+			// The fanout gave the copy to both queues, or to github only
+			// when the broker refused github-database's part of it (the
+			// webhook was then answered 503, and GitHub's redelivery
+			// brings it again).
+			add("worker database-service", "%s", "not yet: its message waits in github-database, or the broker refused it there and a redelivery brings it")
 		}
 		for _, r := range c.Rows {
 			add("typed row", "%s %s", r.Table, r.Key)
