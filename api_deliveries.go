@@ -147,8 +147,9 @@ func (a *API) deliveriesPage(w http.ResponseWriter, r *http.Request, _ httproute
 }
 
 // deliveryPage is GET /status/deliveries/GUID: the story (every hook's
-// copy, or with ?hook=ID that hook's only) and the first copy's payload,
-// or with ?download=1 the whole payload as application/json.
+// copy, or with ?hook=ID that hook's only) and each copy's payload under
+// its hook ID, or with ?download=1&hook=ID that copy's whole payload as
+// application/json.
 func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
 	guid := ps.ByName("guid")
 	hook, err := hookQuery(r.URL.Query())
@@ -173,21 +174,12 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 		http.Error(w, "500 internal error", http.StatusInternalServerError)
 		return
 	}
-	payload := st.Payload()
 	if r.URL.Query().Get("download") == "1" {
+		// The copy ?hook= names (narrowed above), else the first one.
 		w.Header().Set("Content-Type", "application/json")
 		w.Header().Set("Content-Disposition", `attachment; filename="delivery.json"`)
-		_, _ = w.Write([]byte(payload))
+		_, _ = w.Write([]byte(st.Payload()))
 		return
-	}
-	download := "?download=1"
-	if hook >= 0 {
-		download += "&hook=" + strconv.FormatInt(hook, 10)
-	}
-	shown := payload
-	cut := len(shown) > shownPayload
-	if cut {
-		shown = shown[:shownPayload]
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	w.Header().Set("Cache-Control", "no-store")
@@ -196,12 +188,37 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 		pageActions
 		GUID     string // both embed one
 		Lines    []StoryLine
-		Shown    string
-		Cut      bool
-		Download string
-	}{st, a.actions(r, guid), guid, st.Lines(), shown, cut, download}); err != nil {
+		Payloads []pagePayload
+	}{st, a.actions(r, guid), guid, st.Lines(), pagePayloads(st)}); err != nil {
 		a.log.Warn("delivery page", "error", err)
 	}
+}
+
+// pagePayload is one copy's payload as the delivery page shows it: under
+// its hook ID, the first shownPayload bytes, and a link to the whole.
+type pagePayload struct {
+	Hook     int64
+	Shown    string
+	Cut      bool
+	Download string
+}
+
+// pagePayloads are the payloads of the story's stored copies, each under
+// its hook: two hooks' copies of one event are two payloads (GitHub sends
+// each hook its own), and each downloads apart.
+func pagePayloads(st *DeliveryStory) []pagePayload {
+	var out []pagePayload
+	for _, c := range st.Copies {
+		if c.Received == nil || c.Payload == "" {
+			continue
+		}
+		p := pagePayload{Hook: c.Hook, Shown: c.Payload, Download: "?download=1&hook=" + strconv.FormatInt(c.Hook, 10)}
+		if p.Cut = len(p.Shown) > shownPayload; p.Cut {
+			p.Shown = p.Shown[:shownPayload]
+		}
+		out = append(out, p)
+	}
+	return out
 }
 
 // hookQuery reads ?hook=, the hook whose copy alone a page shows; -1 when
@@ -387,9 +404,10 @@ var deliveryTemplate = template.Must(template.Must(template.New("delivery").Func
 <tr><th>from</th><td>{{.SourceIP}}</td></tr>
 </table>{{end}}{{end}}
 {{template "replay" .}}
-{{if .Shown}}<h2>Payload</h2>
+{{range .Payloads}}<h2>Payload, hook {{.Hook}}</h2>
 {{if .Cut}}<p>The first 256 KiB; <a href="{{.Download}}">download the whole payload</a>.</p>{{else}}<p><a href="{{.Download}}">Download</a></p>{{end}}
-<pre id="payload">{{.Shown}}</pre>{{end}}
+<pre class="payload" id="payload-{{.Hook}}">{{.Shown}}</pre>
+{{end}}
 </body></html>`))
 
 // replayForm is the delivery pages' replay button, and what the last

@@ -225,3 +225,55 @@ func TestStoryOfAHalfRefusedPublish(t *testing.T) {
 		}
 	}
 }
+
+// The delivery page of an event two hooks received shows each copy's
+// payload under its hook ID, each with a download of that copy.
+func TestDeliveryPageShowsEachCopy(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	d := startDaemon(t, cfg)
+	db := openDB(t, cfg.Database.Path)
+	guid := newGUID()
+	bodies := map[bool][]byte{}
+	for _, bot := range []bool{false, true} {
+		bodies[bot] = mutate(t, loadFixture(t, "issues", "opened"), func(p map[string]any) {
+			obj(p, "issue")["title"] = fmt.Sprintf("the copy for the bot: %t", bot)
+		})
+		if code := postCopy(t, d.URL, "issues", guid, bodies[bot], bot); code != http.StatusAccepted {
+			t.Fatalf("copy (bot %t): %d", bot, code)
+		}
+	}
+	eventually(t, 30*time.Second, "both copies stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 2
+	})
+	get := func(path string) string {
+		req, _ := http.NewRequest(http.MethodGet, d.URL+path, nil)
+		req.SetBasicAuth("operator", "operator-token-for-tests")
+		code, body := do(t, req)
+		if code != http.StatusOK {
+			t.Fatalf("%s: %d", path, code)
+		}
+		return body
+	}
+	page := get("/status/deliveries/" + guid)
+	for bot, hook := range map[bool]int{false: testRepoHook, true: testAppHook} {
+		head := fmt.Sprintf("<h2>Payload, hook %d</h2>", hook)
+		i := strings.Index(page, head)
+		if i < 0 {
+			t.Errorf("the page has no %q", head)
+			continue
+		}
+		section := page[i:]
+		if j := strings.Index(section[len(head):], "<h2>"); j >= 0 {
+			section = section[:len(head)+j]
+		}
+		title := fmt.Sprintf("the copy for the bot: %t", bot)
+		if !strings.Contains(section, title) || !strings.Contains(section, fmt.Sprintf(`href="?download=1&amp;hook=%d"`, hook)) {
+			t.Errorf("hook %d's payload section lacks its own payload or download:\n%s", hook, section)
+		}
+		if got := get(fmt.Sprintf("/status/deliveries/%s?download=1&hook=%d", guid, hook)); got != string(bodies[bot]) {
+			t.Errorf("hook %d's download is not its copy's payload", hook)
+		}
+	}
+}
