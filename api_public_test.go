@@ -9,6 +9,9 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"os"
+	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -275,5 +278,39 @@ func TestDeliveryPageShowsEachCopy(t *testing.T) {
 		if got := get(fmt.Sprintf("/status/deliveries/%s?download=1&hook=%d", guid, hook)); got != string(bodies[bot]) {
 			t.Errorf("hook %d's download is not its copy's payload", hook)
 		}
+	}
+}
+
+// The database file holds every payload: it is created readable by its
+// owner only, and so are its WAL and shared-memory files. received_at
+// keeps the microseconds the README says.
+func TestDatabaseFileModeAndTimes(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	d := startDaemon(t, cfg)
+	guid := newGUID()
+	if code := postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
+		t.Fatalf("webhook: %d", code)
+	}
+	db := openDB(t, cfg.Database.Path)
+	eventually(t, 30*time.Second, "the webhook stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+	})
+	for _, p := range []string{cfg.Database.Path, cfg.Database.Path + "-wal", cfg.Database.Path + "-shm"} {
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode().Perm() != 0o600 {
+			t.Errorf("%s: mode %04o, want 0600", filepath.Base(p), fi.Mode().Perm())
+		}
+	}
+	var received string
+	if err := db.QueryRow("SELECT received_at FROM github WHERE delivery_id = ?", guid).Scan(&received); err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$`).MatchString(received) || strings.HasSuffix(received, ".000000Z") {
+		t.Errorf("received_at %q, want the microseconds the webhook was taken at", received)
 	}
 }

@@ -77,6 +77,9 @@ func DecodeEvent(d Delivery) (*Event, error) {
 	if env.Installation != nil {
 		ev.InstallationID = env.Installation.ID
 	}
+	if t, err := time.Parse(timeFormat, get(hdrReceivedAt)); err == nil {
+		ev.ReceivedAt = t // to the microsecond; the timestamp has seconds
+	}
 	if ev.ReceivedAt.IsZero() {
 		ev.ReceivedAt = time.Now()
 	}

@@ -71,6 +71,9 @@ const (
 	hdrTargetID   = "x-github-hook-installation-target-id"
 	hdrTargetType = "x-github-hook-installation-target-type"
 	hdrSourceIP   = "x-source-ip"
+	// hdrReceivedAt is when the webhook endpoint took the delivery, in
+	// timeFormat: the message's timestamp property has whole seconds only.
+	hdrReceivedAt = "x-received-at"
 )
 
 // MalformedError is a delivery that does not have the shape GitHub's
@@ -89,7 +92,7 @@ var eventHeaders = []string{hdrEvent, hdrDelivery, hdrHookID, hdrTargetID, hdrTa
 // newPublishing builds the message for one webhook delivery: the raw payload as
 // body and the GitHub headers as message headers.
 func newPublishing(h http.Header, payload []byte, sourceIP string, now time.Time) amqp.Publishing {
-	headers := amqp.Table{hdrSourceIP: sourceIP}
+	headers := amqp.Table{hdrSourceIP: sourceIP, hdrReceivedAt: formatTime(now)}
 	for _, k := range eventHeaders {
 		if v := h.Get(k); v != "" {
 			headers[k] = v

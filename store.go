@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -55,6 +56,11 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 	// rounded up to a power of two), so n MiB of cache hold 2n MB of RSS:
 	// 4 MiB is where a larger cache stopped speeding up inserts into a
 	// table of a million rows (BENCHMARKS.md). Readers keep the default.
+	// The file holds every payload: created readable by its owner only
+	// (SQLite gives its -wal and -shm files the same mode).
+	if f, err := os.OpenFile(cfg.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600); err == nil {
+		f.Close()
+	}
 	w, err := sql.Open("sqlite", dsn("cache_size(-4096)"))
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
