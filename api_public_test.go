@@ -77,6 +77,11 @@ func TestPublicAnswersNameNothing(t *testing.T) {
 				t.Errorf("webhook: %d %s, want 503 saying broker %s with the GUID", code, body, c.want)
 			}
 			named("the webhook's 503", body)
+			// The log line of the refused webhook carries its GUID and
+			// hook ID.
+			if !strings.Contains(d.logs.String(), `msg="webhook rejected" outcome=unavailable status=503 source_ip=127.0.0.1 delivery_id=`+guid+" hook_id=123456") {
+				t.Errorf("no rejected webhook's log line names its GUID and hook ID")
+			}
 
 			resp, err := http.Get(d.URL + "/readyz")
 			if err != nil {

@@ -1041,6 +1041,33 @@ func TestCheckBrokerCommand(t *testing.T) {
 	}
 }
 
+// A broker that drops the connection on check-broker's 20 MiB message (its
+// size limit lower than that) is named as such, on the last line: every
+// check before it is told as the broker answered it.
+func TestCheckBrokerDroppedOnLargeMessage(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, testBrokerAddr())
+	proxy.mu.Lock()
+	proxy.dropOver = 4 << 20
+	proxy.mu.Unlock()
+	dir := t.TempDir()
+	config := writeConfig(t, dir, freeAddr(t), dir+"/switchyard.db", proxy.URL(vhost))
+	var out bytes.Buffer
+	err := run(context.Background(), []string{"check-broker", "-config", config}, &out, &out)
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	var fails []string
+	for _, l := range lines {
+		if strings.HasPrefix(l, "FAIL") {
+			fails = append(fails, l)
+		}
+	}
+	if exitCode(err, io.Discard) != 1 || len(fails) != 1 || !strings.Contains(fails[0], "compressed message") ||
+		!strings.Contains(fails[0], "dropped the connection") || !strings.Contains(fails[0], "max_message_bytes") {
+		t.Errorf("check-broker through a broker that drops large messages: %v, failing lines %q\n%s", err, fails, out.String())
+	}
+}
+
 // listQueueNames is rabbitmqctl's list of vhost's queues.
 func listQueueNames(t testing.TB, vhost string) string {
 	t.Helper()

@@ -626,6 +626,10 @@ type tcpProxy struct {
 	caFile  string
 	delay   time.Duration // set: each direction is this late (newWANProxy)
 	frames  *frameCounts  // set: the AMQP methods a plan's quota counts, counted as they pass
+	// dropOver, when set, drops a connection once its client has sent
+	// more than this many bytes: a broker that closes the connection on a
+	// message over its size limit.
+	dropOver int64
 }
 
 // frameCounts are the billable AMQP methods a proxy saw: basic.publish from
@@ -770,16 +774,21 @@ func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
 			scan.skip = 8 // "AMQP" 0 0 9 1
 		}
 	}
+	dropOver := p.dropOver
 	p.mu.Unlock()
 	if p.delay > 0 {
 		p.delayedPipe(dst, src, scan)
 		return
 	}
 	buf := make([]byte, 32<<10)
+	var sent int64
 	for {
 		n, err := src.Read(buf)
 		if n > 0 && scan != nil {
 			scan.feed(buf[:n])
+		}
+		if sent += int64(n); fromClient && dropOver > 0 && sent > dropOver {
+			break
 		}
 		if n > 0 {
 			for p.isStalled() {

@@ -48,6 +48,8 @@ type brokerCheck struct {
 	// closes tells why the broker closed ch: a 403 is a permission the
 	// user lacks, which the check names.
 	closes chan *amqp.Error
+	// connCloses tells that the connection closed.
+	connCloses chan *amqp.Error
 	cfg    QueueConfig
 	prefix string
 	spent  int64
@@ -67,7 +69,8 @@ func CheckBroker(ctx context.Context, b *Broker, cfg QueueConfig, log *slog.Logg
 	}
 	suffix := make([]byte, 4)
 	_, _ = rand.Read(suffix)
-	c := &brokerCheck{bc: bc, conn: conn, cfg: cfg, prefix: "switchyard-check-" + hex.EncodeToString(suffix)}
+	c := &brokerCheck{bc: bc, conn: conn, cfg: cfg, prefix: "switchyard-check-" + hex.EncodeToString(suffix),
+		connCloses: conn.NotifyClose(make(chan *amqp.Error, 1))}
 	defer c.cleanup()
 
 	c.blockedAdvertised()
@@ -105,6 +108,17 @@ func (c *brokerCheck) open() error {
 	}
 	c.ch, c.closes = ch, ch.NotifyClose(make(chan *amqp.Error, 1))
 	return nil
+}
+
+// dropped reports whether the connection closed, waiting a moment for
+// amqp091-go to notice: a write that failed goes before it.
+func (c *brokerCheck) dropped() bool {
+	select {
+	case <-c.connCloses:
+		return true
+	case <-time.After(time.Second):
+		return c.conn.IsClosed()
+	}
 }
 
 // closedBy is why the broker closed the check's channel, as the user's
@@ -329,7 +343,7 @@ func (c *brokerCheck) large(maxBytes int64) {
 	if err == nil {
 		_, err = c.publish("", q, amqp.Publishing{Body: packed, ContentEncoding: encodingGzip, MessageId: "check-large", DeliveryMode: amqp.Persistent})
 	}
-	if err != nil && c.conn.IsClosed() {
+	if err != nil && c.dropped() {
 		c.add(name, false, "%d bytes compressed: the broker dropped the connection on it: its message size limit is below that; "+
 			"set brokers[%d].max_message_bytes under the limit so that switchyard answers 413 instead (%v)", len(packed), c.bc.broker.Index, err)
 		return
