@@ -50,10 +50,10 @@ type brokerCheck struct {
 	closes chan *amqp.Error
 	// connCloses tells that the connection closed.
 	connCloses chan *amqp.Error
-	cfg    QueueConfig
-	prefix string
-	spent  int64
-	checks []BrokerCheck
+	cfg        QueueConfig
+	prefix     string
+	spent      int64
+	checks     []BrokerCheck
 }
 
 // CheckBroker checks broker b for what switchyard relies on, with queues of
