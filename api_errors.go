@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 )
@@ -21,6 +22,10 @@ var (
 	ErrTooLarge     = errors.New("body too large")
 	ErrUnavailable  = errors.New("broker unavailable, retry later")
 )
+
+// ErrBusy is a webhook refused for lack of room: too many body bytes are
+// being read at once. 503 with Retry-After.
+var ErrBusy = fmt.Errorf("%w: too many webhook bytes in flight", ErrUnavailable)
 
 // Errors of the admin API that map to statuses.
 var (
@@ -72,10 +77,10 @@ func brokerProblem(err error) string {
 // says what was wrong with the request; a broker's failure says only its
 // kind (brokerProblem); anything else is "internal error".
 func publicText(err error) string {
-	var nq *notQueued
+	var pub interface{ public() string }
 	switch status := statusOf(err); {
-	case errors.As(err, &nq):
-		return nq.public()
+	case errors.As(err, &pub):
+		return pub.public()
 	case status >= 500 && errors.Is(err, ErrBusy):
 		return ErrBusy.Error()
 	case status >= 500:

@@ -165,10 +165,6 @@ const maxPooledBody = 1 << 20
 // this; beyond it the buffer grows as bytes come.
 const firstReserve = 64 << 10
 
-// ErrBusy is a webhook refused for lack of room: too many body bytes are
-// being read at once. 503 with Retry-After.
-var ErrBusy = fmt.Errorf("%w: too many webhook bytes in flight", ErrUnavailable)
-
 // inflightBodies bounds the webhook body bytes held at once
 // (server.max_inflight_bytes): every
 // body takes its size from it before it is read, and gives it back when the
