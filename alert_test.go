@@ -218,6 +218,10 @@ func TestMatchPattern(t *testing.T) {
 // happened; an Event it does not match sends nothing.
 func TestAlertsSent(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testAlertsSent)
+}
+
+func testAlertsSent(t *testing.T) {
 	smtp, push := newSMTPSink(t), newPushSink(t)
 	cfg := alertConfig(t, smtp.addr, push.srv.URL, "pull_request.opened")
 	d := startDaemon(t, cfg)
@@ -226,10 +230,10 @@ func TestAlertsSent(t *testing.T) {
 	other := newGUID()
 	postWebhook(t, d.URL, "issues", other, loadFixture(t, "issues", "opened"))
 
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "alert sent and recorded", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NOT NULL", pr) == 1 &&
-			queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", other) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1 AND alerted_at IS NOT NULL", pr) == 1 &&
+			queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", other) == 1
 	})
 	d.stop(t)
 	msgs := smtp.messages()
@@ -251,7 +255,7 @@ func TestAlertsSent(t *testing.T) {
 		!strings.Contains(p.tags, "pull_request") || p.auth != "Bearer push-secret-token" || !strings.Contains(p.body, "octo-org/switchyard-demo") {
 		t.Errorf("push: %+v", p)
 	}
-	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NULL", other); n != 1 {
+	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1 AND alerted_at IS NULL", other); n != 1 {
 		t.Errorf("the non-matching Event was marked alerted")
 	}
 	if strings.Contains(d.logs.String(), "push-secret-token") {
@@ -264,6 +268,10 @@ func TestAlertsSent(t *testing.T) {
 // its count are written once; once SMTP is back, the email goes out.
 func TestAlertRetriesOnlyTheAlert(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testAlertRetriesOnlyTheAlert)
+}
+
+func testAlertRetriesOnlyTheAlert(t *testing.T) {
 	addr := reserveAddr(t)
 	push := newPushSink(t)
 	cfg := alertConfig(t, addr, push.srv.URL, "pull_request.*")
@@ -274,19 +282,19 @@ func TestAlertRetriesOnlyTheAlert(t *testing.T) {
 	eventually(t, 20*time.Second, "a retry of the email alert", func() bool {
 		return strings.Count(d.logs.String(), "alert not sent, will retry") >= 2
 	})
-	db := openDB(t, cfg.Database.Path)
-	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NULL", guid); n != 1 {
+	db := openStoreDB(t, cfg.Database)
+	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1 AND alerted_at IS NULL", guid); n != 1 {
 		t.Fatalf("row while the alert fails: %d, want stored once and not alerted", n)
 	}
 	if strings.Contains(d.logs.String(), "transient failure, message will retry") {
 		t.Errorf("the message was retried for its alert; it should be acked once stored")
 	}
-	if n := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id = ? AND channel = 'email' AND sent_at IS NULL AND attempts >= 2 AND last_error != ''", guid); n != 1 {
+	if n := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id = $1 AND channel = 'email' AND sent_at IS NULL AND attempts >= 2 AND last_error != ''", guid); n != 1 {
 		t.Errorf("email outbox row: %d, want one unsent with its failures recorded", n)
 	}
 	smtp := newSMTPSinkAt(t, addr)
 	eventually(t, 30*time.Second, "alert sent once SMTP is back", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NOT NULL", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1 AND alerted_at IS NOT NULL", guid) == 1
 	})
 	d.stop(t)
 	if n := len(smtp.messages()); n != 1 {
@@ -313,9 +321,9 @@ func TestForbiddenAlert(t *testing.T) {
 	d := startDaemon(t, cfg)
 	guid := newGUID()
 	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "forbidden row alerted", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND forbidden = 1 AND alerted_at IS NOT NULL", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1 AND forbidden = 1 AND alerted_at IS NOT NULL", guid) == 1
 	})
 	d.stop(t)
 	msgs := smtp.messages()
@@ -370,7 +378,7 @@ func TestStalledAlertsNeverSlowStoring(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 60*time.Second, "every Event stored while the alert servers stall", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github") == n
 	})

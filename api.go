@@ -32,6 +32,7 @@ type API struct {
 	workers []*Worker // for the status
 	usage   *Usage
 	hooks   *Hooks // nil without the GitHub App
+	leases  *Leases
 	// csrfKey signs the tokens of the operator's POST forms; a new one each
 	// start, so a page from before a restart must be loaded again.
 	csrfKey []byte
@@ -51,9 +52,9 @@ func (a *API) Close() { a.inspections.Wait() }
 
 // NewAPI builds the HTTP surface over the daemon's parts.
 func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook *Webhook, metrics *Metrics, workers []*Worker,
-	usage *Usage, hooks *Hooks, log *slog.Logger) *API {
+	usage *Usage, hooks *Hooks, leases *Leases, log *slog.Logger) *API {
 	a := &API{cfg: cfg, store: store, brokers: brokers, queues: queues, webhook: webhook, metrics: metrics,
-		workers: workers, usage: usage, hooks: hooks, csrfKey: make([]byte, 32), started: time.Now().UTC(), auth: newAuthGuard(log), log: log}
+		workers: workers, usage: usage, hooks: hooks, leases: leases, csrfKey: make([]byte, 32), started: time.Now().UTC(), auth: newAuthGuard(log), log: log}
 	tokens := cfg.API
 	a.tokens.Store(&tokens)
 	_, _ = rand.Read(a.csrfKey) // crypto/rand never fails on Linux

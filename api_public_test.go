@@ -194,9 +194,9 @@ func TestStoryOfAHalfRefusedPublish(t *testing.T) {
 		code, _ := do(t, req())
 		return code == http.StatusServiceUnavailable
 	})
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "the github copy stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1
 	})
 	st, err := d.store.Story(context.Background(), guid)
 	if err != nil {
@@ -216,7 +216,7 @@ func TestStoryOfAHalfRefusedPublish(t *testing.T) {
 	})
 	waitDatabase(t, db, guid)
 	eventually(t, 30*time.Second, "the raw row's duplicate counted", func() bool {
-		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = ?", guid) == 1
+		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = $1", guid) == 1
 	})
 	if st, err = d.store.Story(context.Background(), guid); err != nil {
 		t.Fatal(err)
@@ -241,7 +241,7 @@ func TestDeliveryPageShowsEachCopy(t *testing.T) {
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	guid := newGUID()
 	bodies := map[bool][]byte{}
 	for _, bot := range []bool{false, true} {
@@ -253,7 +253,7 @@ func TestDeliveryPageShowsEachCopy(t *testing.T) {
 		}
 	}
 	eventually(t, 30*time.Second, "both copies stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 2
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 2
 	})
 	get := func(path string) string {
 		req, _ := http.NewRequest(http.MethodGet, d.URL+path, nil)
@@ -298,9 +298,9 @@ func TestDatabaseFileModeAndTimes(t *testing.T) {
 	if code := postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
 		t.Fatalf("webhook: %d", code)
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "the webhook stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1
 	})
 	for _, p := range []string{cfg.Database.Path, cfg.Database.Path + "-wal", cfg.Database.Path + "-shm"} {
 		fi, err := os.Stat(p)
@@ -312,7 +312,7 @@ func TestDatabaseFileModeAndTimes(t *testing.T) {
 		}
 	}
 	var received string
-	if err := db.QueryRow("SELECT received_at FROM github WHERE delivery_id = ?", guid).Scan(&received); err != nil {
+	if err := db.QueryRow("SELECT received_at FROM github WHERE delivery_id = $1", guid).Scan(&received); err != nil {
 		t.Fatal(err)
 	}
 	if !regexp.MustCompile(`^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$`).MatchString(received) || strings.HasSuffix(received, ".000000Z") {

@@ -52,6 +52,17 @@ type Status struct {
 	// Budgets are the brokers' spending this budget month.
 	Budgets []BudgetView `json:"budgets"`
 
+	// Node is this node's name; Nodes every node sharing the database
+	// (on SQLite, this one), Leases who holds each once-only job.
+	Node   string      `json:"node"`
+	Nodes  []NodeView  `json:"nodes"`
+	Leases []LeaseView `json:"leases"`
+	// LeaseTTL is server.lease_ttl: a job with no live holder for twice
+	// it is a problem.
+	LeaseTTL time.Duration `json:"-"`
+	// Jobs are the once-only jobs this configuration runs.
+	Jobs []string `json:"-"`
+
 	// Problems names each thing that needs the operator, [] when all is
 	// well: `switchyard status` exits 1 when there is one.
 	Problems []string `json:"problems"`
@@ -101,6 +112,15 @@ func (st *Status) problems() []string {
 	for _, w := range st.Workers {
 		if w.Failures > 0 {
 			ps = append(ps, fmt.Sprintf("worker %s failed its last %s: %s", w.Name, plural(w.Failures, "cycle"), w.LastError))
+		}
+	}
+	for _, job := range st.Jobs {
+		i := slices.IndexFunc(st.Leases, func(l LeaseView) bool { return l.Job == job })
+		switch {
+		case i < 0 && st.Now.Sub(st.StartedAt) > 2*st.LeaseTTL:
+			ps = append(ps, fmt.Sprintf("job %s has no node holding its lease", job))
+		case i >= 0 && !st.Leases[i].Live && st.Leases[i].Orphaned > 2*st.LeaseTTL:
+			ps = append(ps, fmt.Sprintf("job %s has had no live holder for %s (last held by node %s)", job, st.Leases[i].Orphaned, st.Leases[i].Node))
 		}
 	}
 	if n := st.GapsTotal; n > 0 {
@@ -253,6 +273,10 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 		return st, err
 	}
 	st.Statistics, st.Database, st.Gaps, st.GapsTotal, st.Unrecoverable = db.Statistics, db.Database, db.Gaps, db.GapsTotal, db.Unrecoverable
+	st.Node, st.LeaseTTL, st.Jobs = a.cfg.Server.NodeName, a.cfg.Server.LeaseTTL, leaseJobs(a.cfg)
+	if st.Nodes, st.Leases, err = a.store.Cluster(ctx, a.cfg.Server.LeaseTTL); err != nil {
+		return st, err
+	}
 	if a.usage != nil {
 		if st.Budgets, err = a.usage.Views(ctx, st.Now); err != nil {
 			return st, err

@@ -57,6 +57,10 @@ func statusScene(t *testing.T) (d *testDaemon, a, b string) {
 // the statistics and the database; operator token only.
 func TestStatusAPI(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testStatusAPI)
+}
+
+func testStatusAPI(t *testing.T) {
 	d, _, _ := statusScene(t)
 	var st Status
 	// The workers take the three webhooks from the active broker, and cycle
@@ -440,6 +444,10 @@ func TestFailedLoginsThrottled(t *testing.T) {
 // whole (exit 1 for the gaps, not 3).
 func TestStatusBoundedWithManyGaps(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testStatusBoundedWithManyGaps)
+}
+
+func testStatusBoundedWithManyGaps(t *testing.T) {
 	cfg := testConfig(t, amqpURL(newVhost(t)))
 	ctx := context.Background()
 	store, err := OpenStore(ctx, cfg.Database, nil)
@@ -452,7 +460,7 @@ func TestStatusBoundedWithManyGaps(t *testing.T) {
 	err = store.WriteTx(ctx, func(tx *Tx) error {
 		_, err := tx.exec(ctx, `WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 100000)
 			INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at)
-			SELECT printf('gap-%06d', i), i, 'issues', ?, ? FROM n`, formatTime(time.Now().Add(-5*time.Hour)), formatTime(time.Now()))
+			SELECT 'gap-' || CAST(1000000 + i AS TEXT), i, 'issues', $1, $2 FROM n`, formatTime(time.Now().Add(-5*time.Hour)), formatTime(time.Now()))
 		return err
 	})
 	store.Close()
@@ -499,8 +507,12 @@ func mustRequestAuth(t testing.TB, url string) *http.Request {
 // the story with hostile payload strings escaped; an unknown GUID is 404.
 func TestDeliveriesSearch(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testDeliveriesSearch)
+}
+
+func testDeliveriesSearch(t *testing.T) {
 	d := startDaemon(t, testConfig(t, amqpURL(newVhost(t))))
-	db := openDB(t, d.cfg.Database.Path)
+	db := openStoreDB(t, d.cfg.Database)
 	// Raw, as GitHub sends it: encoding/json would write \u003c.
 	hostile := []byte(strings.Replace(string(loadFixture(t, "issues", "opened")),
 		`"title": "Webhooks from the second broker arrive twice"`, `"title": "<script>alert(\"x\")</script>"`, 1))
@@ -610,7 +622,7 @@ func TestReplayFromDeliveryPage(t *testing.T) {
 	failed.Headers[hdrErrorReason] = "database is locked (simulated)"
 	publishRaw(t, vhost, "", errorQueue(queueGitHub), failed)
 	d := startDaemon(t, cfg)
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 
 	client := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 	page := func() (int, string) {
@@ -656,7 +668,7 @@ func TestReplayFromDeliveryPage(t *testing.T) {
 		t.Fatalf("replay: %d to %q, want 303 saying it was replayed from github-error", resp.StatusCode, resp.Header.Get("Location"))
 	}
 	eventually(t, 20*time.Second, "the replayed delivery stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1
 	})
 	if resp := post(d.URL, token); resp.StatusCode != http.StatusSeeOther || !strings.Contains(resp.Header.Get("Location"), "replayed=none") {
 		t.Errorf("a second press: %d to %q, want 303 saying nothing was done", resp.StatusCode, resp.Header.Get("Location"))
@@ -723,9 +735,9 @@ func TestDeliveriesInBrowser(t *testing.T) {
 	msg.Headers[hdrErrorReason] = "database is locked (simulated)"
 	publishRaw(t, vhost, "", errorQueue(queueDatabase), msg)
 	d := startDaemon(t, cfg)
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "the raw row stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1
 	})
 	base := browserProxy(t, d.URL)
 
@@ -784,6 +796,10 @@ func TestDaemonCloseLeavesNoGoroutine(t *testing.T) {
 // the page does not take: each look is a delivery a plan bills).
 func TestStoryOneModelTwoViews(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testStoryOneModelTwoViews)
+}
+
+func testStoryOneModelTwoViews(t *testing.T) {
 	d, cfg, db := botDaemon(t)
 	ctx := context.Background()
 	dup := newGUID()
@@ -791,7 +807,7 @@ func TestStoryOneModelTwoViews(t *testing.T) {
 	waitDatabase(t, db, dup)
 	postAs(t, d.URL, "pull_request", dup, loadFixture(t, "pull_request", "opened"), true)
 	eventually(t, 20*time.Second, "the duplicate counted", func() bool {
-		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = ?", dup) == 1
+		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = $1", dup) == 1
 	})
 	gap := newGUID()
 	if err := d.store.WriteTx(ctx, func(tx *Tx) error {
@@ -810,9 +826,9 @@ func TestStoryOneModelTwoViews(t *testing.T) {
 	vhost := d.brokers.List()[0].Vhost
 	eventually(t, 20*time.Second, "the delivery in github-database-error", func() bool {
 		return ready(t, vhost, errorQueue(queueDatabase)) == 1 &&
-			queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", failed) == 1
+			queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", failed) == 1
 	})
-	config := writeConfig(t, t.TempDir(), "127.0.0.1:1", cfg.Database.Path, cfg.Brokers[0].URL)
+	config := writeConfigWith(t, t.TempDir(), "127.0.0.1:1", databaseKeys(cfg.Database), "", cfg.Brokers[0].URL)
 	cell := regexp.MustCompile(`<tr><th>(.*?)</th><td>(.*?)</td></tr>|<tr class="copy"><th colspan="2">(.*?)</th></tr>`)
 	for name, guid := range map[string]string{"duplicate": dup, "gap": gap, "-error": failed} {
 		var out bytes.Buffer

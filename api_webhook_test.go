@@ -56,7 +56,7 @@ func TestWebhookFixturesEndToEnd(t *testing.T) {
 		}
 	}
 
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 60*time.Second, "every fixture stored", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github") == len(wants)
 	})
@@ -135,13 +135,13 @@ func TestWebhookDuplicateDelivery(t *testing.T) {
 	if code := postWebhook(t, d.URL, "issues", other, body); code != http.StatusAccepted {
 		t.Fatalf("got %d, want 202", code)
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	// The third, distinct delivery is stored after both copies were handled.
 	eventually(t, 20*time.Second, "the distinct delivery stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", other) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", other) == 1
 	})
 	eventually(t, 20*time.Second, "github queue empty", func() bool { return ready(t, vhost, queueGitHub) == 0 })
-	if got := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid); got != 1 {
+	if got := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid); got != 1 {
 		t.Errorf("rows for the repeated delivery: got %d, want 1", got)
 	}
 	if got := queryInt(t, db, "SELECT sum(count) FROM github_statistics_6h WHERE event = 'issues' AND action = 'opened'"); got != 2 {
@@ -246,7 +246,7 @@ func TestWebhookRejectsBadRequests(t *testing.T) {
 	if code, b := do(t, r); code != http.StatusAccepted {
 		t.Fatalf("form delivery: got %d %s, want 202", code, b)
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "form delivery stored", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github") >= 1
 	})
@@ -299,27 +299,27 @@ func TestWebhookForbiddenSource(t *testing.T) {
 		t.Errorf("forbidden: got %s, want status queued and queue %s", b, queueForbidden)
 	}
 
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "both stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") == 2 })
 	eventually(t, 20*time.Second, "database-service saw the allowed one", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", allowed) == 1
+		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = $1", allowed) == 1
 	})
 	var ip string
 	var flag int
-	if err := db.QueryRow("SELECT source_ip, forbidden FROM github WHERE delivery_id = ?", forbidden).Scan(&ip, &flag); err != nil {
+	if err := db.QueryRow("SELECT source_ip, forbidden FROM github WHERE delivery_id = $1", forbidden).Scan(&ip, &flag); err != nil {
 		t.Fatal(err)
 	}
 	if ip != "203.0.113.9" || flag != 1 {
 		t.Errorf("forbidden row: got source_ip=%s forbidden=%d, want 203.0.113.9 and 1", ip, flag)
 	}
-	if err := db.QueryRow("SELECT source_ip, forbidden FROM github WHERE delivery_id = ?", allowed).Scan(&ip, &flag); err != nil {
+	if err := db.QueryRow("SELECT source_ip, forbidden FROM github WHERE delivery_id = $1", allowed).Scan(&ip, &flag); err != nil {
 		t.Fatal(err)
 	}
 	if ip != "140.82.115.4" || flag != 0 {
 		t.Errorf("allowed row: got source_ip=%s forbidden=%d, want 140.82.115.4 and 0", ip, flag)
 	}
 	d.stop(t)
-	if got := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", forbidden); got != 0 {
+	if got := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = $1", forbidden); got != 0 {
 		t.Errorf("database-service processed the forbidden delivery")
 	}
 }
@@ -338,7 +338,7 @@ func TestWebhookBrokerUnavailable(t *testing.T) {
 	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
 		t.Fatalf("with the broker up: got %d, want 202", code)
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "first delivery stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") == 1 })
 
 	for _, tt := range []struct {
@@ -489,7 +489,7 @@ func TestOneConnectionPerBroker(t *testing.T) {
 			t.Fatalf("got %d", code)
 		}
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "deliveries stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") == 5 })
 	// A few cycles run their leftover drains on b too.
 	logged(t, d.logs, "leftover drain found nothing", 9)

@@ -265,8 +265,8 @@ func sustained(b testing.TB, p *benchProcess, payload []byte, clients int, d tim
 	}
 	want := int(posted.Load())
 	eventually(b, 10*time.Minute, "every webhook in github and github_pull_requests", func() bool {
-		return queryInt(b, db, "SELECT count(*) FROM github WHERE delivery_id LIKE ?", prefix+"%") == want &&
-			queryInt(b, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id LIKE ?", prefix+"%") == want
+		return queryInt(b, db, "SELECT count(*) FROM github WHERE delivery_id LIKE $1", prefix+"%") == want &&
+			queryInt(b, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id LIKE $1", prefix+"%") == want
 	})
 	return float64(want) / time.Since(start).Seconds(), want
 }
@@ -601,7 +601,7 @@ func rawBatchedConsume(b testing.TB, url, queue string, n, window int, db *sql.D
 			b.Fatal(err)
 		}
 		for i := range ds {
-			if _, err := tx.Exec("INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('raw', ?, ?)",
+			if _, err := tx.Exec("INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('raw', $1, $2)",
 				ds[i].MessageId, string(value(&ds[i]))); err != nil {
 				b.Fatal(err)
 			}
@@ -693,14 +693,14 @@ func benchBilling(b *testing.B, payload []byte, rtt time.Duration) billing {
 		b.Fatal(err)
 	}
 	eventually(b, 5*time.Minute, "every webhook in github and github_pull_requests", func() bool {
-		return queryInt(b, db, "SELECT count(*) FROM github WHERE delivery_id LIKE ?", prefix+"%") == billingWebhooks &&
-			queryInt(b, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id LIKE ?", prefix+"%") == billingWebhooks
+		return queryInt(b, db, "SELECT count(*) FROM github WHERE delivery_id LIKE $1", prefix+"%") == billingWebhooks &&
+			queryInt(b, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id LIKE $1", prefix+"%") == billingWebhooks
 	})
 	res.daemonCPUPerWebhook = (p.cpu(b) - cpu0) / billingWebhooks
 	res.webhooks = billingWebhooks
 
 	var lat []float64
-	rows, err := db.Query(`SELECT delivery_id, updated_at FROM github_pull_requests WHERE delivery_id LIKE ?`, prefix+"%")
+	rows, err := db.Query(`SELECT delivery_id, updated_at FROM github_pull_requests WHERE delivery_id LIKE $1`, prefix+"%")
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -463,7 +463,7 @@ func rawInsert(b testing.TB, db *sql.DB, id string, value []byte) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	if _, err := tx.Exec("INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('raw', ?, ?)", id, string(value)); err != nil {
+	if _, err := tx.Exec("INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('raw', $1, $2)", id, string(value)); err != nil {
 		b.Fatal(err)
 	}
 	if err := tx.Commit(); err != nil {
@@ -739,8 +739,8 @@ func benchSwitch(b *testing.B) (time.Duration, time.Duration) {
 		return false
 	})
 	var lastAck string
-	if err := db.QueryRow(`SELECT max(processed_at) FROM (SELECT processed_at FROM github WHERE delivery_id = ?
-		UNION ALL SELECT processed_at FROM worker_deliveries WHERE delivery_id = ?)`, guid, guid).Scan(&lastAck); err != nil {
+	if err := db.QueryRow(`SELECT max(processed_at) FROM (SELECT processed_at FROM github WHERE delivery_id = $1
+		UNION ALL SELECT processed_at FROM worker_deliveries WHERE delivery_id = $2)`, guid, guid).Scan(&lastAck); err != nil {
 		b.Fatal(err)
 	}
 	t1, _ := time.Parse(time.RFC3339Nano, lastAck)

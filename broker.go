@@ -115,6 +115,72 @@ type Brokers struct {
 	// that they are published in the order they committed. No network I/O
 	// happens under it, and reads never wait for it.
 	changes sync.Mutex
+
+	// node names this node among those sharing the database (JoinNodes),
+	// "" for a process alone with it; a node not seen for goneAfter is
+	// gone.
+	node      string
+	goneAfter time.Duration
+}
+
+// JoinNodes makes bs node's, one of the nodes sharing the database, whose
+// rows say they are alive within lease_ttl: a Pending Switch completes
+// only once every live node found the active broker drained, with nothing
+// of it in hand (CompleteIfDrained).
+func (bs *Brokers) JoinNodes(node string, leaseTTL time.Duration) {
+	bs.node, bs.goneAfter = node, 3*leaseTTL
+}
+
+// Shared reports whether other nodes may change the state: the database
+// is shared.
+func (bs *Brokers) Shared() bool { return bs.store.Shared() }
+
+// Refresh reads the state and, when another node changed it since, makes
+// it this node's: published, so that the workers end their windows and the
+// webhook routes by it, as for a change made here.
+func (bs *Brokers) Refresh(ctx context.Context) error {
+	// Under changes: no change of this node's lands between the read and
+	// the publish.
+	bs.changes.Lock()
+	defer bs.changes.Unlock()
+	st, err := bs.read(ctx, bs.store.Settings)
+	if err != nil {
+		return err
+	}
+	bs.mu.Lock()
+	changed := !st.same(bs.cached)
+	bs.mu.Unlock()
+	if changed {
+		bs.log.Info("broker state changed by another node", "active", st.Active, "pending", st.Pending != nil)
+		bs.publish(st)
+	}
+	return nil
+}
+
+// Follow refreshes the state every interval until ctx ends: nodes
+// sharing the database see another's change within it.
+func (bs *Brokers) Follow(ctx context.Context, interval time.Duration) error {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+		if err := bs.Refresh(ctx); err != nil && ctx.Err() == nil {
+			bs.log.Debug("cannot read the broker state", "error", err)
+		}
+	}
+}
+
+// same reports whether st and o are the same state.
+func (st SwitchState) same(o SwitchState) bool {
+	samePending := (st.Pending == nil) == (o.Pending == nil) && (st.Pending == nil ||
+		st.Pending.Index == o.Pending.Index && st.Pending.SwitchedAt.Equal(o.Pending.SwitchedAt))
+	sameLast := (st.Last == nil) == (o.Last == nil) && (st.Last == nil ||
+		st.Last.From == o.Last.From && st.Last.To == o.Last.To && st.Last.CompletedAt.Equal(o.Last.CompletedAt))
+	return st.Active == o.Active && samePending && sameLast && st.Watermark.Equal(o.Watermark)
 }
 
 // NewBrokers parses the configured brokers and reads the stored state.
@@ -212,7 +278,7 @@ func (bs *Brokers) State(ctx context.Context) (SwitchState, error) {
 	bs.mu.Lock()
 	version := bs.version
 	bs.mu.Unlock()
-	st, err := bs.read(ctx, bs.store.Setting)
+	st, err := bs.read(ctx, bs.store.Settings)
 	if err != nil {
 		return st, err
 	}
@@ -225,17 +291,14 @@ func (bs *Brokers) State(ctx context.Context) (SwitchState, error) {
 	return st, nil
 }
 
-// read decodes the four settings. A stored pending target that is no longer
-// configured reads as none; an active index past the end reads as 0.
-func (bs *Brokers) read(ctx context.Context, setting func(context.Context, string) (string, error)) (SwitchState, error) {
+// read decodes the four settings, read in one query. A stored pending
+// target that is no longer configured reads as none; an active index past
+// the end reads as 0.
+func (bs *Brokers) read(ctx context.Context, settings func(context.Context, ...string) (map[string]string, error)) (SwitchState, error) {
 	var st SwitchState
-	vals := map[string]string{}
-	for _, k := range []string{keyActiveIndex, keyPendingSwitch, keyLastSwitch, keyWatermark} {
-		v, err := setting(ctx, k)
-		if err != nil {
-			return st, err
-		}
-		vals[k] = v
+	vals, err := settings(ctx, keyActiveIndex, keyPendingSwitch, keyLastSwitch, keyWatermark)
+	if err != nil {
+		return st, err
 	}
 	if v := vals[keyActiveIndex]; v != "" {
 		i, err := strconv.Atoi(v)
@@ -278,7 +341,12 @@ func (bs *Brokers) change(ctx context.Context, fn func(tx *Tx, st SwitchState, n
 	var out SwitchState
 	var changed bool
 	err := bs.store.WriteTx(ctx, func(tx *Tx) error {
-		st, err := bs.read(ctx, tx.Setting)
+		// Nodes sharing the database change it one at a time: each reads
+		// the state the last change committed.
+		if err := tx.Lock(ctx, "broker switch"); err != nil {
+			return err
+		}
+		st, err := bs.read(ctx, tx.Settings)
 		if err != nil {
 			return err
 		}
@@ -404,11 +472,24 @@ func (bs *Brokers) CompleteIfDrained(ctx context.Context, drained func(ctx conte
 	if err != nil || !ok {
 		return false, err
 	}
+	// Nodes sharing the database each find it drained, each with
+	// nothing of it in hand, before one completes the switch.
+	key := st.Pending.SwitchedAt.UTC().Format(time.RFC3339Nano)
+	if bs.node != "" {
+		if err := bs.store.WriteTx(ctx, func(tx *Tx) error { return tx.VoteDrained(ctx, bs.node, key) }); err != nil {
+			return false, err
+		}
+	}
 	flipped := false
 	_, err = bs.change(ctx, func(tx *Tx, cur SwitchState, now time.Time) (SwitchState, bool, error) {
 		if cur.Pending == nil || cur.Active != st.Active || cur.Pending.Index != st.Pending.Index ||
 			!cur.Pending.SwitchedAt.Equal(st.Pending.SwitchedAt) {
 			return cur, false, nil
+		}
+		if bs.node != "" {
+			if all, err := tx.AllDrained(ctx, key, bs.goneAfter); err != nil || !all {
+				return cur, false, err
+			}
 		}
 		last := &LastSwitch{From: cur.Active, To: cur.Pending.Index, Reason: "drained",
 			SwitchedAt: cur.Pending.SwitchedAt, CompletedAt: now}

@@ -104,6 +104,10 @@ func activeIndex(t testing.TB, url string) int {
 // and cancelling.
 func TestBrokerAPI(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testBrokerAPI)
+}
+
+func testBrokerAPI(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	// The HTTP side alone: no worker completes a Pending Switch under the test.
@@ -219,7 +223,7 @@ func TestBrokerAPI(t *testing.T) {
 		t.Errorf("active after late notification: got %d, want 1", got)
 	}
 	// The settings rows keep the names the README gives them.
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	var pending, watermark string
 	if err := db.QueryRow("SELECT value FROM settings WHERE key = 'broker.pending_switch'").Scan(&pending); err != nil || pending != "" {
 		t.Errorf("broker.pending_switch: %q %v, want \"\"", pending, err)
@@ -297,12 +301,12 @@ func publishN(t testing.TB, vhost, prefix string, n int) []string {
 
 // idRange returns the lowest and highest github.id of the deliveries, i.e.
 // their commit order.
-func idRange(t testing.TB, dbPath string, guids []string) (lo, hi int) {
+func idRange(t testing.TB, store DatabaseConfig, guids []string) (lo, hi int) {
 	t.Helper()
-	db := openDB(t, dbPath)
+	db := openStoreDB(t, store)
 	lo, hi = 1<<62, -1
 	for _, g := range guids {
-		id := queryInt(t, db, "SELECT id FROM github WHERE delivery_id = ?", g)
+		id := queryInt(t, db, "SELECT id FROM github WHERE delivery_id = $1", g)
 		lo, hi = min(lo, id), max(hi, id)
 	}
 	return lo, hi
@@ -310,9 +314,9 @@ func idRange(t testing.TB, dbPath string, guids []string) (lo, hi int) {
 
 // storedAll waits until every delivery is in github and was seen by
 // database-service.
-func storedAll(t testing.TB, dbPath string, guids []string, timeout time.Duration) {
+func storedAll(t testing.TB, store DatabaseConfig, guids []string, timeout time.Duration) {
 	t.Helper()
-	db := openDB(t, dbPath)
+	db := openStoreDB(t, store)
 	want := map[string]bool{}
 	for _, g := range guids {
 		want[g] = true
@@ -324,7 +328,7 @@ func storedAll(t testing.TB, dbPath string, guids []string, timeout time.Duratio
 	count := func(query string) int {
 		n := 0
 		for chunk := range slices.Chunk(ids, 500) {
-			n += queryInt(t, db, query+" IN (?"+strings.Repeat(", ?", len(chunk)-1)+")", chunk...)
+			n += queryInt(t, db, numberParams(query+" IN (?"+strings.Repeat(", ?", len(chunk)-1)+")"), chunk...)
 		}
 		return n
 	}
@@ -347,6 +351,10 @@ func afterChecks(t testing.TB, logs *logSink, n int) {
 // waits for A's main and retry queues but not for its -error queues.
 func TestProducerRotation(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testProducerRotation)
+}
+
+func testProducerRotation(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	retryTTL := 3 * time.Second
 	declareTestTopology(t, a, retryTTL)
@@ -392,14 +400,14 @@ func TestProducerRotation(t *testing.T) {
 	}
 
 	all := append(append(append([]string{}, onA...), retrying...), onB...)
-	storedAll(t, cfg.Database.Path, all, 60*time.Second)
-	_, hiA := idRange(t, cfg.Database.Path, append(append([]string{}, onA...), retrying...))
-	loB, _ := idRange(t, cfg.Database.Path, onB)
+	storedAll(t, cfg.Database, all, 60*time.Second)
+	_, hiA := idRange(t, cfg.Database, append(append([]string{}, onA...), retrying...))
+	loB, _ := idRange(t, cfg.Database, onB)
 	if hiA >= loB {
 		var late string
-		_ = openDB(t, cfg.Database.Path).QueryRow("SELECT delivery_id FROM github WHERE id = ?", hiA).Scan(&late)
+		_ = openStoreDB(t, cfg.Database).QueryRow("SELECT delivery_id FROM github WHERE id = $1", hiA).Scan(&late)
 		t.Errorf("order broken: a message from A (%s) committed (id %d) after one from B (id %d)", late, hiA, loB)
-		rows, _ := openDB(t, cfg.Database.Path).Query("SELECT id, delivery_id, processed_at FROM github WHERE id >= ? ORDER BY id", loB-3)
+		rows, _ := openStoreDB(t, cfg.Database).Query("SELECT id, delivery_id, processed_at FROM github WHERE id >= $1 ORDER BY id", loB-3)
 		for rows.Next() {
 			var id int
 			var g, at string
@@ -458,9 +466,9 @@ func TestDoubleRotation(t *testing.T) {
 	onC := publishN(t, c, "c", 10)
 
 	all := append(append(append(append([]string{}, onA...), holdA), onB...), onC...)
-	storedAll(t, cfg.Database.Path, all, 60*time.Second)
-	_, hiAB := idRange(t, cfg.Database.Path, append(append(append([]string{}, onA...), holdA), onB...))
-	loC, _ := idRange(t, cfg.Database.Path, onC)
+	storedAll(t, cfg.Database, all, 60*time.Second)
+	_, hiAB := idRange(t, cfg.Database, append(append(append([]string{}, onA...), holdA), onB...))
+	loC, _ := idRange(t, cfg.Database, onC)
 	if hiAB >= loC {
 		t.Errorf("order broken: a message from A or B committed (id %d) after one from C (id %d)", hiAB, loC)
 	}
@@ -483,6 +491,10 @@ func TestDoubleRotation(t *testing.T) {
 // deadline (30 s) is half a window.
 func TestOperatorSwitchMovesWorkers(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testOperatorSwitchMovesWorkers)
+}
+
+func testOperatorSwitchMovesWorkers(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	declareTestTopology(t, b, 200*time.Millisecond)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
@@ -499,7 +511,7 @@ func TestOperatorSwitchMovesWorkers(t *testing.T) {
 	forbidden := "forbidden-" + randHex(4)
 	publishRaw(t, b, "", queueForbidden, eventMessage("issues", forbidden, loadFixture(t, "issues", "opened")))
 
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, cfg.Workers.Window/2, "all workers reading B within their windows", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github WHERE forbidden = 0") == len(onB) &&
 			queryInt(t, db, "SELECT count(*) FROM github WHERE forbidden = 1") == 1 &&
@@ -524,7 +536,7 @@ func TestPendingSwitchWaitsForUnreachableActive(t *testing.T) {
 	// Messages on A are processed while the spare is down: its drain is a
 	// warning, not a failed cycle.
 	onA := publishN(t, a, "a", 3)
-	storedAll(t, cfg.Database.Path, onA, 20*time.Second)
+	storedAll(t, cfg.Database, onA, 20*time.Second)
 	if !strings.Contains(d.logs.String(), "leftover drain skipped broker") {
 		t.Errorf("no warning about the unreachable spare")
 	}
@@ -548,13 +560,17 @@ func TestPendingSwitchWaitsForUnreachableActive(t *testing.T) {
 	proxyA.Reopen()
 	eventually(t, 30*time.Second, "the flip once A is back", func() bool { return activeIndex(t, d.URL) == 1 })
 	onB := publishN(t, b, "b", 3)
-	storedAll(t, cfg.Database.Path, onB, 20*time.Second)
+	storedAll(t, cfg.Database, onB, 20*time.Second)
 }
 
 // Four workers checking the drain at the same moment produce one flip and one
 // last_switch.
 func TestConcurrentDrainChecks(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testConcurrentDrainChecks)
+}
+
+func testConcurrentDrainChecks(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	ctx := context.Background()
@@ -607,6 +623,10 @@ func TestConcurrentDrainChecks(t *testing.T) {
 // through that broker's retry cycle and is processed later, exactly once.
 func TestLeftoverDrainRetry(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testLeftoverDrainRetry)
+}
+
+func testLeftoverDrainRetry(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	declareTestTopology(t, b, 200*time.Millisecond)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
@@ -637,7 +657,7 @@ func TestLeftoverDrainRetry(t *testing.T) {
 
 	eventually(t, 20*time.Second, "the leftover stored", func() bool {
 		var n int
-		_ = store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = ?", guid).Scan(&n)
+		_ = store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = $1", guid).Scan(&n)
 		return n == 1
 	})
 	cancel()
@@ -826,6 +846,10 @@ func TestAdminAPIBodyLimits(t *testing.T) {
 // blocks later real notifications until the operator clears the watermark.
 func TestNotifyClockSkewAndWatermark(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testNotifyClockSkewAndWatermark)
+}
+
+func testNotifyClockSkewAndWatermark(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	d := startAPI(t, cfg)
@@ -862,6 +886,10 @@ func TestNotifyClockSkewAndWatermark(t *testing.T) {
 // an operator switch, is stale and does not move the broker back.
 func TestWatermarkNanoseconds(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testWatermarkNanoseconds)
+}
+
+func testWatermarkNanoseconds(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	d := startAPI(t, cfg)
@@ -939,7 +967,7 @@ func TestReplayWhileServing(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
 	dir := t.TempDir()
-	config := writeConfig(t, dir, "127.0.0.1:1", cfg.Database.Path, amqpURL(a), amqpURL(b))
+	config := writeConfigWith(t, dir, "127.0.0.1:1", databaseKeys(cfg.Database), "", amqpURL(a), amqpURL(b))
 	declareTestTopology(t, a, cfg.Queue.RetryTTL)
 	declareTestTopology(t, b, cfg.Queue.RetryTTL)
 	for i := 0; i < 5; i++ {
@@ -986,9 +1014,9 @@ func TestReplayWhileServing(t *testing.T) {
 	if err := run(context.Background(), []string{"replay", "-config", config, "-broker", "1", "github-error"}, &out, &out); err != nil {
 		t.Fatalf("replay -broker 1: %v\n%s", err, out.String())
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "the stranded deliveries stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id IN (?, ?)", stranded[0], stranded[1]) == 2
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id IN ($1, $2)", stranded[0], stranded[1]) == 2
 	})
 	if n := ready(t, b, errorQueue(queueGitHub)); n != 0 {
 		t.Errorf("github-error on broker 1 after replay -broker 1: %d left", n)

@@ -76,7 +76,7 @@ func migrate(ctx context.Context, cfg *Config, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "database %s: schema version %d -> %d\n", cfg.Database.Path, from, to)
+	fmt.Fprintf(stdout, "database %s: schema version %d -> %d\n", store.Name(), from, to)
 	return nil
 }
 
@@ -84,13 +84,17 @@ func migrate(ctx context.Context, cfg *Config, stdout io.Writer) error {
 // run from another directory, a relative database.path would otherwise be a
 // new, empty database, backed up or read as if it were the real one.
 func openExisting(ctx context.Context, cfg DatabaseConfig) (*Store, error) {
-	if _, err := os.Stat(cfg.Path); errors.Is(err, fs.ErrNotExist) {
+	if _, err := os.Stat(cfg.Path); cfg.Driver != "postgres" && errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("database %s does not exist (only serve and migrate create one; a relative database.path is read from the current directory)", cfg.Path)
 	}
 	return OpenStore(ctx, cfg, nil)
 }
 
 func backup(ctx context.Context, cfg *Config, dest string, stdout io.Writer) error {
+	if cfg.Database.Driver == "postgres" {
+		return fmt.Errorf("backup copies an SQLite file; database.driver is \"postgres\": use pg_dump, or the provider's backups " +
+			"(switchyard copy-db -to FILE makes an SQLite copy too)")
+	}
 	store, err := openExisting(ctx, cfg.Database)
 	if err != nil {
 		return err
@@ -302,6 +306,20 @@ func writeStatus(w io.Writer, st Status) {
 				out = v.RunsOut.Format("2006-01-02")
 			}
 			fmt.Fprintf(tw, "#%d\t%d\t%d\t%s\t%s\t%d\t%s\n", v.Broker, v.Published, v.Delivered, quota, used, v.Projected, out)
+		}
+		tw.Flush()
+	}
+	if len(st.Nodes) > 0 {
+		fmt.Fprintln(tw, "\nNODE\tVERSION\tSTARTED\tLAST SEEN\tLEASES")
+		for _, n := range st.Nodes {
+			name, seen := n.Name, ago(st.Now, n.SeenAt)
+			if n.Name == st.Node {
+				name += " (this one)"
+			}
+			if n.Gone {
+				seen += " (gone)"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", name, n.Version, n.StartedAt.Format(time.RFC3339), seen, strings.Join(n.Leases, " "))
 		}
 		tw.Flush()
 	}

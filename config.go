@@ -39,6 +39,10 @@ type Config struct {
 	Alerts       AlertsConfig       `toml:"alerts"`
 	HealthChecks HealthChecksConfig `toml:"healthchecks"`
 	Log          LogConfig          `toml:"log"`
+
+	// set are the keys the file set ("database.path"), for the warnings
+	// about keys that do not apply.
+	set map[string]bool
 }
 
 // ServerConfig is the HTTP listener.
@@ -58,14 +62,29 @@ type ServerConfig struct {
 	// MemoryLimit is the Go runtime's soft memory limit in bytes (0: none);
 	// GOMEMLIMIT in the environment wins over it.
 	MemoryLimit int64 `toml:"memory_limit"`
+	// NodeName names this node among those sharing one database; the
+	// host name by default.
+	NodeName string `toml:"node_name"`
+	// LeaseTTL is how long a once-only job's lease lasts unrenewed; the
+	// holder renews it every third of it.
+	LeaseTTL time.Duration `toml:"lease_ttl"`
 }
 
 // metricsOnAPI reports whether /metrics is served on the API listener: only
 // when the operator gave metrics_listen the same address.
 func (c ServerConfig) metricsOnAPI() bool { return c.MetricsListen == c.Listen }
 
-// DatabaseConfig is the SQLite file.
+// DatabaseConfig is the store: an SQLite file (the default), or a
+// PostgreSQL database shared by several nodes.
 type DatabaseConfig struct {
+	// Driver is "sqlite" or "postgres".
+	Driver string `toml:"driver"`
+	// URL is the PostgreSQL database (postgres only), with its password:
+	// never print it, use redactDatabaseURL.
+	URL string `toml:"url"`
+	// MaxConns bounds the connections to PostgreSQL.
+	MaxConns int `toml:"max_conns"`
+	// Path, Synchronous and BusyTimeout are SQLite's.
 	Path        string        `toml:"path"`
 	Synchronous string        `toml:"synchronous"`
 	BusyTimeout time.Duration `toml:"busy_timeout"`
@@ -236,8 +255,8 @@ type LogConfig struct {
 func DefaultConfig() *Config {
 	return &Config{
 		Server: ServerConfig{Listen: "127.0.0.1:8080", MetricsListen: "127.0.0.1:9185", ShutdownTimeout: 25 * time.Second, MaxInflightBytes: 64 << 20,
-			MemoryLimit: 48 << 20},
-		Database: DatabaseConfig{Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
+			MemoryLimit: 48 << 20, NodeName: hostName(), LeaseTTL: 30 * time.Second},
+		Database: DatabaseConfig{Driver: "sqlite", MaxConns: 10, Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
 			RawRetention: Duration(90 * 24 * time.Hour), DeliveryRetention: Duration(30 * 24 * time.Hour)},
 		API: APIConfig{MaxClockSkew: 5 * time.Minute},
 		GitHub: GitHubConfig{APIURL: "https://api.github.com", ReconcileGrace: 2 * time.Hour, RedeliverGaps: true,
@@ -272,6 +291,30 @@ func DefaultConfig() *Config {
 	}
 }
 
+// hostName is the machine's host name, the default node_name: cut to what
+// a node name may hold.
+func hostName() string {
+	h, _ := os.Hostname()
+	h = strings.Map(func(r rune) rune {
+		if nodeNameRune(r) {
+			return r
+		}
+		return '-'
+	}, h)
+	if len(h) > maxNodeName {
+		h = h[:maxNodeName]
+	}
+	return cmp.Or(h, "switchyard")
+}
+
+// maxNodeName is the longest node_name.
+const maxNodeName = 64
+
+// nodeNameRune reports whether r may be in a node name: [A-Za-z0-9._-].
+func nodeNameRune(r rune) bool {
+	return r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-'
+}
+
 // DecodeConfig decodes TOML over DefaultConfig without validating. Each key
 // is decoded on its own, so that one bad value or unknown key does not hide
 // the next: the Config it returns holds every value that decoded, the
@@ -286,6 +329,10 @@ func DecodeConfig(r io.Reader) (*Config, error) {
 	var errs []error
 	var unknown []string
 	decodeKeys(&md, top, reflect.ValueOf(cfg).Elem(), "", &errs, &unknown)
+	cfg.set = map[string]bool{}
+	for _, k := range md.Keys() {
+		cfg.set[k.String()] = true
+	}
 	for _, k := range md.Undecoded() {
 		// Keys under a table already reported unknown, or under a value
 		// that failed to decode, are not news.

@@ -81,16 +81,38 @@ func (c *Config) Validate() error {
 		bad("server.max_inflight_bytes", "at least 1 MiB (1048576), got %d", c.Server.MaxInflightBytes)
 	}
 
-	if c.Database.Path == "" {
-		bad("database.path", "required")
-	} else if dir := filepath.Dir(c.Database.Path); !isDir(dir) {
-		bad("database.path", "directory %s does not exist (serve creates the file, not its directory)", dir)
+	if err := checkNodeName(c.Server.NodeName); err != nil {
+		bad("server.node_name", "%v", err)
 	}
-	if !slices.Contains([]string{"FULL", "NORMAL", "EXTRA"}, strings.ToUpper(c.Database.Synchronous)) {
-		bad("database.synchronous", "want FULL, NORMAL or EXTRA, got %q", c.Database.Synchronous)
+	if c.Server.LeaseTTL < minLeaseTTL {
+		bad("server.lease_ttl", "at least %s, got %s", minLeaseTTL, c.Server.LeaseTTL)
 	}
-	if c.Database.BusyTimeout <= 0 {
-		bad("database.busy_timeout", "must be positive")
+
+	switch c.Database.Driver {
+	case "postgres":
+		if err := checkDatabaseURL(c.Database.URL); err != nil {
+			bad("database.url", "%v", err)
+		}
+		if c.Database.MaxConns < 1 {
+			bad("database.max_conns", "at least 1, got %d", c.Database.MaxConns)
+		}
+	case "sqlite":
+		if c.Database.URL != "" {
+			bad("database.url", `for driver = "postgres" only; driver is "sqlite", whose file is database.path`)
+		}
+		if c.Database.Path == "" {
+			bad("database.path", "required")
+		} else if dir := filepath.Dir(c.Database.Path); !isDir(dir) {
+			bad("database.path", "directory %s does not exist (serve creates the file, not its directory)", dir)
+		}
+		if !slices.Contains([]string{"FULL", "NORMAL", "EXTRA"}, strings.ToUpper(c.Database.Synchronous)) {
+			bad("database.synchronous", "want FULL, NORMAL or EXTRA, got %q", c.Database.Synchronous)
+		}
+		if c.Database.BusyTimeout <= 0 {
+			bad("database.busy_timeout", "must be positive")
+		}
+	default:
+		bad("database.driver", `want "sqlite" or "postgres", got %q`, c.Database.Driver)
 	}
 	if r := c.Database.RawRetention; r < 0 || r > 0 && time.Duration(r) < githubRedeliveryWindow {
 		bad("database.raw_retention", "0 (keep forever) or at least 72h, GitHub's redelivery window, got %s", r)
@@ -268,6 +290,49 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
+// minLeaseTTL is the shortest lease_ttl: a holder renews every third of
+// it, and must hear back from the database well within it.
+const minLeaseTTL = 2 * time.Second
+
+// checkNodeName accepts 1 to maxNodeName of [A-Za-z0-9._-].
+func checkNodeName(name string) error {
+	if name == "" || len(name) > maxNodeName || strings.IndexFunc(name, func(r rune) bool { return !nodeNameRune(r) }) >= 0 {
+		return fmt.Errorf("want 1 to %d of A-Z, a-z, 0-9, '.', '_' and '-', got %q", maxNodeName, name)
+	}
+	return nil
+}
+
+// checkDatabaseURL accepts a postgres:// URL with a host and a database,
+// never quoting it (it holds the password) in its errors.
+func checkDatabaseURL(raw string) error {
+	if raw == "" {
+		return errors.New(`required with driver = "postgres" (postgres://user:password@host:5432/db?sslmode=require)`)
+	}
+	u, err := url.Parse(raw)
+	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		return errors.New("want a postgres:// URL (postgres://user:password@host:5432/db?sslmode=require)")
+	}
+	if u.Host == "" || strings.Trim(u.Path, "/") == "" {
+		return errors.New("want a host and a database: postgres://user:password@host:5432/db")
+	}
+	return nil
+}
+
+// redactDatabaseURL prints a database URL without its password.
+func redactDatabaseURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "(unparseable URL)"
+	}
+	if u.User != nil {
+		if _, ok := u.User.Password(); ok {
+			u.User = url.UserPassword(u.User.Username(), "***")
+		}
+	}
+	s, _ := url.PathUnescape(u.String())
+	return s
+}
+
 // checkListen accepts a listen address: host:port with a numeric port
 // (0 to 65535), the host empty or an address or name.
 func checkListen(addr string) error {
@@ -322,6 +387,17 @@ func (c *Config) Warnings(path string) []string {
 	}
 	if n := len(c.GitHub.WebhookSecret); n > 0 && n < warnSecretLen && c.GitHub.WebhookSecret != example.GitHub.WebhookSecret {
 		ws = append(ws, fmt.Sprintf("github.webhook_secret: %d characters; %d or more is safer (openssl rand -hex 32)", n, warnSecretLen))
+	}
+	if c.Database.Driver == "postgres" {
+		var sqliteOnly []string
+		for _, k := range []string{"database.path", "database.synchronous", "database.busy_timeout"} {
+			if c.set[k] {
+				sqliteOnly = append(sqliteOnly, k)
+			}
+		}
+		if len(sqliteOnly) > 0 {
+			ws = append(ws, strings.Join(sqliteOnly, ", ")+` set, but they are SQLite's: with driver = "postgres" they do not apply`)
+		}
 	}
 	if len(c.GitHub.AllowedCIDRs) > 0 && c.GitHub.MetaFile == "" && !coversGitHubHooks(c.GitHub.AllowedCIDRs) {
 		ws = append(ws, "github.allowed_cidrs replaces GitHub's hooks ranges and leaves some out: webhooks from GitHub "+
@@ -385,8 +461,12 @@ func (c *Config) Summary(w io.Writer) {
 	p("server.listen = %q", c.Server.Listen)
 	p("server.trusted_proxies = %q", c.Server.TrustedProxies)
 	p("server.metrics_listen = %q", c.Server.MetricsListen)
-	p("database.path = %q", c.Database.Path)
-	p("database.synchronous = %q", strings.ToUpper(c.Database.Synchronous))
+	if c.Database.Driver == "postgres" {
+		p("database.driver = \"postgres\", url = %s, max_conns = %d", redactDatabaseURL(c.Database.URL), c.Database.MaxConns)
+	} else {
+		p("database.driver = \"sqlite\", path = %q, synchronous = %q", c.Database.Path, strings.ToUpper(c.Database.Synchronous))
+	}
+	p("server.node_name = %q, lease_ttl = %s", c.Server.NodeName, c.Server.LeaseTTL)
 	p("database.raw_retention = %s, delivery_retention = %s", c.Database.RawRetention, c.Database.DeliveryRetention)
 	p("server.max_inflight_bytes = %d, memory_limit = %d", c.Server.MaxInflightBytes, c.Server.MemoryLimit)
 	p("api.operator_token = %s", mask(c.API.OperatorToken))

@@ -38,7 +38,11 @@ type Daemon struct {
 	alerts    *AlertSender
 	keepalive *Keepalive
 	usage     *Usage
+	leases    *Leases
 	workers   []*Worker
+	// hooks is the hooks worker, which runs under its lease; nil without
+	// the GitHub App.
+	hooks *Worker
 }
 
 // NewDaemon opens and migrates the database and wires everything; nothing runs
@@ -54,17 +58,22 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		store.Close()
 		return nil, err
 	}
+	if err := store.Claim(ctx); err != nil {
+		return fail(err)
+	}
 	from, to, err := store.Migrate(ctx)
 	if err != nil {
 		return fail(err)
 	}
 	if from != to {
-		log.Info("database migrated", "path", cfg.Database.Path, "from", from, "to", to)
+		log.Info("database migrated", "database", store.Name(), "from", from, "to", to)
 	}
 	brokers, err := NewBrokers(ctx, cfg.Brokers, store, metrics, log)
 	if err != nil {
 		return fail(err)
 	}
+	brokers.JoinNodes(cfg.Server.NodeName, cfg.Server.LeaseTTL)
+	leases := NewLeases(store, cfg.Server.NodeName, cfg.Server.LeaseTTL, leaseJobs(cfg), metrics, log)
 	queues := NewQueues(cfg.Queue, brokers.List(), metrics, log)
 	for _, b := range brokers.List() {
 		metrics.broker(b.Index, b.Host, b.Vhost)
@@ -73,19 +82,21 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	if err != nil {
 		return fail(err)
 	}
-	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics}
+	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics, leases: leases}
 	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
-	d.keepalive = NewKeepalive(cfg.Queue, brokers.List(), queues, metrics, log)
+	d.keepalive = NewKeepalive(cfg.Queue, brokers.List(), queues, leases.Lease(jobKeepalive), metrics, log)
 	store.RegisterMetrics(metrics)
-	hc := func(url, name string) *HealthCheck { return NewHealthCheck(url, name, d.metrics, log) }
+	hc := func(url, name string) *HealthCheck {
+		return NewHealthCheck(url, name, leases.Lease(jobHealthChecks), d.metrics, log)
+	}
 	consumed := consumedQueues(cfg)
 	var rotate func(ctx context.Context, views []BudgetView, now time.Time) error
 	if r := NewRotation(cfg, brokers, queues, store, d.alerter, log); r != nil {
 		rotate = r.Check
 	}
-	d.usage = NewUsage(cfg, brokers, queues, store, d.alerter, metrics, log, rotate)
+	d.usage = NewUsage(cfg, brokers, queues, store, d.alerter, metrics, log, leases.Lease(jobBudget), rotate)
 	worker := func(o WorkerOptions) *Worker {
 		o.Consumed, o.Metrics = consumed, metrics
 		if o.Batch != nil {
@@ -94,6 +105,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		return NewWorker(o, w, brokers, queues, log)
 	}
 	retention := NewRetention(store, cfg.Database, log.With("worker", "cleanup"))
+	retentionLease := leases.Lease(jobRetention)
 	d.workers = []*Worker{
 		worker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(alerter, cfg.GitHub.AppID, false),
 			Batch: store, Window: w.Window, Health: hc(cfg.HealthChecks.Service, "service")}),
@@ -103,7 +115,13 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 			Batch:   store, Window: w.Window, Health: hc(cfg.HealthChecks.DatabaseService, "database-service")}),
 		worker(WorkerOptions{Name: "cleanup", Queue: queueForbidden, Handle: serviceHandler(alerter, cfg.GitHub.AppID, true),
 			Batch: store, Window: w.CleanupWindow, Every: w.CleanupEvery, Health: hc(cfg.HealthChecks.Cleanup, "cleanup"),
-			Poll: func(ctx context.Context) error { _, _, err := retention.Prune(ctx); return err }, PollEvery: w.CleanupEvery}),
+			Poll: func(ctx context.Context) error {
+				if !retentionLease.Held() {
+					return nil // another node's job
+				}
+				_, _, err := retention.Prune(ctx)
+				return err
+			}, PollEvery: w.CleanupEvery}),
 	}
 	var hooks *Hooks
 	if cfg.GitHub.AppID > 0 {
@@ -116,7 +134,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		// The hooks worker talks to GitHub per message: it is not batched
 		// (no network I/O inside a transaction). Its poll runs between
 		// windows: a window longer than hooks_poll_every would stretch it.
-		d.workers = append(d.workers, worker(WorkerOptions{Name: "hooks", Queue: queueHooks, HandleMessages: hooks.HandleMessages,
+		d.hooks = worker(WorkerOptions{Name: "hooks", Queue: queueHooks, HandleMessages: hooks.HandleMessages,
 			Window: min(w.Window, w.HooksPollEvery), Health: hc(cfg.HealthChecks.Hooks, "hooks"), PollEvery: w.HooksPollEvery,
 			Poll: func(ctx context.Context) error {
 				n, err := hooks.Poll(ctx)
@@ -124,9 +142,10 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 					log.Info("hooks poll queued failed deliveries", "worker", "hooks", "queued", n)
 				}
 				return err
-			}}))
+			}})
+		d.workers = append(d.workers, d.hooks)
 	}
-	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.usage, hooks, log)
+	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.usage, hooks, leases, log)
 	return d, nil
 }
 
@@ -155,11 +174,19 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	defer stopWork()
 	work, wctx := errgroup.WithContext(workCtx)
 	for _, w := range d.workers {
+		if w == d.hooks {
+			work.Go(func() error { return d.leases.Lease(jobHooks).Run(wctx, w.Run) })
+			continue
+		}
 		work.Go(func() error { return w.Run(wctx) })
 	}
-	work.Go(func() error { return d.alerts.Run(wctx) })
+	work.Go(func() error { return d.leases.Run(wctx) })
+	work.Go(func() error { return d.leases.Lease(jobAlerts).Run(wctx, d.alerts.Run) })
 	work.Go(func() error { return d.keepalive.Run(wctx) })
 	work.Go(func() error { return d.usage.Run(wctx) })
+	if d.store.Shared() {
+		work.Go(func() error { return d.brokers.Follow(wctx, followEvery) })
+	}
 	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
 		work.Go(func() error { d.watchdog(wctx, interval); return nil })
 	}
@@ -175,8 +202,8 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 			}
 		})
 	}
-	d.log.Info("switchyard serving", "version", version, "listen", ln.Addr().String(),
-		"database", d.cfg.Database.Path, "brokers", len(d.brokers.List()))
+	d.log.Info("switchyard serving", "version", version, "node", d.cfg.Server.NodeName, "listen", ln.Addr().String(),
+		"database", d.store.Name(), "brokers", len(d.brokers.List()))
 	if ready != nil {
 		ready()
 	}
@@ -229,6 +256,10 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	}
 	return errors.Join(errs...)
 }
+
+// followEvery is how often a node sharing the database reads the broker
+// state that another node may have changed.
+const followEvery = time.Second
 
 // later is the later of two times.
 func later(a, b time.Time) time.Time {

@@ -53,7 +53,7 @@ func TestFaultBrokerBlocked(t *testing.T) {
 		t.Errorf("the status while blocked: %v %+v, want broker #0 blocked", err, st.Brokers)
 	}
 	// One alert for the block, however often the budget checks while it holds.
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	for range 3 {
 		if err := d.usage.Flush(context.Background()); err != nil {
 			t.Fatal(err)
@@ -76,7 +76,7 @@ func TestFaultBrokerBlocked(t *testing.T) {
 		return postWebhook(t, d.URL, "issues", newGUID(), body) == http.StatusAccepted
 	})
 	eventually(t, 60*time.Second, "the delivery accepted before the block stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", before) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", before) == 1
 	})
 	if v := scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`]; v != 0 {
 		t.Errorf("switchyard_broker_blocked after the alarm cleared: %v, want 0", v)
@@ -139,7 +139,7 @@ func TestFaultBrokerRefuses(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	if n := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id LIKE 'blocked:%' AND channel = 'push'"); n != 1 {
 		t.Errorf("alerts of the refusal: %d, want 1", n)
 	}
@@ -199,11 +199,11 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	if code, answer := do(t, webhookRequest(t, d.URL, "issues", guid, body)); code != http.StatusAccepted {
 		t.Fatalf("a 20 MiB webhook, compressed: %d %s, want 202", code, answer)
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 60*time.Second, "the 20 MiB webhook stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1
 	})
-	if n := queryInt(t, db, "SELECT length(payload) FROM github WHERE delivery_id = ?", guid); n != len(body) {
+	if n := queryInt(t, db, "SELECT length(payload) FROM github WHERE delivery_id = $1", guid); n != len(body) {
 		t.Errorf("stored payload: %d bytes, want %d, whole", n, len(body))
 	}
 	d.stop(t)

@@ -60,10 +60,10 @@ func stream(t *testing.T, url func() string, n, clients int, deadline time.Durat
 // finished once by database-service.
 func storedExactlyOnce(t *testing.T, dbPath string, guids []string, timeout time.Duration) {
 	t.Helper()
-	storedAll(t, dbPath, guids, timeout)
+	storedAll(t, DatabaseConfig{Driver: "sqlite", Path: dbPath}, guids, timeout)
 	db := openDB(t, dbPath)
 	for _, g := range guids {
-		if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", g); n != 1 {
+		if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", g); n != 1 {
 			t.Errorf("delivery %s: %d rows, want 1", g, n)
 		}
 	}
@@ -136,7 +136,7 @@ func TestFaultRabbitMQRestart(t *testing.T) {
 	probe := func() int { return postWebhook(t, d.URL, "issues", newGUID(), body) }
 	done := make(chan []string)
 	go func() { done <- stream(t, func() string { return d.URL }, 600, 4, 3*time.Minute) }()
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "the stream flowing", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") > 0 })
 	rabbitmqctl(t, "stop_app")
 	// While it is down: 503, and the workers find the broker gone.
@@ -212,8 +212,8 @@ func TestFaultStalledBroker(t *testing.T) {
 	eventually(t, 30*time.Second, "202 after the stall", func() bool {
 		return postWebhook(t, d.URL, "issues", guid, body) == http.StatusAccepted
 	})
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "stored after the stall", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1
 	})
 }

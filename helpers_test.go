@@ -241,7 +241,7 @@ func testConfig(t testing.TB, brokerURLs ...string) *Config {
 	// /metrics on the API listener, which tests scrape.
 	cfg.Server.Listen, cfg.Server.MetricsListen = "127.0.0.1:0", "127.0.0.1:0"
 	cfg.Server.TrustedProxies = []string{"127.0.0.2"}
-	cfg.Database.Path = filepath.Join(t.TempDir(), "switchyard.db")
+	cfg.Database = testStore(t)
 	cfg.API.OperatorToken = "operator-token-for-tests"
 	cfg.API.ProducerToken = "producer-token-for-tests"
 	cfg.GitHub.WebhookSecret = testSecret
@@ -452,6 +452,175 @@ func loadFixture(t testing.TB, event, name string) []byte {
 }
 
 // openDB opens the test's database file read-only, for assertions.
+// testPostgresURL is the PostgreSQL server the tests make their databases
+// on: SWITCHYARD_TEST_POSTGRES_URL, by default the local one.
+func testPostgresURL() string {
+	if u := os.Getenv("SWITCHYARD_TEST_POSTGRES_URL"); u != "" {
+		return u
+	}
+	return "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+}
+
+// testPostgres is a connection to that server, or why there is none.
+var testPostgres = sync.OnceValues(func() (*sql.DB, error) {
+	db, err := sql.Open("pgx", testPostgresURL())
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := db.PingContext(ctx); err != nil {
+		db.Close()
+		return nil, err
+	}
+	db.SetMaxOpenConns(4)
+	return db, nil
+})
+
+// needPostgres returns the test server's connection; without one the test
+// skips, saying so, except under CI=true, where it fails.
+func needPostgres(t testing.TB) *sql.DB {
+	t.Helper()
+	db, err := testPostgres()
+	if err != nil {
+		msg := fmt.Sprintf("no PostgreSQL answers at SWITCHYARD_TEST_POSTGRES_URL (%s): %v", redactDatabaseURL(testPostgresURL()), err)
+		if os.Getenv("CI") == "true" {
+			t.Fatal(msg)
+		}
+		t.Skip(msg)
+	}
+	return db
+}
+
+// newPostgresDatabase makes a PostgreSQL database of the test's own and
+// drops it when the test ends; it returns its URL.
+func newPostgresDatabase(t testing.TB) string {
+	t.Helper()
+	admin := needPostgres(t)
+	name := "sy_" + strings.ToLower(strings.NewReplacer("/", "_", "-", "_").Replace(t.Name()))
+	name = strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '_' {
+			return r
+		}
+		return '_'
+	}, name)
+	if len(name) > 40 {
+		name = name[:40]
+	}
+	name += "_" + randHex(4)
+	if _, err := admin.Exec("CREATE DATABASE " + name); err != nil {
+		t.Fatalf("create database %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		if _, err := admin.Exec("DROP DATABASE IF EXISTS " + name + " WITH (FORCE)"); err != nil {
+			t.Logf("drop database %s: %v", name, err)
+		}
+	})
+	u, err := url.Parse(testPostgresURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Path = "/" + name
+	return u.String()
+}
+
+// postgresConfig is a database config of a PostgreSQL database of the
+// test's own.
+func postgresConfig(t testing.TB) DatabaseConfig {
+	t.Helper()
+	db := DefaultConfig().Database
+	db.Driver, db.URL, db.MaxConns = "postgres", newPostgresDatabase(t), 4
+	return db
+}
+
+// onBothStores runs fn twice, as parallel subtests: on SQLite ("sqlite")
+// and on PostgreSQL ("postgres"), which testStore then gives fn's test
+// and its subtests. Every behaviour of the store holds on both.
+func onBothStores(t *testing.T, fn func(t *testing.T)) {
+	t.Helper()
+	t.Run("sqlite", func(t *testing.T) {
+		t.Parallel()
+		fn(t)
+	})
+	t.Run("postgres", func(t *testing.T) {
+		t.Parallel()
+		needPostgres(t)
+		testStores.Store(t.Name(), "postgres")
+		t.Cleanup(func() { testStores.Delete(t.Name()) })
+		fn(t)
+	})
+}
+
+// testStores are, by test name, the dialect onBothStores gave a test
+// ("postgres"), and the PostgreSQL databases made for tests under it.
+var testStores sync.Map
+
+// testStore is the database a test runs on. Under onBothStores'
+// "postgres", a PostgreSQL database of the test's own, the same one for
+// every call in one test; else, as for every other test, an SQLite file
+// of its own, a new one at each call.
+func testStore(t testing.TB) DatabaseConfig {
+	t.Helper()
+	if db, ok := testStores.Load("db:" + t.Name()); ok {
+		return db.(DatabaseConfig)
+	}
+	for name := t.Name(); name != ""; {
+		if v, ok := testStores.Load(name); ok && v == "postgres" {
+			cfg := postgresConfig(t)
+			testStores.Store("db:"+t.Name(), cfg)
+			t.Cleanup(func() { testStores.Delete("db:" + t.Name()) })
+			return cfg
+		}
+		i := strings.LastIndex(name, "/")
+		if i < 0 {
+			break
+		}
+		name = name[:i]
+	}
+	db := DefaultConfig().Database
+	db.Path = filepath.Join(t.TempDir(), "switchyard.db")
+	return db
+}
+
+// databaseKeys are the [database] table's keys of cfg, for a config file.
+func databaseKeys(cfg DatabaseConfig) string {
+	if cfg.Driver == "postgres" {
+		return fmt.Sprintf("driver = \"postgres\"\nurl = %q", cfg.URL)
+	}
+	return fmt.Sprintf("path = %q", cfg.Path)
+}
+
+// openStoreDB opens the test's database, SQLite or PostgreSQL, to read
+// what the daemon wrote.
+func openStoreDB(t testing.TB, cfg DatabaseConfig) *sql.DB {
+	t.Helper()
+	if cfg.Driver != "postgres" {
+		return openDB(t, cfg.Path)
+	}
+	db, err := sql.Open("pgx", cfg.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxOpenConns(2)
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// openWritableDB opens the test's database to write to it, as another
+// program sharing it would (the bot).
+func openWritableDB(t testing.TB, cfg DatabaseConfig) *sql.DB {
+	t.Helper()
+	if cfg.Driver == "postgres" {
+		return openStoreDB(t, cfg)
+	}
+	db, err := sql.Open("sqlite", "file:"+cfg.Path+"?_pragma=busy_timeout(5000)")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
 func openDB(t testing.TB, path string) *sql.DB {
 	t.Helper()
 	db, err := sql.Open("sqlite", "file:"+path+"?mode=ro&_pragma=busy_timeout(5000)")

@@ -58,8 +58,9 @@ type options struct {
 	config      string
 	replay      ReplayOptions
 	deliveries  DeliveriesOptions
-	json        bool // queues, status
-	checkBroker int  // check-broker -broker
+	json        bool   // queues, status
+	checkBroker int    // check-broker -broker
+	copyTo      string // copy-db -to
 }
 
 var commands = []command{
@@ -91,6 +92,10 @@ var commands = []command{
 	{name: "check-broker", summary: "check one configured broker for what switchyard relies on (confirms, returns, fanout, the retry cycle, a 20 MiB compressed message, the topology); exit 1 when it does not fit",
 		flags: func(fs *flag.FlagSet, o *options) {
 			fs.IntVar(&o.checkBroker, "broker", 0, "the broker to check (index)")
+		}},
+	{name: "copy-db", summary: "copy every table of the database into an empty one of the other kind (-to a postgres:// URL, or an SQLite file path), migrated to the same version, in one transaction",
+		flags: func(fs *flag.FlagSet, o *options) {
+			fs.StringVar(&o.copyTo, "to", "", "the target database: a postgres:// URL, or an SQLite file path")
 		}},
 	{name: "version", noConfig: true, summary: "print the version and the Go version"},
 	{name: "help", args: "[COMMAND]", noConfig: true, summary: "print this, or a command's usage and flags"},
@@ -236,6 +241,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return listDeliveries(ctx, cfg, log, o.deliveries, stdout)
 	case "check-broker":
 		return checkBroker(ctx, cfg, o.checkBroker, log, stdout)
+	case "copy-db":
+		if o.copyTo == "" {
+			return usagef("copy-db: -to TARGET is required (a postgres:// URL, or an SQLite file path)")
+		}
+		return copyDB(ctx, cfg, o.copyTo, stdout)
 	}
 	return nil
 }

@@ -28,15 +28,24 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// writeConfig writes a TOML config for the built binary.
+// writeConfig writes a TOML config for the built binary, its database an
+// SQLite file.
 func writeConfig(t testing.TB, dir, listen, dbPath string, brokerURLs ...string) string {
+	t.Helper()
+	return writeConfigWith(t, dir, listen, fmt.Sprintf("path = %q", dbPath), "", brokerURLs...)
+}
+
+// writeConfigWith writes a TOML config for the built binary: database is
+// the [database] table's keys, server more keys of [server].
+func writeConfigWith(t testing.TB, dir, listen, database, server string, brokerURLs ...string) string {
 	t.Helper()
 	var b strings.Builder
 	fmt.Fprintf(&b, `[server]
 listen = %q
 metrics_listen = %q
+%s
 [database]
-path = %q
+%s
 [api]
 operator_token = "operator-token-for-tests"
 producer_token = "producer-token-for-tests"
@@ -53,7 +62,7 @@ cleanup_every = "1s"
 cleanup_window = "500ms"
 [log]
 level = "info"
-`, listen, listen, dbPath, testSecret)
+`, listen, listen, server, database, testSecret)
 	for _, u := range brokerURLs {
 		fmt.Fprintf(&b, "[[brokers]]\nurl = %q\n", u)
 	}
@@ -216,7 +225,7 @@ func TestSIGTERMLosesNothing(t *testing.T) {
 		return queryInt(t, db, "SELECT count(*) FROM github") >= want
 	})
 	for _, g := range accepted {
-		if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", g); n != 1 {
+		if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", g); n != 1 {
 			t.Errorf("delivery %s: %d rows, want 1", g, n)
 		}
 	}
@@ -684,7 +693,7 @@ func TestMigrateCommand(t *testing.T) {
 		"github_releases", "github_release_workflow_runs", "github_branches", "github_issues", "github_pull_requests",
 		"github_comments", "github_discussions", "github_check_runs", "github_pushes", "github_installations",
 		"github_repositories"} {
-		if n := queryInt(t, db, "SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name = ?", table); n != 1 {
+		if n := queryInt(t, db, "SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name = $1", table); n != 1 {
 			t.Errorf("table %s missing", table)
 		}
 	}
@@ -800,7 +809,7 @@ func TestReadmeDevWebhooks(t *testing.T) {
 	if err != nil || strings.Count(string(out), `{"status":"queued"`) != 2 {
 		t.Fatalf("the README's webhooks: %v\n%s", err, out)
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "a github row for each and a github_pull_requests row", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github") == 2 && queryInt(t, db, "SELECT count(*) FROM github_pull_requests") == 1
 	})
@@ -821,6 +830,7 @@ func TestExampleConfigShowsDefaults(t *testing.T) {
 	want.API.OperatorToken, want.API.ProducerToken = example.API.OperatorToken, example.API.ProducerToken
 	want.GitHub.WebhookSecret = example.GitHub.WebhookSecret
 	want.Brokers = example.Brokers
+	want.set = example.set // the keys the file sets, for warnings
 	// Printed, so that an empty list and none compare equal.
 	if got, want := fmt.Sprintf("%+v", example), fmt.Sprintf("%+v", want); got != want {
 		t.Errorf("config.example.toml differs from the defaults:\n got %s\nwant %s", got, want)
@@ -832,6 +842,10 @@ func TestExampleConfigShowsDefaults(t *testing.T) {
 // and an unknown GUID, which is an error naming it (exit 1).
 func TestDeliveriesShow(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testDeliveriesShow)
+}
+
+func testDeliveriesShow(t *testing.T) {
 	d, cfg, db := botDaemon(t)
 	stored := newGUID()
 	postAs(t, d.URL, "pull_request", stored, loadFixture(t, "pull_request", "opened"), true)
@@ -844,7 +858,7 @@ func TestDeliveriesShow(t *testing.T) {
 	}), true)
 	waitDatabase(t, db, stale)
 	eventually(t, 20*time.Second, "the duplicate counted", func() bool {
-		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = ?", stored) == 1
+		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = $1", stored) == 1
 	})
 	gap := newGUID()
 	if err := d.store.WriteTx(context.Background(), func(tx *Tx) error {
@@ -857,7 +871,7 @@ func TestDeliveriesShow(t *testing.T) {
 	failed := eventMessage("issues", newGUID(), loadFixture(t, "issues", "opened"))
 	failed.Headers[hdrErrorReason] = "issues: payload has no issue.node_id or issue.number"
 	publishRaw(t, d.brokers.List()[0].Vhost, "", errorQueue(queueGitHub), failed)
-	config := writeConfig(t, t.TempDir(), "127.0.0.1:1", cfg.Database.Path, cfg.Brokers[0].URL)
+	config := writeConfigWith(t, t.TempDir(), "127.0.0.1:1", databaseKeys(cfg.Database), "", cfg.Brokers[0].URL)
 	show := func(args ...string) (string, error) {
 		var out bytes.Buffer
 		err := run(context.Background(), append([]string{"deliveries", "-config", config}, args...), &out, &out)
@@ -963,7 +977,7 @@ func TestShutdownTimeoutAbandonsLockedWork(t *testing.T) {
 	}
 	db := openDB(t, dbPath)
 	eventually(t, 20*time.Second, "the first webhook stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", before) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", before) == 1
 	})
 
 	// Another process's write lock, held until the daemon has exited.
@@ -1004,12 +1018,67 @@ func TestShutdownTimeoutAbandonsLockedWork(t *testing.T) {
 
 	startProcess(t, config, addr)
 	eventually(t, 30*time.Second, "the webhook in hand at shutdown stored after the restart", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", locked) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", locked) == 1
 	})
 	if n := queryInt(t, db, "SELECT count(*) FROM github"); n != 2 {
 		t.Errorf("github rows: %d, want each webhook once", n)
 	}
 	if n := queryInt(t, db, "SELECT sum(count) FROM github_statistics_6h"); n != 2 {
 		t.Errorf("statistics: %d, want 2", n)
+	}
+}
+
+// database.driver = "postgres" takes a URL, whose password check-config
+// never prints; SQLite's keys set beside it are a warning that they do
+// not apply; backup points at pg_dump.
+func TestPostgresConfig(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	write := func(name, database string) string {
+		p := filepath.Join(dir, name)
+		os.WriteFile(p, []byte(`
+[database]
+`+database+`
+[api]
+operator_token = "operator-token-for-tests-0123456789"
+producer_token = "producer-token-for-tests-0123456789"
+[github]
+webhook_secret = "a-webhook-secret-for-tests"
+[[brokers]]
+url = "amqp://guest:guest@127.0.0.1:5672/"
+`), 0o600)
+		return p
+	}
+	var out bytes.Buffer
+	good := write("pg.toml", "driver = \"postgres\"\nurl = \"postgres://sy:pg-s3cret@db.example:5432/switchyard?sslmode=require\"\npath = \"/nowhere/x.db\"\nsynchronous = \"NORMAL\"")
+	if err := run(context.Background(), []string{"check-config", "-config", good}, &out, &out); err != nil {
+		t.Fatalf("check-config: %v\n%s", err, out.String())
+	}
+	for _, want := range []string{`database.driver = "postgres", url = postgres://sy:***@db.example:5432/switchyard?sslmode=require`,
+		"warning: database.path, database.synchronous set, but they are SQLite's"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("check-config of a PostgreSQL config lacks %q:\n%s", want, out.String())
+		}
+	}
+	if strings.Contains(out.String(), "pg-s3cret") {
+		t.Errorf("check-config shows the database password:\n%s", out.String())
+	}
+	for _, c := range []struct{ database, want string }{
+		{`driver = "postgres"`, "database.url: required"},
+		{"driver = \"postgres\"\nurl = \"mysql://x@y/z\"", "database.url: want a postgres:// URL"},
+		{"driver = \"postgres\"\nurl = \"postgres://u:p@h:5432/d\"\nmax_conns = 0", "database.max_conns: at least 1"},
+		{`driver = "oracle"`, `database.driver: want "sqlite" or "postgres"`},
+	} {
+		err := run(context.Background(), []string{"check-config", "-config", write("bad.toml", c.database)}, &out, &out)
+		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), ":p@") {
+			t.Errorf("check-config of %q: %v, want %q", c.database, err, c.want)
+		}
+	}
+	err := run(context.Background(), []string{"backup", "-config", good, filepath.Join(dir, "b.db")}, &out, &out)
+	if err == nil || !strings.Contains(err.Error(), "pg_dump") {
+		t.Errorf("backup on PostgreSQL: %v, want it to point at pg_dump", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "b.db")); err == nil {
+		t.Error("backup on PostgreSQL left a file")
 	}
 }

@@ -43,14 +43,14 @@ func TestMetricsMove(t *testing.T) {
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	before := scrape(t, d.URL+"/metrics")
 
 	guid := newGUID()
 	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))
 	eventually(t, 20*time.Second, "stored by both workers", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid) == 1 &&
-			queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1 &&
+			queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = $1", guid) == 1
 	})
 	// A bad request is counted by its outcome too.
 	r := webhookRequest(t, d.URL, "issues", newGUID(), []byte(`{}`))

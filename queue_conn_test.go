@@ -35,7 +35,7 @@ func TestAMQPSEndToEnd(t *testing.T) {
 	if code, body := do(t, webhookRequest(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))); code != http.StatusAccepted {
 		t.Fatalf("webhook over amqps: %d %s", code, body)
 	}
-	storedAll(t, cfg.Database.Path, []string{guid}, 20*time.Second)
+	storedAll(t, cfg.Database, []string{guid}, 20*time.Second)
 }
 
 // The queues own the goroutines they start: once Close returns, none is

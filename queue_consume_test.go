@@ -149,7 +149,7 @@ func testRetryCycle(t *testing.T, queueType string) {
 
 	eventually(t, 10*time.Second, "flaky message stored", func() bool {
 		var n int
-		_ = store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = ?", flaky).Scan(&n)
+		_ = store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = $1", flaky).Scan(&n)
 		return n == 1
 	})
 	mu.Lock()
@@ -237,9 +237,9 @@ func TestMalformedMessages(t *testing.T) {
 	good := newGUID()
 	publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", good, body))
 
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "good message stored after the bad ones", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", good) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", good) == 1
 	})
 	if n := ready(t, vhost, errorQueue(queueGitHub)); n != len(bad) {
 		t.Fatalf("github-error: got %d messages, want %d", n, len(bad))
@@ -381,7 +381,7 @@ func TestDatabaseLockedRetries(t *testing.T) {
 	logged(t, d.logs, "transient failure, message will retry", 5) // a few retry cycles while locked
 	unlock()
 
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "all stored once the lock goes", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github") == len(guids)
 	})
@@ -390,7 +390,7 @@ func TestDatabaseLockedRetries(t *testing.T) {
 	})
 	d.stop(t)
 	for _, g := range guids {
-		if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", g); n != 1 {
+		if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", g); n != 1 {
 			t.Errorf("delivery %s: %d rows, want 1", g, n)
 		}
 	}
@@ -413,12 +413,12 @@ func TestMessageLogLines(t *testing.T) {
 	d := startDaemon(t, cfg)
 	guid := newGUID()
 	postWebhook(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "alert recorded", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NOT NULL", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1 AND alerted_at IS NOT NULL", guid) == 1
 	})
 	eventually(t, 20*time.Second, "database-service done", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = $1", guid) == 1
 	})
 	d.stop(t)
 	var lines []string
@@ -820,10 +820,10 @@ func TestQuorumQueues(t *testing.T) {
 		t.Fatalf("notify: %d %v", code, m)
 	}
 	onB := publishN(t, b, "b", 5)
-	storedAll(t, cfg.Database.Path, append(append(append([]string{}, onA...), onB...), onC...), 60*time.Second)
+	storedAll(t, cfg.Database, append(append(append([]string{}, onA...), onB...), onC...), 60*time.Second)
 	eventually(t, 30*time.Second, "the switch to b once a is drained", func() bool { return activeIndex(t, d.URL) == 1 })
-	_, hiA := idRange(t, cfg.Database.Path, onA)
-	loB, _ := idRange(t, cfg.Database.Path, onB)
+	_, hiA := idRange(t, cfg.Database, onA)
+	loB, _ := idRange(t, cfg.Database, onB)
 	if hiA >= loB {
 		t.Errorf("order broken: a message from a committed after one from b")
 	}
@@ -833,11 +833,11 @@ func TestQuorumQueues(t *testing.T) {
 	if err != nil || moved != 2 || total != 2 {
 		t.Fatalf("replay: %d of %d, %v; want 2 of 2", moved, total, err)
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "the replayed deliveries stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id IN (?, ?)", dead, packed) == 2
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id IN ($1, $2)", dead, packed) == 2
 	})
-	if n := queryInt(t, db, "SELECT length(payload) FROM github WHERE delivery_id = ?", packed); n != len(big) {
+	if n := queryInt(t, db, "SELECT length(payload) FROM github WHERE delivery_id = $1", packed); n != len(big) {
 		t.Errorf("the compressed delivery stored with %d bytes, want %d", n, len(big))
 	}
 	for _, v := range []string{a, c} {

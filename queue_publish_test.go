@@ -166,9 +166,9 @@ func TestInflateBombToError(t *testing.T) {
 	publishRaw(t, vhost, "", queueGitHub, bomb)
 	good := newGUID()
 	publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", good, loadFixture(t, "issues", "opened")))
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "the good message stored after the bomb", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", good) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", good) == 1
 	})
 	eventually(t, 20*time.Second, "the bomb in github-error", func() bool { return ready(t, vhost, errorQueue(queueGitHub)) == 1 })
 	if m := getOne(t, vhost, errorQueue(queueGitHub)); !strings.Contains(tableString(m.Headers, hdrErrorReason), "inflates past") ||

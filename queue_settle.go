@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"math"
 	"reflect"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -120,6 +122,12 @@ type ConsumeOptions struct {
 	// Attached, when set, is called each time a consumer of the queue is
 	// attached: the worker is consuming again.
 	Attached func()
+	// HandBack, when set, closes when the messages in hand must be
+	// handed back rather than settled: the handler cannot finish them
+	// (its database is lost), and they are no fault of theirs. Their
+	// handling ends at once, and they are left unacknowledged, for
+	// another consumer, with no attempt burned.
+	HandBack <-chan struct{}
 }
 
 // settler ends the messages of one broker by their verdicts: it acks them,
@@ -145,6 +153,37 @@ const handleTimeout = 2 * time.Minute
 // messages are left unacknowledged, and the broker gives them back once
 // the connection closes.
 var ErrAbandoned = errors.New("messages in hand abandoned at shutdown")
+
+// ErrHandedBack is a batch handed back (ConsumeOptions.HandBack, or a
+// handler's error that wraps it): left unacknowledged, neither acked nor
+// nacked into the retry cycle, so that the broker hands its messages to
+// another consumer once the channel closes.
+var ErrHandedBack = errors.New("messages in hand handed back, unacknowledged")
+
+// whileOpen is a context that ends when ctx does or ch closes (a nil ch
+// never does); stop ends it and waits for the goroutine that watches ch.
+func whileOpen(ctx context.Context, ch <-chan struct{}) (context.Context, func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		select {
+		case <-ch:
+			cancel()
+		case <-ctx.Done():
+		}
+	})
+	return ctx, func() { cancel(); wg.Wait() }
+}
+
+// closed reports whether ch is closed (a nil ch never is).
+func closed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
 
 // deathCount is the attempt number of a message: the sum of the counts of
 // its x-death entries for queue with reason rejected, i.e. how often it was
@@ -256,6 +295,8 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(s.handling, handleTimeout)
 	defer cancel()
+	ctx, stop := whileOpen(ctx, o.HandBack)
+	defer stop()
 	verdicts := make([]error, len(ds))
 	var msgs []Message
 	var at []int // msgs[j] is ds[at[j]]
@@ -293,6 +334,13 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 			// retry cycle (an attempt they did not fail) nor acked.
 			log.Warn("shutdown_timeout passed: messages in hand left unacknowledged, the broker gives them back", "messages", len(ds))
 			return ErrAbandoned
+		}
+		if closed(o.HandBack) || errors.Is(err, ErrHandedBack) {
+			log.Warn("messages in hand handed back unacknowledged: the broker gives them to another consumer", "messages", len(ds), "error", err)
+			if errors.Is(err, ErrHandedBack) {
+				return err
+			}
+			return fmt.Errorf("%w: %w", ErrHandedBack, cmp.Or(err, errors.New("handed back")))
 		}
 		if err != nil {
 			log.Warn("batch not committed, its messages will retry", "messages", len(msgs), "error", err)

@@ -563,3 +563,32 @@ DROP TABLE github_attempts;
 ALTER TABLE github_attempts_strict RENAME TO github_attempts;
 CREATE INDEX github_attempts_guid ON github_attempts (guid);
 CREATE INDEX github_attempts_delivered_at ON github_attempts (delivered_at);
+
+-- migration 15: several nodes, one store: the migrations applied, leases, nodes
+-- schema_migrations: every migration applied; the database's version is
+-- the greatest, kept the same way on PostgreSQL (schema_postgres.sql).
+-- PRAGMA user_version is still set, so that an older binary refuses a
+-- newer database. Versions applied before this table have applied_at NULL.
+CREATE TABLE schema_migrations (
+    version    INTEGER PRIMARY KEY,
+    name       TEXT NOT NULL,
+    applied_at TEXT
+) STRICT;
+
+-- leases: who runs each job that must run once among the nodes (on SQLite
+-- the one node holds them all). expires_at is on the database's clock.
+CREATE TABLE leases (
+    job        TEXT PRIMARY KEY,
+    node       TEXT NOT NULL,
+    expires_at TEXT NOT NULL,
+    taken_at   TEXT NOT NULL
+) STRICT;
+
+-- nodes: the serve processes sharing the database (on SQLite, one).
+CREATE TABLE nodes (
+    name       TEXT PRIMARY KEY,
+    version    TEXT NOT NULL,
+    started_at TEXT NOT NULL,
+    seen_at    TEXT NOT NULL,
+    drained    TEXT NOT NULL DEFAULT ''
+) STRICT;

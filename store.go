@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,13 +18,21 @@ import (
 	_ "modernc.org/sqlite"
 )
 
-// Store is switchyard's SQLite database: one writer connection, so writes queue
-// in Go instead of contending for the file lock, and a small pool of read-only
-// connections for the API and health checks.
+// Store is switchyard's database: an SQLite file (the default), or a
+// PostgreSQL database that several nodes share (store_dialect.go).
+//
+// SQLite has one writer connection, so writes queue in Go instead of
+// contending for the file lock, and a small pool of read-only connections
+// for the API and health checks. PostgreSQL has one pool of at most
+// database.max_conns connections for both.
 type Store struct {
 	w       *sql.DB
 	r       *sql.DB
-	path    string
+	dialect dialect
+	path    string // the SQLite file; "" on PostgreSQL
+	// name says which database this is, without secrets: the file, or
+	// the URL without its password.
+	name    string
 	metrics *Metrics
 	stmts   sync.Map // query -> *sql.Stmt prepared on the writer (see exec)
 	wanted  sync.Map // query -> struct{}: to prepare before the next write
@@ -30,12 +40,32 @@ type Store struct {
 	// Event resolves its gap only then (see resolveGap). Migrate counts
 	// them, RecordGap and the hooks poll keep it true.
 	gapsOpen atomic.Bool
+	// health follows the connection to PostgreSQL (store_health.go).
+	health *dbHealth
+	// claim holds the SQLite file's lock while serve runs (Claim).
+	claim *os.File
 }
 
-// OpenStore opens (creating when needed) the database at cfg.Path with the
-// pragmas set on every connection, and checks that WAL mode really took.
-// metrics may be nil (the commands that record none).
+// OpenStore opens the database cfg names: the SQLite file at cfg.Path
+// (created when needed) with the pragmas set on every connection, or the
+// PostgreSQL database at cfg.URL. metrics may be nil (the commands that
+// record none).
 func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Store, error) {
+	if cfg.Driver == "postgres" {
+		db, err := openPostgres(ctx, cfg)
+		if err != nil {
+			return nil, err
+		}
+		s := &Store{w: db, r: db, dialect: dialectPostgres, name: redactDatabaseURL(cfg.URL), metrics: metrics}
+		s.health = newDBHealth(s.dialect, db.PingContext)
+		return s, nil
+	}
+	return openSQLite(ctx, cfg, metrics)
+}
+
+// openSQLite opens (creating when needed) the SQLite file at cfg.Path, and
+// checks that WAL mode really took.
+func openSQLite(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Store, error) {
 	dsn := func(extra string) string {
 		q := url.Values{}
 		q.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", cfg.BusyTimeout.Milliseconds()))
@@ -50,17 +80,17 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 		q.Set("_txlock", "immediate")
 		return "file:" + cfg.Path + "?" + q.Encode()
 	}
+	// The file holds every payload: created readable by its owner only
+	// (SQLite gives its -wal and -shm files the same mode).
+	if f, err := os.OpenFile(cfg.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600); err == nil {
+		f.Close()
+	}
 	// The writer's page cache holds the leaf pages of the delivery_id
 	// indexes that inserts touch, for a big github table. Each 4 KiB page
 	// takes an 8 KiB slot of the driver's allocator (page and headers,
 	// rounded up to a power of two), so n MiB of cache hold 2n MB of RSS:
 	// 4 MiB is where a larger cache stopped speeding up inserts into a
 	// table of a million rows (BENCHMARKS.md). Readers keep the default.
-	// The file holds every payload: created readable by its owner only
-	// (SQLite gives its -wal and -shm files the same mode).
-	if f, err := os.OpenFile(cfg.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600); err == nil {
-		f.Close()
-	}
 	w, err := sql.Open("sqlite", dsn("cache_size(-4096)"))
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
@@ -86,16 +116,43 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
 	}
 	r.SetMaxOpenConns(4)
-	return &Store{w: w, r: r, path: cfg.Path, metrics: metrics}, nil
+	s := &Store{w: w, r: r, dialect: dialectSQLite, path: cfg.Path, name: cfg.Path, metrics: metrics}
+	s.health = newDBHealth(s.dialect, w.PingContext)
+	return s, nil
 }
 
-// Close closes both pools; the WAL is checkpointed by the last connection.
+// Lost returns a channel closed once the database is lost (dbHealth.Lost).
+func (s *Store) Lost() <-chan struct{} { return s.health.Lost() }
+
+// WaitAnswers waits while the database is lost (dbHealth.WaitAnswers).
+func (s *Store) WaitAnswers(ctx context.Context) error { return s.health.WaitAnswers(ctx) }
+
+// Name says which database the store is, without secrets.
+func (s *Store) Name() string { return s.name }
+
+// Shared reports whether several nodes may share the database: PostgreSQL.
+func (s *Store) Shared() bool { return s.dialect == dialectPostgres }
+
+// Close closes the pools once the prober of a lost database has ended;
+// SQLite's WAL is checkpointed by the last connection.
 func (s *Store) Close() error {
+	s.health.close()
 	s.stmts.Range(func(_, st any) bool {
 		st.(*sql.Stmt).Close()
 		return true
 	})
-	return errors.Join(s.r.Close(), s.w.Close())
+	var err error
+	if s.r == s.w {
+		err = s.w.Close()
+	} else {
+		err = errors.Join(s.r.Close(), s.w.Close())
+	}
+	if s.claim != nil {
+		// Last: closing a descriptor of the file drops every POSIX lock
+		// the process holds on it, SQLite's too.
+		s.claim.Close()
+	}
+	return err
 }
 
 // Tx is one write transaction on the writer connection. Every write is a
@@ -113,22 +170,71 @@ type Tx struct {
 // fails. One fsync then covers every message fn handles, which
 // synchronous=FULL makes the costliest part of a message. Messages stay in
 // order: fn handles them one after the other, each in a Savepoint.
+//
+// A failure of the connection to PostgreSQL (connectionLost) is
+// ErrDatabaseLost: the store is lost until it answers again (Lost).
 func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
-	s.prepareWanted(ctx)
+	if s.dialect == dialectSQLite {
+		s.prepareWanted(ctx)
+	}
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
 	tx, err := s.w.BeginTx(ctx, nil)
 	if err != nil {
-		return fmt.Errorf("begin: %w", err)
+		return s.health.observe(fmt.Errorf("begin: %w", err))
 	}
 	if err := fn(&Tx{s: s, tx: tx}); err != nil {
 		_ = tx.Rollback()
-		return err
+		return s.health.observe(err)
 	}
 	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("commit: %w", err)
+		return s.health.observe(fmt.Errorf("commit: %w", err))
 	}
 	return nil
+}
+
+// sqlArgs are args as both drivers take them: a bool is 1 or 0, as the
+// tables keep flags (SQLite has no boolean; PostgreSQL's driver does not
+// write a bool into an integer column).
+func sqlArgs(args []any) []any {
+	copied := false
+	for i, a := range args {
+		var v any
+		switch b := a.(type) {
+		case bool:
+			v = boolInt(b)
+		case *bool: // a flag the payload may leave out: NULL
+			if b != nil {
+				v = boolInt(*b)
+			}
+		default:
+			continue
+		}
+		if !copied { // the caller's slice stays as it was
+			args, copied = slices.Clone(args), true
+		}
+		args[i] = v
+	}
+	return args
+}
+
+// boolInt is 1 for true, 0 for false.
+func boolInt(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// readTx begins a read-only transaction whose queries see one state of
+// the database: SQLite's read transaction does, PostgreSQL's needs
+// REPEATABLE READ (READ COMMITTED sees each query's own).
+func (s *Store) readTx(ctx context.Context) (*sql.Tx, error) {
+	opts := &sql.TxOptions{ReadOnly: true}
+	if s.dialect == dialectPostgres {
+		opts.Isolation = sql.LevelRepeatableRead
+	}
+	return s.r.BeginTx(ctx, opts)
 }
 
 // queryer is what reads need: a pool or a transaction.
@@ -149,9 +255,17 @@ type queryer interface {
 // interrupt it, a tenth of the writer's CPU per message (BenchmarkBatchWrite),
 // for statements that take microseconds. A context that has ended fails the
 // next statement, and database/sql rolls the transaction back (BeginTx).
+//
+// On PostgreSQL a statement keeps its context, whose end cancels it: a
+// database that stops answering must not hold a transaction open; and
+// the driver keeps its own cache of prepared statements per connection.
 func (t *Tx) exec(ctx context.Context, query string, args ...any) (sql.Result, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
+	}
+	args = sqlArgs(args)
+	if t.s.dialect == dialectPostgres {
+		return t.tx.ExecContext(ctx, query, args...)
 	}
 	ctx = context.WithoutCancel(ctx)
 	if st := t.stmt(ctx, query); st != nil {
@@ -162,6 +276,10 @@ func (t *Tx) exec(ctx context.Context, query string, args ...any) (sql.Result, e
 
 // queryRow is exec's counterpart for one-row reads inside tx.
 func (t *Tx) queryRow(ctx context.Context, query string, args ...any) *sql.Row {
+	args = sqlArgs(args)
+	if t.s.dialect == dialectPostgres {
+		return t.tx.QueryRowContext(ctx, query, args...)
+	}
 	ctx = context.WithoutCancel(ctx)
 	if st := t.stmt(ctx, query); st != nil {
 		return st.QueryRowContext(ctx, args...)
@@ -227,10 +345,12 @@ func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
 	return nil
 }
 
-// Writable proves the database takes a write lock, for /readyz.
+// Writable proves the database takes a write (a lock on SQLite; on
+// PostgreSQL, a primary that answers, not a read-only standby), for
+// /readyz.
 func (s *Store) Writable(ctx context.Context) error {
 	return s.WriteTx(ctx, func(tx *Tx) error {
-		_, err := tx.tx.ExecContext(ctx, "UPDATE settings SET value = value WHERE 0")
+		_, err := tx.tx.ExecContext(ctx, "UPDATE settings SET value = value WHERE false")
 		return err
 	})
 }
@@ -245,9 +365,41 @@ func (t *Tx) Setting(ctx context.Context, key string) (string, error) {
 	return getSetting(ctx, t.tx, key)
 }
 
+// Settings reads the settings rows of keys in one query; a missing row
+// reads as "".
+func (s *Store) Settings(ctx context.Context, keys ...string) (map[string]string, error) {
+	return getSettings(ctx, s.r, keys)
+}
+
+// Settings reads the settings rows of keys inside tx.
+func (t *Tx) Settings(ctx context.Context, keys ...string) (map[string]string, error) {
+	return getSettings(ctx, t.tx, keys)
+}
+
+func getSettings(ctx context.Context, q queryer, keys []string) (map[string]string, error) {
+	args := make([]any, len(keys))
+	for i, k := range keys {
+		args[i] = k
+	}
+	rows, err := q.QueryContext(ctx, numberParams("SELECT key, value FROM settings WHERE key IN (?"+strings.Repeat(", ?", len(keys)-1)+")"), args...)
+	if err != nil {
+		return nil, fmt.Errorf("read settings: %w", err)
+	}
+	defer rows.Close()
+	vals := make(map[string]string, len(keys))
+	for rows.Next() {
+		var k, v string
+		if err := rows.Scan(&k, &v); err != nil {
+			return nil, fmt.Errorf("read settings: %w", err)
+		}
+		vals[k] = v
+	}
+	return vals, rows.Err()
+}
+
 func getSetting(ctx context.Context, q queryer, key string) (string, error) {
 	var v string
-	err := q.QueryRowContext(ctx, "SELECT value FROM settings WHERE key = ?", key).Scan(&v)
+	err := q.QueryRowContext(ctx, "SELECT value FROM settings WHERE key = $1", key).Scan(&v)
 	if errors.Is(err, sql.ErrNoRows) {
 		return "", nil
 	}
@@ -259,13 +411,32 @@ func getSetting(ctx context.Context, q queryer, key string) (string, error) {
 
 // SetSetting writes one settings row inside tx.
 func (t *Tx) SetSetting(ctx context.Context, key, value string, now time.Time) error {
-	_, err := t.exec(ctx, `INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)
+	_, err := t.exec(ctx, `INSERT INTO settings (key, value, updated_at) VALUES ($1, $2, $3)
 		ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at`,
 		key, value, formatTime(now))
 	if err != nil {
 		return fmt.Errorf("write setting %s: %w", key, err)
 	}
 	return nil
+}
+
+// numberParams numbers a query's ? placeholders $1, $2, ... in order: a
+// query built from parts (a search's filters) writes ? and numbers them
+// once it is whole. Every query text runs on both dialects with $N.
+func numberParams(q string) string {
+	var b strings.Builder
+	n := 0
+	for {
+		i := strings.IndexByte(q, '?')
+		if i < 0 {
+			b.WriteString(q)
+			return b.String()
+		}
+		n++
+		b.WriteString(q[:i])
+		b.WriteString("$" + strconv.Itoa(n))
+		q = q[i+1:]
+	}
 }
 
 // statisticsBucket is the start of the 6-hour UTC bucket holding t.
@@ -285,10 +456,13 @@ func nullInt(v int64) any {
 // Backup writes a consistent snapshot of the live database to dest with
 // VACUUM INTO, then checks the copy with integrity_check.
 func (s *Store) Backup(ctx context.Context, dest string) error {
+	if s.dialect == dialectPostgres {
+		return errors.New("backup copies an SQLite file; this database is PostgreSQL: use pg_dump, or the provider's backups")
+	}
 	// VACUUM INTO only reads this database (in one read transaction, so the
 	// copy is consistent while serve writes), but the query_only readers
 	// refuse it; the writer connection does it without taking a write lock.
-	if _, err := s.w.ExecContext(ctx, "VACUUM INTO ?", dest); err != nil {
+	if _, err := s.w.ExecContext(ctx, "VACUUM INTO $1", dest); err != nil {
 		return fmt.Errorf("vacuum into %s: %w", dest, err)
 	}
 	db, err := sql.Open("sqlite", "file:"+dest+"?mode=ro")
@@ -314,8 +488,8 @@ const retentionBatch = 1000
 // github rows received before cutoff, in tx, and returns how many it
 // pruned. The rows stay, as the deliveries' identities.
 func (tx *Tx) PrunePayloadsBefore(ctx context.Context, cutoff time.Time) (int64, error) {
-	res, err := tx.exec(ctx, `UPDATE github SET payload = '', payload_pruned_at = ? WHERE id IN
-		(SELECT id FROM github WHERE received_at < ? AND payload_pruned_at IS NULL ORDER BY received_at LIMIT ?)`,
+	res, err := tx.exec(ctx, `UPDATE github SET payload = '', payload_pruned_at = $1 WHERE id IN
+		(SELECT id FROM github WHERE received_at < $2 AND payload_pruned_at IS NULL ORDER BY received_at LIMIT $3)`,
 		formatTime(time.Now()), formatTime(cutoff), retentionBatch)
 	if err != nil {
 		return 0, fmt.Errorf("prune raw payloads: %w", err)
@@ -329,7 +503,7 @@ func (tx *Tx) PrunePayloadsBefore(ctx context.Context, cutoff time.Time) (int64,
 // how many github rows it deleted.
 func (tx *Tx) DeleteIdentitiesBefore(ctx context.Context, cutoff time.Time) (int64, error) {
 	res, err := tx.exec(ctx, `DELETE FROM github WHERE id IN
-		(SELECT id FROM github WHERE received_at < ? ORDER BY received_at LIMIT ?)`, formatTime(cutoff), retentionBatch)
+		(SELECT id FROM github WHERE received_at < $1 ORDER BY received_at LIMIT $2)`, formatTime(cutoff), retentionBatch)
 	if err != nil {
 		return 0, fmt.Errorf("delete delivery identities: %w", err)
 	}
@@ -338,7 +512,7 @@ func (tx *Tx) DeleteIdentitiesBefore(ctx context.Context, cutoff time.Time) (int
 		return 0, err
 	}
 	_, err = tx.exec(ctx, `DELETE FROM worker_deliveries WHERE (worker, delivery_id, hook_id) IN
-		(SELECT worker, delivery_id, hook_id FROM worker_deliveries WHERE processed_at < ? LIMIT ?)`, formatTime(cutoff), retentionBatch)
+		(SELECT worker, delivery_id, hook_id FROM worker_deliveries WHERE processed_at < $1 LIMIT $2)`, formatTime(cutoff), retentionBatch)
 	if err != nil {
 		return 0, fmt.Errorf("delete worker records: %w", err)
 	}

@@ -12,7 +12,7 @@ func (t *Tx) queueAlerts(ctx context.Context, deliveryID string, channels []stri
 	now := formatTime(time.Now())
 	for _, c := range channels {
 		if _, err := t.exec(ctx, `INSERT INTO alert_outbox (delivery_id, channel, created_at, next_at)
-			VALUES (?, ?, ?, ?) ON CONFLICT (delivery_id, channel) DO NOTHING`, deliveryID, c, now, now); err != nil {
+			VALUES ($1, $2, $3, $4) ON CONFLICT (delivery_id, channel) DO NOTHING`, deliveryID, c, now, now); err != nil {
 			return fmt.Errorf("queue alert: %w", err)
 		}
 	}
@@ -44,9 +44,9 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 		LEFT JOIN github g ON g.id = (SELECT min(id) FROM github WHERE delivery_id = o.delivery_id)
 		LEFT JOIN delivery_gaps dg ON (o.delivery_id LIKE 'gap:%' AND dg.guid = substr(o.delivery_id, 5))
 			OR (o.delivery_id LIKE 'unrecoverable:%' AND dg.guid = substr(o.delivery_id, 15))
-		WHERE o.channel = ? AND o.sent_at IS NULL AND o.next_at <= ?
+		WHERE o.channel = $1 AND o.sent_at IS NULL AND o.next_at <= $2
 			AND (g.id IS NOT NULL OR dg.guid IS NOT NULL OR o.delivery_id LIKE 'budget:%' OR o.delivery_id LIKE 'blocked:%')
-		ORDER BY o.next_at, o.id LIMIT ?`,
+		ORDER BY o.next_at, o.id LIMIT $3`,
 		channel, formatTime(now), limit)
 	if err != nil {
 		return nil, fmt.Errorf("read due alerts: %w", err)
@@ -73,12 +73,17 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 // was queued for, alerted once none of its alerts waits any more. (A gap's
 // alert has no github row to mark.)
 func (tx *Tx) AlertSent(ctx context.Context, id int64, deliveryID string) error {
+	// The channels' senders mark their rows at once: each must see the
+	// other's, or neither marks the copy alerted.
+	if err := tx.Lock(ctx, "alert:"+deliveryID); err != nil {
+		return err
+	}
 	now := formatTime(time.Now())
-	if _, err := tx.exec(ctx, "UPDATE alert_outbox SET sent_at = ? WHERE id = ?", now, id); err != nil {
+	if _, err := tx.exec(ctx, "UPDATE alert_outbox SET sent_at = $1 WHERE id = $2", now, id); err != nil {
 		return fmt.Errorf("mark alert sent: %w", err)
 	}
-	_, err := tx.exec(ctx, `UPDATE github SET alerted_at = ? WHERE id = (SELECT min(id) FROM github WHERE delivery_id = ?)
-		AND alerted_at IS NULL AND NOT EXISTS (SELECT 1 FROM alert_outbox WHERE delivery_id = ? AND sent_at IS NULL)`,
+	_, err := tx.exec(ctx, `UPDATE github SET alerted_at = $1 WHERE id = (SELECT min(id) FROM github WHERE delivery_id = $2)
+		AND alerted_at IS NULL AND NOT EXISTS (SELECT 1 FROM alert_outbox WHERE delivery_id = $3 AND sent_at IS NULL)`,
 		now, deliveryID, deliveryID)
 	if err != nil {
 		return fmt.Errorf("set alerted_at: %w", err)
@@ -88,7 +93,7 @@ func (tx *Tx) AlertSent(ctx context.Context, id int64, deliveryID string) error 
 
 // AlertFailed records a failed send and when to try again.
 func (tx *Tx) AlertFailed(ctx context.Context, id int64, cause error, next time.Time) error {
-	_, err := tx.exec(ctx, "UPDATE alert_outbox SET attempts = attempts + 1, last_error = ?, next_at = ? WHERE id = ?",
+	_, err := tx.exec(ctx, "UPDATE alert_outbox SET attempts = attempts + 1, last_error = $1, next_at = $2 WHERE id = $3",
 		cause.Error(), formatTime(next), id)
 	if err != nil {
 		return fmt.Errorf("record alert failure: %w", err)

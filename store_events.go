@@ -28,9 +28,15 @@ func payloadText(payload []byte) string {
 // count, when this hook's copy is already stored: a retried or redelivered
 // message must not count or alert twice.
 func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channels ...string) (inserted bool, err error) {
+	// Two hooks' copies of one event, stored on two nodes at once, would
+	// each find the other not stored yet and both count: one waits here
+	// for the other's commit.
+	if err := tx.Lock(ctx, "event:"+ev.DeliveryID); err != nil {
+		return false, err
+	}
 	res, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
 		target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at, broker)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (delivery_id, hook_id) DO NOTHING`,
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) ON CONFLICT (delivery_id, hook_id) DO NOTHING`,
 		ev.DeliveryID, ev.Name, ev.Action, ev.HookID, ev.TargetType, nullInt(ev.TargetID),
 		nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
 		payloadText(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker)
@@ -39,7 +45,7 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 	}
 	if n, _ := res.RowsAffected(); n == 0 {
 		// Stored before: the story of the delivery says it came again.
-		if _, err := tx.exec(ctx, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = ? WHERE delivery_id = ? AND hook_id = ?",
+		if _, err := tx.exec(ctx, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = $1 WHERE delivery_id = $2 AND hook_id = $3",
 			formatTime(time.Now()), ev.DeliveryID, ev.HookID); err != nil {
 			return false, fmt.Errorf("count a duplicate: %w", err)
 		}
@@ -49,8 +55,9 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 	// statement asks and counts, and whether it counted tells whether the
 	// alerts are this copy's to queue.
 	res, err = tx.exec(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count)
-		SELECT ?, ?, ?, 1 WHERE NOT EXISTS (SELECT 1 FROM github WHERE delivery_id = ? AND hook_id != ?)
-		ON CONFLICT (bucket, event, action) DO UPDATE SET count = count + 1`,
+		SELECT CAST($1 AS TEXT), CAST($2 AS TEXT), CAST($3 AS TEXT), 1
+		WHERE NOT EXISTS (SELECT 1 FROM github WHERE delivery_id = $4 AND hook_id != $5)
+		ON CONFLICT (bucket, event, action) DO UPDATE SET count = github_statistics_6h.count + 1`,
 		statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action, ev.DeliveryID, ev.HookID)
 	if err != nil {
 		return false, fmt.Errorf("count statistics: %w", err)
@@ -68,7 +75,7 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 // running fn, when the worker already finished it.
 func (tx *Tx) MarkDelivery(ctx context.Context, worker string, key DeliveryKey, fn func(tx *Tx) (outcome string, err error)) (done bool, err error) {
 	res, err := tx.exec(ctx, `INSERT INTO worker_deliveries (worker, delivery_id, hook_id, processed_at)
-		VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING`, worker, key.GUID, key.Hook, formatTime(time.Now()))
+		VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING`, worker, key.GUID, key.Hook, formatTime(time.Now()))
 	if err != nil {
 		return false, fmt.Errorf("mark delivery: %w", err)
 	}
@@ -82,7 +89,7 @@ func (tx *Tx) MarkDelivery(ctx context.Context, worker string, key DeliveryKey, 
 	if err != nil || outcome == "" {
 		return true, err
 	}
-	_, err = tx.exec(ctx, "UPDATE worker_deliveries SET outcome = ? WHERE worker = ? AND delivery_id = ? AND hook_id = ?",
+	_, err = tx.exec(ctx, "UPDATE worker_deliveries SET outcome = $1 WHERE worker = $2 AND delivery_id = $3 AND hook_id = $4",
 		outcome, worker, key.GUID, key.Hook)
 	return true, err
 }
@@ -90,7 +97,7 @@ func (tx *Tx) MarkDelivery(ctx context.Context, worker string, key DeliveryKey, 
 // Finished reports whether worker finished the delivery (MarkDelivery).
 func (s *Store) Finished(ctx context.Context, worker string, key DeliveryKey) (bool, error) {
 	var n int
-	err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM worker_deliveries WHERE worker = ? AND delivery_id = ? AND hook_id = ?",
+	err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM worker_deliveries WHERE worker = $1 AND delivery_id = $2 AND hook_id = $3",
 		worker, key.GUID, key.Hook).Scan(&n)
 	if err != nil {
 		return false, fmt.Errorf("read worker_deliveries: %w", err)

@@ -13,7 +13,7 @@ import (
 // HookQueued remembers that a failed delivery was queued on github-hooks.
 func (tx *Tx) HookQueued(ctx context.Context, guid string, githubID int64, event string) error {
 	_, err := tx.exec(ctx, `INSERT INTO hook_redeliveries (guid, delivery_id, event, queued_at)
-		VALUES (?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`, guid, githubID, event, formatTime(time.Now()))
+		VALUES ($1, $2, $3, $4) ON CONFLICT (guid) DO NOTHING`, guid, githubID, event, formatTime(time.Now()))
 	if err != nil {
 		return fmt.Errorf("write hook_redeliveries: %w", err)
 	}
@@ -23,7 +23,7 @@ func (tx *Tx) HookQueued(ctx context.Context, guid string, githubID int64, event
 // hookRepublished records, inside tx, that a queued delivery was published
 // again.
 func (tx *Tx) hookRepublished(ctx context.Context, guid string) error {
-	_, err := tx.exec(ctx, `UPDATE hook_redeliveries SET republished_at = ? WHERE guid = ?`,
+	_, err := tx.exec(ctx, `UPDATE hook_redeliveries SET republished_at = $1 WHERE guid = $2`,
 		formatTime(time.Now()), guid)
 	if err != nil {
 		return fmt.Errorf("write hook_redeliveries: %w", err)
@@ -31,11 +31,14 @@ func (tx *Tx) hookRepublished(ctx context.Context, guid string) error {
 	return nil
 }
 
-// appCopy selects the github rows that are App ?'s own copy of their
-// event, as Event.AppCopy tells it: the copy its hook's deliveries, which
-// the ledger reads, speak of. Another hook's copy of the same event (a
-// repository webhook's) says nothing of the App's delivery.
-const appCopy = "((target_type = 'integration' AND target_id = ?) OR (hook_id = 0 AND target_type = ''))"
+// appCopy selects the github rows that are the own copy of their event of
+// the App whose id is the parameter param, as Event.AppCopy tells it: the
+// copy its hook's deliveries, which the ledger reads, speak of. Another
+// hook's copy of the same event (a repository webhook's) says nothing of
+// the App's delivery.
+func appCopy(param string) string {
+	return "((target_type = 'integration' AND target_id = " + param + ") OR (hook_id = 0 AND target_type = ''))"
+}
 
 // LedgerLookup reads, for each GUID of App appID's deliveries, whether the
 // App's copy is stored in github and whether it was queued on
@@ -48,11 +51,11 @@ func (s *Store) LedgerLookup(ctx context.Context, appID int64, guids []string) (
 			args[i] = g
 		}
 		in := "(?" + strings.Repeat(", ?", len(chunk)-1) + ")"
-		if err := s.collect(ctx, "SELECT delivery_id FROM github WHERE delivery_id IN "+in+" AND "+appCopy,
+		if err := s.collect(ctx, numberParams("SELECT delivery_id FROM github WHERE delivery_id IN "+in+" AND "+appCopy("?")),
 			append(args, appID), stored); err != nil {
 			return nil, nil, fmt.Errorf("read the delivery ledger: %w", err)
 		}
-		if err := s.collect(ctx, "SELECT guid FROM hook_redeliveries WHERE guid IN "+in, args, queued); err != nil {
+		if err := s.collect(ctx, numberParams("SELECT guid FROM hook_redeliveries WHERE guid IN "+in), args, queued); err != nil {
 			return nil, nil, fmt.Errorf("read the delivery ledger: %w", err)
 		}
 	}
@@ -108,7 +111,7 @@ func (tx *Tx) RecordGap(ctx context.Context, g deliveryGap, channels []string) (
 		unrecoverable = formatTime(*g.UnrecoverableAt)
 	}
 	res, err := tx.exec(ctx, `INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at, unrecoverable_at, last_error)
-		VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (guid) DO NOTHING`,
+		VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (guid) DO NOTHING`,
 		g.GUID, g.DeliveryID, g.Event, formatTime(g.DeliveredAt), formatTime(g.FoundAt), unrecoverable, g.LastError)
 	if err != nil {
 		return false, fmt.Errorf("record gap: %w", err)
@@ -128,8 +131,8 @@ func (tx *Tx) RecordGap(ctx context.Context, g deliveryGap, channels []string) (
 // queued on each of channels, in the same transaction; gaveUp reports it.
 func (tx *Tx) GapRefused(ctx context.Context, guid, reason string, limit int, channels []string) (gaveUp bool, err error) {
 	var refusals int
-	err = tx.queryRow(ctx, `UPDATE delivery_gaps SET refusals = refusals + 1, last_error = ?
-		WHERE guid = ? AND unrecoverable_at IS NULL RETURNING refusals`, reason, guid).Scan(&refusals)
+	err = tx.queryRow(ctx, `UPDATE delivery_gaps SET refusals = refusals + 1, last_error = $1
+		WHERE guid = $2 AND unrecoverable_at IS NULL RETURNING refusals`, reason, guid).Scan(&refusals)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
 	}
@@ -139,7 +142,7 @@ func (tx *Tx) GapRefused(ctx context.Context, guid, reason string, limit int, ch
 	if refusals < limit {
 		return false, nil
 	}
-	if _, err := tx.exec(ctx, "UPDATE delivery_gaps SET unrecoverable_at = ? WHERE guid = ?", formatTime(time.Now()), guid); err != nil {
+	if _, err := tx.exec(ctx, "UPDATE delivery_gaps SET unrecoverable_at = $1 WHERE guid = $2", formatTime(time.Now()), guid); err != nil {
 		return false, fmt.Errorf("give up a gap: %w", err)
 	}
 	return true, tx.queueAlerts(ctx, unrecoverableAlertID(guid), channels)
@@ -149,12 +152,12 @@ func (tx *Tx) GapRefused(ctx context.Context, guid, reason string, limit int, ch
 // to redeliver yet and that are not given up on, oldest first.
 func (s *Store) GapsToRedeliver(ctx context.Context, limit int) ([]deliveryGap, error) {
 	return s.gaps(ctx, `WHERE resolved_at IS NULL AND redelivered_at IS NULL AND unrecoverable_at IS NULL
-		ORDER BY delivered_at, guid LIMIT ?`, limit)
+		ORDER BY delivered_at, guid LIMIT $1`, limit)
 }
 
 // GapRedelivered records that GitHub was asked to deliver a gap again.
 func (tx *Tx) GapRedelivered(ctx context.Context, guid string, at time.Time) error {
-	_, err := tx.exec(ctx, "UPDATE delivery_gaps SET redelivered_at = ? WHERE guid = ?", formatTime(at), guid)
+	_, err := tx.exec(ctx, "UPDATE delivery_gaps SET redelivered_at = $1 WHERE guid = $2", formatTime(at), guid)
 	return err
 }
 
@@ -165,7 +168,7 @@ func (tx *Tx) ResolveGap(ctx context.Context, guid string) error {
 	if !tx.s.gapsOpen.Load() {
 		return nil
 	}
-	_, err := tx.exec(ctx, "UPDATE delivery_gaps SET resolved_at = ? WHERE guid = ? AND resolved_at IS NULL",
+	_, err := tx.exec(ctx, "UPDATE delivery_gaps SET resolved_at = $1 WHERE guid = $2 AND resolved_at IS NULL",
 		formatTime(time.Now()), guid)
 	if err != nil {
 		return fmt.Errorf("resolve gap: %w", err)
@@ -177,8 +180,8 @@ func (tx *Tx) ResolveGap(ctx context.Context, guid string) error {
 // copy is stored of, and refreshes whether any gap is still open. It
 // returns how many it resolved.
 func (tx *Tx) ResolveStoredGaps(ctx context.Context, appID int64) (int64, error) {
-	res, err := tx.exec(ctx, `UPDATE delivery_gaps SET resolved_at = ? WHERE resolved_at IS NULL
-		AND EXISTS (SELECT 1 FROM github WHERE delivery_id = delivery_gaps.guid AND `+appCopy+`)`, formatTime(time.Now()), appID)
+	res, err := tx.exec(ctx, `UPDATE delivery_gaps SET resolved_at = $1 WHERE resolved_at IS NULL
+		AND EXISTS (SELECT 1 FROM github WHERE delivery_id = delivery_gaps.guid AND `+appCopy("$2")+`)`, formatTime(time.Now()), appID)
 	if err != nil {
 		return 0, fmt.Errorf("resolve stored gaps: %w", err)
 	}
@@ -189,6 +192,17 @@ func (tx *Tx) ResolveStoredGaps(ctx context.Context, appID int64) (int64, error)
 	}
 	tx.s.gapsOpen.Store(open > 0)
 	return n, nil
+}
+
+// NoteOpenGaps reads again whether any gap is open: another node (the hooks
+// job's) may have recorded one, which storing its App copy here resolves.
+func (s *Store) NoteOpenGaps(ctx context.Context) error {
+	n, err := countOpenGaps(ctx, s.r)
+	if err != nil {
+		return err
+	}
+	s.gapsOpen.Store(n > 0)
+	return nil
 }
 
 // MayHaveOpenGaps reports whether delivery_gaps may hold an open gap: when
@@ -208,7 +222,7 @@ func openGaps(ctx context.Context, q queryer, limit int) (gaps []deliveryGap, to
 	if total, err = countOpenGaps(ctx, q); err != nil || total == 0 {
 		return []deliveryGap{}, total, err
 	}
-	gaps, err = readGaps(ctx, q, "WHERE resolved_at IS NULL ORDER BY delivered_at DESC, guid LIMIT ?", limit)
+	gaps, err = readGaps(ctx, q, "WHERE resolved_at IS NULL ORDER BY delivered_at DESC, guid LIMIT $1", limit)
 	return gaps, total, err
 }
 
@@ -286,14 +300,14 @@ func countOpenGaps(ctx context.Context, q queryer) (int, error) {
 // when switchyard last asked GitHub to redeliver it.
 func (s *Store) GitHubAttempt(ctx context.Context, guid string) (id int64, asked *time.Time, err error) {
 	var redelivered sql.NullString
-	err = s.r.QueryRowContext(ctx, "SELECT delivery_id, redelivered_at FROM delivery_gaps WHERE guid = ?", guid).Scan(&id, &redelivered)
+	err = s.r.QueryRowContext(ctx, "SELECT delivery_id, redelivered_at FROM delivery_gaps WHERE guid = $1", guid).Scan(&id, &redelivered)
 	if err == nil {
 		return id, parseTimePtr(redelivered), nil
 	}
 	if !errors.Is(err, sql.ErrNoRows) {
 		return 0, nil, fmt.Errorf("read delivery_gaps: %w", err)
 	}
-	err = s.r.QueryRowContext(ctx, "SELECT delivery_id FROM hook_redeliveries WHERE guid = ?", guid).Scan(&id)
+	err = s.r.QueryRowContext(ctx, "SELECT delivery_id FROM hook_redeliveries WHERE guid = $1", guid).Scan(&id)
 	if errors.Is(err, sql.ErrNoRows) {
 		return 0, nil, nil
 	}
@@ -317,13 +331,13 @@ func (tx *Tx) RecordAttempts(ctx context.Context, attempts []hookDelivery, cutof
 			status = strings.ToValidUTF8(status[:maxAttemptStatus], "")
 		}
 		if _, err := tx.exec(ctx, `INSERT INTO github_attempts (attempt_id, guid, delivered_at, status_code, status, redelivery)
-			VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (attempt_id) DO NOTHING`,
+			VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (attempt_id) DO NOTHING`,
 			a.ID, a.GUID, formatTime(a.DeliveredAt), a.StatusCode, status, a.Redelivery); err != nil {
 			return fmt.Errorf("record GitHub's attempts: %w", err)
 		}
 	}
 	if _, err := tx.exec(ctx, `DELETE FROM github_attempts WHERE attempt_id IN
-		(SELECT attempt_id FROM github_attempts WHERE delivered_at < ? LIMIT ?)`, formatTime(cutoff), retentionBatch); err != nil {
+		(SELECT attempt_id FROM github_attempts WHERE delivered_at < $1 LIMIT $2)`, formatTime(cutoff), retentionBatch); err != nil {
 		return fmt.Errorf("forget GitHub's old attempts: %w", err)
 	}
 	return nil

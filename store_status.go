@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"os"
 	"time"
@@ -10,8 +9,10 @@ import (
 
 // DatabaseStatus is the database's part of the status page.
 type DatabaseStatus struct {
+	Driver string `json:"driver"` // sqlite or postgres
+	// Path is the SQLite file, or the PostgreSQL URL without its password.
 	Path      string         `json:"path"`
-	SizeBytes int64          `json:"size_bytes"` // the file and its WAL
+	SizeBytes int64          `json:"size_bytes"` // the file and its WAL, or the PostgreSQL database
 	Rows      map[string]int `json:"rows"`
 }
 
@@ -34,7 +35,7 @@ type StoreStatus struct {
 // transaction, so that its counts agree with each other: the statistics
 // from since to now, the row counts, and at most gapLimit open gaps.
 func (s *Store) Status(ctx context.Context, since, now time.Time, gapLimit int) (st StoreStatus, err error) {
-	tx, err := s.r.BeginTx(ctx, &sql.TxOptions{ReadOnly: true})
+	tx, err := s.readTx(ctx)
 	if err != nil {
 		return st, fmt.Errorf("read the status: %w", err)
 	}
@@ -56,9 +57,14 @@ func (s *Store) Status(ctx context.Context, since, now time.Time, gapLimit int) 
 
 // databaseStatus reads the file sizes and, through q, the row counts.
 func (s *Store) databaseStatus(ctx context.Context, q queryer) (DatabaseStatus, error) {
-	st := DatabaseStatus{Path: s.path, Rows: map[string]int{}}
+	st := DatabaseStatus{Driver: s.dialect.String(), Path: s.name, Rows: map[string]int{}}
+	if s.dialect == dialectPostgres {
+		if err := q.QueryRowContext(ctx, "SELECT pg_database_size(current_database())").Scan(&st.SizeBytes); err != nil {
+			return st, fmt.Errorf("database size: %w", err)
+		}
+	}
 	for _, p := range []string{s.path, s.path + "-wal"} {
-		if fi, err := os.Stat(p); err == nil {
+		if fi, err := os.Stat(p); s.path != "" && err == nil {
 			st.SizeBytes += fi.Size()
 		}
 	}
@@ -82,7 +88,7 @@ type StatisticsBucket struct {
 // first, with the empty ones filled in.
 func statistics(ctx context.Context, q queryer, since, now time.Time) ([]StatisticsBucket, error) {
 	rows, err := q.QueryContext(ctx, `SELECT bucket, sum(count) FROM github_statistics_6h
-		WHERE bucket >= ? GROUP BY bucket`, statisticsBucket(since))
+		WHERE bucket >= $1 GROUP BY bucket`, statisticsBucket(since))
 	if err != nil {
 		return nil, fmt.Errorf("read statistics: %w", err)
 	}

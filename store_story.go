@@ -179,7 +179,7 @@ var storyTables = []struct {
 // Story reads everything the database knows of guid's deliveries, in one
 // read transaction so that its parts agree with each other.
 func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) {
-	tx, err := s.r.BeginTx(ctx, &sql.TxOptions{ReadOnly: true})
+	tx, err := s.readTx(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("read a story: %w", err)
 	}
@@ -203,7 +203,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	}
 	err = each("github", `SELECT hook_id, event, action, repository, sender, source_ip, forbidden, target_type, target_id,
 		received_at, processed_at, payload, payload_pruned_at, duplicates, last_duplicate_at, broker
-		FROM github WHERE delivery_id = ? ORDER BY id LIMIT ?`, func(rows *sql.Rows) error {
+		FROM github WHERE delivery_id = $1 ORDER BY id LIMIT $2`, func(rows *sql.Rows) error {
 		var r StoryReceipt
 		var hook int64
 		var received, stored, payload string
@@ -225,7 +225,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		return nil, err
 	}
 	err = each("github_attempts", `SELECT attempt_id, delivered_at, status_code, status, redelivery FROM github_attempts
-		WHERE guid = ? ORDER BY delivered_at, attempt_id LIMIT ?`, func(rows *sql.Rows) error {
+		WHERE guid = $1 ORDER BY delivered_at, attempt_id LIMIT $2`, func(rows *sql.Rows) error {
 		var a StoryAttempt
 		var at string
 		if err := rows.Scan(&a.ID, &at, &a.StatusCode, &a.Status, &a.Redelivery); err != nil {
@@ -239,7 +239,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		return nil, err
 	}
 	err = each("worker_deliveries", `SELECT hook_id, worker, outcome, processed_at FROM worker_deliveries
-		WHERE delivery_id = ? ORDER BY hook_id, worker LIMIT ?`, func(rows *sql.Rows) error {
+		WHERE delivery_id = $1 ORDER BY hook_id, worker LIMIT $2`, func(rows *sql.Rows) error {
 		var w StoryWorker
 		var hook int64
 		var at string
@@ -264,7 +264,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		if t.hooked {
 			hook = "coalesce(hook_id, 0)"
 		}
-		err := each(t.table, "SELECT "+hook+", "+t.key+" FROM "+t.table+" WHERE delivery_id = ?", func(rows *sql.Rows) error {
+		err := each(t.table, "SELECT "+hook+", "+t.key+" FROM "+t.table+" WHERE delivery_id = $1", func(rows *sql.Rows) error {
 			var hook sql.NullInt64
 			var k any
 			if err := rows.Scan(&hook, &k); err != nil {
@@ -285,7 +285,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	}
 	var queued string
 	var republished sql.NullString
-	err = tx.QueryRowContext(ctx, "SELECT queued_at, republished_at FROM hook_redeliveries WHERE guid = ?", guid).Scan(&queued, &republished)
+	err = tx.QueryRowContext(ctx, "SELECT queued_at, republished_at FROM hook_redeliveries WHERE guid = $1", guid).Scan(&queued, &republished)
 	if err == nil {
 		h := &StoryHooks{RepublishedAt: parseTimePtr(republished)}
 		h.QueuedAt, _ = time.Parse(time.RFC3339Nano, queued)
@@ -293,14 +293,14 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	} else if !errors.Is(err, sql.ErrNoRows) {
 		return nil, fmt.Errorf("read hook_redeliveries: %w", err)
 	}
-	gaps, err := readGaps(ctx, tx, "WHERE guid = ?", guid)
+	gaps, err := readGaps(ctx, tx, "WHERE guid = $1", guid)
 	if err != nil {
 		return nil, err
 	}
 	if len(gaps) == 1 {
 		st.Gap = &gaps[0]
 	}
-	err = each("alert_outbox", "SELECT channel, sent_at, last_error FROM alert_outbox WHERE delivery_id IN (?, ?, ?) ORDER BY id",
+	err = each("alert_outbox", "SELECT channel, sent_at, last_error FROM alert_outbox WHERE delivery_id IN ($1, $2, $3) ORDER BY id",
 		func(rows *sql.Rows) error {
 			var a StoryAlert
 			var sent sql.NullString
@@ -411,11 +411,11 @@ func searchQuery(f DeliveryFilter, limit int) (string, []any) {
 		add("(g.received_at < ? OR (g.received_at = ? AND g.id < ?))", t, t, f.AfterID)
 	}
 	args = append(args, limit+1)
-	return `SELECT g.id, g.delivery_id, g.hook_id, g.target_type, g.event, g.action, g.repository, g.sender, g.forbidden, g.received_at,
+	return numberParams(`SELECT g.id, g.delivery_id, g.hook_id, g.target_type, g.event, g.action, g.repository, g.sender, g.forbidden, g.received_at,
 		g.payload_pruned_at IS NOT NULL,
 		EXISTS (SELECT 1 FROM worker_deliveries w WHERE w.worker = 'database-service' AND w.delivery_id = g.delivery_id
 			AND w.hook_id = g.hook_id AND w.outcome = 'stale')
-		FROM github g WHERE ` + strings.Join(where, " AND ") + ` ORDER BY g.received_at DESC, g.id DESC LIMIT ?`, args
+		FROM github g WHERE ` + strings.Join(where, " AND ") + ` ORDER BY g.received_at DESC, g.id DESC LIMIT ?`), args
 }
 
 // StoryLine is one line of a delivery's story as people read it: a label

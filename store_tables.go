@@ -91,7 +91,7 @@ func upserted(res sql.Result, err error) (stale bool, _ error) {
 func (tx *Tx) writeRelease(ctx context.Context, m rowMeta, r *releaseRow) error {
 	_, err := tx.exec(ctx, `INSERT INTO github_releases (release_id, repository, tag_name, name, draft,
 		prerelease, author, html_url, last_action, created_at, published_at, deleted, github_updated_at, delivery_id, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
 		ON CONFLICT (release_id) DO UPDATE SET repository = excluded.repository, tag_name = excluded.tag_name,
 			name = excluded.name, draft = excluded.draft, prerelease = excluded.prerelease, author = excluded.author,
 			html_url = excluded.html_url, last_action = excluded.last_action, created_at = excluded.created_at,
@@ -112,7 +112,7 @@ func (tx *Tx) writeWorkflowRun(ctx context.Context, m rowMeta, r *workflowRunRow
 		tag = r.HeadBranch
 	} else if r.HeadBranch != "" {
 		var t string
-		err := tx.queryRow(ctx, `SELECT tag_name FROM github_releases WHERE repository = ? AND tag_name = ? LIMIT 1`,
+		err := tx.queryRow(ctx, `SELECT tag_name FROM github_releases WHERE repository = $1 AND tag_name = $2 LIMIT 1`,
 			r.Repository, r.HeadBranch).Scan(&t)
 		if err != nil && !errors.Is(err, sql.ErrNoRows) {
 			return err
@@ -124,7 +124,7 @@ func (tx *Tx) writeWorkflowRun(ctx context.Context, m rowMeta, r *workflowRunRow
 	_, err := tx.exec(ctx, `INSERT INTO github_release_workflow_runs (run_id, repository, workflow_name,
 		head_branch, head_sha, event, status, conclusion, run_number, run_attempt, html_url, github_updated_at,
 		release_tag, delivery_id, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
 		ON CONFLICT (run_id) DO UPDATE SET repository = excluded.repository, workflow_name = excluded.workflow_name,
 			head_branch = excluded.head_branch, head_sha = excluded.head_sha, event = excluded.event,
 			status = excluded.status, conclusion = excluded.conclusion, run_number = excluded.run_number,
@@ -141,7 +141,7 @@ func (tx *Tx) writeWorkflowRun(ctx context.Context, m rowMeta, r *workflowRunRow
 func (tx *Tx) writeBranch(ctx context.Context, m rowMeta, r *branchRow) error {
 	_, err := tx.exec(ctx, `INSERT INTO github_branches (delivery_id, hook_id, target_type, target_id,
 		installation_id, event, repository, ref, ref_type, master_branch, sender, processing_state, processing_date,
-		created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'NEW', $12, $13, $14)
 		ON CONFLICT (delivery_id) DO NOTHING`,
 		m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Event, r.Repository, r.Ref,
 		r.RefType, r.MasterBranch, r.Sender, m.Now, m.Now, m.Now)
@@ -210,7 +210,7 @@ func (tx *Tx) writeIssue(ctx context.Context, m rowMeta, r *issueRow) (stale boo
 		return false, nil
 	}
 	var updated sql.NullString
-	err = tx.queryRow(ctx, "SELECT github_updated_at FROM "+table+" WHERE node_id = ?", r.NodeID).Scan(&updated)
+	err = tx.queryRow(ctx, "SELECT github_updated_at FROM "+table+" WHERE node_id = $1", r.NodeID).Scan(&updated)
 	if err != nil {
 		return false, err
 	}
@@ -241,20 +241,20 @@ func issueUpsertFor(table string, extra []string) string {
 			set = append(set, c+" = excluded."+c)
 		}
 	}
-	return "INSERT INTO " + table + " (" + strings.Join(cols, ", ") + ", node_id, created_at) VALUES (?" +
+	return numberParams("INSERT INTO " + table + " (" + strings.Join(cols, ", ") + ", node_id, created_at) VALUES (?" +
 		strings.Repeat(", ?", len(cols)+1) + ") ON CONFLICT (node_id) DO UPDATE SET " + strings.Join(set, ", ") +
-		" WHERE (" + newerOrSame(table) + ") AND CASE " + table + ".state WHEN 'OPEN' THEN ? ELSE ? END"
+		" WHERE (" + newerOrSame(table) + ") AND CASE " + table + ".state WHEN 'OPEN' THEN CAST(? AS INTEGER) ELSE CAST(? AS INTEGER) END = 1")
 }
 
 func (tx *Tx) writeComment(ctx context.Context, m rowMeta, r *commentRow) (stale bool, err error) {
 	return upserted(tx.exec(ctx, `INSERT INTO github_comments (comment_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, event, repository, number, commit_id, path, author, body, html_url, deleted,
 		last_action, processing_state, processing_date, created_at, updated_at, github_updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?, ?)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, 'NEW', $17, $18, $19, $20)
 		ON CONFLICT (comment_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
 			target_type = excluded.target_type, target_id = excluded.target_id,
 			installation_id = excluded.installation_id, body = excluded.body, html_url = excluded.html_url,
-			deleted = excluded.deleted, last_action = excluded.last_action, processing_state = ?,
+			deleted = excluded.deleted, last_action = excluded.last_action, processing_state = $21,
 			processing_date = excluded.processing_date, updated_at = excluded.updated_at,
 			github_updated_at = coalesce(excluded.github_updated_at, github_comments.github_updated_at)
 		WHERE `+newerOrSame("github_comments"),
@@ -272,14 +272,14 @@ func (tx *Tx) writeDiscussion(ctx context.Context, m rowMeta, r *discussionRow) 
 	return upserted(tx.exec(ctx, `INSERT INTO github_discussions (node_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, repository, number, title, category, state, sender, last_event, last_action,
 		last_comment_id, processing_state, processing_date, created_at, updated_at, github_updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?, ?)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, 'NEW', $16, $17, $18, $19)
 		ON CONFLICT (node_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
 			target_type = excluded.target_type, target_id = excluded.target_id,
 			installation_id = excluded.installation_id, repository = excluded.repository, title = excluded.title,
 			category = excluded.category, state = excluded.state, sender = excluded.sender,
 			last_event = excluded.last_event, last_action = excluded.last_action,
 			last_comment_id = coalesce(excluded.last_comment_id, github_discussions.last_comment_id),
-			processing_state = ?, processing_date = excluded.processing_date, updated_at = excluded.updated_at,
+			processing_state = $20, processing_date = excluded.processing_date, updated_at = excluded.updated_at,
 			github_updated_at = coalesce(excluded.github_updated_at, github_discussions.github_updated_at)
 		WHERE `+newerOrSame("github_discussions"),
 		r.NodeID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Repository, r.Number,
@@ -290,13 +290,13 @@ func (tx *Tx) writeCheckRun(ctx context.Context, m rowMeta, r *checkRunRow) (sta
 	return upserted(tx.exec(ctx, `INSERT INTO github_check_runs (check_run_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, repository, name, head_sha, status, conclusion, html_url, requested_action,
 		last_action, processing_state, processing_date, created_at, updated_at, github_updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?, ?)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 'NEW', $15, $16, $17, $18)
 		ON CONFLICT (check_run_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
 			target_type = excluded.target_type, target_id = excluded.target_id,
 			installation_id = excluded.installation_id, name = excluded.name, head_sha = excluded.head_sha,
 			status = excluded.status, conclusion = excluded.conclusion, html_url = excluded.html_url,
 			requested_action = excluded.requested_action, last_action = excluded.last_action,
-			processing_state = ?, processing_date = excluded.processing_date, updated_at = excluded.updated_at,
+			processing_state = $19, processing_date = excluded.processing_date, updated_at = excluded.updated_at,
 			github_updated_at = coalesce(excluded.github_updated_at, github_check_runs.github_updated_at)
 		WHERE `+newerOrSame("github_check_runs"),
 		r.ID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Repository, r.Name, r.HeadSHA,
@@ -309,7 +309,7 @@ func (tx *Tx) writePush(ctx context.Context, m rowMeta, r *pushRow) error {
 	_, err := tx.exec(ctx, `INSERT INTO github_pushes (delivery_id, hook_id, target_type, target_id,
 		installation_id, repository, head_commit, ref, before, pusher, commits, created, deleted, forced,
 		processing_state, processing_date, created_at, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 'NEW', $15, $16, $17)
 		ON CONFLICT (repository, head_commit) DO UPDATE SET delivery_id = excluded.delivery_id,
 			hook_id = excluded.hook_id, target_type = excluded.target_type, target_id = excluded.target_id,
 			installation_id = excluded.installation_id, ref = excluded.ref, before = excluded.before,
@@ -329,7 +329,7 @@ func (tx *Tx) writeInstallation(ctx context.Context, m rowMeta, r *installationR
 	_, err := tx.exec(ctx, `INSERT INTO github_installations (installation_id, delivery_id, hook_id,
 		target_type, target_id, account, account_type, repository_selection, app_id, suspended, deleted,
 		last_event, last_action, processing_state, processing_date, created_at, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, 'NEW', $14, $15, $16)
 		ON CONFLICT (installation_id) DO UPDATE SET delivery_id = excluded.delivery_id, hook_id = excluded.hook_id,
 			target_type = excluded.target_type, target_id = excluded.target_id,
 			account = coalesce(nullif(excluded.account, ''), github_installations.account),
@@ -337,7 +337,7 @@ func (tx *Tx) writeInstallation(ctx context.Context, m rowMeta, r *installationR
 			repository_selection = coalesce(nullif(excluded.repository_selection, ''), github_installations.repository_selection),
 			app_id = coalesce(excluded.app_id, github_installations.app_id),
 			suspended = excluded.suspended, deleted = excluded.deleted, last_event = excluded.last_event,
-			last_action = excluded.last_action, processing_state = ?, processing_date = excluded.processing_date,
+			last_action = excluded.last_action, processing_state = $17, processing_date = excluded.processing_date,
 			updated_at = excluded.updated_at`,
 		r.ID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, r.Account, r.AccountType, r.RepositorySelection,
 		nullInt(r.AppID), r.Suspended, r.Deleted, r.Event, r.Action, m.Now, m.Now, m.Now, state)
@@ -348,7 +348,7 @@ func (tx *Tx) writeRepositories(ctx context.Context, m rowMeta, rs []repositoryR
 	for _, r := range rs {
 		_, err := tx.exec(ctx, `INSERT INTO github_repositories (delivery_id, hook_id, target_type, target_id,
 			installation_id, event, action, repository, repository_id, private, sender, processing_state,
-			processing_date, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'NEW', ?, ?, ?)
+			processing_date, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'NEW', $12, $13, $14)
 			ON CONFLICT (delivery_id, repository) DO NOTHING`,
 			m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Event, r.Action, r.Repository,
 			nullInt(r.RepositoryID), r.Private, r.Sender, m.Now, m.Now, m.Now)

@@ -5,11 +5,16 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
+	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -43,7 +48,7 @@ func TestBackupWhileServing(t *testing.T) {
 	cfg := testConfig(t, amqpURL(vhost))
 	d := startDaemon(t, cfg)
 	dir := t.TempDir()
-	config := writeConfig(t, dir, "127.0.0.1:1", cfg.Database.Path, amqpURL(vhost))
+	config := writeConfigWith(t, dir, "127.0.0.1:1", databaseKeys(cfg.Database), "", amqpURL(vhost))
 	body := loadFixture(t, "push", "branch")
 
 	var sent atomic.Int64
@@ -57,7 +62,7 @@ func TestBackupWhileServing(t *testing.T) {
 			}
 		}()
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 60*time.Second, "300 rows stored", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") >= 300 })
 
 	committed := map[string]bool{}
@@ -96,7 +101,7 @@ func TestBackupWhileServing(t *testing.T) {
 	missing := 0
 	for id := range committed {
 		var n int
-		bk.QueryRow("SELECT count(*) FROM github WHERE delivery_id = ?", id).Scan(&n)
+		bk.QueryRow("SELECT count(*) FROM github WHERE delivery_id = $1", id).Scan(&n)
 		if n != 1 {
 			missing++
 		}
@@ -117,6 +122,10 @@ func TestBackupWhileServing(t *testing.T) {
 // No secret of the config shows in a log line, an API answer or check-config.
 func TestNoSecretLeaks(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testNoSecretLeaks)
+}
+
+func testNoSecretLeaks(t *testing.T) {
 	vhost := newVhost(t)
 	user, password := newBrokerUser(t, vhost, ".*", ".*", ".*")
 	proxy := newTCPProxy(t, testBrokerAddr())
@@ -206,6 +215,10 @@ url = "`+brokerURL+`"
 // duplicate, counted once, and the ledger counts it stored.
 func TestRawRetention(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testRawRetention)
+}
+
+func testRawRetention(t *testing.T) {
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Database.RawRetention = Duration(githubRedeliveryWindow)
@@ -252,7 +265,7 @@ func TestRawRetention(t *testing.T) {
 	p.store.Close()
 
 	d := startDaemon(t, cfg)
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "old deliveries forgotten by cleanup", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id LIKE 'old-%'") == 0
 	})
@@ -328,7 +341,7 @@ func TestMigrationFillsGitHubUpdatedAt(t *testing.T) {
 	for i, delivery := range []string{"pr-closed", "raw-row-gone"} {
 		if _, err := store.w.Exec(`INSERT INTO github_pull_requests (node_id, delivery_id, repository_owner, repository_name,
 			number, state, last_action, processing_state, processing_date, created_at, updated_at)
-			VALUES (?, ?, 'o', 'r', ?, 'CLOSED', 'closed', 'NEW', 'x', 'x', 'x')`, fmt.Sprint("node-", i), delivery, i+1); err != nil {
+			VALUES ($1, $2, 'o', 'r', $3, 'CLOSED', 'closed', 'NEW', 'x', 'x', 'x')`, fmt.Sprint("node-", i), delivery, i+1); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -358,11 +371,15 @@ func TestMigrationFillsGitHubUpdatedAt(t *testing.T) {
 // ends mid-way fails at its next statement and commits nothing.
 func TestBatchContextEndsMidway(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testBatchContextEndsMidway)
+}
+
+func testBatchContextEndsMidway(t *testing.T) {
 	store, _ := benchStore(t)
 	defer store.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	insert := "INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('t', ?, 'x')"
+	insert := "INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('t', $1, 'x')"
 	var afterCancel error
 	err := store.WriteTx(ctx, func(tx *Tx) error {
 		if _, err := tx.exec(ctx, insert, "before"); err != nil {
@@ -432,7 +449,7 @@ func TestSearchReadsIndexes(t *testing.T) {
 // an old release stored it, for the tests that upgrade an old database.
 func insertOldRow(store *Store, ev *Event) error {
 	_, err := store.w.Exec(`INSERT INTO github (delivery_id, event, action, payload, received_at, processed_at)
-		VALUES (?, ?, ?, ?, ?, ?)`, ev.DeliveryID, ev.Name, ev.Action, string(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()))
+		VALUES ($1, $2, $3, $4, $5, $6)`, ev.DeliveryID, ev.Name, ev.Action, string(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()))
 	return err
 }
 
@@ -460,5 +477,277 @@ func TestEveryTableStrict(t *testing.T) {
 	}
 	if err := rows.Err(); err != nil || n < 20 {
 		t.Errorf("tables read: %d (%v)", n, err)
+	}
+}
+
+// copy-db moves a whole SQLite database, a duplicate and an event two
+// hooks received among it, up to PostgreSQL and back: every table's rows
+// as they were, duplicates still duplicates, new rows with new ids; a
+// target that holds rows is refused, and nothing is changed.
+func TestCopyDB(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := postgresConfig(t)
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.GitHub.BotAppID = testBotAppID
+	store, err := OpenStore(ctx, cfg.Database, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	service := serviceHandler(nil, testBotAppID, false)
+	database := databaseHandler(testBotAppID, nil, slog.New(slog.DiscardHandler))
+	guid := newGUID()
+	body := loadFixture(t, "pull_request", "opened")
+	copyOf := func(hook int64, bot bool) *Event {
+		ev := &Event{DeliveryID: guid, Name: "pull_request", Action: "opened", HookID: hook, Payload: body,
+			ReceivedAt: time.Now(), TargetType: "repository", TargetID: 35129377}
+		if bot {
+			ev.TargetType, ev.TargetID = "integration", testBotAppID
+		}
+		return ev
+	}
+	err = store.WriteTx(ctx, func(tx *Tx) error {
+		for _, ev := range []*Event{copyOf(testRepoHook, false), copyOf(testAppHook, true), copyOf(testRepoHook, false)} {
+			if err := service(ctx, tx, ev); err != nil && !errors.Is(err, ErrDuplicate) {
+				return err
+			}
+			if err := database(ctx, tx, ev); err != nil && !errors.Is(err, ErrDuplicate) {
+				return err
+			}
+		}
+		_, err := tx.RecordGap(ctx, deliveryGap{GUID: "gap-guid", DeliveryID: 7, Event: "issues",
+			DeliveredAt: time.Now().Add(-5 * time.Hour), FoundAt: time.Now()}, []string{"push"})
+		return err
+	})
+	store.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	config := writeConfigWith(t, t.TempDir(), "127.0.0.1:1", databaseKeys(cfg.Database), "", amqpURL(vhost))
+	var out bytes.Buffer
+	if err := run(ctx, []string{"copy-db", "-config", config, "-to", pg.URL}, &out, &out); err != nil {
+		t.Fatalf("copy-db to PostgreSQL: %v\n%s", err, out.String())
+	}
+	if !regexp.MustCompile(`(?m)^github +[1-9]`).MatchString(out.String()) || !strings.Contains(out.String(), "copied ") {
+		t.Errorf("copy-db's report does not list the tables with their rows:\n%s", out.String())
+	}
+	sameTables(t, openDB(t, cfg.Database.Path), openStoreDB(t, pg))
+
+	// A second copy into the same database is refused, and changes nothing.
+	before := queryInt(t, openStoreDB(t, pg), "SELECT count(*) FROM github")
+	out.Reset()
+	err = run(ctx, []string{"copy-db", "-config", config, "-to", pg.URL}, &out, &out)
+	if exitCode(err, io.Discard) != 1 || !errors.Is(err, ErrTargetNotEmpty) {
+		t.Errorf("copy-db into a database with rows: %v, want exit 1 refusing it", err)
+	}
+	if n := queryInt(t, openStoreDB(t, pg), "SELECT count(*) FROM github"); n != before {
+		t.Errorf("the refused copy changed the target: %d rows, want %d", n, before)
+	}
+
+	// And back, to a new SQLite file: the same rows again.
+	back := filepath.Join(t.TempDir(), "back.db")
+	pgConfig := writeConfigWith(t, t.TempDir(), "127.0.0.1:1", databaseKeys(pg), "", amqpURL(vhost))
+	out.Reset()
+	if err := run(ctx, []string{"copy-db", "-config", pgConfig, "-to", back}, &out, &out); err != nil {
+		t.Fatalf("copy-db back to SQLite: %v\n%s", err, out.String())
+	}
+	sameTables(t, openDB(t, cfg.Database.Path), openDB(t, back))
+
+	// On PostgreSQL the duplicate is still one, and a new row takes a new id.
+	moved, err := OpenStore(ctx, pg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer moved.Close()
+	var verdicts [2]error
+	err = moved.WriteTx(ctx, func(tx *Tx) error {
+		verdicts[0] = service(ctx, tx, copyOf(testRepoHook, false))
+		other := copyOf(testRepoHook, false)
+		other.DeliveryID = newGUID()
+		verdicts[1] = service(ctx, tx, other)
+		return nil
+	})
+	if err != nil || !errors.Is(verdicts[0], ErrDuplicate) || verdicts[1] != nil {
+		t.Errorf("after the move: %v, the redelivery %v (want a duplicate), a new delivery %v (want stored)", err, verdicts[0], verdicts[1])
+	}
+	db := openStoreDB(t, pg)
+	if n := queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = $1 AND hook_id = $2", guid, testRepoHook); n != 2 {
+		t.Errorf("duplicates of the repository hook's copy: %d, want 2", n)
+	}
+	if n := queryInt(t, db, "SELECT CAST(sum(count) AS BIGINT) FROM github_statistics_6h"); n != 2 {
+		t.Errorf("statistics: %d, want the event and the new delivery, once each", n)
+	}
+}
+
+// sameTables fails the test unless every table the two databases share,
+// but those copy-db leaves out, holds the same rows.
+func sameTables(t *testing.T, a, b *sql.DB) {
+	t.Helper()
+	rowsOf := func(db *sql.DB, table string) []string {
+		rows, err := db.Query("SELECT * FROM " + table)
+		if err != nil {
+			t.Fatalf("%s: %v", table, err)
+		}
+		defer rows.Close()
+		cols, _ := rows.Columns()
+		var out []string
+		vals := make([]any, len(cols))
+		ptrs := make([]any, len(cols))
+		for i := range vals {
+			ptrs[i] = &vals[i]
+		}
+		for rows.Next() {
+			if err := rows.Scan(ptrs...); err != nil {
+				t.Fatal(err)
+			}
+			var line []string
+			for i, v := range vals {
+				if b, ok := v.([]byte); ok {
+					v = string(b)
+				}
+				line = append(line, fmt.Sprintf("%s=%v", cols[i], v))
+			}
+			sort.Strings(line)
+			out = append(out, strings.Join(line, " "))
+		}
+		sort.Strings(out)
+		return out
+	}
+	compared := 0
+	for _, table := range append(statusTables, "settings", "github_statistics_6h", "hook_redeliveries", "github_attempts", "broker_usage") {
+		ra, rb := rowsOf(a, table), rowsOf(b, table)
+		if strings.Join(ra, "\n") != strings.Join(rb, "\n") {
+			t.Errorf("%s differs:\n%s\nwant\n%s", table, strings.Join(rb, "\n"), strings.Join(ra, "\n"))
+		}
+		compared += len(ra)
+	}
+	if compared < 8 {
+		t.Errorf("compared %d rows in all: the test copied too little to show anything", compared)
+	}
+}
+
+// The two dialects keep one schema: the same tables, with the same
+// columns (name, order, NOT NULL), primary and unique keys, checks and
+// indexes, migrated from nothing on each.
+func TestSchemaSameOnBothDialects(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	type shape struct {
+		columns []string // name and NOT NULL, in order
+		uniques []string // the column lists of the primary key and each unique key
+		checks  int
+		indexes []string // the other indexes, by name
+	}
+	read := func(cfg DatabaseConfig) map[string]*shape {
+		store, err := OpenStore(ctx, cfg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer store.Close()
+		if _, _, err := store.Migrate(ctx); err != nil {
+			t.Fatal(err)
+		}
+		tables, err := store.tables(ctx, store.r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]*shape{}
+		list := func(query string, args ...any) [][]string {
+			rows, err := store.r.Query(query, args...)
+			if err != nil {
+				t.Fatalf("%s: %v", query, err)
+			}
+			defer rows.Close()
+			cols, _ := rows.Columns()
+			var res [][]string
+			for rows.Next() {
+				vals := make([]sql.NullString, len(cols))
+				ptrs := make([]any, len(cols))
+				for i := range vals {
+					ptrs[i] = &vals[i]
+				}
+				if err := rows.Scan(ptrs...); err != nil {
+					t.Fatal(err)
+				}
+				var r []string
+				for _, v := range vals {
+					r = append(r, v.String)
+				}
+				res = append(res, r)
+			}
+			return res
+		}
+		for _, table := range tables {
+			sh := &shape{}
+			out[table] = sh
+			if store.dialect == dialectSQLite {
+				for _, c := range list("SELECT name, \"notnull\" OR pk FROM pragma_table_info($1) ORDER BY cid", table) {
+					sh.columns = append(sh.columns, c[0]+" "+c[1])
+				}
+				for _, ix := range list("SELECT name, \"unique\", origin FROM pragma_index_list($1)", table) {
+					var cols []string
+					for _, c := range list("SELECT name FROM pragma_index_info($1) ORDER BY seqno", ix[0]) {
+						cols = append(cols, c[0])
+					}
+					if ix[1] == "1" {
+						sh.uniques = append(sh.uniques, strings.Join(cols, ","))
+					} else {
+						sh.indexes = append(sh.indexes, ix[0])
+					}
+				}
+				// A rowid or INTEGER PRIMARY KEY has no index of its own.
+				for _, c := range list("SELECT name FROM pragma_table_info($1) WHERE pk = 1 AND (SELECT count(*) FROM pragma_table_info($1) WHERE pk > 0) = 1", table) {
+					if !slices.Contains(sh.uniques, c[0]) {
+						sh.uniques = append(sh.uniques, c[0])
+					}
+				}
+				sql := list("SELECT sql FROM sqlite_master WHERE name = $1", table)[0][0]
+				sh.checks = strings.Count(sql, "CHECK (")
+			} else {
+				for _, c := range list(`SELECT column_name, CASE is_nullable WHEN 'NO' THEN '1' ELSE '0' END FROM information_schema.columns
+					WHERE table_schema = current_schema() AND table_name = $1 ORDER BY ordinal_position`, table) {
+					sh.columns = append(sh.columns, c[0]+" "+c[1])
+				}
+				for _, ix := range list(`SELECT i.indexrelid::regclass::text, i.indisunique::text,
+						(SELECT string_agg(a.attname, ',' ORDER BY k.n) FROM unnest(i.indkey) WITH ORDINALITY k(attnum, n)
+							JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum)
+					FROM pg_index i WHERE i.indrelid = $1::regclass`, table) {
+					if ix[1] == "true" {
+						sh.uniques = append(sh.uniques, ix[2])
+					} else {
+						sh.indexes = append(sh.indexes, ix[0])
+					}
+				}
+				sh.checks = len(list("SELECT conname FROM pg_constraint WHERE conrelid = $1::regclass AND contype = 'c'", table))
+			}
+			sort.Strings(sh.uniques)
+			sort.Strings(sh.indexes)
+		}
+		return out
+	}
+	lite := DefaultConfig().Database
+	lite.Path = filepath.Join(t.TempDir(), "schema.db")
+	a, b := read(lite), read(postgresConfig(t))
+	for table, sa := range a {
+		sb, ok := b[table]
+		if !ok {
+			t.Errorf("table %s is SQLite's only", table)
+			continue
+		}
+		if fmt.Sprint(*sa) != fmt.Sprint(*sb) {
+			t.Errorf("table %s differs:\n sqlite   %+v\n postgres %+v", table, *sa, *sb)
+		}
+	}
+	for table := range b {
+		if _, ok := a[table]; !ok {
+			t.Errorf("table %s is PostgreSQL's only", table)
+		}
+	}
+	if len(a) < 20 {
+		t.Errorf("%d tables compared, want every table of the schema", len(a))
 	}
 }

@@ -24,9 +24,9 @@ func (tx *Tx) AddBrokerUsage(ctx context.Context, at time.Time, rows []usageRow)
 		if r.Published == 0 && r.Delivered == 0 {
 			continue
 		}
-		if _, err := tx.exec(ctx, `INSERT INTO broker_usage (broker, hour, published, delivered) VALUES (?, ?, ?, ?)
-			ON CONFLICT (broker, hour) DO UPDATE SET published = published + excluded.published,
-			delivered = delivered + excluded.delivered`, r.Broker, hour, r.Published, r.Delivered); err != nil {
+		if _, err := tx.exec(ctx, `INSERT INTO broker_usage (broker, hour, published, delivered) VALUES ($1, $2, $3, $4)
+			ON CONFLICT (broker, hour) DO UPDATE SET published = broker_usage.published + excluded.published,
+			delivered = broker_usage.delivered + excluded.delivered`, r.Broker, hour, r.Published, r.Delivered); err != nil {
 			return fmt.Errorf("write broker_usage: %w", err)
 		}
 	}
@@ -36,7 +36,7 @@ func (tx *Tx) AddBrokerUsage(ctx context.Context, at time.Time, rows []usageRow)
 // BrokerUsageSince sums what broker cost in the hours from since on.
 func (s *Store) BrokerUsageSince(ctx context.Context, broker string, since time.Time) (published, delivered int64, err error) {
 	err = s.r.QueryRowContext(ctx, `SELECT coalesce(sum(published), 0), coalesce(sum(delivered), 0) FROM broker_usage
-		WHERE broker = ? AND hour >= ?`, broker, formatTime(since.UTC().Truncate(time.Hour))).Scan(&published, &delivered)
+		WHERE broker = $1 AND hour >= $2`, broker, formatTime(since.UTC().Truncate(time.Hour))).Scan(&published, &delivered)
 	if err != nil {
 		return 0, 0, fmt.Errorf("read broker_usage: %w", err)
 	}
@@ -48,7 +48,7 @@ func (s *Store) BrokerUsageSince(ctx context.Context, broker string, since time.
 // with the same id changes nothing. It reports whether it was new.
 func (tx *Tx) QueueOwnAlert(ctx context.Context, id string, channels []string) (queued bool, err error) {
 	var n int
-	if err := tx.queryRow(ctx, "SELECT count(*) FROM alert_outbox WHERE delivery_id = ?", id).Scan(&n); err != nil {
+	if err := tx.queryRow(ctx, "SELECT count(*) FROM alert_outbox WHERE delivery_id = $1", id).Scan(&n); err != nil {
 		return false, err
 	}
 	if n > 0 {

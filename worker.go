@@ -128,6 +128,16 @@ func (w *Worker) Run(ctx context.Context) error {
 			return nil
 		}
 		w.record(err)
+		if errors.Is(err, ErrDatabaseLost) && w.Batch != nil {
+			// Its messages went back to the broker, for other nodes:
+			// this one consumes again once the database answers.
+			w.Health.Fail(ctx, err.Error())
+			w.log.Warn("database lost: consuming stops until it answers", "error", err)
+			if werr := w.Batch.WaitAnswers(ctx); werr == nil {
+				w.log.Info("database answers again: consuming")
+			}
+			continue
+		}
 		if err != nil {
 			w.Health.Fail(ctx, err.Error())
 			failures++
@@ -183,6 +193,28 @@ func (w *Worker) cycle(ctx context.Context) error {
 }
 
 func (w *Worker) work(ctx context.Context) error {
+	// A database lost ends the cycle at once: its consumers are cancelled
+	// and what they hold is handed back (ConsumeOptions.HandBack).
+	var lost <-chan struct{}
+	if w.Batch != nil {
+		lost = w.Batch.Lost()
+		if closed(lost) {
+			return ErrDatabaseLost
+		}
+	}
+	ctx, stop := whileOpen(ctx, lost)
+	defer stop()
+	err := w.consumeCycle(ctx, lost)
+	if closed(lost) {
+		return errors.Join(ErrDatabaseLost, err)
+	}
+	return err
+}
+
+// consumeCycle is one cycle's work: the switch, the leftover drain, then a
+// window of the active broker. lost, when it closes, hands the messages in
+// hand back.
+func (w *Worker) consumeCycle(ctx context.Context, lost <-chan struct{}) error {
 	watch := w.brokers.Watch()
 	st, err := w.brokers.State(ctx)
 	if err != nil {
@@ -207,7 +239,7 @@ func (w *Worker) work(ctx context.Context) error {
 		}
 	}
 
-	w.drainLeftovers(ctx, st, watch)
+	w.drainLeftovers(ctx, st, watch, lost)
 
 	window := w.Window
 	if st.Pending != nil {
@@ -219,7 +251,9 @@ func (w *Worker) work(ctx context.Context) error {
 	}
 	w.setSchedule(time.Now().Add(window), time.Time{})
 	defer w.setSchedule(time.Time{}, time.Time{})
-	_, err = w.queues.Consume(ctx, active, w.consumeOptions(w.log.With("broker", active.String())), window, watch)
+	o := w.consumeOptions(w.log.With("broker", active.String()))
+	o.HandBack = lost
+	_, err = w.queues.Consume(ctx, active, o, window, watch)
 	return err
 }
 
@@ -229,8 +263,16 @@ func (w *Worker) work(ctx context.Context) error {
 // first. A broker that cannot be reached is a warning, never a failed cycle.
 // The drain stops when the state changes under it (watch), so that it never
 // acts on a state that is no longer true.
-func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-chan struct{}) {
-	unchanged := func() bool { return Unchanged(watch) }
+func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-chan struct{}, lost <-chan struct{}) {
+	unchanged := func() bool {
+		// Another node may have changed the state: it is read again
+		// before each message is taken, so that a broker named a Pending
+		// Switch's target by a node's answer is never drained after it.
+		if w.brokers.Shared() {
+			_ = w.brokers.Refresh(ctx)
+		}
+		return Unchanged(watch)
+	}
 	remaining := w.cfg.LeftoverDrainLimit
 	for _, b := range w.brokers.List() {
 		if remaining <= 0 || ctx.Err() != nil {
@@ -240,7 +282,9 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 			continue
 		}
 		log := w.log.With("broker", b.String())
-		n, err := w.queues.Drain(ctx, b, w.consumeOptions(log), remaining, unchanged)
+		o := w.consumeOptions(log)
+		o.HandBack = lost
+		n, err := w.queues.Drain(ctx, b, o, remaining, unchanged)
 		remaining -= n
 		w.Metrics.leftover(w.Queue, n)
 		if n > 0 {

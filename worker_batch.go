@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 )
@@ -29,9 +30,12 @@ type Handler func(ctx context.Context, tx *Tx, ev *Event) error
 type Preparer func(ev *Event)
 
 // Batcher runs a batch of messages' handlers in one transaction; *Store is
-// one (Store.WriteTx).
+// one (Store.WriteTx). Lost and WaitAnswers tell when the database is lost
+// (a connection to it failed) and when it answers again.
 type Batcher interface {
 	WriteTx(ctx context.Context, fn func(tx *Tx) error) error
+	Lost() <-chan struct{}
+	WaitAnswers(ctx context.Context) error
 }
 
 // EventOptions say how a worker handles its queue's messages as Events.
@@ -58,8 +62,20 @@ func (o EventOptions) options() ConsumeOptions {
 // own, and handles them in order: in one transaction with a savepoint each
 // (a failure undoes that message only) when o batches, else each on its
 // own, a lone message in a transaction of its own. It returns the
-// verdicts, and the transaction's failure.
+// verdicts, and the transaction's failure. A database lost under them is
+// no failure of the messages: they are handed back (ErrHandedBack).
 func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error, error) {
+	verdicts, err := o.handle(ctx, msgs)
+	for _, v := range append(verdicts, err) {
+		if errors.Is(v, ErrDatabaseLost) {
+			return verdicts, fmt.Errorf("%w: %w", ErrHandedBack, v)
+		}
+	}
+	return verdicts, err
+}
+
+// handle is handleBatch's work.
+func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
 	next, decoded := decodeAhead(msgs, o.Prepare, o.Log)
 	defer decoded()

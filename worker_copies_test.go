@@ -51,6 +51,10 @@ func postCopy(t testing.TB, url, event, guid string, body []byte, bot bool) int 
 // event once and its alert goes out once.
 func TestManyHooksOneEvent(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testManyHooksOneEvent)
+}
+
+func testManyHooksOneEvent(t *testing.T) {
 	for _, c := range []struct {
 		name  string
 		first bool // the first copy is the bot App's
@@ -69,7 +73,7 @@ func TestManyHooksOneEvent(t *testing.T) {
 			cfg.Alerts = AlertsConfig{Rules: []AlertRule{{Events: []string{"pull_request.*"}, Channels: []string{"push"}}},
 				Push: PushConfig{URL: push.URL}}
 			d := startDaemon(t, cfg)
-			db := openDB(t, cfg.Database.Path)
+			db := openStoreDB(t, cfg.Database)
 
 			body := loadFixture(t, "pull_request", "opened")
 			guid := newGUID()
@@ -81,14 +85,14 @@ func TestManyHooksOneEvent(t *testing.T) {
 				// that the order is the one this case names.
 				eventually(t, 30*time.Second, "the copy stored by both workers", func() bool {
 					hook := map[bool]int{true: testAppHook, false: testRepoHook}[bot]
-					return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND hook_id = ?", guid, hook) == 1 &&
-						queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ? AND hook_id = ?", guid, hook) == 1
+					return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1 AND hook_id = $2", guid, hook) == 1 &&
+						queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = $1 AND hook_id = $2", guid, hook) == 1
 				})
 			}
-			if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid); n != 2 {
+			if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid); n != 2 {
 				t.Errorf("raw rows of the event: %d, want 2 (one per hook)", n)
 			}
-			if n := queryInt(t, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id = ? AND hook_id = ?", guid, testAppHook); n != 1 {
+			if n := queryInt(t, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id = $1 AND hook_id = $2", guid, testAppHook); n != 1 {
 				t.Errorf("typed rows from the App's copy: %d, want 1", n)
 			}
 			if n := queryInt(t, db, "SELECT coalesce(sum(count), 0) FROM github_statistics_6h WHERE event = 'pull_request'"); n != 1 {
@@ -100,10 +104,10 @@ func TestManyHooksOneEvent(t *testing.T) {
 				t.Fatalf("redelivery: %d", code)
 			}
 			eventually(t, 30*time.Second, "the redelivery counted as a duplicate", func() bool {
-				return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = ? AND hook_id = ?", guid, testRepoHook) == 1
+				return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = $1 AND hook_id = $2", guid, testRepoHook) == 1
 			})
 			eventually(t, 30*time.Second, "the event's alert sent", func() bool { return pushes.Load() >= 1 })
-			if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", guid); n != 2 {
+			if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid); n != 2 {
 				t.Errorf("raw rows after the redelivery: %d, want still 2", n)
 			}
 			if n := queryInt(t, db, "SELECT coalesce(sum(count), 0) FROM github_statistics_6h WHERE event = 'pull_request'"); n != 1 {
@@ -154,10 +158,10 @@ func TestManyHooksOneEvent(t *testing.T) {
 			if n := pushes.Load(); n != 1 {
 				t.Errorf("alerts pushed: %d, want one for the event", n)
 			}
-			if n := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id = ?", guid); n != 1 {
+			if n := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id = $1", guid); n != 1 {
 				t.Errorf("alert_outbox rows: %d, want 1", n)
 			}
-			if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ? AND alerted_at IS NOT NULL", guid); n != 1 {
+			if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1 AND alerted_at IS NOT NULL", guid); n != 1 {
 				t.Errorf("copies marked alerted: %d, want the first one", n)
 			}
 
@@ -179,10 +183,12 @@ func storyText(st *DeliveryStory) string {
 // App's copy does.
 func TestLedgerCountsTheAppsCopy(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testLedgerCountsTheAppsCopy)
+}
+
+func testLedgerCountsTheAppsCopy(t *testing.T) {
 	ctx := context.Background()
-	cfg := DefaultConfig().Database
-	cfg.Path = filepath.Join(t.TempDir(), "ledger.db")
-	store, err := OpenStore(ctx, cfg, nil)
+	store, err := OpenStore(ctx, testStore(t), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -303,14 +309,14 @@ func TestUpgradeKeepsDuplicates(t *testing.T) {
 		hook any
 	}{{"with-hook", 555}, {"without-hook", nil}} {
 		if _, err := store.w.Exec(`INSERT INTO github (delivery_id, event, action, hook_id, target_type, target_id, payload, received_at, processed_at, broker)
-			VALUES (?, 'issues', 'opened', ?, 'repository', 9, '{}', ?, ?, 'h/v')`, r.guid, r.hook, now, now); err != nil {
+			VALUES ($1, 'issues', 'opened', $2, 'repository', 9, '{}', $3, $4, 'h/v')`, r.guid, r.hook, now, now); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := store.w.Exec(`INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('database-service', ?, ?)`, r.guid, now); err != nil {
+		if _, err := store.w.Exec(`INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('database-service', $1, $2)`, r.guid, now); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if _, err := store.w.Exec(`INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES (?, 'issues', 'opened', 2)`,
+	if _, err := store.w.Exec(`INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES ($1, 'issues', 'opened', 2)`,
 		statisticsBucket(time.Now())); err != nil {
 		t.Fatal(err)
 	}

@@ -53,7 +53,7 @@ func waitDatabase(t testing.TB, db *sql.DB, guids ...string) {
 	t.Helper()
 	eventually(t, 30*time.Second, fmt.Sprintf("database-service finished %d deliveries", len(guids)), func() bool {
 		for _, g := range guids {
-			if queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = ?", g) == 0 {
+			if queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = $1", g) == 0 {
 				return false
 			}
 		}
@@ -67,7 +67,7 @@ func botDaemon(t *testing.T) (*testDaemon, *Config, *sql.DB) {
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.GitHub.BotAppID = testBotAppID
 	d := startDaemon(t, cfg)
-	return d, cfg, openDB(t, cfg.Database.Path)
+	return d, cfg, openStoreDB(t, cfg.Database)
 }
 
 var botTables = []string{"github_branches", "github_issues", "github_pull_requests", "github_comments",
@@ -78,6 +78,10 @@ var botTables = []string{"github_branches", "github_issues", "github_pull_reques
 // no bot table, while release tracking still runs.
 func TestDatabaseServiceFixtures(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testDatabaseServiceFixtures)
+}
+
+func testDatabaseServiceFixtures(t *testing.T) {
 	events := map[string]string{ // event -> the table its rows go to
 		"create": "github_branches", "delete": "github_branches", "issues": "github_issues",
 		"pull_request": "github_pull_requests", "issue_comment": "github_comments",
@@ -156,12 +160,12 @@ func checkFixtureRow(t *testing.T, db *sql.DB, f fixture, guid string, bot bool)
 	count := func(query string, args ...any) int { return queryInt(t, db, query, args...) }
 	switch f.Event {
 	case "release":
-		if count("SELECT count(*) FROM github_releases WHERE release_id = ? AND repository = ?", p.Release.ID, p.Repository.FullName) != 1 {
+		if count("SELECT count(*) FROM github_releases WHERE release_id = $1 AND repository = $2", p.Release.ID, p.Repository.FullName) != 1 {
 			t.Errorf("%s: no github_releases row for release %d", name, p.Release.ID)
 		}
 		return
 	case "workflow_run":
-		if count("SELECT count(*) FROM github_release_workflow_runs WHERE run_id = ? AND repository = ?", p.WorkflowRun.ID, p.Repository.FullName) != 1 {
+		if count("SELECT count(*) FROM github_release_workflow_runs WHERE run_id = $1 AND repository = $2", p.WorkflowRun.ID, p.Repository.FullName) != 1 {
 			t.Errorf("%s: no workflow run row for run %d", name, p.WorkflowRun.ID)
 		}
 		return
@@ -171,7 +175,7 @@ func checkFixtureRow(t *testing.T, db *sql.DB, f fixture, guid string, bot bool)
 	}
 	switch f.Event {
 	case "create", "delete":
-		if count("SELECT count(*) FROM github_branches WHERE delivery_id = ? AND ref = ? AND event = ? AND repository = ? AND processing_state = 'NEW' AND target_type = 'integration' AND target_id = ?",
+		if count("SELECT count(*) FROM github_branches WHERE delivery_id = $1 AND ref = $2 AND event = $3 AND repository = $4 AND processing_state = 'NEW' AND target_type = 'integration' AND target_id = $5",
 			guid, p.Ref, f.Event, p.Repository.FullName, testBotAppID) != 1 {
 			t.Errorf("%s: no github_branches row for delivery %s", name, guid)
 		}
@@ -181,34 +185,34 @@ func checkFixtureRow(t *testing.T, db *sql.DB, f fixture, guid string, bot bool)
 			table, node, number, actions = "github_pull_requests", p.PullRequest.NodeID, p.PullRequest.Number, pullActions
 		}
 		owner, repo, _ := strings.Cut(p.Repository.FullName, "/")
-		if count("SELECT count(*) FROM "+table+" WHERE node_id = ? AND number = ? AND repository_owner = ? AND repository_name = ?", node, number, owner, repo) != 1 && containsString(actions, p.Action) {
+		if count("SELECT count(*) FROM "+table+" WHERE node_id = $1 AND number = $2 AND repository_owner = $3 AND repository_name = $4", node, number, owner, repo) != 1 && containsString(actions, p.Action) {
 			t.Errorf("%s: no %s row for %s", name, table, node)
 		}
 	case "issue_comment", "pull_request_review_comment", "commit_comment":
-		if count("SELECT count(*) FROM github_comments WHERE comment_id = ? AND event = ? AND repository = ?", p.Comment.ID, f.Event, p.Repository.FullName) != 1 {
+		if count("SELECT count(*) FROM github_comments WHERE comment_id = $1 AND event = $2 AND repository = $3", p.Comment.ID, f.Event, p.Repository.FullName) != 1 {
 			t.Errorf("%s: no github_comments row for comment %d", name, p.Comment.ID)
 		}
 	case "discussion", "discussion_comment":
-		if count("SELECT count(*) FROM github_discussions WHERE node_id = ? AND number = ?", p.Discussion.NodeID, p.Discussion.Number) != 1 {
+		if count("SELECT count(*) FROM github_discussions WHERE node_id = $1 AND number = $2", p.Discussion.NodeID, p.Discussion.Number) != 1 {
 			t.Errorf("%s: no github_discussions row for %s", name, p.Discussion.NodeID)
 		}
 	case "check_run":
-		if count("SELECT count(*) FROM github_check_runs WHERE check_run_id = ? AND repository = ?", p.CheckRun.ID, p.Repository.FullName) != 1 {
+		if count("SELECT count(*) FROM github_check_runs WHERE check_run_id = $1 AND repository = $2", p.CheckRun.ID, p.Repository.FullName) != 1 {
 			t.Errorf("%s: no github_check_runs row for %d", name, p.CheckRun.ID)
 		}
 	case "push":
-		if count("SELECT count(*) FROM github_pushes WHERE repository = ? AND head_commit = ? AND ref = ?", p.Repository.FullName, p.After, p.Ref) != 1 {
+		if count("SELECT count(*) FROM github_pushes WHERE repository = $1 AND head_commit = $2 AND ref = $3", p.Repository.FullName, p.After, p.Ref) != 1 {
 			t.Errorf("%s: no github_pushes row for %s", name, p.After)
 		}
 	case "installation", "installation_repositories":
-		if count("SELECT count(*) FROM github_installations WHERE installation_id = ?", p.Installation.ID) != 1 {
+		if count("SELECT count(*) FROM github_installations WHERE installation_id = $1", p.Installation.ID) != 1 {
 			t.Errorf("%s: no github_installations row for %d", name, p.Installation.ID)
 		}
-		if f.Event == "installation_repositories" && count("SELECT count(*) FROM github_repositories WHERE delivery_id = ? AND event = 'installation_repositories'", guid) == 0 {
+		if f.Event == "installation_repositories" && count("SELECT count(*) FROM github_repositories WHERE delivery_id = $1 AND event = 'installation_repositories'", guid) == 0 {
 			t.Errorf("%s: no github_repositories rows for the added or removed repositories", name)
 		}
 	case "repository":
-		if count("SELECT count(*) FROM github_repositories WHERE delivery_id = ? AND repository = ? AND action = ?", guid, p.Repository.FullName, p.Action) != 1 {
+		if count("SELECT count(*) FROM github_repositories WHERE delivery_id = $1 AND repository = $2 AND action = $3", guid, p.Repository.FullName, p.Action) != 1 {
 			t.Errorf("%s: no github_repositories row", name)
 		}
 	}
@@ -324,7 +328,7 @@ func runSequence(t *testing.T, d *testDaemon, db *sql.DB, event string, steps []
 	if event == "pull_request" {
 		cols = "state, processing_state, head_sha, merged"
 	}
-	if err := db.QueryRow("SELECT "+cols+" FROM "+table+" WHERE node_id = ?", node).Scan(&state, &processing, &sha, &merged); err != nil {
+	if err := db.QueryRow("SELECT "+cols+" FROM "+table+" WHERE node_id = $1", node).Scan(&state, &processing, &sha, &merged); err != nil {
 		t.Fatalf("row for %s: %v", node, err)
 	}
 	return state, processing, sha, merged, guids
@@ -334,6 +338,10 @@ func runSequence(t *testing.T, d *testDaemon, db *sql.DB, event string, steps []
 // right.
 func TestPullRequestAndIssueSequences(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testPullRequestAndIssueSequences)
+}
+
+func testPullRequestAndIssueSequences(t *testing.T) {
 	d, _, db := botDaemon(t)
 	tests := []struct {
 		event             string
@@ -383,10 +391,14 @@ func TestPullRequestAndIssueSequences(t *testing.T) {
 // keep their newer row the same way.
 func TestOrderSafeRows(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testOrderSafeRows)
+}
+
+func testOrderSafeRows(t *testing.T) {
 	d, _, db := botDaemon(t)
 	outcome := func(guid string) string {
 		var o string
-		if err := db.QueryRow("SELECT outcome FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = ?", guid).Scan(&o); err != nil {
+		if err := db.QueryRow("SELECT outcome FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = $1", guid).Scan(&o); err != nil {
 			t.Fatal(err)
 		}
 		return o
@@ -449,6 +461,10 @@ func TestOrderSafeRows(t *testing.T) {
 // order, ends with the completed row; the same delivery twice changes nothing.
 func TestWorkflowRunOrdering(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testWorkflowRunOrdering)
+}
+
+func testWorkflowRunOrdering(t *testing.T) {
 	d, _, db := botDaemon(t)
 	base := loadFixture(t, "workflow_run", "requested")
 	run := func(status, conclusion, updated string) []byte {
@@ -495,7 +511,7 @@ func TestWorkflowRunOrdering(t *testing.T) {
 	if updated != before || delivery != guids[0] {
 		t.Errorf("the repeated delivery changed the row")
 	}
-	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", guids[0]); n != 1 {
+	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = $1", guids[0]); n != 1 {
 		t.Errorf("worker_deliveries for the repeated delivery: %d", n)
 	}
 
@@ -517,6 +533,10 @@ func TestWorkflowRunOrdering(t *testing.T) {
 // PROCESSED row stays PROCESSED on an irrelevant one.
 func TestBotProcessingStates(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testBotProcessingStates)
+}
+
+func testBotProcessingStates(t *testing.T) {
 	d, cfg, db := botDaemon(t)
 	node := "bot-node-" + randHex(4)
 	withNode := func(action string) []byte {
@@ -529,20 +549,16 @@ func TestBotProcessingStates(t *testing.T) {
 	waitDatabase(t, db, g)
 
 	// The bot takes the row, as it would, through its own connection.
-	bot, err := sql.Open("sqlite", "file:"+cfg.Database.Path+"?_pragma=busy_timeout(5000)")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer bot.Close()
+	bot := openWritableDB(t, cfg.Database)
 	setState := func(s string) {
 		t.Helper()
-		if _, err := bot.Exec("UPDATE github_pull_requests SET processing_state = ? WHERE node_id = ?", s, node); err != nil {
+		if _, err := bot.Exec("UPDATE github_pull_requests SET processing_state = $1 WHERE node_id = $2", s, node); err != nil {
 			t.Fatal(err)
 		}
 	}
 	state := func() string {
 		var s string
-		if err := db.QueryRow("SELECT processing_state FROM github_pull_requests WHERE node_id = ?", node).Scan(&s); err != nil {
+		if err := db.QueryRow("SELECT processing_state FROM github_pull_requests WHERE node_id = $1", node).Scan(&s); err != nil {
 			t.Fatal(err)
 		}
 		return s
@@ -607,9 +623,9 @@ func TestDatabaseServiceMissingField(t *testing.T) {
 	}
 	// The raw log still has it: the service worker does not need the field.
 	eventually(t, 10*time.Second, "raw row stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", badGUID) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", badGUID) == 1
 	})
-	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = ?", badGUID); n != 0 {
+	if n := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = $1", badGUID); n != 0 {
 		t.Errorf("the broken delivery was marked done")
 	}
 }

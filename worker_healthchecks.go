@@ -14,16 +14,20 @@ import (
 // fails. A ping that fails is logged and changes nothing else. A nil
 // *HealthCheck pings nothing.
 type HealthCheck struct {
-	url     atomic.Pointer[string] // "" pings nothing; a SIGHUP may change it
-	worker  string
+	url    atomic.Pointer[string] // "" pings nothing; a SIGHUP may change it
+	worker string
+	// lease, when set, is the healthchecks job's: of the nodes sharing a
+	// database, only its holder pings, so that one node's cycles tell.
+	lease   *Lease
 	http    *http.Client
 	log     *slog.Logger
 	metrics *Metrics
 }
 
-// NewHealthCheck pings url for worker; an empty url pings nothing.
-func NewHealthCheck(url, worker string, metrics *Metrics, log *slog.Logger) *HealthCheck {
-	h := &HealthCheck{worker: worker, http: &http.Client{Timeout: 10 * time.Second},
+// NewHealthCheck pings url for worker, while lease is held (nil: always);
+// an empty url pings nothing.
+func NewHealthCheck(url, worker string, lease *Lease, metrics *Metrics, log *slog.Logger) *HealthCheck {
+	h := &HealthCheck{worker: worker, lease: lease, http: &http.Client{Timeout: 10 * time.Second},
 		log: log.With("worker", worker), metrics: metrics}
 	h.SetURL(url)
 	return h
@@ -46,7 +50,7 @@ func (h *HealthCheck) Fail(ctx context.Context, reason string) {
 }
 
 func (h *HealthCheck) ping(ctx context.Context, suffix, body string) {
-	if h == nil || ctx.Err() != nil || *h.url.Load() == "" {
+	if h == nil || ctx.Err() != nil || *h.url.Load() == "" || !h.lease.Held() {
 		return
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, *h.url.Load()+suffix, strings.NewReader(body))

@@ -46,7 +46,7 @@ func runWorker(t *testing.T, brokerURL, pingURL string) (*Store, *logSink) {
 	p := newParts(t, cfg)
 	store, brokers, queues, log, sink := p.store, p.brokers, p.queues, p.log, p.logs
 	w := NewWorker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(nil, 0, false), Batch: store,
-		Window: 200 * time.Millisecond, Health: NewHealthCheck(pingURL, "service", nil, log)}, cfg.Workers, brokers, queues, log)
+		Window: 200 * time.Millisecond, Health: NewHealthCheck(pingURL, "service", nil, nil, log)}, cfg.Workers, brokers, queues, log)
 	done := make(chan struct{})
 	go func() { _ = w.Run(ctx); close(done) }()
 	t.Cleanup(func() { cancel(); <-done })
@@ -88,7 +88,7 @@ func TestHealthChecksDown(t *testing.T) {
 	publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened")))
 	eventually(t, 10*time.Second, "message stored with HealthChecks down", func() bool {
 		var n int
-		_ = store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = ?", guid).Scan(&n)
+		_ = store.r.QueryRow("SELECT count(*) FROM github WHERE delivery_id = $1", guid).Scan(&n)
 		return n == 1
 	})
 	if !strings.Contains(sink.String(), "healthchecks ping failed") {

@@ -258,7 +258,7 @@ func TestGapUnrecoverable(t *testing.T) {
 	if err != nil || len(gaps) != 1 || gaps[0].UnrecoverableAt == nil || gaps[0].Refusals != 3 {
 		t.Fatalf("gaps: %+v (%v), want one unrecoverable after 3 refusals", gaps, err)
 	}
-	if n := queryInt(t, store.r, "SELECT count(*) FROM alert_outbox WHERE delivery_id = ?", unrecoverableAlertID(guid)); n != 1 {
+	if n := queryInt(t, store.r, "SELECT count(*) FROM alert_outbox WHERE delivery_id = $1", unrecoverableAlertID(guid)); n != 1 {
 		t.Errorf("unrecoverable alerts queued: %d, want 1", n)
 	}
 	if !strings.Contains(logs.String(), "delivery gap, unrecoverable") {
@@ -320,9 +320,9 @@ func TestRedeliverFromDeliveryPage(t *testing.T) {
 	cfg, _ := hooksConfig(t, gh)
 	cfg.GitHub.RedeliverGaps = false // only the operator asks
 	d := startDaemon(t, cfg)
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 20*time.Second, "the poll records the gap", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE guid = ?", guid) == 1
+		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE guid = $1", guid) == 1
 	})
 	req, _ := http.NewRequest(http.MethodGet, d.URL+"/status/deliveries/"+guid, nil)
 	req.SetBasicAuth("operator", "operator-token-for-tests")

@@ -243,6 +243,10 @@ func (g *fakeGitHub) redelivered() []int64 {
 // Event in github and through github-database.
 func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testHooksRedeliversFailedDeliveries)
+}
+
+func testHooksRedeliversFailedDeliveries(t *testing.T) {
 	gh := newFakeGitHub(t)
 	cfg, _ := hooksConfig(t, gh)
 	cfg.GitHub.BotAppID = testAppID
@@ -260,18 +264,18 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 	storedBefore(t, cfg, &Event{DeliveryID: stored, Name: "issues", Payload: loadFixture(t, "issues", "opened"), ReceivedAt: time.Now()})
 
 	d := startDaemon(t, cfg)
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 
 	eventually(t, 30*time.Second, "the failed delivery stored and through database-service", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", failed) == 1 &&
-			queryInt(t, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id = ?", failed) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", failed) == 1 &&
+			queryInt(t, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id = $1", failed) == 1
 	})
 	eventually(t, 10*time.Second, "two more polls", func() bool { l, _, _ := gh.counts(1); return l >= 3 })
 	d.stop(t)
 	if n := queryInt(t, db, "SELECT count(*) FROM hook_redeliveries"); n != 1 {
 		t.Errorf("hook_redeliveries: %d rows, want only the failed delivery", n)
 	}
-	if n := queryInt(t, db, "SELECT count(*) FROM hook_redeliveries WHERE guid = ? AND republished_at IS NOT NULL", failed); n != 1 {
+	if n := queryInt(t, db, "SELECT count(*) FROM hook_redeliveries WHERE guid = $1 AND republished_at IS NOT NULL", failed); n != 1 {
 		t.Errorf("the failed delivery is not recorded as republished")
 	}
 	if _, _, f := gh.counts(1); f != 1 {
@@ -283,7 +287,7 @@ func TestHooksRedeliversFailedDeliveries(t *testing.T) {
 		}
 	}
 	var source, target string
-	if err := db.QueryRow("SELECT source_ip, target_type FROM github WHERE delivery_id = ?", failed).Scan(&source, &target); err != nil {
+	if err := db.QueryRow("SELECT source_ip, target_type FROM github WHERE delivery_id = $1", failed).Scan(&source, &target); err != nil {
 		t.Fatal(err)
 	}
 	if target != "integration" {
@@ -343,6 +347,10 @@ func hooksForTestAt(t *testing.T, gh *fakeGitHub, apiURL string) (*Hooks, string
 // poll from reading them again.
 func TestHooksPollPagingAndCheckpoint(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testHooksPollPagingAndCheckpoint)
+}
+
+func testHooksPollPagingAndCheckpoint(t *testing.T) {
 	gh := newFakeGitHub(t)
 	start := time.Now().UTC().Add(-2 * time.Hour)
 	for i := 0; i < 250; i++ {
@@ -420,7 +428,7 @@ func TestHooksGitHubErrors(t *testing.T) {
 	// transaction, after the network): wait for that too.
 	eventually(t, 10*time.Second, "the hooks worker recording the delivery", func() bool {
 		var n int
-		_ = store.r.QueryRow("SELECT count(*) FROM worker_deliveries WHERE worker = 'hooks' AND delivery_id = ?", guid).Scan(&n)
+		_ = store.r.QueryRow("SELECT count(*) FROM worker_deliveries WHERE worker = 'hooks' AND delivery_id = $1", guid).Scan(&n)
 		return n == 1
 	})
 
@@ -518,6 +526,10 @@ func TestHooksRateLimits(t *testing.T) {
 // checkpoint back; a stored one is left alone.
 func TestDeliveryLedgerGaps(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testDeliveryLedgerGaps)
+}
+
+func testDeliveryLedgerGaps(t *testing.T) {
 	gh := newFakeGitHub(t)
 	push := newPushSink(t)
 	cfg, vhost := hooksConfig(t, gh)
@@ -540,7 +552,7 @@ func TestDeliveryLedgerGaps(t *testing.T) {
 	publishRaw(t, vhost, "", retryQueue(queueGitHub), eventMessage("issues", onRetry, body))
 
 	d := startDaemon(t, cfg)
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	// GitHub answers a redelivery by delivering the webhook again.
 	gh.mu.Lock()
 	// (In its own goroutine: it must not fail the test with t.Fatal; a lost
@@ -560,9 +572,9 @@ func TestDeliveryLedgerGaps(t *testing.T) {
 	gh.mu.Unlock()
 
 	eventually(t, 30*time.Second, "the gap resolved by its redelivery", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE guid = ? AND redelivered_at IS NOT NULL AND resolved_at IS NOT NULL", lost) == 1
+		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE guid = $1 AND redelivered_at IS NOT NULL AND resolved_at IS NOT NULL", lost) == 1
 	})
-	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", lost); n != 1 {
+	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", lost); n != 1 {
 		t.Errorf("the lost delivery is stored %d times, want 1", n)
 	}
 	l, _, _ := gh.counts(0)
@@ -578,7 +590,7 @@ func TestDeliveryLedgerGaps(t *testing.T) {
 		t.Errorf("gap alerts: %d, want one naming %s: %+v", len(reqs), lost, reqs)
 	}
 	var cp string
-	if err := db.QueryRow("SELECT value FROM settings WHERE key = ?", keyHooksCheckpoint).Scan(&cp); err != nil {
+	if err := db.QueryRow("SELECT value FROM settings WHERE key = $1", keyHooksCheckpoint).Scan(&cp); err != nil {
 		t.Fatal(err)
 	}
 	if cpTime, err := time.Parse(time.RFC3339Nano, cp); err != nil || cpTime.After(now.Add(-10*time.Minute)) {
@@ -608,7 +620,7 @@ func TestDeliveryGapReplayedFromErrorQueue(t *testing.T) {
 	publishRaw(t, vhost, "", errorQueue(queueGitHub), msg)
 
 	d := startDaemon(t, cfg)
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "two gaps recorded", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL") == 2
 	})
@@ -641,7 +653,7 @@ func TestDeliveryGapReplayedFromErrorQueue(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 30*time.Second, "the replayed gap resolved", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE guid = ? AND resolved_at IS NOT NULL", inError) == 1
+		return queryInt(t, db, "SELECT count(*) FROM delivery_gaps WHERE guid = $1 AND resolved_at IS NOT NULL", inError) == 1
 	})
 	if got := gaps(); !slices.Equal(got, []string{other}) {
 		t.Errorf("deliveries -gaps after the replay: %v, want only %s", got, other)
@@ -698,6 +710,10 @@ func TestDeliveryLedgerThreeDays(t *testing.T) {
 // redelivered, and the next poll asks again.
 func TestGapRedeliveryRetried(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testGapRedeliveryRetried)
+}
+
+func testGapRedeliveryRetried(t *testing.T) {
 	gh := newFakeGitHub(t)
 	guid := newGUID()
 	gh.add(hookDelivery{ID: 51, GUID: guid, DeliveredAt: time.Now().UTC().Add(-5 * time.Hour), Status: "Accepted", StatusCode: 202, Event: "issues"}, nil)
@@ -732,6 +748,10 @@ func TestGapRedeliveryRetried(t *testing.T) {
 // forgotten.
 func TestHooksPollKeepsGitHubAttempts(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testHooksPollKeepsGitHubAttempts)
+}
+
+func testHooksPollKeepsGitHubAttempts(t *testing.T) {
 	gh := newFakeGitHub(t)
 	guid := newGUID()
 	first := time.Now().UTC().Add(-time.Hour).Truncate(time.Second)
@@ -741,7 +761,7 @@ func TestHooksPollKeepsGitHubAttempts(t *testing.T) {
 	hooks, vhost, store, _ := hooksForTest(t, gh)
 	ctx := context.Background()
 	if _, err := store.w.Exec(`INSERT INTO github_attempts (attempt_id, guid, delivered_at, status_code, status, redelivery)
-		VALUES (9, 'long-gone', ?, 202, 'OK', 0)`, formatTime(time.Now().Add(-80*time.Hour))); err != nil {
+		VALUES (9, 'long-gone', $1, 202, 'OK', 0)`, formatTime(time.Now().Add(-80*time.Hour))); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := hooks.Poll(ctx); err != nil {
@@ -762,7 +782,7 @@ func TestHooksPollKeepsGitHubAttempts(t *testing.T) {
 		t.Errorf("an attempt from 80 hours ago is still known: %v", err)
 	}
 
-	config := writeConfig(t, t.TempDir(), "127.0.0.1:1", store.path, amqpURL(vhost))
+	config := writeConfigWith(t, t.TempDir(), "127.0.0.1:1", databaseKeys(DatabaseConfig{Driver: store.dialect.String(), URL: testStore(t).URL, Path: store.path}), "", amqpURL(vhost))
 	var out bytes.Buffer
 	if err := run(ctx, []string{"deliveries", "-config", config, "show", guid}, &out, &out); err != nil {
 		t.Fatalf("deliveries show: %v\n%s", err, out.String())

@@ -24,13 +24,17 @@ type Keepalive struct {
 	declare   bool
 	every     time.Duration // depth refresh
 	keepalive time.Duration
-	log       *slog.Logger
+	// lease is the keepalive job's: the depths are every node's gauges,
+	// the keepalive itself its holder's.
+	lease *Lease
+	log   *slog.Logger
 }
 
 // NewKeepalive watches brokers through queues, refreshing the depths every
 // depthEvery (or every keepalive, when that is shorter).
-func NewKeepalive(cfg QueueConfig, brokers []*Broker, queues *Queues, metrics *Metrics, log *slog.Logger) *Keepalive {
-	return &Keepalive{brokers: brokers, queues: queues, metrics: metrics, declare: cfg.DeclareTopology,
+// The keepalive itself runs while lease is held (nil: always).
+func NewKeepalive(cfg QueueConfig, brokers []*Broker, queues *Queues, lease *Lease, metrics *Metrics, log *slog.Logger) *Keepalive {
+	return &Keepalive{brokers: brokers, queues: queues, lease: lease, metrics: metrics, declare: cfg.DeclareTopology,
 		every: min(depthEvery, cfg.KeepaliveEvery), keepalive: cfg.KeepaliveEvery, log: log.With("worker", "keepalive")}
 }
 
@@ -40,7 +44,7 @@ func (f *Keepalive) Run(ctx context.Context) error {
 	defer t.Stop()
 	var lastKeepalive time.Time
 	for {
-		keepalive := time.Since(lastKeepalive) >= f.keepalive
+		keepalive := time.Since(lastKeepalive) >= f.keepalive && f.lease.Held()
 		if keepalive {
 			lastKeepalive = time.Now()
 		}

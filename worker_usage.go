@@ -33,13 +33,17 @@ type Usage struct {
 	// then is run on every check with the brokers' spending: the daemon's
 	// Rotation, with queue.rotate_on_budget; nil for none.
 	then func(ctx context.Context, views []BudgetView, now time.Time) error
+	// lease is the budget job's: every node writes what it counted and
+	// sets its gauges; the alerts and the rotation are its holder's.
+	lease *Lease
 }
 
 // NewUsage keeps the budgets of cfg's brokers.
+// The alerts and then run while lease is held (nil: always).
 func NewUsage(cfg *Config, bs *Brokers, queues *Queues, store *Store, alerter *Alerter, metrics *Metrics, log *slog.Logger,
-	then func(ctx context.Context, views []BudgetView, now time.Time) error) *Usage {
+	lease *Lease, then func(ctx context.Context, views []BudgetView, now time.Time) error) *Usage {
 	return &Usage{bs: bs, brokers: bs.List(), cfgs: cfg.Brokers, warnAt: cfg.Queue.BudgetWarnAt, queues: queues, store: store,
-		alerter: alerter, metrics: metrics, log: log.With("worker", "usage"), then: then}
+		alerter: alerter, metrics: metrics, log: log.With("worker", "usage"), lease: lease, then: then}
 }
 
 // BudgetView is one broker's spending this budget month, for the status.
@@ -92,8 +96,11 @@ func (b *Usage) Flush(ctx context.Context) error {
 	if err := WriteUsage(ctx, b.store, b.queues, now); err != nil {
 		return err
 	}
-	if err := b.alertBlocks(ctx); err != nil {
-		return err
+	held := b.lease.Held()
+	if held {
+		if err := b.alertBlocks(ctx); err != nil {
+			return err
+		}
 	}
 	views, err := b.Views(ctx, now)
 	if err != nil {
@@ -101,13 +108,13 @@ func (b *Usage) Flush(ctx context.Context) error {
 	}
 	for _, v := range views {
 		b.metrics.brokerMessages(v.Broker, v.Published, v.Delivered, v.UsedRatio)
-		if v.Monthly > 0 {
+		if v.Monthly > 0 && held {
 			if err := b.alert(ctx, v); err != nil {
 				return err
 			}
 		}
 	}
-	if b.then != nil {
+	if b.then != nil && held {
 		return b.then(ctx, views, now)
 	}
 	return nil

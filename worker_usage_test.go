@@ -38,6 +38,10 @@ func TestBudgetMonth(t *testing.T) {
 // budget is checked.
 func TestBrokerUsageCounted(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testBrokerUsageCounted)
+}
+
+func testBrokerUsageCounted(t *testing.T) {
 	cfg := testConfig(t, amqpURL(newVhost(t)))
 	cfg.Brokers[0].MonthlyMessages = 50
 	cfg.Queue.BudgetWarnAt = 0.5
@@ -54,7 +58,7 @@ func TestBrokerUsageCounted(t *testing.T) {
 			t.Fatalf("webhook: %d", code)
 		}
 	}
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	waitDatabase(t, db, guids...)
 	ctx := context.Background()
 	// At least two deliveries each; a message a consumer held when its
@@ -84,7 +88,7 @@ func TestBrokerUsageCounted(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, level := range []string{"warn", "exhausted"} {
-		if got := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id LIKE ?", "budget:%:"+level); got != 1 {
+		if got := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id LIKE $1", "budget:%:"+level); got != 1 {
 			t.Errorf("%s alerts: %d, want 1", level, got)
 		}
 	}
@@ -134,7 +138,7 @@ func TestRotateOnBudget(t *testing.T) {
 				store.Close()
 			}
 			d := startDaemon(t, cfg)
-			db := openDB(t, cfg.Database.Path)
+			db := openStoreDB(t, cfg.Database)
 			body := loadFixture(t, "issues", "opened")
 			var guids []string
 			post := func(n int) {
@@ -187,7 +191,7 @@ func TestUsageMatchesTheWire(t *testing.T) {
 	t.Parallel()
 	vhost, wire, cfg := wireConfig(t)
 	d := startDaemon(t, cfg)
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	body := loadFixture(t, "issues", "opened")
 	var guids []string
 	for range 12 {
@@ -205,7 +209,7 @@ func TestUsageMatchesTheWire(t *testing.T) {
 	}
 	waitDatabase(t, db, guids...)
 	eventually(t, 20*time.Second, "the replayed message stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = ?", failed.MessageId) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", failed.MessageId) == 1
 	})
 	ctx := context.Background()
 	eventually(t, 20*time.Second, "switchyard's count equal to the wire's", func() bool {
@@ -234,12 +238,16 @@ func TestUsageMatchesTheWire(t *testing.T) {
 // the messages it held sent again, and the broker counts them again).
 func TestUsageInBatchTransactions(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testUsageInBatchTransactions)
+}
+
+func testUsageInBatchTransactions(t *testing.T) {
 	vhost, wire, cfg := wireConfig(t)
 	p := newParts(t, cfg)
 	if err := p.queues.Reachable(context.Background(), p.brokers.List()[0]); err != nil { // declares the topology
 		t.Fatal(err)
 	}
-	budget := NewUsage(cfg, p.brokers, p.queues, p.store, nil, nil, p.log, nil) // never Run
+	budget := NewUsage(cfg, p.brokers, p.queues, p.store, nil, nil, p.log, nil, nil) // never Run
 	body := loadFixture(t, "issues", "opened")
 	for range 40 {
 		publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", newGUID(), body))
@@ -252,7 +260,7 @@ func TestUsageInBatchTransactions(t *testing.T) {
 		close(done)
 	}()
 	t.Cleanup(func() { cancel(); <-done })
-	db := openDB(t, cfg.Database.Path)
+	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "every delivery stored", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github") == 40
 	})

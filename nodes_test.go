@@ -1,0 +1,418 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"os/exec"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// testNode is one `switchyard serve` process of several sharing one
+// PostgreSQL database.
+type testNode struct {
+	name, addr string
+	cmd        *exec.Cmd
+	out        *syncBuffer
+	dead       bool
+}
+
+// startNodes starts n serve processes on the database at dbURL (the i-th
+// through dbURLs[i] when given), with brokers, each its own listener and
+// node_name, lease_ttl 2s.
+func startNodes(t *testing.T, dbURLs []string, brokers ...string) []*testNode {
+	t.Helper()
+	var nodes []*testNode
+	for i, u := range dbURLs {
+		n := &testNode{name: fmt.Sprintf("node-%d", i+1), addr: freeAddr(t)}
+		dir := t.TempDir()
+		config := writeConfigWith(t, dir, n.addr, fmt.Sprintf("driver = \"postgres\"\nurl = %q\nmax_conns = 4", u),
+			fmt.Sprintf("node_name = %q\nlease_ttl = \"2s\"", n.name), brokers...)
+		n.cmd, n.out = startProcess(t, config, n.addr)
+		nodes = append(nodes, n)
+	}
+	return nodes
+}
+
+// leaseHolders samples, every 50 ms until stop, which live node says it
+// holds each job's lease, and reports every sample where two did.
+func leaseHolders(t *testing.T, nodes []*testNode, stop <-chan struct{}) (report func() []string) {
+	var mu sync.Mutex
+	var overlaps []string
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		client := &http.Client{Timeout: time.Second}
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+			held := map[string][]string{}
+			for _, n := range nodes {
+				if n.dead {
+					continue
+				}
+				for job, v := range scrapeWith(client, "http://"+n.addr+"/metrics", "switchyard_lease_held") {
+					if v == 1 {
+						held[job] = append(held[job], n.name)
+					}
+				}
+			}
+			for job, by := range held {
+				if len(by) > 1 {
+					mu.Lock()
+					overlaps = append(overlaps, fmt.Sprintf("%s held by %v at %s", job, by, time.Now().Format(time.StampMilli)))
+					mu.Unlock()
+				}
+			}
+		}
+	})
+	return func() []string {
+		wg.Wait()
+		mu.Lock()
+		defer mu.Unlock()
+		return overlaps
+	}
+}
+
+// scrapeWith reads one metric's samples by their job label, leaving out a
+// node that does not answer.
+func scrapeWith(client *http.Client, url, metric string) map[string]float64 {
+	out := map[string]float64{}
+	resp, err := client.Get(url)
+	if err != nil {
+		return out
+	}
+	defer resp.Body.Close()
+	var body strings.Builder
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := resp.Body.Read(buf)
+		body.Write(buf[:n])
+		if err != nil {
+			break
+		}
+	}
+	for _, line := range strings.Split(body.String(), "\n") {
+		if !strings.HasPrefix(line, metric+"{") {
+			continue
+		}
+		var job string
+		var v float64
+		if _, err := fmt.Sscanf(line[len(metric):], "{job=%q} %g", &job, &v); err == nil {
+			out[job] = v
+		}
+	}
+	return out
+}
+
+// Three serve processes share one PostgreSQL database and the local
+// RabbitMQ. Webhooks are spread over the three; one is SIGKILLed
+// mid-stream, another cut from the database by a proxy for a while. Every
+// 202 is stored once, the statistics count each event once, nothing
+// reaches an -error queue; each lease moves to a live node and is never
+// held by two at once; a pending switch posted to one node completes once,
+// and every node follows.
+func TestThreeNodesOneStore(t *testing.T) {
+	t.Parallel()
+	needPostgres(t)
+	a, b := newVhost(t), newVhost(t)
+	dbURL := newPostgresDatabase(t)
+	// Each node reaches the database through a proxy of its own, which
+	// the test may close.
+	var proxies []*tcpProxy
+	var urls []string
+	for range 3 {
+		p := newTCPProxy(t, pgAddr(t, dbURL))
+		u, _ := url.Parse(dbURL)
+		u.Host = p.addr
+		proxies, urls = append(proxies, p), append(urls, u.String())
+	}
+	nodes := startNodes(t, urls, amqpURL(a), amqpURL(b))
+	stop := make(chan struct{})
+	overlaps := leaseHolders(t, nodes, stop)
+
+	body := loadFixture(t, "issues", "opened")
+	var accepted sync.Map
+	var sent, refused atomic.Int64
+	post := func(n *testNode) {
+		guid := newGUID()
+		code, _ := do(t, webhookRequest(t, "http://"+n.addr, "issues", guid, body))
+		sent.Add(1)
+		if code == http.StatusAccepted {
+			accepted.Store(guid, true)
+		} else {
+			refused.Add(1)
+		}
+	}
+	stream := func(count int, to []*testNode) {
+		var wg sync.WaitGroup
+		for i := range count {
+			wg.Go(func() { post(to[i%len(to)]) })
+			if i%8 == 7 {
+				wg.Wait()
+			}
+		}
+		wg.Wait()
+	}
+	jobs := leaseJobs(DefaultConfig())
+	// Node 1, started first, holds every lease.
+	eventually(t, 20*time.Second, "node 1 holding every lease", func() bool {
+		held := scrapeWith(http.DefaultClient, "http://"+nodes[0].addr+"/metrics", "switchyard_lease_held")
+		for _, job := range jobs {
+			if held[job] != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	stream(150, nodes)
+	// Node 1 dies with messages in hand, and its leases with it.
+	if err := nodes[0].cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = nodes[0].cmd.Wait()
+	nodes[0].dead = true
+	live := []*testNode{nodes[1], nodes[2]}
+	stream(60, live)
+	// The node that took the leases loses the database, and with it its
+	// leases; it keeps taking webhooks.
+	var cut int
+	eventually(t, 20*time.Second, "node 2 or 3 holding the leases", func() bool {
+		for _, i := range []int{1, 2} {
+			if scrapeWith(http.DefaultClient, "http://"+nodes[i].addr+"/metrics", "switchyard_lease_held")[jobAlerts] == 1 {
+				cut = i
+				return true
+			}
+		}
+		return false
+	})
+	proxies[cut].Close()
+	stream(90, live)
+	eventually(t, 30*time.Second, nodes[cut].name+" telling /readyz that its database is lost", func() bool {
+		resp, err := http.Get("http://" + nodes[cut].addr + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusServiceUnavailable
+	})
+	eventually(t, 30*time.Second, "the leases moved to the other node", func() bool {
+		return scrapeWith(http.DefaultClient, "http://"+nodes[3-cut].addr+"/metrics", "switchyard_lease_held")[jobAlerts] == 1
+	})
+	proxies[cut].Reopen()
+	stream(100, live)
+
+	db := openStoreDB(t, DatabaseConfig{Driver: "postgres", URL: dbURL})
+	var want int
+	accepted.Range(func(_, _ any) bool { want++; return true })
+	if want == 0 || refused.Load() > sent.Load()/10 {
+		t.Fatalf("%d of %d webhooks accepted", want, sent.Load())
+	}
+	eventually(t, 90*time.Second, fmt.Sprintf("all %d accepted webhooks stored", want), func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github") >= want
+	})
+	accepted.Range(func(k, _ any) bool {
+		if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", k); n != 1 {
+			t.Errorf("delivery %s stored %d times, want once", k, n)
+		}
+		return true
+	})
+	eventually(t, 60*time.Second, "database-service done with every delivery", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service'") >= want
+	})
+	if n := queryInt(t, db, "SELECT count(*) FROM github"); n != want {
+		t.Errorf("github rows: %d, want %d", n, want)
+	}
+	if n := queryInt(t, db, "SELECT CAST(coalesce(sum(count), 0) AS BIGINT) FROM github_statistics_6h"); n != want {
+		t.Errorf("statistics count %d events, want %d: each once", n, want)
+	}
+	for _, vhost := range []string{a, b} {
+		for _, q := range logicalQueues {
+			if n := ready(t, vhost, errorQueue(q)); n != 0 {
+				t.Errorf("%s on %s holds %d messages, want none", errorQueue(q), vhost, n)
+			}
+		}
+	}
+
+	// Every lease moved to a live node, which says it holds it.
+	eventually(t, 30*time.Second, "every lease held by a live node", func() bool {
+		for _, job := range jobs {
+			holders := 0
+			for _, n := range live {
+				holders += int(scrapeWith(http.DefaultClient, "http://"+n.addr+"/metrics", "switchyard_lease_held")[job])
+			}
+			var node string
+			if holders != 1 || db.QueryRow("SELECT node FROM leases WHERE job = $1", job).Scan(&node) != nil || node == nodes[0].name {
+				return false
+			}
+		}
+		return true
+	})
+
+	// A pending switch posted to node 2 completes once; every node follows.
+	notify := httpRequest(t, http.MethodPost, "http://"+nodes[1].addr+"/api/v1/broker/pending-switch",
+		fmt.Sprintf(`{"host":"127.0.0.1","vhost":%q,"switchedAt":%q}`, b, time.Now().UTC().Format(time.RFC3339Nano)), "producer-token-for-tests")
+	if code, answer := do(t, notify); code != http.StatusAccepted {
+		t.Fatalf("pending switch: %d %s", code, answer)
+	}
+	for _, n := range live {
+		eventually(t, 30*time.Second, n.name+" following the switch", func() bool {
+			req := httpRequest(t, http.MethodGet, "http://"+n.addr+"/api/v1/broker", "", "operator-token-for-tests")
+			_, answer := do(t, req)
+			return strings.Contains(answer, `"active":{"index":1`) && strings.Contains(answer, `"pending_switch":null`)
+		})
+	}
+	completed := 0
+	for _, n := range nodes {
+		completed += strings.Count(n.out.String(), "pending switch completed")
+	}
+	if completed != 1 {
+		t.Errorf("the switch completed %d times, want once", completed)
+	}
+
+	for _, n := range nodes {
+		t.Logf("%s: took %d leases, lost %d; handed back %d batches", n.name, strings.Count(n.out.String(), `msg="lease taken"`),
+			strings.Count(n.out.String(), `msg="lease lost`), strings.Count(n.out.String(), "handed back unacknowledged"))
+	}
+	close(stop)
+	if o := overlaps(); len(o) > 0 {
+		t.Errorf("a lease held by two nodes at once:\n%s", strings.Join(o, "\n"))
+	}
+	for _, n := range live {
+		stopProcess(t, n.cmd, n.out, 30*time.Second)
+	}
+}
+
+// pgAddr is the host:port of a PostgreSQL URL.
+func pgAddr(t testing.TB, raw string) string {
+	t.Helper()
+	u, err := url.Parse(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u.Port() == "" {
+		return u.Hostname() + ":5432"
+	}
+	return u.Host
+}
+
+// httpRequest is a request with a JSON body (or none) and a bearer token.
+func httpRequest(t testing.TB, method, url, body, token string) *http.Request {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer "+token)
+	req.Header.Set("Content-Type", "application/json")
+	return req
+}
+
+// An SQLite file has one serve: a second on the same file is refused,
+// naming the node that serves it; once the first has stopped, it starts.
+func TestSecondServeOnSQLiteRefused(t *testing.T) {
+	t.Parallel()
+	cfg := testConfig(t, amqpURL(newVhost(t)))
+	cfg.Server.NodeName = "first-node"
+	d := startDaemon(t, cfg)
+	eventually(t, 10*time.Second, "the first node's row", func() bool {
+		return queryInt(t, openStoreDB(t, cfg.Database), "SELECT count(*) FROM nodes WHERE name = 'first-node'") == 1
+	})
+	second := *cfg
+	second.Server.NodeName = "second-node"
+	_, err := NewDaemon(t.Context(), &second, slog.New(slog.DiscardHandler))
+	if err == nil || !strings.Contains(err.Error(), `served by node "first-node"`) || exitCode(err, io.Discard) != 1 {
+		t.Fatalf("a second serve on the file: %v, want exit 1 naming the first node", err)
+	}
+	d.stop(t)
+	again, err := NewDaemon(t.Context(), &second, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatalf("serve once the first stopped: %v", err)
+	}
+	if err := again.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The status lists every node with the leases it holds, and each lease;
+// switchyard_lease_held is 1 for each job on its holder.
+func TestStatusShowsNodesAndLeases(t *testing.T) {
+	t.Parallel()
+	onBothStores(t, testStatusShowsNodesAndLeases)
+}
+
+func testStatusShowsNodesAndLeases(t *testing.T) {
+	cfg := testConfig(t, amqpURL(newVhost(t)))
+	cfg.Server.NodeName = "status-node"
+	d := startDaemon(t, cfg)
+	jobs := leaseJobs(cfg)
+	eventually(t, 10*time.Second, "every lease held", func() bool {
+		m := scrape(t, d.URL+"/metrics")
+		for _, job := range jobs {
+			if m[`switchyard_lease_held{job="`+job+`"}`] != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	var st Status
+	_, raw := do(t, mustRequestAuth(t, d.URL+"/api/v1/status"))
+	if err := json.Unmarshal([]byte(raw), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Node != "status-node" || len(st.Nodes) != 1 || st.Nodes[0].Name != "status-node" || st.Nodes[0].Gone ||
+		fmt.Sprint(sortedCopy(st.Nodes[0].Leases)) != fmt.Sprint(sortedCopy(jobs)) || len(st.Leases) != len(jobs) {
+		t.Errorf("status: node %q, nodes %+v, leases %+v; want this node holding %v", st.Node, st.Nodes, st.Leases, jobs)
+	}
+	for _, l := range st.Leases {
+		if !l.Live || l.Node != "status-node" {
+			t.Errorf("lease %+v, want live on status-node", l)
+		}
+	}
+	c := *d.cfg
+	c.Server.Listen = strings.TrimPrefix(d.URL, "http://")
+	var out bytes.Buffer
+	if err := printStatus(context.Background(), &c, false, &out); err != nil || !strings.Contains(out.String(), "status-node (this one)") {
+		t.Errorf("switchyard status: %v\n%s\nwant the node listed", err, out.String())
+	}
+}
+
+// sortedCopy is a sorted copy of s.
+func sortedCopy(s []string) []string {
+	c := slices.Clone(s)
+	slices.Sort(c)
+	return c
+}
+
+// A job whose lease has had no live holder for twice lease_ttl needs the
+// operator; one whose holder's lease just expired does not yet.
+func TestStatusJobWithoutHolder(t *testing.T) {
+	now := time.Now().UTC()
+	st := Status{Now: now, StartedAt: now.Add(-time.Hour), LeaseTTL: 30 * time.Second, Jobs: []string{jobAlerts, jobRetention, jobHooks},
+		Leases: []LeaseView{
+			{Job: jobAlerts, Node: "gone-node", Orphaned: 61 * time.Second},
+			{Job: jobRetention, Node: "a", Orphaned: 20 * time.Second},
+		}}
+	ps := strings.Join(st.problems(), "\n")
+	for _, want := range []string{"job alerts has had no live holder for 1m1s (last held by node gone-node)", "job hooks has no node holding its lease"} {
+		if !strings.Contains(ps, want) {
+			t.Errorf("problems:\n%s\nwant %q", ps, want)
+		}
+	}
+	if strings.Contains(ps, "retention") {
+		t.Errorf("problems:\n%s\nname a lease that expired 20 s ago, less than twice lease_ttl", ps)
+	}
+}

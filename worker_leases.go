@@ -1,0 +1,317 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+	"time"
+)
+
+// Jobs that must run once among the nodes sharing a database, each on the
+// holder of its lease (the leases table): the hooks worker (ledger polls,
+// redeliveries, republish), the alert sender, the HealthChecks pings,
+// raw retention, the brokers' keepalive, and the budget alerts and
+// rotation. Consuming is every node's: a delivery is stored once, the
+// database decides inside the writing transaction.
+const (
+	jobHooks        = "hooks"
+	jobAlerts       = "alerts"
+	jobHealthChecks = "healthchecks"
+	jobRetention    = "retention"
+	jobKeepalive    = "keepalive"
+	jobBudget       = "budget"
+)
+
+// leaseJobs are the jobs of cfg: the hooks worker's only with the App.
+func leaseJobs(cfg *Config) []string {
+	jobs := []string{jobAlerts, jobHealthChecks, jobRetention, jobKeepalive, jobBudget}
+	if cfg.GitHub.AppID > 0 {
+		jobs = append([]string{jobHooks}, jobs...)
+	}
+	return jobs
+}
+
+// Leases keeps this node's row in nodes and takes, renews and gives up the
+// leases of its jobs: every lease_ttl/3 one transaction writes the row and
+// asks for every lease. A lease held is renewed only by its holder; one
+// expired or absent goes to whoever asks first.
+//
+// Fencing: a holder counts its lease valid until two thirds of lease_ttl
+// after it sent its last renewal that succeeded, on its own monotonic
+// clock. The database's expiry is a whole lease_ttl after that renewal ran
+// there, so a holder that cannot renew (the database lost, or slow) stops
+// the job a third of lease_ttl before any other node can take the lease:
+// no two nodes ever run one job at once.
+type Leases struct {
+	store   *Store
+	node    string
+	version string
+	started time.Time
+	ttl     time.Duration
+	metrics *Metrics
+	log     *slog.Logger
+	leases  []*Lease
+
+	// running counts the jobs running under a lease: the keeper gives
+	// the leases up at shutdown only once they have ended, and none
+	// starts once it is closing.
+	mu      sync.Mutex
+	running int
+	ended   *sync.Cond
+	closing bool
+}
+
+// Lease is one job's lease as this node holds it, or not.
+type Lease struct {
+	Job string
+	ls  *Leases
+
+	mu    sync.Mutex
+	held  bool
+	until time.Time     // valid until, on this node's clock
+	taken chan struct{} // closed once held; a fresh one after each loss
+	lost  chan struct{} // closed when the holding ends
+}
+
+// NewLeases keeps node's leases of jobs in store, each lasting ttl.
+func NewLeases(store *Store, node string, ttl time.Duration, jobs []string, metrics *Metrics, log *slog.Logger) *Leases {
+	ls := &Leases{store: store, node: node, version: version, started: time.Now().UTC(), ttl: ttl, metrics: metrics,
+		log: log.With("node", node)}
+	ls.ended = sync.NewCond(&ls.mu)
+	for _, job := range jobs {
+		ls.leases = append(ls.leases, &Lease{Job: job, ls: ls, taken: make(chan struct{}), lost: make(chan struct{})})
+		metrics.leaseHeld(job, false)
+	}
+	return ls
+}
+
+// Lease is job's lease; nil for a job not kept here, which runs always.
+func (ls *Leases) Lease(job string) *Lease {
+	if ls == nil {
+		return nil
+	}
+	for _, l := range ls.leases {
+		if l.Job == job {
+			return l
+		}
+	}
+	return nil
+}
+
+// Node is this node's name.
+func (ls *Leases) Node() string { return ls.node }
+
+// Run keeps the node's row and the leases until ctx ends, then waits for
+// the jobs to stop and gives the leases up, so that another node takes
+// them at once.
+func (ls *Leases) Run(ctx context.Context) error {
+	every := ls.ttl / 3
+	for {
+		sent := time.Now()
+		ls.renew(ctx, sent)
+		next := sent.Add(every)
+		for _, l := range ls.leases {
+			next = l.expire(next)
+		}
+		t := time.NewTimer(time.Until(next))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			ls.release()
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// renew writes the node's row and asks for every lease, within a sixth of
+// lease_ttl: a database that does not answer by then is lost.
+func (ls *Leases) renew(ctx context.Context, sent time.Time) {
+	ctx, cancel := context.WithTimeout(ctx, ls.ttl/6)
+	defer cancel()
+	got := make([]bool, len(ls.leases))
+	err := ls.store.WriteTx(ctx, func(tx *Tx) error {
+		if err := tx.SeeNode(ctx, ls.node, ls.version, ls.started); err != nil {
+			return err
+		}
+		for i, l := range ls.leases {
+			var err error
+			if got[i], err = tx.TakeLease(ctx, l.Job, ls.node, ls.ttl); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() != nil {
+			ls.store.health.Lose(err)
+		}
+		if ctx.Err() == nil || errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			ls.log.Warn("cannot renew the leases; each job stops before its lease expires", "error", err)
+		}
+		return
+	}
+	for i, l := range ls.leases {
+		l.renewed(got[i], sent)
+	}
+	if ls.store.Shared() {
+		_ = ls.store.NoteOpenGaps(ctx)
+	}
+}
+
+// starting counts a job in, unless the keeper is closing.
+func (ls *Leases) starting() bool {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if ls.closing {
+		return false
+	}
+	ls.running++
+	return true
+}
+
+// ending counts a job out.
+func (ls *Leases) ending() {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	ls.running--
+	ls.ended.Broadcast()
+}
+
+// release waits for the jobs to end, then gives every lease held up.
+func (ls *Leases) release() {
+	ls.mu.Lock()
+	ls.closing = true
+	for ls.running > 0 {
+		ls.ended.Wait()
+	}
+	ls.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	err := ls.store.WriteTx(ctx, func(tx *Tx) error {
+		for _, l := range ls.leases {
+			if l.Held() {
+				if err := tx.ReleaseLease(ctx, l.Job, ls.node); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		ls.log.Warn("leases not given up at shutdown; they expire after server.lease_ttl", "error", err)
+	}
+	for _, l := range ls.leases {
+		l.lose("")
+	}
+}
+
+// renewed records the answer to a renewal sent at sent: held, or taken by
+// another node.
+func (l *Lease) renewed(held bool, sent time.Time) {
+	if !held {
+		l.lose("held by another node")
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.until = sent.Add(l.ls.ttl * 2 / 3)
+	if !l.held {
+		l.held = true
+		close(l.taken)
+		l.lost = make(chan struct{})
+		l.ls.metrics.leaseHeld(l.Job, true)
+		l.ls.log.Info("lease taken", "job", l.Job)
+	}
+}
+
+// expire ends the holding when its time is up, and returns the earlier of
+// next and when it will be.
+func (l *Lease) expire(next time.Time) time.Time {
+	l.mu.Lock()
+	held, until := l.held, l.until
+	l.mu.Unlock()
+	if !held {
+		return next
+	}
+	if !time.Now().Before(until) {
+		l.lose("not renewed in time")
+		return next
+	}
+	if until.Before(next) {
+		return until
+	}
+	return next
+}
+
+// lose ends the holding, if there is one, for reason ("" at shutdown).
+func (l *Lease) lose(reason string) {
+	shutdown := reason == ""
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.held {
+		return
+	}
+	l.held = false
+	close(l.lost)
+	l.taken = make(chan struct{})
+	l.ls.metrics.leaseHeld(l.Job, false)
+	if shutdown {
+		l.ls.log.Info("lease given up at shutdown", "job", l.Job)
+		return
+	}
+	l.ls.log.Warn("lease lost: the job stops on this node", "job", l.Job, "reason", reason)
+}
+
+// Held reports whether this node holds the lease now. A nil *Lease (a
+// job not kept under a lease) is always held.
+func (l *Lease) Held() bool {
+	if l == nil {
+		return true
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.held
+}
+
+// Run runs job whenever this node holds the lease, with a context that
+// ends when the holding does, until ctx ends. job returns once its context
+// has ended.
+func (l *Lease) Run(ctx context.Context, job func(ctx context.Context) error) error {
+	if l == nil {
+		return job(ctx)
+	}
+	for {
+		l.mu.Lock()
+		taken := l.taken
+		if l.held {
+			taken = closedChan
+		}
+		l.mu.Unlock()
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-taken:
+		}
+		l.mu.Lock()
+		lost, held := l.lost, l.held
+		l.mu.Unlock()
+		if !held {
+			continue
+		}
+		if !l.ls.starting() {
+			return nil
+		}
+		jctx, stop := whileOpen(ctx, lost)
+		err := job(jctx)
+		stop()
+		l.ls.ending()
+		if err != nil && ctx.Err() == nil {
+			l.ls.log.Warn("job under lease failed", "job", l.Job, "error", err)
+		}
+	}
+}
+
+// closedChan is a channel that is closed.
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
