@@ -16,7 +16,7 @@ export CGO_ENABLED = 0
 BINARY  ?= switchyard
 UNITDIR ?= /etc/systemd/system
 
-.PHONY: build run test lint fuzz bench install deb screenshot clean ensure-rabbitmq ensure-chromium
+.PHONY: build run test lint fuzz bench install deb screenshot clean ensure-rabbitmq ensure-postgres ensure-chromium
 
 # Tools the tests need that Go does not bring, fetched here when missing.
 TOOLS    := .tools
@@ -33,8 +33,11 @@ run: build ensure-rabbitmq
 	./switchyard serve -config $(CONFIG)
 
 # -race needs cgo; the tests build their own binary where they need one.
-test: ensure-rabbitmq ensure-chromium $(PROMTOOL)
-	PROMTOOL=$(CURDIR)/$(PROMTOOL) CGO_ENABLED=1 $(GO) test -race -count=1 -timeout 15m ./...
+# The tests run on SQLite and on the local PostgreSQL (each its own
+# databases); -parallel 4 keeps both cores busy while tests wait on
+# brokers and timers.
+test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL)
+	PROMTOOL=$(CURDIR)/$(PROMTOOL) CGO_ENABLED=1 $(GO) test -race -count=1 -parallel 4 -timeout 15m ./...
 
 lint:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
@@ -99,6 +102,15 @@ $(PROMTOOL):
 	dpkg-deb -x $(TOOLS)/prometheus/prometheus_*.deb $(TOOLS)/prometheus/root
 	cp $(TOOLS)/prometheus/root/usr/bin/promtool $(PROMTOOL)
 	rm -rf $(TOOLS)/prometheus
+
+# PostgreSQL, which the tests use beside SQLite
+# (SWITCHYARD_TEST_POSTGRES_URL, by default the local one), runs before the
+# session and before CI on this kind of machine; start it if it has stopped.
+ensure-postgres:
+	@if [ -z "$$SWITCHYARD_TEST_POSTGRES_URL" ] && ! (echo > /dev/tcp/127.0.0.1/5432) 2>/dev/null; then \
+		echo "starting PostgreSQL"; $(SUDO) pg_ctlcluster --skip-systemctl-redirect $$(ls /etc/postgresql | head -1) main start || true; \
+		for i in $$(seq 1 60); do (echo > /dev/tcp/127.0.0.1/5432) 2>/dev/null && break; sleep 1; done; \
+	fi
 
 # RabbitMQ runs before the session and before CI on this kind of machine; start
 # it if it has stopped.
