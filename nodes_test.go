@@ -25,7 +25,7 @@ type testNode struct {
 	name, addr string
 	cmd        *exec.Cmd
 	out        *syncBuffer
-	dead       bool
+	dead       atomic.Bool // read by the lease sampler
 }
 
 // startNodes starts n serve processes on the database at dbURL (the i-th
@@ -61,7 +61,7 @@ func leaseHolders(t *testing.T, nodes []*testNode, stop <-chan struct{}) (report
 			}
 			held := map[string][]string{}
 			for _, n := range nodes {
-				if n.dead {
+				if n.dead.Load() {
 					continue
 				}
 				for job, v := range scrapeWith(client, "http://"+n.addr+"/metrics", "switchyard_lease_held") {
@@ -184,7 +184,7 @@ func TestThreeNodesOneStore(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = nodes[0].cmd.Wait()
-	nodes[0].dead = true
+	nodes[0].dead.Store(true)
 	live := []*testNode{nodes[1], nodes[2]}
 	stream(60, live)
 	// The node that took the leases loses the database, and with it its
