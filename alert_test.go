@@ -349,7 +349,7 @@ func deliveriesIn(texts []string) map[string]bool {
 	return ids
 }
 
-// Alerts are sent after the commit: with the SMTP and push servers stalled, 1,000 webhooks at
+// Alerts are sent after the commit: with the SMTP and push servers stalled, 300 webhooks at
 // prefetch 64 are all stored while the stall still holds, /readyz answers 200
 // and an operator switch is carried out; once the servers answer, every
 // alert goes out.
@@ -362,7 +362,7 @@ func TestStalledAlertsNeverSlowStoring(t *testing.T) {
 	defer releaseSMTP()
 	defer releasePush()
 	d := startDaemon(t, cfg)
-	const n = 1000
+	const n = 300
 	body := loadFixture(t, "issues", "opened")
 	var wg sync.WaitGroup
 	var next atomic.Int64

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -1042,30 +1041,28 @@ func TestCheckBrokerCommand(t *testing.T) {
 	dir := t.TempDir()
 	config := writeConfig(t, dir, freeAddr(t), dir+"/switchyard.db", amqpURL(good), amqpURL(noTTL))
 
-	var out bytes.Buffer
-	err := run(context.Background(), []string{"check-broker", "-config", config}, &out, &out)
-	if err != nil || strings.Contains(out.String(), "FAIL") || !strings.Contains(out.String(), "the broker fits") {
-		t.Errorf("check-broker on the local RabbitMQ: %v\n%s", err, out.String())
+	out, code := runBinary(t, "check-broker", "-config", config)
+	if code != 0 || strings.Contains(out, "FAIL") || !strings.Contains(out, "the broker fits") {
+		t.Errorf("check-broker on the local RabbitMQ: exit %d\n%s", code, out)
 	}
 	for _, want := range []string{"nack -> -retry -> back", "compressed message, 20 MiB", "mandatory publish, no route", "billable messages"} {
-		if !strings.Contains(out.String(), want) {
-			t.Errorf("check-broker does not tell %q:\n%s", want, out.String())
+		if !strings.Contains(out, want) {
+			t.Errorf("check-broker does not tell %q:\n%s", want, out)
 		}
 	}
 	if n := strings.Count(listQueueNames(t, good), "switchyard-check-"); n != 0 {
 		t.Errorf("check-broker left %d queues of its own", n)
 	}
 
-	out.Reset()
-	err = run(context.Background(), []string{"check-broker", "-config", config, "-broker", "1"}, &out, &out)
+	out, code = runBinary(t, "check-broker", "-config", config, "-broker", "1")
 	failing := ""
-	for _, line := range strings.Split(out.String(), "\n") {
+	for _, line := range strings.Split(out, "\n") {
 		if strings.HasPrefix(line, "FAIL") {
 			failing = line
 		}
 	}
-	if exitCode(err, io.Discard) != 1 || !strings.Contains(failing, "topology") || !strings.Contains(failing, "x-message-ttl") {
-		t.Errorf("check-broker on a -retry queue without TTL: exit %d, failing line %q\n%s", exitCode(err, io.Discard), failing, out.String())
+	if code != 1 || !strings.Contains(failing, "topology") || !strings.Contains(failing, "x-message-ttl") {
+		t.Errorf("check-broker on a -retry queue without TTL: exit %d, failing line %q\n%s", code, failing, out)
 	}
 }
 
@@ -1081,18 +1078,17 @@ func TestCheckBrokerDroppedOnLargeMessage(t *testing.T) {
 	proxy.mu.Unlock()
 	dir := t.TempDir()
 	config := writeConfig(t, dir, freeAddr(t), dir+"/switchyard.db", proxy.URL(vhost))
-	var out bytes.Buffer
-	err := run(context.Background(), []string{"check-broker", "-config", config}, &out, &out)
-	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	out, code := runBinary(t, "check-broker", "-config", config)
+	lines := strings.Split(strings.TrimSpace(out), "\n")
 	var fails []string
 	for _, l := range lines {
 		if strings.HasPrefix(l, "FAIL") {
 			fails = append(fails, l)
 		}
 	}
-	if exitCode(err, io.Discard) != 1 || len(fails) != 1 || !strings.Contains(fails[0], "compressed message") ||
+	if code != 1 || len(fails) != 1 || !strings.Contains(fails[0], "compressed message") ||
 		!strings.Contains(fails[0], "dropped the connection") || !strings.Contains(fails[0], "max_message_bytes") {
-		t.Errorf("check-broker through a broker that drops large messages: %v, failing lines %q\n%s", err, fails, out.String())
+		t.Errorf("check-broker through a broker that drops large messages: exit %d, failing lines %q\n%s", code, fails, out)
 	}
 }
 

@@ -102,6 +102,23 @@ func builtBinary(t testing.TB) string {
 	return binPath
 }
 
+// runBinary runs the built binary with args, as an operator would, and
+// returns what it printed and its exit status: a command that moves
+// megabytes (check-broker's 20 MiB) runs at its own speed there, not
+// under the race detector's.
+func runBinary(t testing.TB, args ...string) (string, int) {
+	t.Helper()
+	out, err := exec.Command(builtBinary(t), args...).CombinedOutput()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return string(out), ee.ExitCode()
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(out), 0
+}
+
 func freeAddr(t testing.TB) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
