@@ -68,6 +68,9 @@ type ServerConfig struct {
 	// LeaseTTL is how long a once-only job's lease lasts unrenewed; the
 	// holder renews it every third of it.
 	LeaseTTL time.Duration `toml:"lease_ttl"`
+	// Pprof serves Go's net/http/pprof on the metrics listener, so that
+	// an operator can profile the daemon where it runs.
+	Pprof bool `toml:"pprof"`
 }
 
 // metricsOnAPI reports whether /metrics is served on the API listener: only

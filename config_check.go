@@ -84,6 +84,9 @@ func (c *Config) Validate() error {
 	if err := checkNodeName(c.Server.NodeName); err != nil {
 		bad("server.node_name", "%v", err)
 	}
+	if c.Server.Pprof && c.Server.metricsOnAPI() {
+		bad("server.pprof", "serves profiles on server.metrics_listen, which is server.listen's address here: give metrics_listen a loopback address of its own")
+	}
 	if c.Server.LeaseTTL < minLeaseTTL {
 		bad("server.lease_ttl", "at least %s, got %s", minLeaseTTL, c.Server.LeaseTTL)
 	}

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"reflect"
@@ -286,7 +287,18 @@ func (d *Daemon) httpServers(ln net.Listener) ([]*http.Server, []net.Listener, e
 			ln.Close()
 			return nil, nil, fmt.Errorf("listen %s (server.metrics_listen): %w", addr, err)
 		}
-		servers = append(servers, &http.Server{Handler: d.metrics.Handler(), ReadHeaderTimeout: 10 * time.Second})
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", d.metrics.Handler())
+		if d.cfg.Server.Pprof {
+			// Profiles of the running daemon, for its operator only: this
+			// listener is on loopback unless the operator moved it.
+			mux.HandleFunc("/debug/pprof/", pprof.Index)
+			mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+			mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+			mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		}
+		servers = append(servers, &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second})
 		listeners = append(listeners, mln)
 	}
 	return servers, listeners, nil

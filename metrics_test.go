@@ -96,6 +96,7 @@ func TestMetricsListen(t *testing.T) {
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Server.MetricsListen = freeAddr(t)
+	cfg.Server.Pprof = true
 	d := startDaemon(t, cfg)
 	eventually(t, 10*time.Second, "metrics listener", func() bool {
 		resp, err := http.Get("http://" + cfg.Server.MetricsListen + "/metrics")
@@ -107,5 +108,18 @@ func TestMetricsListen(t *testing.T) {
 	})
 	if code, _ := do(t, mustRequest(t, http.MethodGet, d.URL+"/metrics")); code != http.StatusNotFound {
 		t.Errorf("/metrics on the main listener: %d, want 404", code)
+	}
+	// server.pprof: Go's profiles beside /metrics, never on the main listener.
+	if code, body := do(t, mustRequest(t, http.MethodGet, "http://"+cfg.Server.MetricsListen+"/debug/pprof/")); code != http.StatusOK ||
+		!strings.Contains(body, "goroutine") {
+		t.Errorf("/debug/pprof/ on the metrics listener: %d, want 200 with the profiles", code)
+	}
+	if code, _ := do(t, mustRequest(t, http.MethodGet, d.URL+"/debug/pprof/")); code != http.StatusNotFound {
+		t.Errorf("/debug/pprof/ on the main listener: %d, want 404", code)
+	}
+	public := *cfg
+	public.Server.MetricsListen = public.Server.Listen
+	if err := public.Validate(); err == nil || !strings.Contains(err.Error(), "server.pprof") {
+		t.Errorf("pprof with metrics on the public listener: %v, want refused", err)
 	}
 }
