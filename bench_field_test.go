@@ -58,6 +58,9 @@ type benchProcess struct {
 	addr   string
 	dbPath string
 	url    string
+	// database is its store: the SQLite file at dbPath, or PostgreSQL
+	// (startBenchNode).
+	database DatabaseConfig
 }
 
 // startBenchProcess runs `switchyard serve` over brokerURL with the default
@@ -102,7 +105,8 @@ func startBenchProcess(b testing.TB, brokerURL, dbPath string, extra ...string) 
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	p := &benchProcess{cmd: cmd, addr: addr, dbPath: dbPath, url: "http://" + addr}
+	p := &benchProcess{cmd: cmd, addr: addr, dbPath: dbPath, url: "http://" + addr,
+		database: DatabaseConfig{Driver: "sqlite", Path: dbPath}}
 	eventually(b, 30*time.Second, "daemon up", func() bool {
 		resp, err := http.Get(p.url + "/readyz")
 		if err == nil {
@@ -239,9 +243,18 @@ func botPost(client *loadClient, guid string, body *botBody) (time.Duration, err
 // and github_pull_requests both hold every webhook posted; the rate is
 // webhooks per second from the first POST to the last row, n how many.
 func sustained(b testing.TB, p *benchProcess, payload []byte, clients int, d time.Duration) (rate float64, n int) {
+	return sustainedOn(b, []*benchProcess{p}, payload, clients, d)
+}
+
+// sustainedOn is sustained with the clients spread over nodes that share
+// one database, the first node's.
+func sustainedOn(b testing.TB, nodes []*benchProcess, payload []byte, clients int, d time.Duration) (rate float64, n int) {
 	body := newBotBody(b, payload)
-	client := newLoadClient(p.url, clients)
-	db := openDB(b, p.dbPath)
+	var loads []*loadClient
+	for _, p := range nodes {
+		loads = append(loads, newLoadClient(p.url, clients/len(nodes)+1))
+	}
+	db := openStoreDB(b, nodes[0].database)
 	prefix := "sus-" + randHex(3) + "-"
 	var posted atomic.Int64
 	var failed atomic.Value
@@ -249,6 +262,7 @@ func sustained(b testing.TB, p *benchProcess, payload []byte, clients int, d tim
 	deadline := time.Now().Add(d)
 	start := time.Now()
 	for c := 0; c < clients; c++ {
+		client := loads[c%len(loads)]
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -289,10 +303,13 @@ func benchWANIngest(b *testing.B, payload []byte, rtt time.Duration) (ours, base
 // per webhook of the daemon (its 202 and both rows), of the broker and of
 // this process (the load generator and the proxy), which share the two
 // cores: steadier than the rate, and what says which of them bounds it.
-func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate float64, daemon, broker, bench time.Duration) {
+func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate, raw float64, daemon, broker, bench time.Duration) {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANProxy(b, testBrokerAddr(), rtt)
+	// The baseline first, on the same vhost and proxy: its queues are
+	// empty again when it returns.
+	raw = rawPipeline(b, proxy.URL(vhost), payload, 64, 30*time.Second)
 	p := startBenchProcess(b, proxy.URL(vhost), "")
 	brokerCPU := brokerCPU(b)
 	// A second of webhooks first, not counted, stored before the clock
@@ -304,7 +321,142 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate flo
 	d0, b0, s0 := p.cpu(b), brokerCPU(), selfCPU()
 	rate, n := sustained(b, p, payload, 64, 30*time.Second)
 	per := func(d time.Duration) time.Duration { return d / time.Duration(n) }
-	return rate, per(p.cpu(b) - d0), per(brokerCPU() - b0), per(selfCPU() - s0)
+	return rate, raw, per(p.cpu(b) - d0), per(brokerCPU() - b0), per(selfCPU() - s0)
+}
+
+// startBenchNode is startBenchProcess on the PostgreSQL database at
+// pgURL, as node name.
+func startBenchNode(b testing.TB, brokerURL, pgURL, name string, extra ...string) *benchProcess {
+	b.Helper()
+	p := startBenchProcess(b, brokerURL, "", append([]string{`database.driver = "postgres"`, fmt.Sprintf("database.url = %q", pgURL),
+		fmt.Sprintf("server.node_name = %q", name)}, extra...)...)
+	p.database = DatabaseConfig{Driver: "postgres", URL: pgURL}
+	return p
+}
+
+// benchPostgres: end to end over amqps at rtt with the default config, on
+// SQLite and then on PostgreSQL, 64 clients for 30 s each, in one run; then
+// two nodes on that PostgreSQL, 32 clients each, the same machine's cores
+// shared by both.
+func benchPostgres(b *testing.B, payload []byte, rtt time.Duration) (sqlite, pg, twoNodes float64) {
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, 10*time.Minute)
+	proxy := newWANProxy(b, testBrokerAddr(), rtt)
+	run := func(nodes ...*benchProcess) float64 {
+		sustainedOn(b, nodes, payload, 64, time.Second) // warm, as benchWANEndToEnd
+		rate, _ := sustainedOn(b, nodes, payload, 64, 30*time.Second)
+		for _, p := range nodes {
+			p.stop(b)
+		}
+		return rate
+	}
+	sqlite = run(startBenchProcess(b, proxy.URL(vhost), ""))
+	pg = run(startBenchNode(b, proxy.URL(vhost), newPostgresDatabase(b), "bench-1"))
+	shared := newPostgresDatabase(b)
+	twoNodes = run(startBenchNode(b, proxy.URL(vhost), shared, "bench-1"), startBenchNode(b, proxy.URL(vhost), shared, "bench-2"))
+	return sqlite, pg, twoNodes
+}
+
+// stop ends the process and waits for it.
+func (p *benchProcess) stop(b testing.TB) {
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	_ = p.cmd.Wait()
+}
+
+// rawPipeline is what the broker and the link allow for the whole path,
+// storing nothing: 64 goroutines publish the webhook's message through
+// github-exchange with a confirm each over one amqps connection (as the
+// daemon's webhook endpoint does), and one consumer on each of the fanout's
+// two queues, on a connection of its own (as the daemon's workers share
+// one), takes them with prefetch 200 and acks in batches of 100; for d, on
+// the vhost behind the same proxy. The rate is of messages both consumers
+// acked.
+func rawPipeline(b testing.TB, url string, payload []byte, publishers int, d time.Duration) float64 {
+	pub, err := amqp.Dial(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer pub.Close()
+	cons, err := amqp.Dial(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer cons.Close()
+	var acked [2]atomic.Int64
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for i, q := range []string{queueGitHub, queueDatabase} {
+		ch, err := cons.Channel()
+		if err != nil {
+			b.Fatal(err)
+		}
+		_ = ch.Qos(200, 0, false)
+		ds, err := ch.Consume(q, "", false, false, false, false, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		wg.Go(func() {
+			n := 0
+			for {
+				select {
+				case <-stop:
+					return
+				case d, ok := <-ds:
+					if !ok {
+						return
+					}
+					if n++; n%100 == 0 {
+						_ = d.Ack(true)
+						acked[i].Add(100)
+					}
+				}
+			}
+		})
+	}
+	h := http.Header{}
+	h.Set("X-GitHub-Event", "pull_request")
+	h.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
+	var published atomic.Int64
+	deadline := time.Now().Add(d)
+	start := time.Now()
+	var pubs sync.WaitGroup
+	for range publishers {
+		ch, err := pub.Channel()
+		if err != nil {
+			b.Fatal(err)
+		}
+		_ = ch.Confirm(false)
+		pubs.Go(func() {
+			h := h.Clone()
+			for time.Now().Before(deadline) {
+				h.Set("X-GitHub-Delivery", fmt.Sprintf("raw-pipe-%d", published.Add(1)))
+				dc, err := ch.PublishWithDeferredConfirm(exchangeName, "", true, false, newPublishing(h, payload, "127.0.0.1", time.Now()))
+				if err != nil || !dc.Wait() {
+					b.Errorf("raw publish: %v", err)
+					return
+				}
+			}
+		})
+	}
+	pubs.Wait()
+	total := published.Load() / 100 * 100
+	eventually(b, 5*time.Minute, "the raw pipeline's consumers caught up", func() bool {
+		return acked[0].Load() >= total && acked[1].Load() >= total
+	})
+	rate := float64(total) / time.Since(start).Seconds()
+	close(stop)
+	wg.Wait()
+	cons.Close() // what was not acked goes back, to be purged
+	ch, err := pub.Channel()
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, q := range []string{queueGitHub, queueDatabase} {
+		if _, err := ch.QueuePurge(q, false); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return rate
 }
 
 // benchBurst: 2,000 webhooks at once from 200 connections, through a daemon

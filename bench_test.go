@@ -46,8 +46,8 @@ func BenchmarkSwitchyard(b *testing.B) {
 
 	// BENCH_ROWS picks rows by name (all by default): ingest, consume,
 	// drain, e2e, switch (localhost); wan-ingest, wan-e2e, burst, wan-drain
-	// (over the WAN proxy, at each BENCH_RTT); billing (at 50ms); dbsize,
-	// bigtable, rss, cpu.
+	// (over the WAN proxy, at each BENCH_RTT); postgres (at the first
+	// BENCH_RTT); billing (at 50ms); dbsize, bigtable, rss, cpu.
 	want := func(row string) bool {
 		rows := os.Getenv("BENCH_ROWS")
 		return rows == "" || strings.Contains(","+rows+",", ","+row+",")
@@ -85,12 +85,19 @@ func BenchmarkSwitchyard(b *testing.B) {
 				add(fmt.Sprintf("ingest over amqps at %s, 64 clients", rtt), ours, base, "msg/s", "ratio >= 0.9")
 			}
 			if want("wan-e2e") {
-				rate, daemon, broker, bench := benchWANEndToEnd(b, payload, rtt)
-				add(fmt.Sprintf("end to end over amqps at %s, default config, 64 clients", rtt), rate, 0, "webhooks/s", "printed")
+				rate, raw, daemon, broker, bench := benchWANEndToEnd(b, payload, rtt)
+				add(fmt.Sprintf("end to end over amqps at %s, default config, 64 clients (baseline: raw pipeline storing nothing)", rtt),
+					rate, raw, "webhooks/s", "ratio >= 0.8")
 				rows = append(rows, row{name: fmt.Sprintf("end to end over amqps at %s: CPU per webhook", rtt),
 					ours: fmt.Sprintf("daemon %d us", daemon.Microseconds()),
 					base: fmt.Sprintf("broker %d, bench %d us", broker.Microseconds(), bench.Microseconds()), aim: "printed"})
 			}
+		}
+		if want("postgres") {
+			rtt := benchRTTs(b)[0]
+			sqlite, pg, two := benchPostgres(b, payload, rtt)
+			add(fmt.Sprintf("end to end over amqps at %s, default config: PostgreSQL vs SQLite", rtt), pg, sqlite, "webhooks/s", "ratio >= 0.8")
+			add(fmt.Sprintf("end to end over amqps at %s: two nodes vs one, one PostgreSQL, one machine", rtt), two, pg, "webhooks/s", "printed")
 		}
 		if want("burst") {
 			p50, p99 := benchBurst(b, payload, 50*time.Millisecond)
