@@ -807,7 +807,7 @@ func testStoryOneModelTwoViews(t *testing.T) {
 	waitDatabase(t, db, dup)
 	postAs(t, d.URL, "pull_request", dup, loadFixture(t, "pull_request", "opened"), true)
 	eventually(t, 20*time.Second, "the duplicate counted", func() bool {
-		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = $1", dup) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1 AND duplicates = 1", dup) == 1
 	})
 	gap := newGUID()
 	if err := d.store.WriteTx(ctx, func(tx *Tx) error {

@@ -875,7 +875,7 @@ func testDeliveriesShow(t *testing.T) {
 	}), true)
 	waitDatabase(t, db, stale)
 	eventually(t, 20*time.Second, "the duplicate counted", func() bool {
-		return queryInt(t, db, "SELECT duplicates FROM github WHERE delivery_id = $1", stored) == 1
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1 AND duplicates = 1", stored) == 1
 	})
 	gap := newGUID()
 	if err := d.store.WriteTx(context.Background(), func(tx *Tx) error {

@@ -592,3 +592,13 @@ CREATE TABLE nodes (
     seen_at    TEXT NOT NULL,
     drained    TEXT NOT NULL DEFAULT ''
 ) STRICT;
+
+-- migration 16: an event's first copy, told by a unique key
+-- github.first_copy: 1 on the first stored copy of each event (GUID), NULL
+-- on the copies for other hooks that came after it. The unique index
+-- decides which copy is first, in the writing transaction, even when two
+-- nodes store two copies at once: the event is counted in the statistics
+-- and alerted at that copy only.
+ALTER TABLE github ADD COLUMN first_copy INTEGER CHECK (first_copy = 1);
+UPDATE github SET first_copy = 1 WHERE id IN (SELECT min(id) FROM github GROUP BY delivery_id);
+CREATE UNIQUE INDEX github_first_copy ON github (delivery_id) WHERE first_copy = 1;

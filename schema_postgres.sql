@@ -379,3 +379,8 @@ CREATE TABLE nodes (
     seen_at    TEXT COLLATE "C" NOT NULL,
     drained    TEXT COLLATE "C" NOT NULL DEFAULT ''
 );
+
+-- migration 16: an event's first copy, told by a unique key
+ALTER TABLE github ADD COLUMN first_copy BIGINT CHECK (first_copy = 1);
+UPDATE github SET first_copy = 1 WHERE id IN (SELECT min(id) FROM github GROUP BY delivery_id);
+CREATE UNIQUE INDEX github_first_copy ON github (delivery_id) WHERE first_copy = 1;

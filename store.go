@@ -164,6 +164,10 @@ type Tx struct {
 	s     *Store
 	tx    *sql.Tx
 	stmts map[string]*sql.Stmt // the prepared statements bound to tx, by query
+	// savepoints: Savepoint opens real ones. On SQLite they cost no round
+	// trip and are always real; on PostgreSQL a transaction first runs
+	// without (see Savepoint).
+	savepoints bool
 }
 
 // WriteTx runs fn in one write transaction and commits once, or rolls back when fn
@@ -179,19 +183,31 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 	}
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
-	tx, err := s.w.BeginTx(ctx, nil)
-	if err != nil {
-		return s.health.observe(fmt.Errorf("begin: %w", err))
+	savepoints := s.dialect == dialectSQLite
+	for {
+		tx, err := s.w.BeginTx(ctx, nil)
+		if err != nil {
+			return s.health.observe(fmt.Errorf("begin: %w", err))
+		}
+		if err := fn(&Tx{s: s, tx: tx, savepoints: savepoints}); err != nil {
+			_ = tx.Rollback()
+			if errors.Is(err, ErrNeedSavepoints) && !savepoints {
+				savepoints = true // once more, each part in its savepoint
+				continue
+			}
+			return s.health.observe(err)
+		}
+		if err := tx.Commit(); err != nil {
+			return s.health.observe(fmt.Errorf("commit: %w", err))
+		}
+		return nil
 	}
-	if err := fn(&Tx{s: s, tx: tx}); err != nil {
-		_ = tx.Rollback()
-		return s.health.observe(err)
-	}
-	if err := tx.Commit(); err != nil {
-		return s.health.observe(fmt.Errorf("commit: %w", err))
-	}
-	return nil
 }
+
+// ErrNeedSavepoints is a part of a transaction that failed without a
+// savepoint to undo it alone: the transaction's function returns it, and
+// WriteTx runs the transaction again with savepoints.
+var ErrNeedSavepoints = errors.New("a part failed: run again with savepoints")
 
 // sqlArgs are args as both drivers take them: a bool is 1 or 0, as the
 // tables keep flags (SQLite has no boolean; PostgreSQL's driver does not
@@ -327,7 +343,19 @@ func (s *Store) prepareWanted(ctx context.Context) {
 // writes only, so one message of a batch that fails leaves the others.
 // Savepoints are released before the next begins, so one name serves them
 // all, and its three statements are prepared once.
+//
+// On PostgreSQL each of them is two round trips more per message, and a
+// message seldom fails: a transaction first runs fn without them, and
+// only when one fails does WriteTx roll the whole back and run it again,
+// each fn in its savepoint (fn must be one that may run again: it writes
+// only through tx).
 func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
+	if !t.savepoints {
+		if err := fn(); err != nil {
+			return fmt.Errorf("%w: %w", ErrNeedSavepoints, err)
+		}
+		return nil
+	}
 	if _, err := t.exec(ctx, "SAVEPOINT msg"); err != nil {
 		return fmt.Errorf("savepoint: %w", err)
 	}

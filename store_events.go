@@ -28,47 +28,46 @@ func payloadText(payload []byte) string {
 // count, when this hook's copy is already stored: a retried or redelivered
 // message must not count or alert twice.
 func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channels ...string) (inserted bool, err error) {
-	// Two hooks' copies of one event, stored on two nodes at once, would
-	// each find the other not stored yet and both count: one waits here
-	// for the other's commit.
-	if err := tx.Lock(ctx, "event:"+ev.DeliveryID); err != nil {
-		return false, err
-	}
-	res, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
-		target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at, broker)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) ON CONFLICT (delivery_id, hook_id) DO NOTHING`,
-		ev.DeliveryID, ev.Name, ev.Action, ev.HookID, ev.TargetType, nullInt(ev.TargetID),
+	// As the event's first copy: any unique key that conflicts (this
+	// hook's copy stored, or another hook's first) stores nothing. The
+	// unique first_copy key decides, inside the transaction, even when
+	// two nodes store two copies at once.
+	args := []any{ev.DeliveryID, ev.Name, ev.Action, ev.HookID, ev.TargetType, nullInt(ev.TargetID),
 		nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
-		payloadText(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker)
+		payloadText(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker}
+	res, err := tx.exec(ctx, insertGitHub+"1) ON CONFLICT DO NOTHING", args...)
 	if err != nil {
 		return false, fmt.Errorf("insert github: %w", err)
 	}
-	if n, _ := res.RowsAffected(); n == 0 {
-		// Stored before: the story of the delivery says it came again.
-		if _, err := tx.exec(ctx, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = $1 WHERE delivery_id = $2 AND hook_id = $3",
-			formatTime(time.Now()), ev.DeliveryID, ev.HookID); err != nil {
-			return false, fmt.Errorf("count a duplicate: %w", err)
+	if n, _ := res.RowsAffected(); n == 1 {
+		if _, err = tx.exec(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES ($1, $2, $3, 1)
+			ON CONFLICT (bucket, event, action) DO UPDATE SET count = github_statistics_6h.count + 1`,
+			statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action); err != nil {
+			return false, fmt.Errorf("count statistics: %w", err)
 		}
-		return false, nil
+		return true, tx.queueAlerts(ctx, ev.DeliveryID, channels)
 	}
-	// Counted only when no other hook's copy of the event is stored: one
-	// statement asks and counts, and whether it counted tells whether the
-	// alerts are this copy's to queue.
-	res, err = tx.exec(ctx, `INSERT INTO github_statistics_6h (bucket, event, action, count)
-		SELECT CAST($1 AS TEXT), CAST($2 AS TEXT), CAST($3 AS TEXT), 1
-		WHERE NOT EXISTS (SELECT 1 FROM github WHERE delivery_id = $4 AND hook_id != $5)
-		ON CONFLICT (bucket, event, action) DO UPDATE SET count = github_statistics_6h.count + 1`,
-		statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action, ev.DeliveryID, ev.HookID)
-	if err != nil {
-		return false, fmt.Errorf("count statistics: %w", err)
+	// A copy for another hook after the first: stored, neither counted
+	// nor alerted.
+	if res, err = tx.exec(ctx, insertGitHub+"NULL) ON CONFLICT (delivery_id, hook_id) DO NOTHING", args...); err != nil {
+		return false, fmt.Errorf("insert github: %w", err)
 	}
-	if n, _ := res.RowsAffected(); n == 0 {
-		// Another hook's copy came first: the event is counted and
-		// alerted already.
+	if n, _ := res.RowsAffected(); n == 1 {
 		return true, nil
 	}
-	return true, tx.queueAlerts(ctx, ev.DeliveryID, channels)
+	// Stored before: the story of the delivery says it came again.
+	if _, err := tx.exec(ctx, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = $1 WHERE delivery_id = $2 AND hook_id = $3",
+		formatTime(time.Now()), ev.DeliveryID, ev.HookID); err != nil {
+		return false, fmt.Errorf("count a duplicate: %w", err)
+	}
+	return false, nil
 }
+
+// insertGitHub is the insert of a github row but for its first_copy value
+// and what follows.
+const insertGitHub = `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
+	target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at, broker, first_copy)
+	VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, `
 
 // MarkDelivery runs fn and records that worker finished the delivery, in tx,
 // with the outcome fn returns ("" is done). It reports false, without

@@ -91,7 +91,9 @@ func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, erro
 	}
 	err := batchWithUsage(ctx, o.Batch, o.Usage, func(tx *Tx) error {
 		for i := range msgs {
-			verdicts[i] = next(i).handle(ctx, tx, o.Handle)
+			if verdicts[i] = next(i).handle(ctx, tx, o.Handle); errors.Is(verdicts[i], ErrNeedSavepoints) {
+				return verdicts[i]
+			}
 		}
 		return ctx.Err()
 	})
@@ -171,6 +173,9 @@ func (m decoded) handle(ctx context.Context, tx *Tx, h Handler) error {
 		}
 		return err
 	})
+	if errors.Is(err, ErrNeedSavepoints) {
+		return err // not a verdict: the batch runs again (Store.WriteTx)
+	}
 	if err == nil && duplicate {
 		err = ErrDuplicate
 	}
