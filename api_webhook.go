@@ -18,9 +18,6 @@ import (
 	"time"
 )
 
-// maxWebhookBody is GitHub's own cap on a webhook payload.
-const maxWebhookBody = 25 << 20
-
 // prefixSet is a list of networks an address can be tested against.
 type prefixSet []netip.Prefix
 

@@ -40,6 +40,7 @@ type Daemon struct {
 	keepalive *Keepalive
 	usage     *Usage
 	leases    *Leases
+	retention *Retention
 	workers   []*Worker
 	// hooks is the hooks worker, which runs under its lease; nil without
 	// the GitHub App.
@@ -105,7 +106,8 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		}
 		return NewWorker(o, w, brokers, queues, log)
 	}
-	retention := NewRetention(store, cfg.Database, log.With("worker", "cleanup"))
+	retention := NewRetention(store, cfg, log.With("worker", "cleanup"))
+	d.retention = retention
 	retentionLease := leases.Lease(jobRetention)
 	d.workers = []*Worker{
 		worker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(alerter, cfg.GitHub.AppID, false),
@@ -183,6 +185,7 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	}
 	work.Go(func() error { return d.leases.Run(wctx) })
 	work.Go(func() error { return d.leases.Lease(jobAlerts).Run(wctx, d.alerts.Run) })
+	work.Go(func() error { return d.leases.Lease(jobRetention).Run(wctx, d.retention.Compress) })
 	work.Go(func() error { return d.keepalive.Run(wctx) })
 	work.Go(func() error { return d.usage.Run(wctx) })
 	if d.store.Shared() {

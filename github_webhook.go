@@ -17,6 +17,9 @@ import (
 // carries, checked before any of them is copied into a message, whether
 // the delivery came to the webhook endpoint or from GitHub's API.
 
+// maxWebhookBody is GitHub's own cap on a webhook payload.
+const maxWebhookBody = 25 << 20
+
 // ErrBadRequest is a delivery whose headers or body break GitHub's rules.
 var ErrBadRequest = errors.New("bad request")
 

@@ -10,6 +10,7 @@ require (
 	github.com/google/go-github/v75 v75.0.0
 	github.com/jackc/pgx/v5 v5.13.0
 	github.com/julienschmidt/httprouter v1.3.0
+	github.com/klauspost/compress v1.20.1
 	github.com/prometheus/client_golang v1.25.0
 	github.com/rabbitmq/amqp091-go v1.16.0
 	github.com/wneessen/go-mail v0.8.1

@@ -590,6 +590,16 @@ func databaseKeys(cfg DatabaseConfig) string {
 	return fmt.Sprintf("path = %q", cfg.Path)
 }
 
+// storedPayload is the payload store gives back of guid's first copy.
+func storedPayload(t testing.TB, store *Store, guid string) string {
+	t.Helper()
+	st, err := store.Story(context.Background(), guid)
+	if err != nil {
+		t.Fatalf("story of %s: %v", guid, err)
+	}
+	return st.Payload()
+}
+
 // openStoreDB opens the test's database, SQLite or PostgreSQL, to read
 // what the daemon wrote.
 func openStoreDB(t testing.TB, cfg DatabaseConfig) *sql.DB {

@@ -602,3 +602,10 @@ CREATE TABLE nodes (
 ALTER TABLE github ADD COLUMN first_copy INTEGER CHECK (first_copy = 1);
 UPDATE github SET first_copy = 1 WHERE id IN (SELECT min(id) FROM github GROUP BY delivery_id);
 CREATE UNIQUE INDEX github_first_copy ON github (delivery_id) WHERE first_copy = 1;
+
+-- migration 17: the raw log compressed
+-- github.payload_zstd: the payload compressed with zstd, payload then
+-- empty. Rows written before keep their payload as text until the
+-- retention job compresses them, a few hundred at a time; a pruned row has
+-- neither.
+ALTER TABLE github ADD COLUMN payload_zstd BLOB;

@@ -384,3 +384,6 @@ CREATE TABLE nodes (
 ALTER TABLE github ADD COLUMN first_copy BIGINT CHECK (first_copy = 1);
 UPDATE github SET first_copy = 1 WHERE id IN (SELECT min(id) FROM github GROUP BY delivery_id);
 CREATE UNIQUE INDEX github_first_copy ON github (delivery_id) WHERE first_copy = 1;
+
+-- migration 17: the raw log compressed
+ALTER TABLE github ADD COLUMN payload_zstd BYTEA;

@@ -44,6 +44,8 @@ type Store struct {
 	health *dbHealth
 	// claim holds the SQLite file's lock while serve runs (Claim).
 	claim *os.File
+	// codec compresses and inflates the raw log's payloads (store_codec.go).
+	codec *payloadCodec
 }
 
 // OpenStore opens the database cfg names: the SQLite file at cfg.Path
@@ -56,7 +58,8 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 		if err != nil {
 			return nil, err
 		}
-		s := &Store{w: db, r: db, dialect: dialectPostgres, name: redactDatabaseURL(cfg.URL), metrics: metrics}
+		s := &Store{w: db, r: db, dialect: dialectPostgres, name: redactDatabaseURL(cfg.URL), metrics: metrics,
+			codec: newPayloadCodec()}
 		s.health = newDBHealth(s.dialect, db.PingContext)
 		return s, nil
 	}
@@ -116,7 +119,7 @@ func openSQLite(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Sto
 		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
 	}
 	r.SetMaxOpenConns(4)
-	s := &Store{w: w, r: r, dialect: dialectSQLite, path: cfg.Path, name: cfg.Path, metrics: metrics}
+	s := &Store{w: w, r: r, dialect: dialectSQLite, path: cfg.Path, name: cfg.Path, metrics: metrics, codec: newPayloadCodec()}
 	s.health = newDBHealth(s.dialect, w.PingContext)
 	return s, nil
 }
@@ -137,6 +140,7 @@ func (s *Store) Shared() bool { return s.dialect == dialectPostgres }
 // SQLite's WAL is checkpointed by the last connection.
 func (s *Store) Close() error {
 	s.health.close()
+	s.codec.close()
 	s.stmts.Range(func(_, st any) bool {
 		st.(*sql.Stmt).Close()
 		return true
@@ -506,43 +510,4 @@ func (s *Store) Backup(ctx context.Context, dest string) error {
 		return fmt.Errorf("integrity_check %s: %s", dest, res)
 	}
 	return nil
-}
-
-// retentionBatch is the most raw rows one retention transaction changes, so
-// that writers never wait long behind it.
-const retentionBatch = 1000
-
-// PrunePayloadsBefore empties the payload of at most retentionBatch raw
-// github rows received before cutoff, in tx, and returns how many it
-// pruned. The rows stay, as the deliveries' identities.
-func (tx *Tx) PrunePayloadsBefore(ctx context.Context, cutoff time.Time) (int64, error) {
-	res, err := tx.exec(ctx, `UPDATE github SET payload = '', payload_pruned_at = $1 WHERE id IN
-		(SELECT id FROM github WHERE received_at < $2 AND payload_pruned_at IS NULL ORDER BY received_at LIMIT $3)`,
-		formatTime(time.Now()), formatTime(cutoff), retentionBatch)
-	if err != nil {
-		return 0, fmt.Errorf("prune raw payloads: %w", err)
-	}
-	return res.RowsAffected()
-}
-
-// DeleteIdentitiesBefore deletes at most retentionBatch deliveries received
-// before cutoff, in tx: their github rows and the records of
-// which workers finished them. Statistics and typed tables stay. It returns
-// how many github rows it deleted.
-func (tx *Tx) DeleteIdentitiesBefore(ctx context.Context, cutoff time.Time) (int64, error) {
-	res, err := tx.exec(ctx, `DELETE FROM github WHERE id IN
-		(SELECT id FROM github WHERE received_at < $1 ORDER BY received_at LIMIT $2)`, formatTime(cutoff), retentionBatch)
-	if err != nil {
-		return 0, fmt.Errorf("delete delivery identities: %w", err)
-	}
-	n, err := res.RowsAffected()
-	if err != nil {
-		return 0, err
-	}
-	_, err = tx.exec(ctx, `DELETE FROM worker_deliveries WHERE (worker, delivery_id, hook_id) IN
-		(SELECT worker, delivery_id, hook_id FROM worker_deliveries WHERE processed_at < $1 LIMIT $2)`, formatTime(cutoff), retentionBatch)
-	if err != nil {
-		return 0, fmt.Errorf("delete worker records: %w", err)
-	}
-	return n, nil
 }

@@ -39,7 +39,7 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 			coalesce(g.event, CASE WHEN o.delivery_id LIKE 'gap:%' THEN 'gap' WHEN o.delivery_id LIKE 'budget:%' THEN 'budget'
 				WHEN o.delivery_id LIKE 'blocked:%' THEN 'blocked' ELSE 'unrecoverable' END),
 			coalesce(g.action, dg.event, ''), coalesce(g.repository, ''), coalesce(g.sender, ''), coalesce(g.source_ip, ''),
-			coalesce(g.payload, dg.last_error, '{}'), coalesce(g.received_at, dg.delivered_at, o.created_at)
+			coalesce(g.payload, dg.last_error, '{}'), g.payload_zstd, coalesce(g.received_at, dg.delivered_at, o.created_at)
 		FROM alert_outbox o
 		LEFT JOIN github g ON g.id = (SELECT min(id) FROM github WHERE delivery_id = o.delivery_id)
 		LEFT JOIN delivery_gaps dg ON (o.delivery_id LIKE 'gap:%' AND dg.guid = substr(o.delivery_id, 5))
@@ -57,11 +57,16 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 		var a outboxAlert
 		var ev Event
 		var payload, received string
+		var compressed []byte
 		if err := rows.Scan(&a.ID, &a.Attempts, &a.Forbidden, &ev.DeliveryID, &ev.Name, &ev.Action,
-			&ev.Repository, &ev.Sender, &ev.SourceIP, &payload, &received); err != nil {
+			&ev.Repository, &ev.Sender, &ev.SourceIP, &payload, &compressed, &received); err != nil {
 			return nil, fmt.Errorf("read due alerts: %w", err)
 		}
-		ev.Payload = []byte(payload)
+		// An alert goes out even when its payload does not inflate: what
+		// it says comes from the row; the payload adds a link.
+		if ev.Payload, err = s.codec.payload(payload, compressed); err != nil {
+			ev.Payload = []byte("{}")
+		}
 		ev.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
 		a.Event = &ev
 		out = append(out, a)

@@ -4,21 +4,10 @@ import (
 	"context"
 	"fmt"
 	"time"
-	"unsafe"
 )
 
 // Storing a delivery: its raw row, with its statistics, gap and alerts, and
 // each worker's mark that it finished it.
-
-// payloadText is the payload as the TEXT it is stored as, without a copy:
-// string(payload) copied every webhook on the Go heap, a large share of all
-// the daemon allocates, only for the driver to copy it again into SQLite's
-// memory when it binds it (sqlite3_bind_text). The bytes are the
-// delivery's body, which nothing writes to. (A []byte would be bound, and
-// stored, as a BLOB, not as the TEXT the column holds.)
-func payloadText(payload []byte) string {
-	return unsafe.String(unsafe.SliceData(payload), len(payload))
-}
 
 // InsertEvent writes the raw Event, counts it in its 6-hour bucket and
 // queues its alert on each of channels (alert_outbox), in tx. A delivery is
@@ -34,7 +23,7 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 	// two nodes store two copies at once.
 	args := []any{ev.DeliveryID, ev.Name, ev.Action, ev.HookID, ev.TargetType, nullInt(ev.TargetID),
 		nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
-		payloadText(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker}
+		tx.s.codec.compress(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker}
 	res, err := tx.exec(ctx, insertGitHub+"1) ON CONFLICT DO NOTHING", args...)
 	if err != nil {
 		return false, fmt.Errorf("insert github: %w", err)
@@ -66,8 +55,8 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 // insertGitHub is the insert of a github row but for its first_copy value
 // and what follows.
 const insertGitHub = `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
-	target_id, installation_id, repository, sender, source_ip, forbidden, payload, received_at, processed_at, broker, first_copy)
-	VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, `
+	target_id, installation_id, repository, sender, source_ip, forbidden, payload, payload_zstd, received_at, processed_at, broker, first_copy)
+	VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, '', $12, $13, $14, $15, `
 
 // MarkDelivery runs fn and records that worker finished the delivery, in tx,
 // with the outcome fn returns ("" is done). It reports false, without

@@ -86,6 +86,9 @@ type StoryReceipt struct {
 	StoredAt     time.Time  `json:"stored_at"`
 	PayloadBytes int        `json:"payload_bytes"`
 	PrunedAt     *time.Time `json:"payload_pruned_at,omitempty"`
+	// Unreadable says why the stored payload could not be given back (it
+	// does not decompress): reported, the rest of the story told.
+	Unreadable string `json:"payload_unreadable,omitempty"`
 	// Duplicates is how often this hook's copy came again after it was
 	// stored, the last time at LastDuplicateAt.
 	Duplicates      int        `json:"duplicates,omitempty"`
@@ -202,23 +205,28 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		return nil
 	}
 	err = each("github", `SELECT hook_id, event, action, repository, sender, source_ip, forbidden, target_type, target_id,
-		received_at, processed_at, payload, payload_pruned_at, duplicates, last_duplicate_at, broker
+		received_at, processed_at, payload, payload_zstd, payload_pruned_at, duplicates, last_duplicate_at, broker
 		FROM github WHERE delivery_id = $1 ORDER BY id LIMIT $2`, func(rows *sql.Rows) error {
 		var r StoryReceipt
 		var hook int64
-		var received, stored, payload string
+		var received, stored, text string
+		var compressed []byte
 		var targetID sql.NullInt64
 		var pruned, lastDup sql.NullString
 		if err := rows.Scan(&hook, &r.Event, &r.Action, &r.Repository, &r.Sender, &r.SourceIP, &r.Forbidden, &r.TargetType, &targetID,
-			&received, &stored, &payload, &pruned, &r.Duplicates, &lastDup, &r.Broker); err != nil {
+			&received, &stored, &text, &compressed, &pruned, &r.Duplicates, &lastDup, &r.Broker); err != nil {
 			return err
+		}
+		payload, err := s.codec.payload(text, compressed)
+		if err != nil {
+			r.Unreadable = err.Error()
 		}
 		r.TargetID, r.PayloadBytes, r.PrunedAt = targetID.Int64, len(payload), parseTimePtr(pruned)
 		r.LastDuplicateAt = parseTimePtr(lastDup)
 		r.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
 		r.StoredAt, _ = time.Parse(time.RFC3339Nano, stored)
 		c := st.copyOf(hook)
-		c.Received, c.Payload = &r, payload
+		c.Received, c.Payload = &r, string(payload)
 		return nil
 	}, guid, maxStoryCopies)
 	if err != nil {
@@ -481,6 +489,8 @@ func (st *DeliveryStory) Lines() []StoryLine {
 			}
 			if r.PrunedAt != nil {
 				add("payload", "pruned %s (database.raw_retention); the row stays as the delivery's identity", when(*r.PrunedAt))
+			} else if r.Unreadable != "" {
+				add("payload", "unreadable: %s", r.Unreadable)
 			} else {
 				add("payload", "%d bytes", r.PayloadBytes)
 			}

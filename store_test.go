@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -18,6 +19,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -270,9 +272,9 @@ func testRawRetention(t *testing.T) {
 		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id LIKE 'old-%'") == 0
 	})
 	eventually(t, 20*time.Second, "payloads past raw_retention emptied", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id LIKE 'pruned-%' AND payload = '' AND payload_pruned_at IS NOT NULL") == 3
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id LIKE 'pruned-%' AND payload = '' AND payload_zstd IS NULL AND payload_pruned_at IS NOT NULL") == 3
 	})
-	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = 'recent' AND payload != '' AND payload_pruned_at IS NULL"); n != 1 {
+	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = 'recent' AND payload_zstd IS NOT NULL AND payload_pruned_at IS NULL"); n != 1 {
 		t.Errorf("the recent row: %d, want kept with its payload", n)
 	}
 	if n := queryInt(t, db, "SELECT coalesce(sum(count), 0) FROM github_statistics_6h"); n != 2504 {
@@ -293,7 +295,7 @@ func testRawRetention(t *testing.T) {
 	if n := queryInt(t, db, "SELECT coalesce(sum(count), 0) FROM github_statistics_6h"); n != 2504 {
 		t.Errorf("statistics after the redelivery of a pruned delivery: %d, want 2,504", n)
 	}
-	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = 'pruned-2' AND payload = ''"); n != 1 {
+	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = 'pruned-2' AND payload = '' AND payload_zstd IS NULL"); n != 1 {
 		t.Errorf("the pruned delivery's row: %d, want it as it was", n)
 	}
 	// The ledger counts a pruned delivery stored.
@@ -750,4 +752,182 @@ func TestSchemaSameOnBothDialects(t *testing.T) {
 	if len(a) < 20 {
 		t.Errorf("%d tables compared, want every table of the schema", len(a))
 	}
+}
+
+// Every reader of the raw log gives back the exact bytes of each payload,
+// stored compressed or, as rows from before, as text, and again once the
+// retention job compressed those: the recorded shapes, empty, one byte,
+// and GitHub's largest. A payload that does not decompress is told as
+// such; the story and the page go on.
+func TestPayloadsGivenBackExactly(t *testing.T) {
+	t.Parallel()
+	onBothStores(t, testPayloadsGivenBackExactly)
+}
+
+func testPayloadsGivenBackExactly(t *testing.T) {
+	ctx := context.Background()
+	cfg := testConfig(t, amqpURL(newVhost(t)))
+	cfg.Alerts = AlertsConfig{Rules: []AlertRule{{Events: []string{"*"}, Channels: []string{"push"}}}, Push: PushConfig{URL: "http://127.0.0.1:1/never"}}
+	store, err := OpenStore(ctx, cfg.Database, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	payloads := map[string][]byte{"empty": {}, "one byte": []byte("x"),
+		"25 MB": append(append([]byte(`{"action":"opened","issue":{"body":"`), bytes.Repeat([]byte(randHex(512)), 25<<20/1024)...), `"}}`...)}
+	for _, f := range loadFixtures(t) {
+		payloads[f.Event+"/"+f.Name] = f.Body
+	}
+	old := map[string]bool{} // stored as text, as a version before compression did
+	names := slices.Sorted(maps.Keys(payloads))
+	byName := payloads
+	payloads = map[string][]byte{} // by GUID
+	for i, name := range names {
+		guid, p := fmt.Sprintf("exact-%03d", i), byName[name]
+		err := store.WriteTx(ctx, func(tx *Tx) error {
+			if i%2 == 1 {
+				old[guid] = true
+				_, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, payload, received_at, processed_at, first_copy)
+					VALUES ($1, 'issues', $2, $3, $3, 1)`, guid, string(p), formatTime(time.Now()))
+				return err
+			}
+			_, err := tx.InsertEvent(ctx, &Event{DeliveryID: guid, Name: "issues", Payload: p, ReceivedAt: time.Now()}, false, "push")
+			return err
+		})
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		payloads[guid] = p
+	}
+	check := func(when string) {
+		t.Helper()
+		for guid, want := range payloads {
+			st, err := store.Story(ctx, guid)
+			if err != nil {
+				t.Fatalf("%s, %s: %v", when, guid, err)
+			}
+			if got := st.Payload(); got != string(want) || st.Copies[0].Received.PayloadBytes != len(want) {
+				t.Errorf("%s, %s (old %t): the story gives back %d bytes, want the %d stored", when, guid, old[guid], len(got), len(want))
+			}
+		}
+		due, err := store.DueAlerts(ctx, "push", time.Now().Add(time.Hour), 1000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, a := range due {
+			if want := payloads[a.Event.DeliveryID]; string(a.Event.Payload) != string(want) {
+				t.Errorf("%s, %s: the alert's payload %d bytes, want %d", when, a.Event.DeliveryID, len(a.Event.Payload), len(want))
+			}
+		}
+	}
+	check("stored")
+	for after := int64(0); ; {
+		last, _, err := store.CompressOlderPayloads(ctx, after)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if last == after {
+			break
+		}
+		after = last
+	}
+	if n, err := store.UncompressedPayloads(ctx); err != nil || n != 0 {
+		t.Fatalf("payloads left as text after compressing: %d (%v)", n, err)
+	}
+	check("compressed by the retention job")
+
+	// A payload that does not decompress is told, not a crash.
+	if _, err := store.w.Exec("UPDATE github SET payload_zstd = $1 WHERE delivery_id = 'exact-002'", []byte("not zstd at all")); err != nil {
+		t.Fatal(err)
+	}
+	st, err := store.Story(ctx, "exact-002")
+	if err != nil || st.Copies[0].Received.Unreadable == "" || !strings.Contains(storyText(st), "payload\tunreadable: stored payload does not decompress") {
+		t.Errorf("the story of a broken payload: %v\n%s", err, storyText(st))
+	}
+	if _, err := store.DueAlerts(ctx, "push", time.Now().Add(time.Hour), 1000); err != nil {
+		t.Errorf("due alerts beside a broken payload: %v", err)
+	}
+}
+
+// A database from before compression, its raw log as text, is compressed
+// by serve in the background, a batch at a time; killed midway (SIGKILL)
+// and started again, it goes on, and no row is lost or left unreadable.
+func TestCompressionResumesAfterKill(t *testing.T) {
+	t.Parallel()
+	config, addr, dbPath := processSetup(t)
+	ctx := context.Background()
+	cfg := DefaultConfig().Database
+	cfg.Path = dbPath
+	store, err := OpenStore(ctx, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	const n = 10000
+	fixtures := loadFixtures(t)
+	want := map[string][]byte{}
+	err = store.WriteTx(ctx, func(tx *Tx) error {
+		for i := range n {
+			guid, p := fmt.Sprintf("old-%05d", i), fixtures[i%len(fixtures)].Body
+			want[guid] = p
+			if _, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, payload, received_at, processed_at, first_copy)
+				VALUES ($1, 'issues', $2, $3, $3, 1)`, guid, string(p), formatTime(time.Now())); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	store.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	db := openDB(t, dbPath)
+	compressed := func() int { return queryInt(t, db, "SELECT count(*) FROM github WHERE payload_zstd IS NOT NULL") }
+
+	cmd, out := startProcess(t, config, addr)
+	eventually(t, 30*time.Second, "compression under way", func() bool { return compressed() > 0 })
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	midway := compressed()
+	if midway == 0 || midway >= n {
+		t.Fatalf("%d of %d compressed when killed: the kill did not fall midway\n%s", midway, n, out)
+	}
+	cmd, out = startProcess(t, config, addr)
+	eventually(t, 60*time.Second, "every payload compressed", func() bool { return compressed() == n })
+	stopProcess(t, cmd, out, 30*time.Second)
+
+	store, err = OpenStore(ctx, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	rows, err := store.r.Query("SELECT delivery_id, payload, payload_zstd FROM github")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	seen := 0
+	for rows.Next() {
+		var guid, text string
+		var z []byte
+		if err := rows.Scan(&guid, &text, &z); err != nil {
+			t.Fatal(err)
+		}
+		p, err := store.codec.payload(text, z)
+		if err != nil || string(p) != string(want[guid]) || text != "" {
+			t.Errorf("%s after the kill and the restart: %d bytes (%v), want its %d", guid, len(p), err, len(want[guid]))
+		}
+		seen++
+	}
+	if seen != n {
+		t.Errorf("%d rows after the kill and the restart, want %d", seen, n)
+	}
+	t.Logf("killed with %d of %d compressed", midway, n)
 }

@@ -18,13 +18,51 @@ type Retention struct {
 	store        *Store
 	keepPayload  time.Duration // 0 keeps everything
 	keepIdentity time.Duration
-	log          *slog.Logger
+	// every is how often Compress looks again once none is left;
+	// compressPause the pause between its batches.
+	every, compressPause time.Duration
+	log                  *slog.Logger
 }
 
 // NewRetention is the retention of cfg.
-func NewRetention(store *Store, cfg DatabaseConfig, log *slog.Logger) *Retention {
-	return &Retention{store: store, keepPayload: time.Duration(cfg.RawRetention),
-		keepIdentity: max(time.Duration(cfg.RawRetention), time.Duration(cfg.DeliveryRetention)), log: log}
+func NewRetention(store *Store, cfg *Config, log *slog.Logger) *Retention {
+	return &Retention{store: store, keepPayload: time.Duration(cfg.Database.RawRetention),
+		keepIdentity: max(time.Duration(cfg.Database.RawRetention), time.Duration(cfg.Database.DeliveryRetention)),
+		every:        cfg.Workers.CleanupEvery, compressPause: 20 * time.Millisecond, log: log}
+}
+
+// Compress compresses the payloads stored as text (by a version before
+// the raw log was compressed, or by such a node beside this one), a batch
+// at a time in short transactions, pausing between them so that writers
+// never wait long, until ctx ends; when none is left it looks again every
+// cleanup_every. Interrupted anywhere, it loses nothing: each batch
+// commits whole, and the next run goes on from the first row left.
+func (r *Retention) Compress(ctx context.Context) error {
+	var after int64
+	total := 0
+	for {
+		last, n, err := r.store.CompressOlderPayloads(ctx, after)
+		wait := r.compressPause
+		switch {
+		case err != nil:
+			if ctx.Err() == nil {
+				r.log.Warn("payloads not compressed; trying again", "error", err)
+			}
+			wait = r.every
+		case last == after: // none left
+			if total > 0 {
+				r.log.Info("payloads stored before compression now compressed", "rows", total)
+			}
+			after, total, wait = 0, 0, r.every
+		default:
+			after, total = last, total+n
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(wait):
+		}
+	}
 }
 
 // Prune empties payloads, then deletes identities, batch after batch, each
