@@ -75,6 +75,11 @@ func openSQLite(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Sto
 		q.Add("_pragma", "journal_mode(WAL)")
 		q.Add("_pragma", "foreign_keys(1)")
 		q.Add("_pragma", "synchronous("+strings.ToUpper(cfg.Synchronous)+")")
+		// Savepoints and statements that may need undoing keep the pages
+		// they change in a sub-journal: a temporary file, written page by
+		// page, unless temporary storage is memory. A batch's are a few
+		// megabytes at most.
+		q.Add("_pragma", "temp_store(MEMORY)")
 		if extra != "" {
 			q.Add("_pragma", extra)
 		}
@@ -168,9 +173,8 @@ type Tx struct {
 	s     *Store
 	tx    *sql.Tx
 	stmts map[string]*sql.Stmt // the prepared statements bound to tx, by query
-	// savepoints: Savepoint opens real ones. On SQLite they cost no round
-	// trip and are always real; on PostgreSQL a transaction first runs
-	// without (see Savepoint).
+	// savepoints: Savepoint opens real ones. A transaction first runs
+	// without them (see Savepoint).
 	savepoints bool
 }
 
@@ -187,7 +191,7 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 	}
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
-	savepoints := s.dialect == dialectSQLite
+	savepoints := false
 	for {
 		tx, err := s.w.BeginTx(ctx, nil)
 		if err != nil {
@@ -209,9 +213,16 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 }
 
 // ErrNeedSavepoints is a part of a transaction that failed without a
-// savepoint to undo it alone: the transaction's function returns it, and
-// WriteTx runs the transaction again with savepoints.
+// savepoint to undo it alone: the transaction's function returns it (as a
+// *NeedSavepoints), and WriteTx runs the transaction again with
+// savepoints.
 var ErrNeedSavepoints = errors.New("a part failed: run again with savepoints")
+
+// NeedSavepoints is ErrNeedSavepoints with the failed part's own error.
+type NeedSavepoints struct{ Err error }
+
+func (e *NeedSavepoints) Error() string   { return ErrNeedSavepoints.Error() + ": " + e.Err.Error() }
+func (e *NeedSavepoints) Unwrap() []error { return []error{ErrNeedSavepoints, e.Err} }
 
 // sqlArgs are args as both drivers take them: a bool is 1 or 0, as the
 // tables keep flags (SQLite has no boolean; PostgreSQL's driver does not
@@ -348,15 +359,16 @@ func (s *Store) prepareWanted(ctx context.Context) {
 // Savepoints are released before the next begins, so one name serves them
 // all, and its three statements are prepared once.
 //
-// On PostgreSQL each of them is two round trips more per message, and a
-// message seldom fails: a transaction first runs fn without them, and
-// only when one fails does WriteTx roll the whole back and run it again,
-// each fn in its savepoint (fn must be one that may run again: it writes
-// only through tx).
+// A savepoint costs each message two statements more (on PostgreSQL two
+// round trips), and every page it changes a copy in SQLite's sub-journal,
+// while a message seldom fails: a transaction first runs fn without them,
+// and only when one fails does WriteTx roll the whole back and run it
+// again, each fn in its savepoint (fn must be one that may run again: it
+// writes only through tx).
 func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
 	if !t.savepoints {
 		if err := fn(); err != nil {
-			return fmt.Errorf("%w: %w", ErrNeedSavepoints, err)
+			return &NeedSavepoints{Err: err}
 		}
 		return nil
 	}

@@ -89,9 +89,18 @@ func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, erro
 		verdicts[0] = next(0).handleAlone(ctx, o.Batch, o.Handle, o.Usage)
 		return verdicts, nil
 	}
+	// A message that failed in a pass without savepoints keeps its verdict
+	// when the batch runs again with them: its handler runs once.
+	failed := map[int]error{}
 	err := batchWithUsage(ctx, o.Batch, o.Usage, func(tx *Tx) error {
 		for i := range msgs {
-			if verdicts[i] = next(i).handle(ctx, tx, o.Handle); errors.Is(verdicts[i], ErrNeedSavepoints) {
+			if v, ok := failed[i]; ok {
+				verdicts[i] = v
+				continue
+			}
+			verdicts[i] = next(i).handle(ctx, tx, o.Handle)
+			if ns := (*NeedSavepoints)(nil); errors.As(verdicts[i], &ns) {
+				failed[i] = verdict(ns.Err)
 				return verdicts[i]
 			}
 		}
