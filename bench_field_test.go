@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"hash"
+	"io"
 	"log/slog"
 	"net/http"
 	"os"
@@ -310,7 +311,15 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate, ra
 	// The baseline first, on the same vhost and proxy: its queues are
 	// empty again when it returns.
 	raw = rawPipeline(b, proxy.URL(vhost), payload, 64, 30*time.Second)
-	p := startBenchProcess(b, proxy.URL(vhost), "")
+	// BENCH_PROFILE=DIR: a CPU profile of the daemon over 20 s of the
+	// stream, written to DIR/e2e-RTT.pprof (server.pprof).
+	profiles := os.Getenv("BENCH_PROFILE")
+	var extra []string
+	metricsAddr := freeAddr(b)
+	if profiles != "" {
+		extra = []string{"server.pprof = true", fmt.Sprintf("server.metrics_listen = %q", metricsAddr)}
+	}
+	p := startBenchProcess(b, proxy.URL(vhost), "", extra...)
 	brokerCPU := brokerCPU(b)
 	// A second of webhooks first, not counted, stored before the clock
 	// starts: the row is the rate the daemon sustains, and a daemon opens
@@ -318,8 +327,28 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate, ra
 	// Counted, that cost the row about 2 % at 50 ms (four pairs, cold
 	// 966-1,074, warm 1,026-1,078 webhooks/s).
 	sustained(b, p, payload, 64, time.Second)
+	var profiled sync.WaitGroup
+	if profiles != "" {
+		profiled.Go(func() {
+			time.Sleep(5 * time.Second)
+			resp, err := http.Get("http://" + metricsAddr + "/debug/pprof/profile?seconds=20")
+			if err != nil {
+				b.Errorf("profile: %v", err)
+				return
+			}
+			defer resp.Body.Close()
+			f, err := os.Create(filepath.Join(profiles, fmt.Sprintf("e2e-%s.pprof", rtt)))
+			if err != nil {
+				b.Errorf("profile: %v", err)
+				return
+			}
+			defer f.Close()
+			_, _ = io.Copy(f, resp.Body)
+		})
+	}
 	d0, b0, s0 := p.cpu(b), brokerCPU(), selfCPU()
 	rate, n := sustained(b, p, payload, 64, 30*time.Second)
+	profiled.Wait()
 	per := func(d time.Duration) time.Duration { return d / time.Duration(n) }
 	return rate, raw, per(p.cpu(b) - d0), per(brokerCPU() - b0), per(selfCPU() - s0)
 }
@@ -532,13 +561,27 @@ func benchWANDrain(b *testing.B, payload []byte, rtt time.Duration) (ours, base 
 // benchDatabaseBytes: 10,000 webhooks of the real fixtures through the
 // service and database-service handlers into a fresh database; its size
 // per 10,000, and the share of it that is raw payload.
-func benchDatabaseBytes(b *testing.B) (total, payloads int64) {
+func benchDatabaseBytes(b *testing.B) (total, payloads int64, corpus string) {
 	store, _ := benchStore(b)
 	defer store.Close()
 	log := slog.New(slog.DiscardHandler)
 	svc, dbh := serviceHandler(nil, 0, false), databaseHandler(testBotAppID, nil, log)
-	fixtures := loadFixtures(b)
+	// The recorded corpus of GitHub's payloads when it lies beside the
+	// repository, else the project's own.
+	fixtures, corpus := loadFixtures(b), payloadDir
+	if _, err := os.Stat(recordedCorpus); err == nil {
+		fixtures, corpus = readFixtures(b, recordedCorpus), "the recorded corpus"
+	}
 	ctx := context.Background()
+	// The database's size before: the schema's own pages are not the
+	// payloads' cost.
+	if _, err := store.w.Exec("PRAGMA wal_checkpoint(TRUNCATE)"); err != nil {
+		b.Fatal(err)
+	}
+	empty, err := os.Stat(store.path)
+	if err != nil {
+		b.Fatal(err)
+	}
 	for i := 0; i < 10000; i += 100 {
 		err := store.WriteTx(ctx, func(tx *Tx) error {
 			for j := i; j < i+100; j++ {
@@ -571,7 +614,7 @@ func benchDatabaseBytes(b *testing.B) (total, payloads int64) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	return fi.Size(), payloads
+	return fi.Size() - empty.Size(), payloads, corpus
 }
 
 // benchSearchPages is the slowest first page of the deliveries search over

@@ -81,8 +81,14 @@ var (
 
 // builtBinary builds switchyard once for the tests that need a real process
 // (signals, SIGKILL).
+//
+// SWITCHYARD_BENCH_BINARY names another binary for make bench, such as
+// one built from an earlier commit, to profile before and after a change.
 func builtBinary(t testing.TB) string {
 	t.Helper()
+	if p := os.Getenv("SWITCHYARD_BENCH_BINARY"); p != "" {
+		return p
+	}
 	buildOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "switchyard-bin")
 		if err != nil {
