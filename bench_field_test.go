@@ -320,6 +320,7 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate, ra
 		extra = []string{"server.pprof = true", fmt.Sprintf("server.metrics_listen = %q", metricsAddr)}
 	}
 	p := startBenchProcess(b, proxy.URL(vhost), "", extra...)
+	defer p.stop(b) // idle, it would still cost the rows after it
 	brokerCPU := brokerCPU(b)
 	// A second of webhooks first, not counted, stored before the clock
 	// starts: the row is the rate the daemon sustains, and a daemon opens
@@ -495,6 +496,7 @@ func benchBurst(b *testing.B, payload []byte, rtt time.Duration) (p50, p99 float
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANProxy(b, testBrokerAddr(), rtt)
 	p := startBenchProcess(b, proxy.URL(vhost), "")
+	defer p.stop(b) // idle, it would still cost the rows after it
 	const n, conns = 2000, 200
 	body := newBotBody(b, payload)
 	client := newLoadClient(p.url, conns)
@@ -692,6 +694,7 @@ func benchPeakRSS(b *testing.B, extra ...string) float64 {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
 	p := startBenchProcess(b, amqpURL(vhost), "", extra...)
+	defer p.stop(b) // idle, it would still cost the rows after it
 	body := newBotBody(b, paddedPayload(b, 1<<20))
 	client := newLoadClient(p.url, 16)
 	db := openDB(b, p.dbPath)
@@ -722,6 +725,7 @@ func benchCPU(b *testing.B, payload []byte) (ours, raw time.Duration) {
 	rabbitmqctl(b, "set_permissions", "-p", vhost, user, ".*", ".*", "^$")
 	// The workers' refused consumes are expected here: log errors only.
 	p := startBenchProcess(b, "amqp://"+user+":bench-password@127.0.0.1:5672/"+vhost, "", "queue.declare_topology = false", `log.level = "error"`)
+	defer p.stop(b) // idle, it would still cost the rows after it
 	body := newBotBody(b, payload)
 	client := newLoadClient(p.url, 16)
 	before := p.cpu(b)
@@ -848,6 +852,7 @@ func benchBilling(b *testing.B, payload []byte, rtt time.Duration) billing {
 	wire := proxy.countFrames()
 	billable := func() int64 { return wire.publish.Load() + wire.deliver.Load() + wire.getOK.Load() }
 	p := startBenchProcess(b, proxy.URL(vhost), "")
+	defer p.stop(b) // idle, it would still cost the rows after it
 	var res billing
 
 	// Idle: the daemon's workers consume, its fleet keeps alive and checks,
