@@ -17,11 +17,15 @@ type rowMeta struct {
 	TargetID       any
 	InstallationID any
 	Now            string
+	// ReceivedAt is when the delivery was received: a row last written by
+	// a delivery received later is not written over (laterWriter).
+	ReceivedAt string
 }
 
 func newRowMeta(ev *Event) rowMeta {
 	return rowMeta{DeliveryID: ev.DeliveryID, HookID: nullInt(ev.HookID), TargetType: ev.TargetType,
-		TargetID: nullInt(ev.TargetID), InstallationID: nullInt(ev.InstallationID), Now: formatTime(time.Now())}
+		TargetID: nullInt(ev.TargetID), InstallationID: nullInt(ev.InstallationID), Now: formatTime(time.Now()),
+		ReceivedAt: formatTime(ev.ReceivedAt)}
 }
 
 // writeTableRows writes everything one Event maps to, inside tx. stale names
@@ -77,6 +81,36 @@ func newerOrSame(table string) string {
 	return "excluded.github_updated_at IS NULL OR " + table + ".github_updated_at IS NULL OR excluded.github_updated_at >= " + table + ".github_updated_at"
 }
 
+// differs is the condition under which an upsert's update changes the
+// row: one of cols would change. A col is a column the update sets to
+// excluded's value, or "column=expression" for one it sets otherwise.
+// The columns of when and how (updated_at, processing_date,
+// processing_state) are left out: a delivery written again brings nothing
+// new (reprocess, another hook's copy of a release) and leaves the row,
+// and the work it asks for, as they were; a fixed mapping that writes a
+// column otherwise does change it.
+func differs(table string, cols ...string) string {
+	old := make([]string, len(cols))
+	neu := make([]string, len(cols))
+	for i, c := range cols {
+		name, expr, ok := strings.Cut(c, "=")
+		if !ok {
+			expr = "excluded." + name
+		}
+		old[i], neu[i] = table+"."+name, expr
+	}
+	return "(" + strings.Join(old, ", ") + ") IS DISTINCT FROM (" + strings.Join(neu, ", ") + ")"
+}
+
+// laterWriter is the condition that keeps a row a delivery received after
+// the Event's wrote: param is the Event's received_at. A history written
+// again in received order (reprocess) then never steps a row back to an
+// earlier delivery whose object has the same time, nor does a delivery
+// that came late through the retry cycle.
+func laterWriter(table, param string) string {
+	return "NOT EXISTS (SELECT 1 FROM github g WHERE g.delivery_id = " + table + ".delivery_id AND g.received_at > " + param + ")"
+}
+
 // upserted reports whether an order-safe upsert left the row as it was: the
 // stored row was newer.
 func upserted(res sql.Result, err error) (stale bool, _ error) {
@@ -97,11 +131,15 @@ func (tx *Tx) writeRelease(ctx context.Context, m rowMeta, r *releaseRow) error 
 			html_url = excluded.html_url, last_action = excluded.last_action, created_at = excluded.created_at,
 			published_at = excluded.published_at, deleted = excluded.deleted,
 			github_updated_at = excluded.github_updated_at, delivery_id = excluded.delivery_id, updated_at = excluded.updated_at
-		WHERE excluded.github_updated_at >= github_releases.github_updated_at`,
+		WHERE excluded.github_updated_at >= github_releases.github_updated_at AND `+releaseChanges,
 		r.ID, r.Repository, r.TagName, r.Name, r.Draft, r.Prerelease, r.Author, r.HTMLURL, r.Action,
-		r.CreatedAt, r.PublishedAt, r.Deleted, *r.GitHubUpdated, m.DeliveryID, m.Now)
+		r.CreatedAt, r.PublishedAt, r.Deleted, *r.GitHubUpdated, m.DeliveryID, m.Now, m.ReceivedAt)
 	return err
 }
+
+var releaseChanges = differs("github_releases", "repository", "tag_name", "name", "draft", "prerelease", "author",
+	"html_url", "last_action", "created_at", "published_at", "deleted", "github_updated_at", "delivery_id") +
+	" AND " + laterWriter("github_releases", "$16")
 
 // writeWorkflowRun upserts a run unless the stored row is newer, linking it
 // to its release tag: the head branch of a run triggered by a release, or a
@@ -132,11 +170,16 @@ func (tx *Tx) writeWorkflowRun(ctx context.Context, m rowMeta, r *workflowRunRow
 			github_updated_at = excluded.github_updated_at,
 			release_tag = coalesce(excluded.release_tag, github_release_workflow_runs.release_tag),
 			delivery_id = excluded.delivery_id, updated_at = excluded.updated_at
-		WHERE excluded.github_updated_at >= github_release_workflow_runs.github_updated_at`,
+		WHERE excluded.github_updated_at >= github_release_workflow_runs.github_updated_at AND `+workflowRunChanges,
 		r.ID, r.Repository, r.Name, r.HeadBranch, r.HeadSHA, r.EventName, r.Status, r.Conclusion,
-		r.RunNumber, r.RunAttempt, r.HTMLURL, r.GitHubUpdated, tag, m.DeliveryID, m.Now)
+		r.RunNumber, r.RunAttempt, r.HTMLURL, r.GitHubUpdated, tag, m.DeliveryID, m.Now, m.ReceivedAt)
 	return err
 }
+
+var workflowRunChanges = differs("github_release_workflow_runs", "repository", "workflow_name", "head_branch", "head_sha",
+	"event", "status", "conclusion", "run_number", "run_attempt", "html_url", "github_updated_at",
+	"release_tag=coalesce(excluded.release_tag, github_release_workflow_runs.release_tag)", "delivery_id") +
+	" AND " + laterWriter("github_release_workflow_runs", "$16")
 
 func (tx *Tx) writeBranch(ctx context.Context, m rowMeta, r *branchRow) error {
 	_, err := tx.exec(ctx, `INSERT INTO github_branches (delivery_id, hook_id, target_type, target_id,
@@ -196,7 +239,7 @@ func (tx *Tx) writeIssue(ctx context.Context, m rowMeta, r *issueRow) (stale boo
 	if r.Pull {
 		args = append(args, r.HeadRef, r.HeadSHA, r.Merged, r.Draft)
 	}
-	args = append(args, r.NodeID, m.Now, openState, closedState, openProcessing, closedProcessing, openChange, closedChange)
+	args = append(args, r.NodeID, m.Now, openState, closedState, openProcessing, closedProcessing, openChange, closedChange, m.ReceivedAt)
 	res, err := tx.exec(ctx, query, args...)
 	if err != nil {
 		return false, err
@@ -227,7 +270,7 @@ func issueUpsertFor(table string, extra []string) string {
 	cols := append([]string{"delivery_id", "hook_id", "target_type", "target_id", "installation_id",
 		"repository_owner", "repository_name", "number", "title", "sender", "state", "last_action",
 		"processing_state", "processing_date", "updated_at", "github_updated_at"}, extra...)
-	var set []string
+	var set, data []string
 	for _, c := range cols {
 		switch c {
 		case "state":
@@ -236,14 +279,18 @@ func issueUpsertFor(table string, extra []string) string {
 			set = append(set, "processing_state = CASE "+table+".state WHEN 'OPEN' THEN ? ELSE ? END")
 		case "github_updated_at":
 			// An Event without the time keeps the row's.
-			set = append(set, "github_updated_at = coalesce(excluded.github_updated_at, "+table+".github_updated_at)")
-		default:
+			keep := "github_updated_at=coalesce(excluded.github_updated_at, " + table + ".github_updated_at)"
+			set, data = append(set, strings.Replace(keep, "=", " = ", 1)), append(data, keep)
+		case "processing_date", "updated_at":
 			set = append(set, c+" = excluded."+c)
+		default:
+			set, data = append(set, c+" = excluded."+c), append(data, c)
 		}
 	}
 	return numberParams("INSERT INTO " + table + " (" + strings.Join(cols, ", ") + ", node_id, created_at) VALUES (?" +
 		strings.Repeat(", ?", len(cols)+1) + ") ON CONFLICT (node_id) DO UPDATE SET " + strings.Join(set, ", ") +
-		" WHERE (" + newerOrSame(table) + ") AND CASE " + table + ".state WHEN 'OPEN' THEN CAST(? AS INTEGER) ELSE CAST(? AS INTEGER) END = 1")
+		" WHERE (" + newerOrSame(table) + ") AND CASE " + table + ".state WHEN 'OPEN' THEN CAST(? AS INTEGER) ELSE CAST(? AS INTEGER) END = 1" +
+		" AND " + differs(table, data...) + " AND " + laterWriter(table, "?"))
 }
 
 func (tx *Tx) writeComment(ctx context.Context, m rowMeta, r *commentRow) (stale bool, err error) {
@@ -257,11 +304,16 @@ func (tx *Tx) writeComment(ctx context.Context, m rowMeta, r *commentRow) (stale
 			deleted = excluded.deleted, last_action = excluded.last_action, processing_state = $21,
 			processing_date = excluded.processing_date, updated_at = excluded.updated_at,
 			github_updated_at = coalesce(excluded.github_updated_at, github_comments.github_updated_at)
-		WHERE `+newerOrSame("github_comments"),
+		WHERE (`+newerOrSame("github_comments")+") AND "+commentChanges,
 		r.ID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Event, r.Repository, r.Number,
 		r.CommitID, r.Path, r.Author, r.Body, r.HTMLURL, r.Action == "deleted", r.Action, m.Now, m.Now, m.Now,
-		r.Updated, entityState(r.Action)))
+		r.Updated, entityState(r.Action), m.ReceivedAt))
 }
+
+var commentChanges = differs("github_comments", "delivery_id", "hook_id", "target_type", "target_id", "installation_id",
+	"body", "html_url", "deleted", "last_action",
+	"github_updated_at=coalesce(excluded.github_updated_at, github_comments.github_updated_at)") +
+	" AND " + laterWriter("github_comments", "$22")
 
 func (tx *Tx) writeDiscussion(ctx context.Context, m rowMeta, r *discussionRow) (stale bool, err error) {
 	// A comment is an update of its discussion, never a repeated creation.
@@ -281,10 +333,16 @@ func (tx *Tx) writeDiscussion(ctx context.Context, m rowMeta, r *discussionRow) 
 			last_comment_id = coalesce(excluded.last_comment_id, github_discussions.last_comment_id),
 			processing_state = $20, processing_date = excluded.processing_date, updated_at = excluded.updated_at,
 			github_updated_at = coalesce(excluded.github_updated_at, github_discussions.github_updated_at)
-		WHERE `+newerOrSame("github_discussions"),
+		WHERE (`+newerOrSame("github_discussions")+") AND "+discussionChanges,
 		r.NodeID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Repository, r.Number,
-		r.Title, r.Category, r.State, r.Sender, r.Event, r.Action, r.CommentID, m.Now, m.Now, m.Now, r.Updated, state))
+		r.Title, r.Category, r.State, r.Sender, r.Event, r.Action, r.CommentID, m.Now, m.Now, m.Now, r.Updated, state, m.ReceivedAt))
 }
+
+var discussionChanges = differs("github_discussions", "delivery_id", "hook_id", "target_type", "target_id",
+	"installation_id", "repository", "title", "category", "state", "sender", "last_event", "last_action",
+	"last_comment_id=coalesce(excluded.last_comment_id, github_discussions.last_comment_id)",
+	"github_updated_at=coalesce(excluded.github_updated_at, github_discussions.github_updated_at)") +
+	" AND " + laterWriter("github_discussions", "$21")
 
 func (tx *Tx) writeCheckRun(ctx context.Context, m rowMeta, r *checkRunRow) (stale bool, err error) {
 	return upserted(tx.exec(ctx, `INSERT INTO github_check_runs (check_run_id, delivery_id, hook_id, target_type,
@@ -298,10 +356,16 @@ func (tx *Tx) writeCheckRun(ctx context.Context, m rowMeta, r *checkRunRow) (sta
 			requested_action = excluded.requested_action, last_action = excluded.last_action,
 			processing_state = $19, processing_date = excluded.processing_date, updated_at = excluded.updated_at,
 			github_updated_at = coalesce(excluded.github_updated_at, github_check_runs.github_updated_at)
-		WHERE `+newerOrSame("github_check_runs"),
+		WHERE (`+newerOrSame("github_check_runs")+") AND "+checkRunChanges,
 		r.ID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Repository, r.Name, r.HeadSHA,
-		r.Status, r.Conclusion, r.HTMLURL, r.RequestedAction, r.Action, m.Now, m.Now, m.Now, r.Updated, entityState(r.Action)))
+		r.Status, r.Conclusion, r.HTMLURL, r.RequestedAction, r.Action, m.Now, m.Now, m.Now, r.Updated, entityState(r.Action),
+		m.ReceivedAt))
 }
+
+var checkRunChanges = differs("github_check_runs", "delivery_id", "hook_id", "target_type", "target_id",
+	"installation_id", "name", "head_sha", "status", "conclusion", "html_url", "requested_action", "last_action",
+	"github_updated_at=coalesce(excluded.github_updated_at, github_check_runs.github_updated_at)") +
+	" AND " + laterWriter("github_check_runs", "$20")
 
 // writePush inserts a push; the same head pushed again asks for the work
 // again (RE_REQUESTED).
@@ -315,11 +379,15 @@ func (tx *Tx) writePush(ctx context.Context, m rowMeta, r *pushRow) error {
 			installation_id = excluded.installation_id, ref = excluded.ref, before = excluded.before,
 			pusher = excluded.pusher, commits = excluded.commits, created = excluded.created,
 			deleted = excluded.deleted, forced = excluded.forced, processing_state = 'RE_REQUESTED',
-			processing_date = excluded.processing_date, updated_at = excluded.updated_at`,
+			processing_date = excluded.processing_date, updated_at = excluded.updated_at
+		WHERE `+pushChanges,
 		m.DeliveryID, m.HookID, m.TargetType, m.TargetID, m.InstallationID, r.Repository, r.HeadCommit, r.Ref,
-		r.Before, r.Pusher, r.Commits, r.Created, r.Deleted, r.Forced, m.Now, m.Now, m.Now)
+		r.Before, r.Pusher, r.Commits, r.Created, r.Deleted, r.Forced, m.Now, m.Now, m.Now, m.ReceivedAt)
 	return err
 }
+
+var pushChanges = differs("github_pushes", "delivery_id", "hook_id", "target_type", "target_id", "installation_id",
+	"ref", "before", "pusher", "commits", "created", "deleted", "forced") + " AND " + laterWriter("github_pushes", "$18")
 
 func (tx *Tx) writeInstallation(ctx context.Context, m rowMeta, r *installationRow) error {
 	state := entityState(r.Action)
@@ -338,11 +406,19 @@ func (tx *Tx) writeInstallation(ctx context.Context, m rowMeta, r *installationR
 			app_id = coalesce(excluded.app_id, github_installations.app_id),
 			suspended = excluded.suspended, deleted = excluded.deleted, last_event = excluded.last_event,
 			last_action = excluded.last_action, processing_state = $17, processing_date = excluded.processing_date,
-			updated_at = excluded.updated_at`,
+			updated_at = excluded.updated_at
+		WHERE `+installationChanges,
 		r.ID, m.DeliveryID, m.HookID, m.TargetType, m.TargetID, r.Account, r.AccountType, r.RepositorySelection,
-		nullInt(r.AppID), r.Suspended, r.Deleted, r.Event, r.Action, m.Now, m.Now, m.Now, state)
+		nullInt(r.AppID), r.Suspended, r.Deleted, r.Event, r.Action, m.Now, m.Now, m.Now, state, m.ReceivedAt)
 	return err
 }
+
+var installationChanges = differs("github_installations", "delivery_id", "hook_id", "target_type", "target_id",
+	"account=coalesce(nullif(excluded.account, ''), github_installations.account)",
+	"account_type=coalesce(nullif(excluded.account_type, ''), github_installations.account_type)",
+	"repository_selection=coalesce(nullif(excluded.repository_selection, ''), github_installations.repository_selection)",
+	"app_id=coalesce(excluded.app_id, github_installations.app_id)",
+	"suspended", "deleted", "last_event", "last_action") + " AND " + laterWriter("github_installations", "$18")
 
 func (tx *Tx) writeRepositories(ctx context.Context, m rowMeta, rs []repositoryRow) error {
 	for _, r := range rs {
