@@ -61,6 +61,7 @@ type options struct {
 	json        bool   // queues, status
 	checkBroker int    // check-broker -broker
 	copyTo      string // copy-db -to
+	reprocess   ReprocessFlags
 }
 
 var commands = []command{
@@ -88,6 +89,12 @@ var commands = []command{
 			fs.BoolVar(&o.deliveries.Payload, "payload", false, "show: print the stored payload too")
 			fs.Int64Var(&o.deliveries.Hook, "hook", -1, "show: only the copy sent to this hook (X-GitHub-Hook-ID; 0: none recorded)")
 			fs.BoolVar(&o.json, "json", false, "show: print the story as JSON")
+		}},
+	{name: "reprocess", summary: "derive the typed tables and release tracking again from the raw log's payloads, in received order, while serve runs; a second run changes nothing",
+		flags: func(fs *flag.FlagSet, o *options) {
+			fs.DurationVar(&o.reprocess.Since, "since", 0, "only the deliveries received this far back (default: the whole raw log)")
+			fs.StringVar(&o.reprocess.Event, "event", "", "only this event (X-GitHub-Event), such as pull_request")
+			fs.BoolVar(&o.reprocess.DryRun, "dry-run", false, "tell what it would change, each batch rolled back; write nothing")
 		}},
 	{name: "check-broker", summary: "check one configured broker for what switchyard relies on (confirms, returns, fanout, the retry cycle, a 20 MiB compressed message, the topology); exit 1 when it does not fit",
 		flags: func(fs *flag.FlagSet, o *options) {
@@ -239,6 +246,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return replay(ctx, cfg, log, pos[0], o.replay, stdout)
 	case "deliveries":
 		return listDeliveries(ctx, cfg, log, o.deliveries, stdout)
+	case "reprocess":
+		return reprocess(ctx, cfg, o.reprocess, log, stdout)
 	case "check-broker":
 		return checkBroker(ctx, cfg, o.checkBroker, log, stdout)
 	case "copy-db":

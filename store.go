@@ -176,7 +176,14 @@ type Tx struct {
 	// savepoints: Savepoint opens real ones. A transaction first runs
 	// without them (see Savepoint).
 	savepoints bool
+	// changed counts the rows its statements changed (Changed).
+	changed int64
 }
+
+// Changed is how many rows tx's statements have inserted, updated or
+// deleted so far: reprocess tells a delivery that changed nothing from
+// one that did.
+func (t *Tx) Changed() int64 { return t.changed }
 
 // WriteTx runs fn in one write transaction and commits once, or rolls back when fn
 // fails. One fsync then covers every message fn handles, which
@@ -295,14 +302,32 @@ func (t *Tx) exec(ctx context.Context, query string, args ...any) (sql.Result, e
 		return nil, err
 	}
 	args = sqlArgs(args)
+	var res sql.Result
+	var err error
 	if t.s.dialect == dialectPostgres {
-		return t.tx.ExecContext(ctx, query, args...)
+		res, err = t.tx.ExecContext(ctx, query, args...)
+	} else if st := t.stmt(context.WithoutCancel(ctx), query); st != nil {
+		res, err = st.ExecContext(context.WithoutCancel(ctx), args...)
+	} else {
+		res, err = t.tx.ExecContext(context.WithoutCancel(ctx), query, args...)
 	}
-	ctx = context.WithoutCancel(ctx)
-	if st := t.stmt(ctx, query); st != nil {
-		return st.ExecContext(ctx, args...)
+	if err == nil && changes(query) {
+		if n, nerr := res.RowsAffected(); nerr == nil {
+			t.changed += n
+		}
 	}
-	return t.tx.ExecContext(ctx, query, args...)
+	return res, err
+}
+
+// changes reports whether query is one whose rows affected count: SQLite
+// reports, after a SAVEPOINT or a RELEASE, the last INSERT's count again.
+func changes(query string) bool {
+	verb, _, _ := strings.Cut(strings.TrimSpace(query), " ")
+	switch strings.ToUpper(verb) {
+	case "INSERT", "UPDATE", "DELETE":
+		return true
+	}
+	return false
 }
 
 // queryRow is exec's counterpart for one-row reads inside tx.

@@ -89,6 +89,27 @@ func (s *Store) schemaVersion(ctx context.Context, q queryer) (int, error) {
 	return v, nil
 }
 
+// Current checks that the database has this binary's schema version, for
+// a command that writes beside serve: an older one wants migrate first, a
+// newer one a newer switchyard.
+func (s *Store) Current(ctx context.Context) error {
+	ms, err := s.migrations()
+	if err != nil {
+		return err
+	}
+	v, err := s.SchemaVersion(ctx)
+	if err != nil {
+		return err
+	}
+	switch last := ms[len(ms)-1].version; {
+	case v < last:
+		return fmt.Errorf("database schema version %d is older than this binary's (%d): run switchyard migrate (or serve) first", v, last)
+	case v > last:
+		return fmt.Errorf("database schema version %d is newer than this binary knows (%d): upgrade switchyard", v, last)
+	}
+	return nil
+}
+
 // Migrate brings the schema up to date, each migration in its own
 // transaction together with its schema_migrations row. Nodes that start
 // at once on one PostgreSQL database migrate it once: each migration's
