@@ -59,12 +59,29 @@ type Webhook struct {
 	bodies sync.Pool
 }
 
-// webhookAuth is who may deliver: the accepted secrets, the sources
-// allowed into github-exchange and the proxies believed for the source.
+// webhookAuth is who may deliver: the accepted secrets, the hooks that
+// keep their own, the sources allowed into github-exchange and the
+// proxies believed for the source.
 type webhookAuth struct {
 	secrets [][]byte
+	hooks   map[int64][][]byte
 	allowed prefixSet
 	proxies prefixSet
+}
+
+// secretsFor are the secrets a webhook from the hook named by the
+// X-GitHub-Hook-ID value id is verified with: a listed hook's own only,
+// else github.webhook_secret and its previous ones (a malformed ID, too:
+// its webhook is refused for the header once signed).
+func (a *webhookAuth) secretsFor(id string) [][]byte {
+	if len(a.hooks) > 0 {
+		if hook, err := parseHookID(id); err == nil {
+			if s, ok := a.hooks[hook]; ok {
+				return s
+			}
+		}
+	}
+	return a.secrets
 }
 
 // newWebhookAuth reads the config's secrets and networks; the allow list is
@@ -90,10 +107,23 @@ func newWebhookAuth(cfg *Config) (*webhookAuth, error) {
 		return nil, err
 	}
 	auth := &webhookAuth{allowed: allowed, proxies: proxies}
-	for _, s := range append([]string{cfg.GitHub.WebhookSecret}, cfg.GitHub.PreviousWebhookSecrets...) {
-		auth.secrets = append(auth.secrets, []byte(s))
+	auth.secrets = secretBytes(cfg.GitHub.WebhookSecret, cfg.GitHub.PreviousWebhookSecrets)
+	if len(cfg.GitHub.Hooks) > 0 {
+		auth.hooks = map[int64][][]byte{}
+		for _, h := range cfg.GitHub.Hooks {
+			auth.hooks[h.ID] = secretBytes(h.Secret, h.PreviousSecrets)
+		}
 	}
 	return auth, nil
+}
+
+// secretBytes are a secret and its previous ones, as the HMAC takes them.
+func secretBytes(current string, previous []string) [][]byte {
+	out := [][]byte{[]byte(current)}
+	for _, s := range previous {
+		out = append(out, []byte(s))
+	}
+	return out
 }
 
 // NewWebhook builds the endpoint from the config.
@@ -261,7 +291,7 @@ func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request, buf *[]by
 	if sig == "" {
 		return nil, release, ErrNoSignature
 	}
-	if !validSignature(wh.auth.Load().secrets, body, sig) {
+	if !validSignature(wh.auth.Load().secretsFor(r.Header.Get("X-GitHub-Hook-ID")), body, sig) {
 		return nil, release, ErrBadSignature
 	}
 	if err := checkHeaders(r.Header); err != nil {

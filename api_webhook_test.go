@@ -415,6 +415,47 @@ func TestVerifySignature(t *testing.T) {
 	}
 }
 
+// A hook listed in [[github.hooks]] is verified with its own secrets
+// only (current and previous); every other hook, none, or a malformed ID,
+// with github.webhook_secret and its previous ones.
+func TestHookSecrets(t *testing.T) {
+	t.Parallel()
+	cfg := testConfig(t, amqpURL("x"))
+	cfg.GitHub.PreviousWebhookSecrets = []string{"old-secret"}
+	cfg.GitHub.Hooks = []HookConfig{{ID: 111, Secret: "hook-111-secret", PreviousSecrets: []string{"hook-111-old"}},
+		{ID: 222, Secret: "hook-222-secret"}}
+	wh, err := NewWebhook(cfg, nil, nil, nil, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := []byte(`{"zen":"Practicality beats purity."}`)
+	tests := []struct {
+		hook, secret string
+		want         bool
+	}{
+		{"111", "hook-111-secret", true},
+		{"111", "hook-111-old", true},
+		{"111", testSecret, false},
+		{"111", "old-secret", false},
+		{"111", "hook-222-secret", false},
+		{"222", "hook-222-secret", true},
+		{"222", "hook-111-secret", false},
+		{"333", testSecret, true},
+		{"333", "old-secret", true},
+		{"333", "hook-111-secret", false},
+		{"", testSecret, true},
+		{"", "hook-111-secret", false},
+		{"0111", "hook-111-secret", true}, // the same number
+		{"11x", testSecret, true},         // malformed: refused later for the header
+	}
+	for _, tt := range tests {
+		got := validSignature(wh.auth.Load().secretsFor(tt.hook), body, sign(tt.secret, body))
+		if got != tt.want {
+			t.Errorf("hook %q signed with %q: got %v, want %v", tt.hook, tt.secret, got, tt.want)
+		}
+	}
+}
+
 func TestSourceIP(t *testing.T) {
 	t.Parallel()
 	cfg := testConfig(t, amqpURL("x"))

@@ -118,6 +118,9 @@ type APIConfig struct {
 type GitHubConfig struct {
 	WebhookSecret          string   `toml:"webhook_secret"`
 	PreviousWebhookSecrets []string `toml:"previous_webhook_secrets"`
+	// Hooks are the hooks that keep a secret of their own: a webhook whose
+	// X-GitHub-Hook-ID is listed is verified with its secrets only.
+	Hooks []HookConfig `toml:"hooks"`
 	AllowedCIDRs           []string `toml:"allowed_cidrs"`
 	MetaFile               string   `toml:"meta_file"`
 	BotAppID               int64    `toml:"bot_app_id"`
@@ -135,6 +138,14 @@ type GitHubConfig struct {
 	// RedeliverPerMinute bounds the redeliveries asked of GitHub, whose
 	// content-creation limit is 80 a minute for everything the App does.
 	RedeliverPerMinute int `toml:"redeliver_per_minute"`
+}
+
+// HookConfig is one [[github.hooks]] entry: a GitHub hook (a repository
+// or organization webhook, or an App's) and the secret it signs with.
+type HookConfig struct {
+	ID              int64    `toml:"id"`
+	Secret          string   `toml:"secret"`
+	PreviousSecrets []string `toml:"previous_secrets"`
 }
 
 // QueueConfig is the AMQP side: topology, retries and publishing.

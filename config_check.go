@@ -150,6 +150,25 @@ func (c *Config) Validate() error {
 			bad(fmt.Sprintf("github.previous_webhook_secrets[%d]", i), "empty or only spaces")
 		}
 	}
+	seen := map[int64]bool{}
+	for i, h := range c.GitHub.Hooks {
+		field := fmt.Sprintf("github.hooks[%d]", i)
+		switch {
+		case h.ID <= 0:
+			bad(field+".id", "required: the hook's X-GitHub-Hook-ID (its ID in the hook's settings URL)")
+		case seen[h.ID]:
+			bad(field+".id", "hook %d is listed twice", h.ID)
+		}
+		seen[h.ID] = true
+		if strings.TrimSpace(h.Secret) == "" {
+			bad(field+".secret", "required, and more than spaces")
+		}
+		for j, s := range h.PreviousSecrets {
+			if strings.TrimSpace(s) == "" {
+				bad(fmt.Sprintf("%s.previous_secrets[%d]", field, j), "empty or only spaces")
+			}
+		}
+	}
 	for i, p := range c.GitHub.AllowedCIDRs {
 		if _, err := parsePrefix(p); err != nil {
 			bad(fmt.Sprintf("github.allowed_cidrs[%d]", i), "%v", err)
@@ -391,6 +410,16 @@ func (c *Config) Warnings(path string) []string {
 	if n := len(c.GitHub.WebhookSecret); n > 0 && n < warnSecretLen && c.GitHub.WebhookSecret != example.GitHub.WebhookSecret {
 		ws = append(ws, fmt.Sprintf("github.webhook_secret: %d characters; %d or more is safer (openssl rand -hex 32)", n, warnSecretLen))
 	}
+	secrets := map[string]string{c.GitHub.WebhookSecret: "github.webhook_secret"}
+	for i, h := range c.GitHub.Hooks {
+		field := fmt.Sprintf("github.hooks[%d].secret", i)
+		if other, ok := secrets[h.Secret]; ok && h.Secret != "" {
+			ws = append(ws, fmt.Sprintf("%s is %s too: one leaked secret then opens both hooks; give each its own", field, other))
+		} else if n := len(h.Secret); n > 0 && n < warnSecretLen {
+			ws = append(ws, fmt.Sprintf("%s: %d characters; %d or more is safer (openssl rand -hex 32)", field, n, warnSecretLen))
+		}
+		secrets[h.Secret] = field
+	}
 	if c.Database.Driver == "postgres" {
 		var sqliteOnly []string
 		for _, k := range []string{"database.path", "database.synchronous", "database.busy_timeout"} {
@@ -477,6 +506,9 @@ func (c *Config) Summary(w io.Writer) {
 	p("api.max_clock_skew = %s", c.API.MaxClockSkew)
 	p("github.webhook_secret = %s", mask(c.GitHub.WebhookSecret))
 	p("github.previous_webhook_secrets = %d set", len(c.GitHub.PreviousWebhookSecrets))
+	for _, h := range c.GitHub.Hooks {
+		p("github.hooks: id = %d, secret = %s, previous_secrets = %d set", h.ID, mask(h.Secret), len(h.PreviousSecrets))
+	}
 	if c.GitHub.MetaFile != "" {
 		p("github.meta_file = %q", c.GitHub.MetaFile)
 	} else if len(c.GitHub.AllowedCIDRs) > 0 {

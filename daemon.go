@@ -396,7 +396,7 @@ func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, 
 
 // reloadable are the config keys a SIGHUP applies at once;
 // a key ending in "." stands for its whole section.
-var reloadable = []string{"log.level", "github.webhook_secret", "github.previous_webhook_secrets",
+var reloadable = []string{"log.level", "github.webhook_secret", "github.previous_webhook_secrets", "github.hooks",
 	"github.allowed_cidrs", "github.meta_file", "server.trusted_proxies", "api.operator_token",
 	"api.producer_token", "alerts.", "healthchecks."}
 

@@ -451,6 +451,14 @@ func TestConfigSecretRules(t *testing.T) {
 		{"retention under GitHub's redelivery window", "database.raw_retention", func(c *Config) { c.Database.RawRetention = Duration(48 * time.Hour) }},
 		{"identities kept under GitHub's redelivery window", "database.delivery_retention", func(c *Config) { c.Database.DeliveryRetention = Duration(24 * time.Hour) }},
 		{"no clock skew", "api.max_clock_skew", func(c *Config) { c.API.MaxClockSkew = 0 }},
+		{"hook without id", "github.hooks[0].id", func(c *Config) { c.GitHub.Hooks = []HookConfig{{Secret: "its-own-secret-123"}} }},
+		{"hook listed twice", "github.hooks[1].id", func(c *Config) {
+			c.GitHub.Hooks = []HookConfig{{ID: 7, Secret: "its-own-secret-123"}, {ID: 7, Secret: "another-secret-456"}}
+		}},
+		{"hook secret of spaces", "github.hooks[0].secret", func(c *Config) { c.GitHub.Hooks = []HookConfig{{ID: 7, Secret: "  "}} }},
+		{"hook previous secret empty", "github.hooks[0].previous_secrets[0]", func(c *Config) {
+			c.GitHub.Hooks = []HookConfig{{ID: 7, Secret: "its-own-secret-123", PreviousSecrets: []string{""}}}
+		}},
 	}
 	if err := base().Validate(); err != nil {
 		t.Fatalf("base config: %v", err)
@@ -473,6 +481,7 @@ func TestConfigSecretRules(t *testing.T) {
 	}
 	c.API.ProducerToken = example.API.ProducerToken
 	c.GitHub.WebhookSecret = "abc"
+	c.GitHub.Hooks = []HookConfig{{ID: 7, Secret: "abc"}, {ID: 8, Secret: "short"}}
 	if err := c.Validate(); err != nil {
 		t.Fatalf("warnings are not errors: %v", err)
 	}
@@ -481,7 +490,8 @@ func TestConfigSecretRules(t *testing.T) {
 	os.Chmod(path, 0o644)
 	warnings := strings.Join(c.Warnings(path), "\n")
 	for _, want := range []string{"api.operator_token: 20 characters", "api.producer_token: still the placeholder", "readable by every user (mode 0644)",
-		"github.webhook_secret: 3 characters; 16 or more"} {
+		"github.webhook_secret: 3 characters; 16 or more", "github.hooks[0].secret is github.webhook_secret too",
+		"github.hooks[1].secret: 5 characters"} {
 		if !strings.Contains(warnings, want) {
 			t.Errorf("warnings lack %q:\n%s", want, warnings)
 		}
@@ -647,21 +657,32 @@ func TestSIGHUPReloads(t *testing.T) {
 	changed := strings.Replace(string(orig), testSecret, rotated, 1)
 	changed = strings.Replace(changed, `window = "2s"`, `window = "3s"`, 1)
 	changed = strings.Replace(changed, `level = "info"`, `level = "debug"`, 1)
+	const hookSecret = "hook-111-own-secret"
+	changed += "\n[[github.hooks]]\nid = 111\nsecret = \"" + hookSecret + "\"\n"
 	if err := os.WriteFile(config, []byte(changed), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	signedWith := func(secret string) int {
+	signedAs := func(hook int, secret string) int {
 		r := webhookRequest(t, base, "issues", newGUID(), body)
+		r.Header.Set("X-GitHub-Hook-ID", strconv.Itoa(hook))
 		r.Header.Set("X-Hub-Signature-256", sign(secret, body))
 		code, _ := do(t, r)
 		return code
 	}
+	signedWith := func(secret string) int { return signedAs(testHookID, secret) }
 	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, 10*time.Second, "the rotated secret accepted", func() bool { return signedWith(rotated) == http.StatusAccepted })
 	if code := signedWith(testSecret); code != http.StatusUnauthorized {
 		t.Errorf("old secret after reload: got %d, want 401", code)
+	}
+	// The hook listed now keeps its own secret, and only it.
+	if code := signedAs(111, hookSecret); code != http.StatusAccepted {
+		t.Errorf("hook 111 with its own secret after reload: got %d, want 202", code)
+	}
+	if code := signedAs(111, rotated); code != http.StatusUnauthorized {
+		t.Errorf("hook 111 with github.webhook_secret after reload: got %d, want 401", code)
 	}
 	eventually(t, 10*time.Second, "reload logged", func() bool {
 		s := out.String()
@@ -671,8 +692,8 @@ func TestSIGHUPReloads(t *testing.T) {
 	if !strings.Contains(out.String(), "api.operator_token: 24 characters") {
 		t.Errorf("serve does not warn of the short operator token:\n%s", out.String())
 	}
-	if strings.Contains(out.String(), "key=github.webhook_secret") {
-		t.Errorf("the webhook secret is reported as needing a restart")
+	if strings.Contains(out.String(), "key=github.webhook_secret") || strings.Contains(out.String(), "key=github.hooks") {
+		t.Errorf("the webhook secrets are reported as needing a restart")
 	}
 
 	// An invalid file: refused, every bad field named, nothing changes.
