@@ -78,8 +78,14 @@ func deliveriesQuery(q url.Values) (f DeliveryFilter, limit int, err error) {
 	}
 	switch f.Outcome = q.Get("outcome"); f.Outcome {
 	case "", "stored", "forbidden", "stale":
+	case "rejected":
+		for _, field := range []string{"action", "repository", "sender"} {
+			if q.Get(field) != "" {
+				return f, 0, bad(field, "a refused webhook's body is not kept: outcome=rejected is narrowed by guid, event, hook and time only")
+			}
+		}
 	default:
-		return f, 0, bad("outcome", "want stored, forbidden or stale")
+		return f, 0, bad("outcome", "want stored, forbidden, stale or rejected")
 	}
 	hook, err := hookQuery(q)
 	if err != nil {
@@ -115,14 +121,34 @@ func deliveriesQuery(q url.Values) (f DeliveryFilter, limit int, err error) {
 	return f, limit, nil
 }
 
-// deliveriesPage is GET /status/deliveries.
-func (a *API) deliveriesPage(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+// searchPage is one page of the search r's query asks for, and the query
+// of the next page ("" for the last). A malformed field is an
+// ErrBadRequest naming it.
+func (a *API) searchPage(r *http.Request) (rows []DeliveryRow, next string, err error) {
 	f, limit, err := deliveriesQuery(r.URL.Query())
 	if err != nil {
+		return nil, "", err
+	}
+	rows, more, err := a.store.SearchDeliveries(r.Context(), f, limit)
+	if err != nil {
+		return nil, "", err
+	}
+	if more {
+		q := r.URL.Query()
+		last := rows[len(rows)-1]
+		q.Set("after", last.ReceivedAt.UTC().Format(time.RFC3339Nano)+"_"+strconv.FormatInt(last.ID, 10))
+		next = q.Encode()
+	}
+	return rows, next, nil
+}
+
+// deliveriesPage is GET /status/deliveries.
+func (a *API) deliveriesPage(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	rows, next, err := a.searchPage(r)
+	if errors.Is(err, ErrBadRequest) {
 		http.Error(w, "400 "+err.Error(), http.StatusBadRequest)
 		return
 	}
-	rows, more, err := a.store.SearchDeliveries(r.Context(), f, limit)
 	if err != nil {
 		a.log.Error("deliveries page", "error", err)
 		http.Error(w, "500 internal error", http.StatusInternalServerError)
@@ -133,11 +159,8 @@ func (a *API) deliveriesPage(w http.ResponseWriter, r *http.Request, _ httproute
 		Rows  []DeliveryRow
 		Next  string
 	}{Query: r.URL.Query(), Rows: rows}
-	if more {
-		next := r.URL.Query()
-		last := rows[len(rows)-1]
-		next.Set("after", last.ReceivedAt.UTC().Format(time.RFC3339Nano)+"_"+strconv.FormatInt(last.ID, 10))
-		page.Next = "/status/deliveries?" + next.Encode()
+	if next != "" {
+		page.Next = "/status/deliveries?" + next
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	w.Header().Set("Cache-Control", "no-store")
@@ -192,6 +215,48 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 	}{st, a.actions(r, guid), guid, st.Lines(), pagePayloads(st)}); err != nil {
 		a.log.Warn("delivery page", "error", err)
 	}
+}
+
+// getDeliveries is GET /api/v1/deliveries: the search of the deliveries
+// page (its query parameters) as JSON, newest first, and the URL of the
+// next page (its cursor) while there is one.
+func (a *API) getDeliveries(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	rows, next, err := a.searchPage(r)
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	page := struct {
+		Deliveries []DeliveryRow `json:"deliveries"`
+		Next       string        `json:"next,omitempty"`
+	}{Deliveries: rows}
+	if page.Deliveries == nil {
+		page.Deliveries = []DeliveryRow{}
+	}
+	if next != "" {
+		page.Next = "/api/v1/deliveries?" + next
+	}
+	writeJSON(w, http.StatusOK, page)
+}
+
+// getDelivery is GET /api/v1/deliveries/GUID: the delivery's story as
+// JSON, every hook's copy or, with ?hook=ID, that hook's only; 404 for a
+// GUID the database does not know.
+func (a *API) getDelivery(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
+	hook, err := hookQuery(r.URL.Query())
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	st, err := a.store.Story(r.Context(), ps.ByName("guid"))
+	if err == nil && hook >= 0 {
+		err = st.Narrow(hook)
+	}
+	if err != nil {
+		writeError(w, r, a.log, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, st)
 }
 
 // pagePayload is one copy's payload as the delivery page shows it: under
@@ -372,15 +437,15 @@ var deliveriesTemplate = template.Must(template.New("deliveries").Funcs(pageFunc
 <input name="repository" placeholder="owner/name" value="{{.Query.Get "repository"}}">
 <input name="sender" placeholder="sender" value="{{.Query.Get "sender"}}">
 <input name="hook" placeholder="hook ID" value="{{.Query.Get "hook"}}">
-<select name="outcome"><option value="">any outcome</option>{{$o := .Query.Get "outcome"}}{{range $v := (split "stored forbidden stale")}}<option{{if eq $v $o}} selected{{end}}>{{$v}}</option>{{end}}</select>
+<select name="outcome"><option value="">any outcome</option>{{$o := .Query.Get "outcome"}}{{range $v := (split "stored forbidden stale rejected")}}<option{{if eq $v $o}} selected{{end}}>{{$v}}</option>{{end}}</select>
 <input name="from" placeholder="from (RFC 3339)" value="{{.Query.Get "from"}}">
 <input name="to" placeholder="to (RFC 3339)" value="{{.Query.Get "to"}}">
 <button type="submit">Search</button>
 </form>
 <table id="deliveries">
 <tr><th>received</th><th>delivery</th><th>hook</th><th>event</th><th>repository</th><th>sender</th><th>outcome</th></tr>
-{{range .Rows}}<tr><td>{{when .ReceivedAt}}</td><td><a href="/status/deliveries/{{escape .GUID}}?hook={{.Hook}}">{{.GUID}}</a></td><td>{{.Hook}}{{with .TargetType}} ({{.}}){{end}}</td><td>{{.Event}}{{if .Action}}.{{.Action}}{{end}}</td><td>{{.Repository}}</td><td>{{.Sender}}</td><td>{{if .Forbidden}}forbidden{{else if .Stale}}stale{{else}}stored{{end}}{{if .Pruned}} (payload pruned){{end}}</td></tr>
-{{else}}<tr><td colspan="7">No stored delivery matches.</td></tr>{{end}}
+{{range .Rows}}<tr><td>{{when .ReceivedAt}}</td><td>{{if .GUID}}<a href="/status/deliveries/{{escape .GUID}}{{if ge .Hook 0}}?hook={{.Hook}}{{end}}">{{.GUID}}</a>{{else}}-{{end}}</td><td>{{if ge .Hook 0}}{{.Hook}}{{else}}-{{end}}{{with .TargetType}} ({{.}}){{end}}</td><td>{{.Event}}{{if .Action}}.{{.Action}}{{end}}</td><td>{{.Repository}}</td><td>{{.Sender}}</td><td>{{.Outcome}}{{if .Status}} {{.Status}} from {{.SourceIP}}: {{.Reason}}{{end}}{{if .Pruned}} (payload pruned){{end}}</td></tr>
+{{else}}<tr><td colspan="7">No delivery matches.</td></tr>{{end}}
 </table>
 {{with .Next}}<p><a id="next" href="{{.}}">Older →</a></p>{{end}}
 </body></html>`))

@@ -44,7 +44,7 @@ func statusOf(err error) int {
 		return http.StatusBadRequest
 	case errors.Is(err, ErrTooLarge):
 		return http.StatusRequestEntityTooLarge
-	case errors.Is(err, ErrUnknownBroker):
+	case errors.Is(err, ErrUnknownBroker), errors.Is(err, ErrUnknownDelivery):
 		return http.StatusNotFound
 	case errors.Is(err, ErrUnavailable):
 		return http.StatusServiceUnavailable

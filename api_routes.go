@@ -19,6 +19,8 @@ func (a *API) Handler() http.Handler {
 	r.DELETE("/api/v1/broker/pending-switch", a.operator(a.cancelSwitch))
 	r.DELETE("/api/v1/broker/watermark", a.operator(a.clearWatermark))
 	r.GET("/api/v1/status", a.operator(a.getStatus))
+	r.GET("/api/v1/deliveries", a.operator(a.getDeliveries))
+	r.GET("/api/v1/deliveries/:guid", a.operator(a.getDelivery))
 	r.GET("/status", a.guarded(a.statusPage))
 	r.GET("/status/deliveries", a.guarded(a.operatorPage(a.deliveriesPage)))
 	r.GET("/status/deliveries/:guid", a.guarded(a.operatorPage(a.deliveryPage)))

@@ -53,6 +53,8 @@ type Webhook struct {
 	metrics  *Metrics
 	inflight *inflightBodies
 	rejects  *logLimiter
+	// refused keeps each refusal in rejected_webhooks; nil keeps none.
+	refused *RejectLog
 
 	// bodies holds request body buffers between webhooks: a 25 KB payload
 	// would otherwise be allocated and zeroed for each one, and collected.
@@ -126,13 +128,14 @@ func secretBytes(current string, previous []string) [][]byte {
 	return out
 }
 
-// NewWebhook builds the endpoint from the config.
-func NewWebhook(cfg *Config, brokers *Brokers, queues *Queues, metrics *Metrics, log *slog.Logger) (*Webhook, error) {
+// NewWebhook builds the endpoint from the config; refused, when set, keeps
+// the webhooks it refuses.
+func NewWebhook(cfg *Config, brokers *Brokers, queues *Queues, metrics *Metrics, refused *RejectLog, log *slog.Logger) (*Webhook, error) {
 	auth, err := newWebhookAuth(cfg)
 	if err != nil {
 		return nil, err
 	}
-	wh := &Webhook{brokers: brokers, queues: queues, metrics: metrics, log: log,
+	wh := &Webhook{brokers: brokers, queues: queues, metrics: metrics, refused: refused, log: log,
 		inflight: newInflightBodies(cfg.Server.MaxInflightBytes), rejects: newLogLimiter(10 * time.Second)}
 	wh.auth.Store(auth)
 	wh.bodies.New = func() any { return new([]byte) }
@@ -369,15 +372,23 @@ func rejectOutcome(err error) string {
 	return "bad_request"
 }
 
-// reject answers a refused webhook, counts it, and logs it at warn with the
-// reason and source, at most one line per outcome per 10 s: a flood of bad
-// requests must not flood the journal too.
+// reject answers a refused webhook, counts it, records it (RejectLog: what
+// its headers claim, never its body or signature), and logs it at warn
+// with the reason and source, at most one line per outcome per 10 s: a
+// flood of bad requests must not flood the journal too.
 func (wh *Webhook) reject(w http.ResponseWriter, r *http.Request, err error, src netip.Addr) {
 	outcome := rejectOutcome(err)
 	wh.metrics.webhook(outcome)
+	guid, hook := claimedIdentity(r.Header)
+	event := r.Header.Get("X-GitHub-Event")
+	if !eventName(event) {
+		event = ""
+	}
+	wh.refused.Note(Rejection{At: time.Now(), SourceIP: addrText(src), Event: event, GUID: guid, Hook: hook,
+		Status: statusOf(err), Reason: err.Error()})
 	if ok, suppressed := wh.rejects.allow(outcome, time.Now()); ok {
 		args := []any{"outcome", outcome, "status", statusOf(err), "source_ip", addrText(src)}
-		if guid, hook := claimedIdentity(r.Header); guid != "" || hook >= 0 {
+		if guid != "" || hook >= 0 {
 			args = append(args, "delivery_id", guid)
 			if hook >= 0 {
 				args = append(args, "hook_id", hook)

@@ -388,7 +388,7 @@ func TestVerifySignature(t *testing.T) {
 	t.Parallel()
 	cfg := testConfig(t, amqpURL("x"))
 	cfg.GitHub.PreviousWebhookSecrets = []string{"old-secret"}
-	wh, err := NewWebhook(cfg, nil, nil, nil, slog.New(slog.DiscardHandler))
+	wh, err := NewWebhook(cfg, nil, nil, nil, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -424,7 +424,7 @@ func TestHookSecrets(t *testing.T) {
 	cfg.GitHub.PreviousWebhookSecrets = []string{"old-secret"}
 	cfg.GitHub.Hooks = []HookConfig{{ID: 111, Secret: "hook-111-secret", PreviousSecrets: []string{"hook-111-old"}},
 		{ID: 222, Secret: "hook-222-secret"}}
-	wh, err := NewWebhook(cfg, nil, nil, nil, slog.New(slog.DiscardHandler))
+	wh, err := NewWebhook(cfg, nil, nil, nil, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -460,7 +460,7 @@ func TestSourceIP(t *testing.T) {
 	t.Parallel()
 	cfg := testConfig(t, amqpURL("x"))
 	cfg.Server.TrustedProxies = []string{"10.0.0.0/8", "127.0.0.1"}
-	wh, err := NewWebhook(cfg, nil, nil, nil, slog.New(slog.DiscardHandler))
+	wh, err := NewWebhook(cfg, nil, nil, nil, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}

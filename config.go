@@ -120,13 +120,13 @@ type GitHubConfig struct {
 	PreviousWebhookSecrets []string `toml:"previous_webhook_secrets"`
 	// Hooks are the hooks that keep a secret of their own: a webhook whose
 	// X-GitHub-Hook-ID is listed is verified with its secrets only.
-	Hooks []HookConfig `toml:"hooks"`
-	AllowedCIDRs           []string `toml:"allowed_cidrs"`
-	MetaFile               string   `toml:"meta_file"`
-	BotAppID               int64    `toml:"bot_app_id"`
-	AppID                  int64    `toml:"app_id"`
-	PrivateKeyFile         string   `toml:"private_key_file"`
-	APIURL                 string   `toml:"api_url"`
+	Hooks          []HookConfig `toml:"hooks"`
+	AllowedCIDRs   []string     `toml:"allowed_cidrs"`
+	MetaFile       string       `toml:"meta_file"`
+	BotAppID       int64        `toml:"bot_app_id"`
+	AppID          int64        `toml:"app_id"`
+	PrivateKeyFile string       `toml:"private_key_file"`
+	APIURL         string       `toml:"api_url"`
 	// ReconcileGrace is how long a delivery GitHub made with a 2xx may take
 	// to be stored (the retry cycle) before the hooks poll calls it a gap.
 	ReconcileGrace time.Duration `toml:"reconcile_grace"`

@@ -41,6 +41,7 @@ type Daemon struct {
 	usage     *Usage
 	leases    *Leases
 	retention *Retention
+	refused   *RejectLog
 	workers   []*Worker
 	// hooks is the hooks worker, which runs under its lease; nil without
 	// the GitHub App.
@@ -80,11 +81,12 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	for _, b := range brokers.List() {
 		metrics.broker(b.Index, b.Host, b.Vhost)
 	}
-	webhook, err := NewWebhook(cfg, brokers, queues, metrics, log)
+	refused := NewRejectLog(store, metrics, log.With("component", "webhook"))
+	webhook, err := NewWebhook(cfg, brokers, queues, metrics, refused, log)
 	if err != nil {
 		return fail(err)
 	}
-	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics, leases: leases}
+	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics, leases: leases, refused: refused}
 	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
@@ -187,6 +189,7 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	work.Go(func() error { return d.leases.Lease(jobAlerts).Run(wctx, d.alerts.Run) })
 	work.Go(func() error { return d.leases.Lease(jobRetention).Run(wctx, d.retention.Compress) })
 	work.Go(func() error { return d.keepalive.Run(wctx) })
+	work.Go(func() error { return d.refused.Run(wctx) })
 	work.Go(func() error { return d.usage.Run(wctx) })
 	if d.store.Shared() {
 		work.Go(func() error { return d.brokers.Follow(wctx, followEvery) })

@@ -29,7 +29,7 @@ func FuzzWebhookRequest(f *testing.F) {
 	f.Add([]byte(`not json`), "text/plain", "push", "guid-4", false)
 	cfg := DefaultConfig()
 	cfg.GitHub.WebhookSecret = testSecret
-	wh, err := NewWebhook(cfg, nil, nil, nil, slog.New(slog.DiscardHandler))
+	wh, err := NewWebhook(cfg, nil, nil, nil, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
 		f.Fatal(err)
 	}

@@ -20,6 +20,7 @@ type Metrics struct {
 	reg *prometheus.Registry
 
 	webhooks       *prometheus.CounterVec
+	unrecorded     prometheus.Counter
 	publishes      *prometheus.CounterVec
 	publishSeconds *prometheus.HistogramVec
 	consumed       *prometheus.CounterVec
@@ -62,6 +63,8 @@ func NewMetrics(labels MetricLabels) *Metrics {
 		webhooks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_webhooks_received_total",
 			Help: "Webhook requests by outcome: accepted, forbidden (accepted into github-forbidden), unauthorized, bad_request, too_large, unavailable."},
 			[]string{"outcome"}),
+		unrecorded: prometheus.NewCounter(prometheus.CounterOpts{Name: "switchyard_webhook_rejections_unrecorded_total",
+			Help: "Refused webhooks counted but not recorded in rejected_webhooks: over 100 a second, or the database did not take them."}),
 		publishes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_publishes_total",
 			Help: "Messages published with a publisher confirm, by broker index and outcome (confirmed, failed)."},
 			[]string{"broker", "outcome"}),
@@ -108,7 +111,7 @@ func NewMetrics(labels MetricLabels) *Metrics {
 		workerFailures: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_worker_failures",
 			Help: "Cycles the worker failed in a row; 0 once its consumer attaches again or a cycle ends well."}, []string{"worker"}),
 	}
-	m.reg.MustRegister(m.webhooks, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
+	m.reg.MustRegister(m.webhooks, m.unrecorded, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures, m.leases,
 		m.staleEvents, m.queueMessages, m.brokerUp, m.blockedBrokers, m.brokerMessageCount, m.budgetUsed, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -197,6 +200,12 @@ func (m *Metrics) Handler() http.Handler {
 func (m *Metrics) webhook(outcome string) {
 	if m != nil {
 		m.webhooks.WithLabelValues(outcome).Inc()
+	}
+}
+
+func (m *Metrics) rejectionsUnrecorded(n int64) {
+	if m != nil {
+		m.unrecorded.Add(float64(n))
 	}
 }
 

@@ -609,3 +609,19 @@ CREATE UNIQUE INDEX github_first_copy ON github (delivery_id) WHERE first_copy =
 -- retention job compresses them, a few hundred at a time; a pruned row has
 -- neither.
 ALTER TABLE github ADD COLUMN payload_zstd BLOB;
+-- migration 18: refused webhooks kept
+-- rejected_webhooks: each webhook answered 4xx or 5xx, as the request claimed
+-- it (never its body or signature): the newest 10,000 of the last 7 days,
+-- written at most 100 a second (RejectLog).
+CREATE TABLE rejected_webhooks (
+    id          INTEGER PRIMARY KEY,
+    received_at TEXT NOT NULL,              -- when it was answered
+    source_ip   TEXT NOT NULL DEFAULT '',
+    event       TEXT NOT NULL DEFAULT '',   -- X-GitHub-Event, '' when missing or not a name
+    delivery_id TEXT NOT NULL DEFAULT '',   -- X-GitHub-Delivery, '' when missing or not a GUID
+    hook_id     INTEGER,                    -- X-GitHub-Hook-ID, NULL when missing or malformed
+    status      INTEGER NOT NULL,           -- the HTTP status answered
+    reason      TEXT NOT NULL               -- why, as the log line says it
+) STRICT;
+CREATE INDEX rejected_webhooks_received ON rejected_webhooks (received_at);
+CREATE INDEX rejected_webhooks_delivery ON rejected_webhooks (delivery_id);

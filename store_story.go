@@ -22,6 +22,9 @@ type DeliveryStory struct {
 	// GitHub are GitHub's attempts at the App's copy, oldest first, as the
 	// hooks poll listed them (with the GitHub App configured, for 72 hours).
 	GitHub []StoryAttempt `json:"github_attempts"`
+	// Rejected are the webhooks of this GUID that were refused here (401,
+	// 400, 413, 503), oldest first.
+	Rejected []Rejection `json:"rejected"`
 	// Copies are the hooks' copies known here, in the order they were stored.
 	Copies []StoryCopy  `json:"copies"`
 	Hooks  *StoryHooks  `json:"redelivered_through_hooks,omitempty"`
@@ -126,7 +129,7 @@ var ErrUnknownDelivery = errors.New("no delivery with this GUID is known")
 
 // newStory is an empty story of guid, its lists empty rather than null.
 func newStory(guid string) *DeliveryStory {
-	return &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Copies: []StoryCopy{}, Alerts: []StoryAlert{}}
+	return &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Rejected: []Rejection{}, Copies: []StoryCopy{}, Alerts: []StoryAlert{}}
 }
 
 // copyOf is the story's copy for hook, added when there is none yet.
@@ -140,17 +143,23 @@ func (st *DeliveryStory) copyOf(hook int64) *StoryCopy {
 	return &st.Copies[len(st.Copies)-1]
 }
 
-// Narrow keeps only hook's copy, and the messages of it waiting in queues.
-// A hook with no copy known is ErrUnknownDelivery.
+// Narrow keeps only hook's copy, its refusals, and the messages of it
+// waiting in queues. A hook with neither a copy nor a refusal known is
+// ErrUnknownDelivery.
 func (st *DeliveryStory) Narrow(hook int64) error {
-	for _, c := range st.Copies {
+	st.Rejected = slices.DeleteFunc(st.Rejected, func(r Rejection) bool { return r.Hook != hook })
+	st.Errors = slices.DeleteFunc(st.Errors, func(e StoryError) bool { return e.Hook != hook })
+	copies := st.Copies
+	st.Copies = []StoryCopy{}
+	for _, c := range copies {
 		if c.Hook == hook {
-			st.Copies = []StoryCopy{c}
-			st.Errors = slices.DeleteFunc(st.Errors, func(e StoryError) bool { return e.Hook != hook })
-			return nil
+			st.Copies = append(st.Copies, c)
 		}
 	}
-	return fmt.Errorf("%w: %s for hook %d", ErrUnknownDelivery, st.GUID, hook)
+	if len(st.Copies) == 0 && len(st.Rejected) == 0 {
+		return fmt.Errorf("%w: %s for hook %d", ErrUnknownDelivery, st.GUID, hook)
+	}
+	return nil
 }
 
 // Payload is the payload of the first stored copy, the one a page shows.
@@ -246,6 +255,11 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	if err != nil {
 		return nil, err
 	}
+	rejected, err := rejectionsOf(ctx, tx, guid)
+	if err != nil {
+		return nil, err
+	}
+	st.Rejected = append(st.Rejected, rejected...)
 	err = each("worker_deliveries", `SELECT hook_id, worker, outcome, processed_at FROM worker_deliveries
 		WHERE delivery_id = $1 ORDER BY hook_id, worker LIMIT $2`, func(rows *sql.Rows) error {
 		var w StoryWorker
@@ -322,7 +336,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	if err != nil {
 		return nil, err
 	}
-	if len(st.Copies) == 0 && st.Hooks == nil && st.Gap == nil && len(st.GitHub) == 0 {
+	if len(st.Copies) == 0 && st.Hooks == nil && st.Gap == nil && len(st.GitHub) == 0 && len(st.Rejected) == 0 {
 		return nil, fmt.Errorf("%w: %s", ErrUnknownDelivery, guid)
 	}
 	return st, nil
@@ -332,7 +346,10 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 // does not narrow.
 type DeliveryFilter struct {
 	GUIDPrefix, Event, Action, Repository, Sender string
-	Outcome                                       string // "", "stored", "forbidden" or "stale"
+	// Outcome is "", "stored", "forbidden" or "stale"; or "rejected": the
+	// refused webhooks (rejected_webhooks), which Action, Repository and
+	// Sender cannot narrow (their bodies are not kept).
+	Outcome string
 	// Hook, when set, narrows to the copies sent to that hook.
 	Hook     *int64
 	From, To time.Time
@@ -342,14 +359,27 @@ type DeliveryFilter struct {
 	AfterID   int64
 }
 
-// DeliveryRow is one stored delivery in a search's page.
+// DeliveryRow is one delivery in a search's page: a stored copy, or a
+// refused webhook.
 type DeliveryRow struct {
-	ID                                      int64
-	GUID, Event, Action, Repository, Sender string
-	Hook                                    int64 // the hook the copy was sent to, 0 when none recorded
-	TargetType                              string
-	Forbidden, Stale, Pruned                bool
-	ReceivedAt                              time.Time
+	ID         int64     `json:"-"`
+	ReceivedAt time.Time `json:"received_at"`
+	GUID       string    `json:"delivery_id"`
+	// Hook is the hook the copy was sent to, 0 when none recorded (-1 for
+	// a refused webhook without one).
+	Hook       int64  `json:"hook_id"`
+	TargetType string `json:"target_type,omitempty"`
+	Event      string `json:"event"`
+	Action     string `json:"action,omitempty"`
+	Repository string `json:"repository,omitempty"`
+	Sender     string `json:"sender,omitempty"`
+	// Outcome is stored, forbidden, stale or rejected.
+	Outcome string `json:"outcome"`
+	Pruned  bool   `json:"payload_pruned,omitempty"`
+	// A refused webhook's answer, and where it came from.
+	Status   int    `json:"status,omitempty"`
+	Reason   string `json:"reason,omitempty"`
+	SourceIP string `json:"source_ip,omitempty"`
 }
 
 // SearchDeliveries returns the stored deliveries f selects, newest first,
@@ -358,6 +388,9 @@ type DeliveryRow struct {
 // follows.
 func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit int) (rows []DeliveryRow, more bool, err error) {
 	q, args := searchQuery(f, limit)
+	if f.Outcome == "rejected" {
+		q, args = rejectedQuery(f, limit)
+	}
 	res, err := s.r.QueryContext(ctx, q, args...)
 	if err != nil {
 		return nil, false, fmt.Errorf("search deliveries: %w", err)
@@ -365,12 +398,29 @@ func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit in
 	defer res.Close()
 	for res.Next() {
 		var r DeliveryRow
+		if f.Outcome == "rejected" {
+			rej, err := scanRejection(res, []any{&r.ID})
+			if err != nil {
+				return nil, false, err
+			}
+			r.ReceivedAt, r.GUID, r.Hook, r.Event, r.Outcome = rej.At, rej.GUID, rej.Hook, rej.Event, "rejected"
+			r.Status, r.Reason, r.SourceIP = rej.Status, rej.Reason, rej.SourceIP
+			rows = append(rows, r)
+			continue
+		}
 		var received string
-		if err := res.Scan(&r.ID, &r.GUID, &r.Hook, &r.TargetType, &r.Event, &r.Action, &r.Repository, &r.Sender, &r.Forbidden, &received,
-			&r.Pruned, &r.Stale); err != nil {
+		var forbidden, stale bool
+		if err := res.Scan(&r.ID, &r.GUID, &r.Hook, &r.TargetType, &r.Event, &r.Action, &r.Repository, &r.Sender, &forbidden, &received,
+			&r.Pruned, &stale); err != nil {
 			return nil, false, fmt.Errorf("search deliveries: %w", err)
 		}
 		r.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
+		r.Outcome = "stored"
+		if forbidden {
+			r.Outcome = "forbidden"
+		} else if stale {
+			r.Outcome = "stale"
+		}
 		rows = append(rows, r)
 	}
 	if len(rows) > limit {
@@ -426,6 +476,36 @@ func searchQuery(f DeliveryFilter, limit int) (string, []any) {
 		FROM github g WHERE ` + strings.Join(where, " AND ") + ` ORDER BY g.received_at DESC, g.id DESC LIMIT ?`), args
 }
 
+// rejectedQuery is SearchDeliveries' query of the refused webhooks, in
+// the same order and pages.
+func rejectedQuery(f DeliveryFilter, limit int) (string, []any) {
+	where := []string{"1 = 1"}
+	var args []any
+	add := func(clause string, a ...any) { where = append(where, clause); args = append(args, a...) }
+	if f.GUIDPrefix != "" {
+		add("r.delivery_id >= ? AND r.delivery_id < ?", f.GUIDPrefix, f.GUIDPrefix+"\uffff")
+	}
+	if f.Event != "" {
+		add("r.event = ?", f.Event)
+	}
+	if f.Hook != nil {
+		add("r.hook_id = ?", *f.Hook)
+	}
+	if !f.From.IsZero() {
+		add("r.received_at >= ?", formatTime(f.From))
+	}
+	if !f.To.IsZero() {
+		add("r.received_at < ?", formatTime(f.To))
+	}
+	if !f.AfterTime.IsZero() {
+		t := formatTime(f.AfterTime)
+		add("(r.received_at < ? OR (r.received_at = ? AND r.id < ?))", t, t, f.AfterID)
+	}
+	args = append(args, limit+1)
+	return numberParams(`SELECT r.id, r.received_at, r.source_ip, r.event, r.delivery_id, r.hook_id, r.status, r.reason
+		FROM rejected_webhooks r WHERE ` + strings.Join(where, " AND ") + ` ORDER BY r.received_at DESC, r.id DESC LIMIT ?`), args
+}
+
 // StoryLine is one line of a delivery's story as people read it: a label
 // and what it says. Head starts one hook's copy. The command prints the
 // lines and the delivery page shows them, so that the two cannot tell
@@ -453,6 +533,13 @@ func (st *DeliveryStory) Lines() []StoryLine {
 			line += " (redelivery)"
 		}
 		add("github attempt", "%s", line)
+	}
+	for _, r := range st.Rejected {
+		hook := "no hook"
+		if r.Hook >= 0 {
+			hook = fmt.Sprintf("hook %d", r.Hook)
+		}
+		add("rejected", "%s %d from %s, %s, %s: %s", when(r.At), r.Status, cmp.Or(r.SourceIP, "-"), hook, cmp.Or(r.Event, "no event"), r.Reason)
 	}
 	for _, c := range st.Copies {
 		head := fmt.Sprintf("hook %d", c.Hook)

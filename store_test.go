@@ -423,8 +423,14 @@ func TestSearchReadsIndexes(t *testing.T) {
 		{DeliveryFilter{Outcome: "stored"}, "github_received_at", false},
 		{DeliveryFilter{From: day, To: day.Add(time.Hour)}, "github_received_at", false},
 		{DeliveryFilter{Event: "issues", AfterTime: day, AfterID: 7}, "github_event_received", false},
+		{DeliveryFilter{Outcome: "rejected"}, "rejected_webhooks_received", false},
+		{DeliveryFilter{Outcome: "rejected", GUIDPrefix: "abc"}, "rejected_webhooks_delivery (delivery_id>? AND delivery_id<?)", true},
+		{DeliveryFilter{Outcome: "rejected", Event: "issues", AfterTime: day, AfterID: 7}, "rejected_webhooks_received", false},
 	} {
 		q, args := searchQuery(c.f, deliveriesPageSize)
+		if c.f.Outcome == "rejected" {
+			q, args = rejectedQuery(c.f, deliveriesPageSize)
+		}
 		rows, err := p.store.r.Query("EXPLAIN QUERY PLAN "+q, args...)
 		if err != nil {
 			t.Fatal(err)
@@ -441,6 +447,7 @@ func TestSearchReadsIndexes(t *testing.T) {
 		rows.Close()
 		text := strings.Join(plan, "; ")
 		if !strings.Contains(text, c.uses) || strings.Contains(text, "SCAN g;") || strings.HasSuffix(text, "SCAN g") ||
+			strings.Contains(text, "SCAN r;") || strings.HasSuffix(text, "SCAN r") ||
 			strings.Contains(text, "TEMP B-TREE FOR ORDER BY") != c.sorts {
 			t.Errorf("filter %+v: plan %q, want it to read %s in order", c.f, text, c.uses)
 		}

@@ -1,0 +1,100 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"time"
+)
+
+// Refused webhooks, kept: each webhook answered 4xx or 5xx, as its
+// request claimed it (never its body or signature), in rejected_webhooks,
+// the newest rejectionsKept of the last rejectionsKeptFor.
+
+const (
+	rejectionsKept    = 10000
+	rejectionsKeptFor = 7 * 24 * time.Hour
+	// maxRejectionReason bounds the reason kept.
+	maxRejectionReason = 300
+)
+
+// Rejection is one refused webhook.
+type Rejection struct {
+	At       time.Time `json:"received_at"`
+	SourceIP string    `json:"source_ip,omitempty"`
+	Event    string    `json:"event,omitempty"`
+	GUID     string    `json:"delivery_id,omitempty"`
+	Hook     int64     `json:"hook_id"` // -1: none, or malformed
+	Status   int       `json:"status"`
+	Reason   string    `json:"reason"`
+}
+
+// RecordRejections writes rs in tx.
+func (tx *Tx) RecordRejections(ctx context.Context, rs []Rejection) error {
+	for _, r := range rs {
+		reason := r.Reason
+		if len(reason) > maxRejectionReason {
+			reason = reason[:maxRejectionReason]
+		}
+		var hook any
+		if r.Hook >= 0 {
+			hook = r.Hook
+		}
+		if _, err := tx.exec(ctx, `INSERT INTO rejected_webhooks (received_at, source_ip, event, delivery_id, hook_id, status, reason)
+			VALUES ($1, $2, $3, $4, $5, $6, $7)`, formatTime(r.At), r.SourceIP, r.Event, r.GUID, hook, r.Status, reason); err != nil {
+			return fmt.Errorf("record refused webhooks: %w", err)
+		}
+	}
+	return nil
+}
+
+// PruneRejections deletes, in tx, the refused webhooks older than
+// rejectionsKeptFor before now and those past the newest rejectionsKept.
+func (tx *Tx) PruneRejections(ctx context.Context, now time.Time) error {
+	_, err := tx.exec(ctx, `DELETE FROM rejected_webhooks WHERE received_at < $1
+		OR id <= (SELECT id FROM rejected_webhooks ORDER BY id DESC LIMIT 1 OFFSET $2)`,
+		formatTime(now.Add(-rejectionsKeptFor)), rejectionsKept)
+	if err != nil {
+		return fmt.Errorf("prune refused webhooks: %w", err)
+	}
+	return nil
+}
+
+// maxStoryRejections bounds the refusals a story lists.
+const maxStoryRejections = 50
+
+// rejectionsOf are guid's refusals, oldest first, read in q.
+func rejectionsOf(ctx context.Context, q queryer, guid string) ([]Rejection, error) {
+	rows, err := q.QueryContext(ctx, `SELECT received_at, source_ip, event, delivery_id, hook_id, status, reason
+		FROM rejected_webhooks WHERE delivery_id = $1 ORDER BY received_at, id LIMIT $2`, guid, maxStoryRejections)
+	if err != nil {
+		return nil, fmt.Errorf("read rejected_webhooks: %w", err)
+	}
+	defer rows.Close()
+	var out []Rejection
+	for rows.Next() {
+		r, err := scanRejection(rows, nil)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, r)
+	}
+	return out, rows.Err()
+}
+
+// scanRejection reads one row of rejected_webhooks's columns (received_at,
+// source_ip, event, delivery_id, hook_id, status, reason), after extra.
+func scanRejection(rows *sql.Rows, extra []any) (Rejection, error) {
+	var r Rejection
+	var at string
+	var hook sql.NullInt64
+	if err := rows.Scan(append(extra, &at, &r.SourceIP, &r.Event, &r.GUID, &hook, &r.Status, &r.Reason)...); err != nil {
+		return r, fmt.Errorf("read rejected_webhooks: %w", err)
+	}
+	r.At, _ = time.Parse(time.RFC3339Nano, at)
+	r.Hook = -1
+	if hook.Valid {
+		r.Hook = hook.Int64
+	}
+	return r, nil
+}
