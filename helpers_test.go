@@ -650,6 +650,21 @@ func queryInt(t testing.TB, db *sql.DB, query string, args ...any) int {
 	return n
 }
 
+// scanAny scans the current row of rows, of n columns, whatever their
+// types.
+func scanAny(t testing.TB, rows *sql.Rows, n int) []any {
+	t.Helper()
+	vals := make([]any, n)
+	ptrs := make([]any, n)
+	for i := range vals {
+		ptrs[i] = &vals[i]
+	}
+	if err := rows.Scan(ptrs...); err != nil {
+		t.Fatal(err)
+	}
+	return vals
+}
+
 // eventually polls cond every 50ms until it holds or timeout passes.
 func eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()

@@ -433,77 +433,77 @@ func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit in
 // that a next page shows. Each filter reads an index in the page's order
 // (TestSearchReadsIndexes): a page costs its rows, not the table's.
 func searchQuery(f DeliveryFilter, limit int) (string, []any) {
-	where := []string{"1 = 1"}
-	var args []any
-	add := func(clause string, a ...any) { where = append(where, clause); args = append(args, a...) }
-	if f.GUIDPrefix != "" {
-		// A range, not LIKE: it reads the unique index.
-		add("g.delivery_id >= ? AND g.delivery_id < ?", f.GUIDPrefix, f.GUIDPrefix+"\uffff")
-	}
+	var w searchWhere
 	// A slice, not a map: the same filter is the same query text, which
 	// the statement cache and the query plan test rely on.
 	for _, c := range []struct{ col, v string }{{"event", f.Event}, {"action", f.Action}, {"repository", f.Repository}, {"sender", f.Sender}} {
 		if c.v != "" {
-			add("g."+c.col+" = ?", c.v)
+			w.add("g."+c.col+" = ?", c.v)
 		}
 	}
 	switch f.Outcome {
 	case "forbidden":
-		add("g.forbidden = 1")
+		w.add("g.forbidden = 1")
 	case "stored":
-		add("g.forbidden = 0")
+		w.add("g.forbidden = 0")
 	case "stale":
-		add("(g.delivery_id, g.hook_id) IN (SELECT delivery_id, hook_id FROM worker_deliveries WHERE outcome = 'stale')")
+		w.add("(g.delivery_id, g.hook_id) IN (SELECT delivery_id, hook_id FROM worker_deliveries WHERE outcome = 'stale')")
 	}
-	if f.Hook != nil {
-		add("g.hook_id = ?", *f.Hook)
-	}
-	if !f.From.IsZero() {
-		add("g.received_at >= ?", formatTime(f.From))
-	}
-	if !f.To.IsZero() {
-		add("g.received_at < ?", formatTime(f.To))
-	}
-	if !f.AfterTime.IsZero() {
-		t := formatTime(f.AfterTime)
-		add("(g.received_at < ? OR (g.received_at = ? AND g.id < ?))", t, t, f.AfterID)
-	}
-	args = append(args, limit+1)
-	return numberParams(`SELECT g.id, g.delivery_id, g.hook_id, g.target_type, g.event, g.action, g.repository, g.sender, g.forbidden, g.received_at,
+	return w.query(f, "g", `SELECT g.id, g.delivery_id, g.hook_id, g.target_type, g.event, g.action, g.repository, g.sender, g.forbidden, g.received_at,
 		g.payload_pruned_at IS NOT NULL,
 		EXISTS (SELECT 1 FROM worker_deliveries w WHERE w.worker = 'database-service' AND w.delivery_id = g.delivery_id
 			AND w.hook_id = g.hook_id AND w.outcome = 'stale')
-		FROM github g WHERE ` + strings.Join(where, " AND ") + ` ORDER BY g.received_at DESC, g.id DESC LIMIT ?`), args
+		FROM github g`, limit)
 }
 
 // rejectedQuery is SearchDeliveries' query of the refused webhooks, in
 // the same order and pages.
 func rejectedQuery(f DeliveryFilter, limit int) (string, []any) {
-	where := []string{"1 = 1"}
-	var args []any
-	add := func(clause string, a ...any) { where = append(where, clause); args = append(args, a...) }
-	if f.GUIDPrefix != "" {
-		add("r.delivery_id >= ? AND r.delivery_id < ?", f.GUIDPrefix, f.GUIDPrefix+"\uffff")
-	}
+	var w searchWhere
 	if f.Event != "" {
-		add("r.event = ?", f.Event)
+		w.add("r.event = ?", f.Event)
+	}
+	return w.query(f, "r", `SELECT r.id, r.received_at, r.source_ip, r.event, r.delivery_id, r.hook_id, r.status, r.reason
+		FROM rejected_webhooks r`, limit)
+}
+
+// searchWhere gathers a search's conditions, each with its arguments.
+type searchWhere struct {
+	clauses []string
+	args    []any
+}
+
+func (w *searchWhere) add(clause string, args ...any) {
+	w.clauses = append(w.clauses, clause)
+	w.args = append(w.args, args...)
+}
+
+// query is sel (whose table is aliased a) narrowed by w's conditions and
+// by those of f that both searches have (GUID prefix, hook, time range,
+// cursor), newest first, at most limit+1 rows.
+func (w *searchWhere) query(f DeliveryFilter, a, sel string, limit int) (string, []any) {
+	if f.GUIDPrefix != "" {
+		// A range, not LIKE: it reads the index.
+		w.add(a+".delivery_id >= ? AND "+a+".delivery_id < ?", f.GUIDPrefix, f.GUIDPrefix+"\uffff")
 	}
 	if f.Hook != nil {
-		add("r.hook_id = ?", *f.Hook)
+		w.add(a+".hook_id = ?", *f.Hook)
 	}
 	if !f.From.IsZero() {
-		add("r.received_at >= ?", formatTime(f.From))
+		w.add(a+".received_at >= ?", formatTime(f.From))
 	}
 	if !f.To.IsZero() {
-		add("r.received_at < ?", formatTime(f.To))
+		w.add(a+".received_at < ?", formatTime(f.To))
 	}
 	if !f.AfterTime.IsZero() {
 		t := formatTime(f.AfterTime)
-		add("(r.received_at < ? OR (r.received_at = ? AND r.id < ?))", t, t, f.AfterID)
+		w.add("("+a+".received_at < ? OR ("+a+".received_at = ? AND "+a+".id < ?))", t, t, f.AfterID)
 	}
-	args = append(args, limit+1)
-	return numberParams(`SELECT r.id, r.received_at, r.source_ip, r.event, r.delivery_id, r.hook_id, r.status, r.reason
-		FROM rejected_webhooks r WHERE ` + strings.Join(where, " AND ") + ` ORDER BY r.received_at DESC, r.id DESC LIMIT ?`), args
+	where := "1 = 1"
+	if len(w.clauses) > 0 {
+		where = strings.Join(w.clauses, " AND ")
+	}
+	return numberParams(sel + " WHERE " + where + " ORDER BY " + a + ".received_at DESC, " + a + ".id DESC LIMIT ?"), append(w.args, limit+1)
 }
 
 // StoryLine is one line of a delivery's story as people read it: a label

@@ -604,15 +604,8 @@ func sameTables(t *testing.T, a, b *sql.DB) {
 		defer rows.Close()
 		cols, _ := rows.Columns()
 		var out []string
-		vals := make([]any, len(cols))
-		ptrs := make([]any, len(cols))
-		for i := range vals {
-			ptrs[i] = &vals[i]
-		}
 		for rows.Next() {
-			if err := rows.Scan(ptrs...); err != nil {
-				t.Fatal(err)
-			}
+			vals := scanAny(t, rows, len(cols))
 			var line []string
 			for i, v := range vals {
 				if b, ok := v.([]byte); ok {

@@ -33,14 +33,7 @@ func typedSnapshot(t *testing.T, db *sql.DB, volatile bool) map[string][]map[str
 		cols, _ := rows.Columns()
 		var all []map[string]any
 		for rows.Next() {
-			vals := make([]any, len(cols))
-			ptrs := make([]any, len(cols))
-			for i := range vals {
-				ptrs[i] = &vals[i]
-			}
-			if err := rows.Scan(ptrs...); err != nil {
-				t.Fatal(err)
-			}
+			vals := scanAny(t, rows, len(cols))
 			row := map[string]any{}
 			for i, c := range cols {
 				switch c {
