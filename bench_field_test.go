@@ -133,6 +133,11 @@ func procCPU(b testing.TB, pid int) time.Duration {
 	if err != nil {
 		b.Fatal(err)
 	}
+	return statCPU(stat)
+}
+
+// statCPU is the user + system CPU time of a /proc/PID/stat line.
+func statCPU(stat []byte) time.Duration {
 	// Fields after the command name (which may hold spaces): utime is the
 	// 14th field of the line, stime the 15th, in clock ticks (100 a second).
 	rest := string(stat[bytes.LastIndexByte(stat, ')')+2:])
@@ -146,17 +151,28 @@ func procCPU(b testing.TB, pid int) time.Duration {
 // so far; it reads 0 when this machine has no broker process this one may
 // read.
 func brokerCPU(b testing.TB) func() time.Duration {
+	return func() time.Duration { return commCPU("beam.smp") }
+}
+
+// commCPU is the CPU time so far of the processes named comm that are
+// alive: the local PostgreSQL's are its server and a backend per
+// connection (those of a pool live as long as it).
+func commCPU(comm string) time.Duration {
+	var sum time.Duration
 	dirs, _ := os.ReadDir("/proc")
 	for _, d := range dirs {
 		pid, err := strconv.Atoi(d.Name())
 		if err != nil {
 			continue
 		}
-		if comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); err == nil && strings.TrimSpace(string(comm)) == "beam.smp" {
-			return func() time.Duration { return procCPU(b, pid) }
+		if c, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); err != nil || strings.TrimSpace(string(c)) != comm {
+			continue
+		}
+		if stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid)); err == nil {
+			sum += statCPU(stat)
 		}
 	}
-	return func() time.Duration { return 0 }
+	return sum
 }
 
 // selfCPU is this process's user + system CPU time so far.
@@ -311,15 +327,8 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate, ra
 	// The baseline first, on the same vhost and proxy: its queues are
 	// empty again when it returns.
 	raw = rawPipeline(b, proxy.URL(vhost), payload, 64, 30*time.Second)
-	// BENCH_PROFILE=DIR: a CPU profile of the daemon over 20 s of the
-	// stream, written to DIR/e2e-RTT.pprof (server.pprof).
-	profiles := os.Getenv("BENCH_PROFILE")
-	var extra []string
-	metricsAddr := freeAddr(b)
-	if profiles != "" {
-		extra = []string{"server.pprof = true", fmt.Sprintf("server.metrics_listen = %q", metricsAddr)}
-	}
-	p := startBenchProcess(b, proxy.URL(vhost), "", extra...)
+	prof := newBenchProfile(b, fmt.Sprintf("e2e-%s", rtt))
+	p := startBenchProcess(b, proxy.URL(vhost), "", prof.config...)
 	defer p.stop(b) // idle, it would still cost the rows after it
 	brokerCPU := brokerCPU(b)
 	// A second of webhooks first, not counted, stored before the clock
@@ -328,30 +337,59 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate, ra
 	// Counted, that cost the row about 2 % at 50 ms (four pairs, cold
 	// 966-1,074, warm 1,026-1,078 webhooks/s).
 	sustained(b, p, payload, 64, time.Second)
-	var profiled sync.WaitGroup
-	if profiles != "" {
-		profiled.Go(func() {
-			time.Sleep(5 * time.Second)
-			resp, err := http.Get("http://" + metricsAddr + "/debug/pprof/profile?seconds=20")
-			if err != nil {
-				b.Errorf("profile: %v", err)
-				return
-			}
-			defer resp.Body.Close()
-			f, err := os.Create(filepath.Join(profiles, fmt.Sprintf("e2e-%s.pprof", rtt)))
-			if err != nil {
-				b.Errorf("profile: %v", err)
-				return
-			}
-			defer f.Close()
-			_, _ = io.Copy(f, resp.Body)
-		})
-	}
+	profiled := prof.take(b)
 	d0, b0, s0 := p.cpu(b), brokerCPU(), selfCPU()
 	rate, n := sustained(b, p, payload, 64, 30*time.Second)
-	profiled.Wait()
+	profiled()
 	per := func(d time.Duration) time.Duration { return d / time.Duration(n) }
 	return rate, raw, per(p.cpu(b) - d0), per(brokerCPU() - b0), per(selfCPU() - s0)
+}
+
+// benchProfile is BENCH_PROFILE=DIR: a CPU profile of a daemon over 20 s
+// of a row's stream, written to DIR/NAME.pprof through server.pprof.
+type benchProfile struct {
+	config []string // the daemon's config for it; none without BENCH_PROFILE
+	addr   string   // its metrics listener
+	path   string
+}
+
+func newBenchProfile(b testing.TB, name string) *benchProfile {
+	dir := os.Getenv("BENCH_PROFILE")
+	if dir == "" {
+		return &benchProfile{}
+	}
+	addr := freeAddr(b)
+	return &benchProfile{
+		config: []string{"server.pprof = true", fmt.Sprintf("server.metrics_listen = %q", addr)},
+		addr:   addr, path: filepath.Join(dir, name+".pprof"),
+	}
+}
+
+// take starts the profile 5 s into the stream about to begin; wait
+// returns once it is written.
+func (bp *benchProfile) take(b testing.TB) (wait func()) {
+	if bp.path == "" {
+		return func() {}
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		time.Sleep(5 * time.Second)
+		resp, err := http.Get("http://" + bp.addr + "/debug/pprof/profile?seconds=20")
+		if err != nil {
+			b.Errorf("profile: %v", err)
+			return
+		}
+		defer resp.Body.Close()
+		f, err := os.Create(bp.path)
+		if err != nil {
+			b.Errorf("profile: %v", err)
+			return
+		}
+		defer f.Close()
+		_, _ = io.Copy(f, resp.Body)
+	}()
+	return func() { <-done }
 }
 
 // startBenchNode is startBenchProcess on the PostgreSQL database at
@@ -367,24 +405,36 @@ func startBenchNode(b testing.TB, brokerURL, pgURL, name string, extra ...string
 // benchPostgres: end to end over amqps at rtt with the default config, on
 // SQLite and then on PostgreSQL, 64 clients for 30 s each, in one run; then
 // two nodes on that PostgreSQL, 32 clients each, the same machine's cores
-// shared by both.
-func benchPostgres(b *testing.B, payload []byte, rtt time.Duration) (sqlite, pg, twoNodes float64) {
+// shared by both. cpu is the CPU per webhook of the one node on
+// PostgreSQL, its server's (the local PostgreSQL's processes) and the
+// broker's; BENCH_PROFILE profiles that node (postgres-RTT.pprof).
+func benchPostgres(b *testing.B, payload []byte, rtt time.Duration) (sqlite, pg, twoNodes float64, cpu [3]time.Duration) {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANProxy(b, testBrokerAddr(), rtt)
-	run := func(nodes ...*benchProcess) float64 {
+	brokerCPU := brokerCPU(b)
+	run := func(prof *benchProfile, nodes ...*benchProcess) float64 {
 		sustainedOn(b, nodes, payload, 64, time.Second) // warm, as benchWANEndToEnd
-		rate, _ := sustainedOn(b, nodes, payload, 64, 30*time.Second)
+		profiled := prof.take(b)
+		d0, p0, b0 := nodes[0].cpu(b), commCPU("postgres"), brokerCPU()
+		rate, n := sustainedOn(b, nodes, payload, 64, 30*time.Second)
+		cpu = [3]time.Duration{nodes[0].cpu(b) - d0, commCPU("postgres") - p0, brokerCPU() - b0}
+		for i := range cpu {
+			cpu[i] /= time.Duration(max(n, 1))
+		}
+		profiled()
 		for _, p := range nodes {
 			p.stop(b)
 		}
 		return rate
 	}
-	sqlite = run(startBenchProcess(b, proxy.URL(vhost), ""))
-	pg = run(startBenchNode(b, proxy.URL(vhost), newPostgresDatabase(b), "bench-1"))
+	sqlite = run(&benchProfile{}, startBenchProcess(b, proxy.URL(vhost), ""))
+	prof := newBenchProfile(b, fmt.Sprintf("postgres-%s", rtt))
+	pg = run(prof, startBenchNode(b, proxy.URL(vhost), newPostgresDatabase(b), "bench-1", prof.config...))
+	one := cpu
 	shared := newPostgresDatabase(b)
-	twoNodes = run(startBenchNode(b, proxy.URL(vhost), shared, "bench-1"), startBenchNode(b, proxy.URL(vhost), shared, "bench-2"))
-	return sqlite, pg, twoNodes
+	twoNodes = run(&benchProfile{}, startBenchNode(b, proxy.URL(vhost), shared, "bench-1"), startBenchNode(b, proxy.URL(vhost), shared, "bench-2"))
+	return sqlite, pg, twoNodes, one
 }
 
 // stop ends the process and waits for it.

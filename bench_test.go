@@ -95,8 +95,11 @@ func BenchmarkSwitchyard(b *testing.B) {
 		}
 		if want("postgres") {
 			rtt := benchRTTs(b)[0]
-			sqlite, pg, two := benchPostgres(b, payload, rtt)
+			sqlite, pg, two, cpu := benchPostgres(b, payload, rtt)
 			add(fmt.Sprintf("end to end over amqps at %s, default config: PostgreSQL vs SQLite", rtt), pg, sqlite, "webhooks/s", "ratio >= 0.8")
+			rows = append(rows, row{name: fmt.Sprintf("end to end over amqps at %s on PostgreSQL: CPU per webhook", rtt),
+				ours: fmt.Sprintf("daemon %d us", cpu[0].Microseconds()),
+				base: fmt.Sprintf("PostgreSQL %d, broker %d us", cpu[1].Microseconds(), cpu[2].Microseconds()), aim: "printed"})
 			add(fmt.Sprintf("end to end over amqps at %s: two nodes vs one, one PostgreSQL, one machine", rtt), two, pg, "webhooks/s", "printed")
 		}
 		if want("burst") {
