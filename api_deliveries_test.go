@@ -365,3 +365,25 @@ func TestRejectionsPruned(t *testing.T) {
 		}
 	})
 }
+
+// A refusal noted just before shutdown is recorded: a flush that begins as
+// the daemon's context ends (a tick ready beside it) still writes.
+func TestRejectionsFlushedAtShutdown(t *testing.T) {
+	t.Parallel()
+	cfg := testConfig(t, amqpURL("unused"))
+	p := newParts(t, cfg)
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	const n = 20
+	for i := range n {
+		l := NewRejectLog(p.store, nil, p.log)
+		l.every = time.Nanosecond // a tick ready beside the context's end
+		l.Note(Rejection{At: time.Now(), GUID: fmt.Sprint("shutdown-", i), Hook: -1, Status: 401, Reason: "signature"})
+		if err := l.Run(ended); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := queryInt(t, openStoreDB(t, cfg.Database), "SELECT count(*) FROM rejected_webhooks"); got != n {
+		t.Errorf("%d of %d refusals recorded", got, n)
+	}
+}

@@ -53,26 +53,34 @@ func (l *RejectLog) Note(r Rejection) {
 }
 
 // Run flushes every second until ctx ends, then once more: the refusals
-// of the last second, once the webhook endpoint has stopped.
+// of the last second, once the webhook endpoint has stopped. A flush is
+// not cut short by ctx's end (it takes what is pending out of the log
+// first, and would lose it): each has rejectsFlushTimeout of its own.
 func (l *RejectLog) Run(ctx context.Context) error {
 	tick := time.NewTicker(l.every)
 	defer tick.Stop()
+	flush := func(prune bool) bool {
+		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rejectsFlushTimeout)
+		defer cancel()
+		return l.flush(fctx, prune)
+	}
 	var pruned time.Time
 	for {
 		select {
 		case <-ctx.Done():
-			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-			l.flush(fctx, false)
-			cancel()
+			flush(false)
 			return nil
 		case now := <-tick.C:
-			prune := now.Sub(pruned) >= rejectsPruneEvery
-			if l.flush(ctx, prune) && prune {
+			prune := now.Sub(pruned) >= rejectsPruneEvery && ctx.Err() == nil
+			if flush(prune) && prune {
 				pruned = now
 			}
 		}
 	}
 }
+
+// rejectsFlushTimeout bounds one flush's transaction.
+const rejectsFlushTimeout = 5 * time.Second
 
 // flush writes what is pending, pruning too when asked, and reports
 // whether the transaction went through. What it could not write is
@@ -99,6 +107,10 @@ func (l *RejectLog) flush(ctx context.Context, prune bool) bool {
 		}
 		return nil
 	})
+	if err != nil && len(rs) == 0 {
+		l.log.Warn("refused webhooks not pruned", "error", err)
+		return false
+	}
 	if err != nil {
 		l.metrics.rejectionsUnrecorded(int64(len(rs)))
 		l.log.Warn("refused webhooks not recorded", "count", len(rs), "error", err)
