@@ -103,6 +103,17 @@ func (s *Store) CompressOlderPayloads(ctx context.Context, after int64) (last in
 	return last, n, nil
 }
 
+// LastStoredID is the highest id in github (0 when it is empty), a
+// look at the end of its primary key.
+func (s *Store) LastStoredID(ctx context.Context) (int64, error) {
+	var id int64
+	err := s.r.QueryRowContext(ctx, "SELECT coalesce(max(id), 0) FROM github").Scan(&id)
+	if err != nil {
+		return 0, fmt.Errorf("read the last github id: %w", err)
+	}
+	return id, nil
+}
+
 // UncompressedPayloads counts the rows whose payload is stored as text.
 func (s *Store) UncompressedPayloads(ctx context.Context) (int, error) {
 	var n int

@@ -852,6 +852,51 @@ func testPayloadsGivenBackExactly(t *testing.T) {
 	}
 }
 
+// Once the rows stored as text are compressed, the retention job looks
+// only at rows stored since, never through the whole table again: a row
+// below its mark made text again stays so, one stored after it is
+// compressed.
+func TestCompressionLooksOnlyAtNewRows(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cfg := testConfig(t, amqpURL("unused"))
+	p := newParts(t, cfg)
+	insertText := func(id int) {
+		t.Helper()
+		err := p.store.WriteTx(ctx, func(tx *Tx) error {
+			_, err := tx.exec(ctx, `INSERT INTO github (id, delivery_id, event, payload, received_at, processed_at, first_copy)
+				VALUES ($1, $2, 'issues', '{"old":true}', $3, $3, 1)`, id, fmt.Sprint("old-", id), formatTime(time.Now()))
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	for id := 1; id <= 3; id++ {
+		insertText(id)
+	}
+	r := NewRetention(p.store, cfg, p.log)
+	r.every, r.compressPause = 20*time.Millisecond, time.Millisecond
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { _ = r.Compress(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	db := openStoreDB(t, cfg.Database)
+	text := func(id int) bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE id = $1 AND payload_zstd IS NULL", id) == 1
+	}
+	eventually(t, 10*time.Second, "the three rows compressed", func() bool { return !text(1) && !text(2) && !text(3) })
+
+	if _, err := openWritableDB(t, cfg.Database).Exec(`UPDATE github SET payload = '{"old":true}', payload_zstd = NULL WHERE id = 1`); err != nil {
+		t.Fatal(err)
+	}
+	insertText(1000)
+	eventually(t, 10*time.Second, "the row stored after the pass compressed", func() bool { return !text(1000) })
+	if !text(1) {
+		t.Error("a row below the mark was looked at again: the job read through the whole table")
+	}
+}
+
 // A database from before compression, its raw log as text, is compressed
 // by serve in the background, a batch at a time; killed midway (SIGKILL)
 // and started again, it goes on, and no row is lost or left unreadable.

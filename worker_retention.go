@@ -34,14 +34,24 @@ func NewRetention(store *Store, cfg *Config, log *slog.Logger) *Retention {
 // Compress compresses the payloads stored as text (by a version before
 // the raw log was compressed, or by such a node beside this one), a batch
 // at a time in short transactions, pausing between them so that writers
-// never wait long, until ctx ends; when none is left it looks again every
-// cleanup_every. Interrupted anywhere, it loses nothing: each batch
-// commits whole, and the next run goes on from the first row left.
+// never wait long, until ctx ends. Once none is left, it looks again every
+// cleanup_every at the rows stored since, never again at the whole table
+// (a million compressed rows would be read through each time).
+// Interrupted anywhere, it loses nothing: each batch commits whole, and
+// the next run goes on from the first row left.
 func (r *Retention) Compress(ctx context.Context) error {
 	var after int64
 	total := 0
 	for {
-		last, n, err := r.store.CompressOlderPayloads(ctx, after)
+		// Every row up to mark is stored when the look below begins: once
+		// it finds none, the next looks begin after mark. (On PostgreSQL
+		// an older node's row still committing may hold an id below it;
+		// the next start of serve looks at the whole table again.)
+		mark, err := r.store.LastStoredID(ctx)
+		last, n := after, 0
+		if err == nil {
+			last, n, err = r.store.CompressOlderPayloads(ctx, after)
+		}
 		wait := r.compressPause
 		switch {
 		case err != nil:
@@ -53,7 +63,7 @@ func (r *Retention) Compress(ctx context.Context) error {
 			if total > 0 {
 				r.log.Info("payloads stored before compression now compressed", "rows", total)
 			}
-			after, total, wait = 0, 0, r.every
+			after, total, wait = max(after, mark), 0, r.every
 		default:
 			after, total = last, total+n
 		}
