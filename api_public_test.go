@@ -77,6 +77,11 @@ func TestPublicAnswersNameNothing(t *testing.T) {
 				t.Errorf("webhook: %d %s, want 503 saying broker %s with the GUID", code, body, c.want)
 			}
 			named("the webhook's 503", body)
+			// The refusal is kept for the operator, a 503 as the 4xx are.
+			db := openStoreDB(t, cfg.Database)
+			eventually(t, 20*time.Second, "the 503 recorded", func() bool {
+				return queryInt(t, db, "SELECT count(*) FROM rejected_webhooks WHERE delivery_id = $1 AND status = 503 AND reason LIKE '%broker%'", guid) == 1
+			})
 			// The log line of the refused webhook carries its GUID and
 			// hook ID.
 			if !strings.Contains(d.logs.String(), `msg="webhook rejected" outcome=unavailable status=503 source_ip=127.0.0.1 delivery_id=`+guid+" hook_id=123456") {

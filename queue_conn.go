@@ -78,6 +78,9 @@ type brokerConn struct {
 	failures int
 	retryAt  time.Time
 	lastErr  error
+	// lastFailure is lastErr for callers that could not take lock: what
+	// the last dial said, nil once one succeeded.
+	lastFailure atomic.Pointer[error]
 
 	// inHand counts deliveries from this broker that a worker has taken and
 	// not yet settled: the broker's ready counts do not show them.
@@ -112,11 +115,18 @@ func newBrokerConn(b *Broker, callTimeout time.Duration, onDial func(*brokerConn
 // connection returns the live connection, dialing one when there is none
 // and the backoff since the last failure has passed. Within the backoff it
 // fails at once, so a dead broker costs callers nothing.
+//
+// A caller whose ctx ends first, waiting for another's dial or in its own,
+// is told what the last dial said, when one failed: a broker that answers
+// a login after seconds (RabbitMQ refuses a wrong password after 3 s) is
+// told as refusing access to a caller with a shorter deadline (/readyz),
+// not as a timeout; and such a dial, cut short by its caller, is not the
+// broker's failure and changes nothing of what the last one said.
 func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) {
 	select {
 	case bc.lock <- struct{}{}:
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return nil, bc.cutShort(ctx.Err())
 	}
 	defer func() { <-bc.lock }()
 
@@ -128,20 +138,34 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 		return nil, fmt.Errorf("%w (next try in %s)", dialFailure(b, bc.lastErr), bc.retryAt.Sub(now).Round(time.Millisecond))
 	}
 	conn, err := bc.dial(ctx)
+	if err != nil && ctx.Err() != nil && bc.lastErr != nil {
+		return nil, bc.cutShort(err)
+	}
 	if err != nil {
 		bc.failures++
 		backoff := min(bc.minBackoff<<min(bc.failures-1, 16), bc.maxBackoff)
 		backoff = backoff/2 + rand.N(backoff/2+1) // jitter: brokers restarting see no thundering herd
 		bc.retryAt, bc.lastErr = time.Now().Add(backoff), err
+		bc.lastFailure.Store(&err)
 		return nil, dialFailure(b, err)
 	}
 	if bc.failures > 0 {
 		bc.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
 	}
 	bc.conn, bc.failures, bc.lastErr = conn, 0, nil
+	bc.lastFailure.Store(nil)
 	notes := conn.NotifyBlocked(make(chan amqp.Blocking, 4))
 	bc.watchers.Go(func() { bc.watchBlocked(notes) })
 	return conn, nil
+}
+
+// cutShort is the answer to a caller whose context ended (err) before a
+// dial answered: what the last dial said, when one failed, else err.
+func (bc *brokerConn) cutShort(err error) error {
+	if last := bc.lastFailure.Load(); last != nil {
+		return fmt.Errorf("%w (no answer yet to the dial under way: %v)", dialFailure(bc.broker, *last), err)
+	}
+	return err
 }
 
 // dialFailure is why broker b could not be used: the broker refusing
