@@ -413,28 +413,27 @@ func benchPostgres(b *testing.B, payload []byte, rtt time.Duration) (sqlite, pg,
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANProxy(b, testBrokerAddr(), rtt)
 	brokerCPU := brokerCPU(b)
-	run := func(prof *benchProfile, nodes ...*benchProcess) float64 {
+	// run is the rate over nodes, and the CPU per webhook of the first
+	// node, PostgreSQL and the broker.
+	run := func(prof *benchProfile, nodes ...*benchProcess) (float64, [3]time.Duration) {
 		sustainedOn(b, nodes, payload, 64, time.Second) // warm, as benchWANEndToEnd
 		profiled := prof.take(b)
 		d0, p0, b0 := nodes[0].cpu(b), commCPU("postgres"), brokerCPU()
 		rate, n := sustainedOn(b, nodes, payload, 64, 30*time.Second)
-		cpu = [3]time.Duration{nodes[0].cpu(b) - d0, commCPU("postgres") - p0, brokerCPU() - b0}
-		for i := range cpu {
-			cpu[i] /= time.Duration(max(n, 1))
-		}
+		per := func(d time.Duration) time.Duration { return d / time.Duration(max(n, 1)) }
+		cpu := [3]time.Duration{per(nodes[0].cpu(b) - d0), per(commCPU("postgres") - p0), per(brokerCPU() - b0)}
 		profiled()
 		for _, p := range nodes {
 			p.stop(b)
 		}
-		return rate
+		return rate, cpu
 	}
-	sqlite = run(&benchProfile{}, startBenchProcess(b, proxy.URL(vhost), ""))
+	sqlite, _ = run(&benchProfile{}, startBenchProcess(b, proxy.URL(vhost), ""))
 	prof := newBenchProfile(b, fmt.Sprintf("postgres-%s", rtt))
-	pg = run(prof, startBenchNode(b, proxy.URL(vhost), newPostgresDatabase(b), "bench-1", prof.config...))
-	one := cpu
+	pg, cpu = run(prof, startBenchNode(b, proxy.URL(vhost), newPostgresDatabase(b), "bench-1", prof.config...))
 	shared := newPostgresDatabase(b)
-	twoNodes = run(&benchProfile{}, startBenchNode(b, proxy.URL(vhost), shared, "bench-1"), startBenchNode(b, proxy.URL(vhost), shared, "bench-2"))
-	return sqlite, pg, twoNodes, one
+	twoNodes, _ = run(&benchProfile{}, startBenchNode(b, proxy.URL(vhost), shared, "bench-1"), startBenchNode(b, proxy.URL(vhost), shared, "bench-2"))
+	return sqlite, pg, twoNodes, cpu
 }
 
 // stop ends the process and waits for it.

@@ -77,10 +77,10 @@ type brokerConn struct {
 	watchers sync.WaitGroup
 	failures int
 	retryAt  time.Time
-	lastErr  error
-	// lastFailure is lastErr for callers that could not take lock: what
-	// the last dial said, nil once one succeeded.
-	lastFailure atomic.Pointer[error]
+	// lastErr is what the last dial said when it failed, nil once one
+	// succeeded: an atomic, so that a caller that could not take lock
+	// reads it too (cutShort).
+	lastErr atomic.Pointer[error]
 
 	// inHand counts deliveries from this broker that a worker has taken and
 	// not yet settled: the broker's ready counts do not show them.
@@ -135,25 +135,25 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 	}
 	b := bc.broker
 	if now := time.Now(); now.Before(bc.retryAt) {
-		return nil, fmt.Errorf("%w (next try in %s)", dialFailure(b, bc.lastErr), bc.retryAt.Sub(now).Round(time.Millisecond))
+		return nil, fmt.Errorf("%w (next try in %s)", dialFailure(b, bc.lastFailure()), bc.retryAt.Sub(now).Round(time.Millisecond))
 	}
 	conn, err := bc.dial(ctx)
-	if err != nil && ctx.Err() != nil && bc.lastErr != nil {
+	if err != nil && ctx.Err() != nil && bc.lastFailure() != nil {
 		return nil, bc.cutShort(err)
 	}
 	if err != nil {
 		bc.failures++
 		backoff := min(bc.minBackoff<<min(bc.failures-1, 16), bc.maxBackoff)
 		backoff = backoff/2 + rand.N(backoff/2+1) // jitter: brokers restarting see no thundering herd
-		bc.retryAt, bc.lastErr = time.Now().Add(backoff), err
-		bc.lastFailure.Store(&err)
+		bc.retryAt = time.Now().Add(backoff)
+		bc.lastErr.Store(&err)
 		return nil, dialFailure(b, err)
 	}
 	if bc.failures > 0 {
 		bc.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
 	}
-	bc.conn, bc.failures, bc.lastErr = conn, 0, nil
-	bc.lastFailure.Store(nil)
+	bc.conn, bc.failures = conn, 0
+	bc.lastErr.Store(nil)
 	notes := conn.NotifyBlocked(make(chan amqp.Blocking, 4))
 	bc.watchers.Go(func() { bc.watchBlocked(notes) })
 	return conn, nil
@@ -162,10 +162,19 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 // cutShort is the answer to a caller whose context ended (err) before a
 // dial answered: what the last dial said, when one failed, else err.
 func (bc *brokerConn) cutShort(err error) error {
-	if last := bc.lastFailure.Load(); last != nil {
-		return fmt.Errorf("%w (no answer yet to the dial under way: %v)", dialFailure(bc.broker, *last), err)
+	if last := bc.lastFailure(); last != nil {
+		return fmt.Errorf("%w (no answer yet to the dial under way: %v)", dialFailure(bc.broker, last), err)
 	}
 	return err
+}
+
+// lastFailure is what the last dial said when it failed, nil once one
+// succeeded.
+func (bc *brokerConn) lastFailure() error {
+	if p := bc.lastErr.Load(); p != nil {
+		return *p
+	}
+	return nil
 }
 
 // dialFailure is why broker b could not be used: the broker refusing

@@ -41,13 +41,19 @@ func NewRetention(store *Store, cfg *Config, log *slog.Logger) *Retention {
 // the next run goes on from the first row left.
 func (r *Retention) Compress(ctx context.Context) error {
 	var after int64
+	mark := int64(-1) // the last id stored when this pass began; -1: none begun
 	total := 0
 	for {
-		// Every row up to mark is stored when the look below begins: once
-		// it finds none, the next looks begin after mark. (On PostgreSQL
-		// an older node's row still committing may hold an id below it;
-		// the next start of serve looks at the whole table again.)
-		mark, err := r.store.LastStoredID(ctx)
+		// Every row up to mark is stored when the pass begins: once it
+		// finds none left, the next pass begins after mark. (On
+		// PostgreSQL an older node's row still committing may hold an id
+		// below it; the next start of serve looks at the whole table.)
+		var err error
+		if mark < 0 {
+			if mark, err = r.store.LastStoredID(ctx); err != nil {
+				mark = -1
+			}
+		}
 		last, n := after, 0
 		if err == nil {
 			last, n, err = r.store.CompressOlderPayloads(ctx, after)
@@ -63,7 +69,7 @@ func (r *Retention) Compress(ctx context.Context) error {
 			if total > 0 {
 				r.log.Info("payloads stored before compression now compressed", "rows", total)
 			}
-			after, total, wait = max(after, mark), 0, r.every
+			after, mark, total, wait = max(after, mark), -1, 0, r.every
 		default:
 			after, total = last, total+n
 		}
