@@ -370,6 +370,10 @@ func TestRejectionsPruned(t *testing.T) {
 // the daemon's context ends (a tick ready beside it) still writes.
 func TestRejectionsFlushedAtShutdown(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testRejectionsFlushedAtShutdown)
+}
+
+func testRejectionsFlushedAtShutdown(t *testing.T) {
 	cfg := testConfig(t, amqpURL("unused"))
 	p := newParts(t, cfg)
 	ended, cancel := context.WithCancel(context.Background())

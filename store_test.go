@@ -858,6 +858,10 @@ func testPayloadsGivenBackExactly(t *testing.T) {
 // compressed.
 func TestCompressionLooksOnlyAtNewRows(t *testing.T) {
 	t.Parallel()
+	onBothStores(t, testCompressionLooksOnlyAtNewRows)
+}
+
+func testCompressionLooksOnlyAtNewRows(t *testing.T) {
 	ctx := context.Background()
 	cfg := testConfig(t, amqpURL("unused"))
 	p := newParts(t, cfg)
