@@ -820,6 +820,7 @@ type tcpProxy struct {
 	caFile  string
 	delay   time.Duration // set: each direction is this late (newWANProxy)
 	frames  *frameCounts  // set: the AMQP methods a plan's quota counts, counted as they pass
+	trips   *atomic.Int64 // set: a PostgreSQL client's round trips, counted as they pass
 	// dropOver, when set, drops a connection once its client has sent
 	// more than this many bytes: a broker that closes the connection on a
 	// message over its size limit.
@@ -836,6 +837,51 @@ func (p *tcpProxy) countFrames() *frameCounts {
 	defer p.mu.Unlock()
 	p.frames = &frameCounts{}
 	return p.frames
+}
+
+// countRoundTrips makes the proxy, in front of PostgreSQL, count the
+// round trips its clients ask for: each Sync (the extended protocol's end
+// of a request, which the server answers) and each simple Query.
+func (p *tcpProxy) countRoundTrips() *atomic.Int64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.trips = &atomic.Int64{}
+	return p.trips
+}
+
+// pgScanner follows the messages a PostgreSQL client sends (a startup
+// message without a type byte, then a type byte and a length each) and
+// counts the round trips among them.
+type pgScanner struct {
+	trips   *atomic.Int64
+	started bool
+	hdr     [5]byte
+	hn      int
+	left    int // the message's bytes still to pass
+}
+
+func (s *pgScanner) feed(b []byte) {
+	for len(b) > 0 {
+		if s.left > 0 {
+			n := min(s.left, len(b))
+			s.left, b = s.left-n, b[n:]
+			continue
+		}
+		hdr := s.hdr[:5]
+		if !s.started {
+			hdr = s.hdr[:4]
+		}
+		n := copy(hdr[s.hn:], b)
+		s.hn, b = s.hn+n, b[n:]
+		if s.hn < len(hdr) {
+			return
+		}
+		s.hn, s.left = 0, int(binary.BigEndian.Uint32(hdr[len(hdr)-4:]))-4
+		if s.started && (hdr[0] == 'S' || hdr[0] == 'Q') {
+			s.trips.Add(1)
+		}
+		s.started = true
+	}
 }
 
 // frameScanner follows the AMQP frames of one direction of a connection
@@ -961,12 +1007,16 @@ func (p *tcpProxy) serve() {
 
 func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
 	p.mu.Lock()
-	var scan *frameScanner
-	if p.frames != nil {
-		scan = &frameScanner{counts: p.frames}
+	var scan interface{ feed([]byte) }
+	switch {
+	case p.frames != nil:
+		fs := &frameScanner{counts: p.frames}
 		if fromClient {
-			scan.skip = 8 // "AMQP" 0 0 9 1
+			fs.skip = 8 // "AMQP" 0 0 9 1
 		}
+		scan = fs
+	case p.trips != nil && fromClient:
+		scan = &pgScanner{trips: p.trips}
 	}
 	dropOver := p.dropOver
 	p.mu.Unlock()
@@ -1006,7 +1056,7 @@ func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
 // chunks that are due together go out in one write, and read buffers are
 // reused: the proxy stands in for the internet, which takes none of the
 // machine's two cores, so it should take as little of them as it can.
-func (p *tcpProxy) delayedPipe(dst, src net.Conn, scan *frameScanner) {
+func (p *tcpProxy) delayedPipe(dst, src net.Conn, scan interface{ feed([]byte) }) {
 	type chunk struct {
 		buf *[]byte
 		n   int

@@ -46,6 +46,10 @@ type Store struct {
 	claim *os.File
 	// codec compresses and inflates the raw log's payloads (store_codec.go).
 	codec *payloadCodec
+	// guesses are the answers a consumer's statements nearly always get,
+	// sent ahead as if known (Tx.execGuess): a delivery's first copy
+	// stored, a worker's mark new, an order-safe row written.
+	guesses struct{ firstCopy, mark, row aheadGuess }
 }
 
 // OpenStore opens the database cfg names: the SQLite file at cfg.Path
@@ -178,6 +182,12 @@ type Tx struct {
 	savepoints bool
 	// changed counts the rows its statements changed (Changed).
 	changed int64
+	// conn is the PostgreSQL connection tx runs on, whose statements
+	// execAhead queues in ahead, to send together (Pipeline).
+	conn      *sql.Conn
+	pipelined bool
+	ahead     []aheadStmt
+	aheadErr  error // the failure of a flush: every later one's
 }
 
 // Changed is how many rows tx's statements have inserted, updated or
@@ -190,6 +200,9 @@ func (t *Tx) Changed() int64 { return t.changed }
 // synchronous=FULL makes the costliest part of a message. Messages stay in
 // order: fn handles them one after the other, each in a Savepoint.
 //
+// Statements fn queued ahead (Pipeline) are sent before the commit; one
+// answered otherwise runs fn again, with savepoints.
+//
 // A failure of the connection to PostgreSQL (connectionLost) is
 // ErrDatabaseLost: the store is lost until it answers again (Lost).
 func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
@@ -200,23 +213,57 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
 	savepoints := false
 	for {
-		tx, err := s.w.BeginTx(ctx, nil)
+		t, err := s.begin(ctx, savepoints)
 		if err != nil {
 			return s.health.observe(fmt.Errorf("begin: %w", err))
 		}
-		if err := fn(&Tx{s: s, tx: tx, savepoints: savepoints}); err != nil {
-			_ = tx.Rollback()
+		err = fn(t)
+		if err == nil {
+			err = t.flush(ctx)
+		}
+		if err != nil {
+			t.end(t.tx.Rollback())
 			if errors.Is(err, ErrNeedSavepoints) && !savepoints {
 				savepoints = true // once more, each part in its savepoint
 				continue
 			}
 			return s.health.observe(err)
 		}
-		if err := tx.Commit(); err != nil {
+		if err := t.end(t.tx.Commit()); err != nil {
 			return s.health.observe(fmt.Errorf("commit: %w", err))
 		}
 		return nil
 	}
+}
+
+// begin opens a write transaction: on PostgreSQL on a connection of its
+// own, which Tx.flush sends queued statements on.
+func (s *Store) begin(ctx context.Context, savepoints bool) (*Tx, error) {
+	t := &Tx{s: s, savepoints: savepoints}
+	if s.dialect == dialectSQLite {
+		tx, err := s.w.BeginTx(ctx, nil)
+		t.tx = tx
+		return t, err
+	}
+	conn, err := s.w.Conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if t.tx, err = conn.BeginTx(ctx, nil); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	t.conn = conn
+	return t, nil
+}
+
+// end gives t's connection back to the pool once its transaction has
+// ended with err, and returns err.
+func (t *Tx) end(err error) error {
+	if t.conn != nil {
+		t.conn.Close()
+	}
+	return err
 }
 
 // ErrNeedSavepoints is a part of a transaction that failed without a
@@ -297,8 +344,12 @@ type queryer interface {
 // On PostgreSQL a statement keeps its context, whose end cancels it: a
 // database that stops answering must not hold a transaction open; and
 // the driver keeps its own cache of prepared statements per connection.
+// What tx queued ahead (Pipeline) is sent first, in order.
 func (t *Tx) exec(ctx context.Context, query string, args ...any) (sql.Result, error) {
 	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if err := t.flush(ctx); err != nil {
 		return nil, err
 	}
 	args = sqlArgs(args)
@@ -330,8 +381,12 @@ func changes(query string) bool {
 	return false
 }
 
-// queryRow is exec's counterpart for one-row reads inside tx.
-func (t *Tx) queryRow(ctx context.Context, query string, args ...any) *sql.Row {
+// queryRow is exec's counterpart for one-row reads inside tx; they see
+// what the statements queued before them wrote.
+func (t *Tx) queryRow(ctx context.Context, query string, args ...any) scanner {
+	if err := t.flush(ctx); err != nil {
+		return failedRow{err}
+	}
 	args = sqlArgs(args)
 	if t.s.dialect == dialectPostgres {
 		return t.tx.QueryRowContext(ctx, query, args...)
@@ -342,6 +397,14 @@ func (t *Tx) queryRow(ctx context.Context, query string, args ...any) *sql.Row {
 	}
 	return t.tx.QueryRowContext(ctx, query, args...)
 }
+
+// scanner is a row read: *sql.Row, or failedRow.
+type scanner interface{ Scan(dest ...any) error }
+
+// failedRow is a read that failed before it was sent.
+type failedRow struct{ err error }
+
+func (r failedRow) Scan(...any) error { return r.err }
 
 // stmt is query's prepared statement bound to tx, or nil (and asked for)
 // when it is not prepared yet. database/sql binds a statement to a
@@ -379,6 +442,158 @@ func (s *Store) prepareWanted(ctx context.Context) {
 	})
 }
 
+// Pipeline has t send the statements execAhead and execGuess are given
+// together, on PostgreSQL: they are queued, and go to the database in one
+// round trip when t needs an answer (a result read, another statement, a
+// read, the commit). Each statement sent alone waits a round trip and
+// costs both sides a write and a read on the socket, more than most of
+// them cost to run. A consumer's batch writes four statements a message,
+// whose answers are known or guessed: sent so, the whole batch takes a
+// round trip or two. It is for a transaction that runs without
+// savepoints; on SQLite, where a statement is a function call, it changes
+// nothing.
+func (t *Tx) Pipeline() { t.pipelined = t.conn != nil && !t.savepoints }
+
+// anyRows is execAhead's rows for a statement whose result says how many
+// rows it changed when it is read (which sends it), rather than being
+// known ahead.
+const anyRows = -1
+
+// aheadStmt is a statement queued ahead: its text, its arguments, the
+// rows it is known or guessed to change (or anyRows) and its result.
+type aheadStmt struct {
+	pipelined
+	rows  int64
+	guess *aheadGuess // set: rows is its guess
+	res   *aheadResult
+}
+
+// aheadResult is the result of a statement sent ahead: reading it sends
+// what is queued, up to it at least.
+type aheadResult struct {
+	ctx  context.Context
+	tx   *Tx
+	rows int64
+	sent bool
+}
+
+func (r *aheadResult) RowsAffected() (int64, error) {
+	if !r.sent {
+		if err := r.tx.flush(r.ctx); err != nil {
+			return 0, err
+		}
+	}
+	return r.rows, nil
+}
+
+func (r *aheadResult) LastInsertId() (int64, error) {
+	return 0, errors.New("a statement sent ahead has no last insert id")
+}
+
+// errAheadMissed is a statement sent ahead that failed, or changed other
+// rows than its caller knew or guessed it would (a duplicate delivery): what
+// the transaction did after it assumed otherwise, so it is run again, one
+// statement at a time and each part in its savepoint (WriteTx), as when a
+// part fails.
+var errAheadMissed = fmt.Errorf("%w: a statement sent ahead was answered otherwise than expected", ErrNeedSavepoints)
+
+// execAhead is exec for a statement whose answer its caller does not need
+// before the next statement: rows is how many rows it changes, known
+// ahead (a count's upsert changes one), or anyRows, which the result
+// tells when read. In a pipelined transaction (Pipeline) it is queued; the
+// flush that sends it checks a count known ahead.
+func (t *Tx) execAhead(ctx context.Context, rows int64, query string, args ...any) (sql.Result, error) {
+	return t.queueAhead(ctx, rows, nil, query, args)
+}
+
+// execGuess is execAhead for a statement that changes one row nearly
+// always, which g guesses: while g is not resting (aheadGuess), the
+// statements after it are sent with it, as if its answer were known, and
+// a miss runs the transaction again.
+func (t *Tx) execGuess(ctx context.Context, g *aheadGuess, query string, args ...any) (sql.Result, error) {
+	return t.queueAhead(ctx, g.rows(), g, query, args)
+}
+
+func (t *Tx) queueAhead(ctx context.Context, rows int64, g *aheadGuess, query string, args []any) (sql.Result, error) {
+	if !t.pipelined {
+		return t.exec(ctx, query, args...)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	res := &aheadResult{ctx: ctx, tx: t, rows: max(rows, 0), sent: rows >= 0}
+	t.ahead = append(t.ahead, aheadStmt{pipelined: pipelined{query: query, args: sqlArgs(args)}, rows: rows, guess: g, res: res})
+	if rows > 0 && changes(query) {
+		t.changed += rows
+	}
+	return res, nil
+}
+
+// aheadGuess guesses that a statement changes one row, as it nearly
+// always does. A guess that missed cost its batch a second run, so it
+// rests for guessRest after a miss (the statement's answer is read
+// instead): a setup where it misses often (several hooks for one event,
+// each copy after the first; a pull request labeled over and over, whose
+// row does not change) pays a second run once in that time.
+type aheadGuess struct{ missed atomic.Int64 } // the last miss, Unix nanoseconds
+
+const guessRest = time.Minute
+
+// rows is the guess, or anyRows while it rests.
+func (g *aheadGuess) rows() int64 {
+	if m := g.missed.Load(); m != 0 && time.Since(time.Unix(0, m)) < guessRest {
+		return anyRows
+	}
+	return 1
+}
+
+func (g *aheadGuess) miss() { g.missed.Store(time.Now().UnixNano()) }
+
+// flush sends the statements queued ahead in one round trip
+// (sendPipeline) and reads their answers into their results. A statement
+// that fails, or changes other rows than known or guessed ahead, is
+// errAheadMissed, unless the connection is lost; and so is every flush
+// after it.
+func (t *Tx) flush(ctx context.Context) error {
+	if len(t.ahead) == 0 || t.aheadErr != nil {
+		return t.aheadErr
+	}
+	ahead := t.ahead
+	t.ahead = nil
+	stmts := make([]pipelined, len(ahead))
+	for i, st := range ahead {
+		stmts[i] = st.pipelined
+	}
+	var rows []int64
+	err := t.conn.Raw(func(dc any) (err error) {
+		rows, err = sendPipeline(ctx, dc, stmts)
+		return err
+	})
+	for i, n := range rows {
+		st := ahead[i]
+		switch {
+		case st.rows == anyRows:
+			st.res.rows, st.res.sent = n, true
+			if changes(st.query) {
+				t.changed += n
+			}
+		case n != st.rows:
+			if st.guess != nil {
+				st.guess.miss()
+			}
+			t.aheadErr = fmt.Errorf("%w: %d rows changed where %d were expected", errAheadMissed, n, st.rows)
+			return t.aheadErr
+		}
+	}
+	switch {
+	case err != nil && connectionLost(err):
+		t.aheadErr = err
+	case err != nil:
+		t.aheadErr = fmt.Errorf("%w: %w", errAheadMissed, err)
+	}
+	return t.aheadErr
+}
+
 // Savepoint runs fn inside one savepoint of tx: a failure rolls back fn's
 // writes only, so one message of a batch that fails leaves the others.
 // Savepoints are released before the next begins, so one name serves them
@@ -393,6 +608,9 @@ func (s *Store) prepareWanted(ctx context.Context) {
 func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
 	if !t.savepoints {
 		if err := fn(); err != nil {
+			if errors.Is(err, errAheadMissed) {
+				return err // not fn's failure: an earlier part's, or none
+			}
 			return &NeedSavepoints{Err: err}
 		}
 		return nil

@@ -11,7 +11,7 @@ import (
 func (t *Tx) queueAlerts(ctx context.Context, deliveryID string, channels []string) error {
 	now := formatTime(time.Now())
 	for _, c := range channels {
-		if _, err := t.exec(ctx, `INSERT INTO alert_outbox (delivery_id, channel, created_at, next_at)
+		if _, err := t.execAhead(ctx, anyRows, `INSERT INTO alert_outbox (delivery_id, channel, created_at, next_at)
 			VALUES ($1, $2, $3, $4) ON CONFLICT (delivery_id, channel) DO NOTHING`, deliveryID, c, now, now); err != nil {
 			return fmt.Errorf("queue alert: %w", err)
 		}

@@ -98,3 +98,33 @@ func connectionLost(err error) bool {
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
 		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone)
 }
+
+// pipelined is a statement sent in a pipeline: its text and arguments.
+type pipelined struct {
+	query string
+	args  []any
+}
+
+// sendPipeline sends stmts on the pgx connection dc in one round trip (a
+// pipeline that one Sync ends) and reads their answers in order: the rows
+// each changed, up to the first that failed, and that one's failure.
+func sendPipeline(ctx context.Context, dc any, stmts []pipelined) (rows []int64, err error) {
+	conn, ok := dc.(*stdlib.Conn)
+	if !ok {
+		return nil, fmt.Errorf("send a pipeline: not a pgx connection: %T", dc)
+	}
+	var b pgx.Batch
+	for _, st := range stmts {
+		b.Queue(st.query, st.args...)
+	}
+	results := conn.Conn().SendBatch(ctx, &b)
+	rows = make([]int64, 0, len(stmts))
+	for range stmts {
+		tag, err := results.Exec()
+		if err != nil {
+			return rows, errors.Join(err, results.Close())
+		}
+		rows = append(rows, tag.RowsAffected())
+	}
+	return rows, results.Close()
+}

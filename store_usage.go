@@ -24,7 +24,7 @@ func (tx *Tx) AddBrokerUsage(ctx context.Context, at time.Time, rows []usageRow)
 		if r.Published == 0 && r.Delivered == 0 {
 			continue
 		}
-		if _, err := tx.exec(ctx, `INSERT INTO broker_usage (broker, hour, published, delivered) VALUES ($1, $2, $3, $4)
+		if _, err := tx.execAhead(ctx, 1, `INSERT INTO broker_usage (broker, hour, published, delivered) VALUES ($1, $2, $3, $4)
 			ON CONFLICT (broker, hour) DO UPDATE SET published = broker_usage.published + excluded.published,
 			delivered = broker_usage.delivered + excluded.delivered`, r.Broker, hour, r.Published, r.Delivered); err != nil {
 			return fmt.Errorf("write broker_usage: %w", err)

@@ -99,8 +99,12 @@ func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, erro
 				continue
 			}
 			verdicts[i] = next(i).handle(ctx, tx, o.Handle)
-			if ns := (*NeedSavepoints)(nil); errors.As(verdicts[i], &ns) {
-				failed[i] = verdict(ns.Err)
+			if errors.Is(verdicts[i], ErrNeedSavepoints) {
+				// This message's failure, or a statement sent
+				// ahead that was answered otherwise (no one's).
+				if ns := (*NeedSavepoints)(nil); errors.As(verdicts[i], &ns) {
+					failed[i] = verdict(ns.Err)
+				}
 				return verdicts[i]
 			}
 		}
@@ -250,6 +254,11 @@ func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *U
 func batchWithUsage(ctx context.Context, batcher Batcher, usage *Usage, fn func(tx *Tx) error) error {
 	undo := func() {}
 	err := batcher.WriteTx(ctx, func(tx *Tx) error {
+		// A run again (with savepoints) counts anew: what an earlier run
+		// took goes back first.
+		undo()
+		undo = func() {}
+		tx.Pipeline()
 		if err := fn(tx); err != nil || usage == nil {
 			return err
 		}

@@ -1,11 +1,14 @@
 package main
 
 import (
+	"context"
 	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -716,5 +719,148 @@ func TestMalformedPayloads(t *testing.T) {
 				t.Fatalf("got %v, want a permanent failure", err)
 			}
 		})
+	}
+}
+
+// On PostgreSQL a consumer's batch sends its statements ahead of their
+// answers (Tx.Pipeline), which it knows or guesses: the database worker's
+// batch of new pull requests takes a few round trips, where a statement at
+// a time takes two a message. A batch in which a guess misses (a delivery
+// done before) runs again a statement at a time, each message with its own
+// verdict, beside an older Event; so does one with a payload missing a
+// field. And a guess that missed then rests: the next batch with a
+// delivery done before reads the answers instead of running twice.
+func TestBatchSendsAhead(t *testing.T) {
+	t.Parallel()
+	needPostgres(t)
+	ctx := context.Background()
+	cfg := postgresConfig(t)
+	u, err := url.Parse(cfg.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := newTCPProxy(t, u.Host)
+	trips := proxy.countRoundTrips()
+	u.Host = proxy.addr
+	cfg.URL = u.String()
+	store, err := OpenStore(ctx, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	if _, _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.DiscardHandler)
+	o := EventOptions{Queue: queueDatabase, Handle: databaseHandler(testBotAppID, nil, log),
+		Prepare: databasePrepare(testBotAppID), Batch: store, Log: log}
+	pr := func(guid, node, updated string, edit func(pr map[string]any)) Message {
+		body := mutate(t, loadFixture(t, "pull_request", "opened"), func(p map[string]any) {
+			obj(p, "pull_request")["node_id"] = node
+			obj(p, "pull_request")["updated_at"] = updated
+			if edit != nil {
+				edit(obj(p, "pull_request"))
+			}
+		})
+		m := eventMessage("pull_request", guid, body)
+		m.Headers[hdrTargetType], m.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
+		return Message{ID: m.MessageId, Type: m.Type, Headers: m.Headers, Body: m.Body, Timestamp: m.Timestamp}
+	}
+	const n = 40
+	var msgs []Message
+	for i := range n {
+		msgs = append(msgs, pr(fmt.Sprintf("ahead-%d", i), fmt.Sprintf("node-ahead-%d", i), "2024-06-01T10:00:00Z", nil))
+	}
+	before := trips.Load()
+	verdicts, err := o.handleBatch(ctx, msgs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, v := range verdicts {
+		if v != nil {
+			t.Fatalf("message %d: %v", i, v)
+		}
+	}
+	// Two a message sent one at a time, begin and commit: 2n+2 and more.
+	// A statement at a time: two a message, begin and commit.
+	if got := trips.Load() - before; got > n/4 {
+		t.Errorf("a batch of %d new pull requests took %d round trips, want a few", n, got)
+	}
+	db := openStoreDB(t, cfg)
+	if got := queryInt(t, db, "SELECT count(*) FROM github_pull_requests WHERE node_id LIKE 'node-ahead-%'"); got != n {
+		t.Fatalf("%d pull request rows of %d", got, n)
+	}
+
+	mixed := []Message{
+		pr("mixed-new-1", "node-mixed-1", "2024-06-01T10:00:00Z", nil),
+		msgs[0], // done before: its mark is answered with no row
+		pr("mixed-new-2", "node-mixed-2", "2024-06-01T10:00:00Z", nil),
+		pr("mixed-older", "node-ahead-1", "2024-05-01T10:00:00Z", func(p map[string]any) { p["title"] = "older" }),
+		pr("mixed-new-3", "node-mixed-4", "2024-06-01T10:00:00Z", nil),
+	}
+	verdicts, err = o.handleBatch(ctx, mixed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, v := range verdicts {
+		switch want := mixed[i].ID; {
+		case want == msgs[0].ID:
+			if !errors.Is(v, ErrDuplicate) {
+				t.Errorf("the delivery done before: %v, want a duplicate", v)
+			}
+		case v != nil:
+			t.Errorf("%s: %v", want, v)
+		}
+	}
+	var outcome, title string
+	if err := db.QueryRow("SELECT outcome FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = 'mixed-older'").Scan(&outcome); err != nil || outcome != "stale" {
+		t.Errorf("the older Event: outcome %q (%v), want stale", outcome, err)
+	}
+	if err := db.QueryRow("SELECT title FROM github_pull_requests WHERE node_id = 'node-ahead-1'").Scan(&title); err != nil || title == "older" {
+		t.Errorf("the older Event wrote its title over the newer row's (%v)", err)
+	}
+	if got := queryInt(t, db, "SELECT count(*) FROM github_pull_requests WHERE node_id IN ('node-mixed-1', 'node-mixed-2', 'node-mixed-4')"); got != 3 {
+		t.Errorf("%d of the 3 new pull requests beside them stored", got)
+	}
+	if got := queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE delivery_id = $1", msgs[0].ID); got != 1 {
+		t.Errorf("the delivery done before marked %d times", got)
+	}
+
+	// A payload missing a field fails alone (before its statements: the
+	// batch runs again with savepoints).
+	broken := []Message{
+		pr("broken-new-1", "node-broken-1", "2024-06-01T10:00:00Z", nil),
+		pr("broken", "node-broken-2", "2024-06-01T10:00:00Z", func(p map[string]any) { delete(p, "node_id") }),
+		pr("broken-new-2", "node-broken-3", "2024-06-01T10:00:00Z", nil),
+	}
+	if verdicts, err = o.handleBatch(ctx, broken); err != nil {
+		t.Fatal(err)
+	}
+	var pe *permanentError
+	if verdicts[0] != nil || !errors.As(verdicts[1], &pe) || verdicts[2] != nil {
+		t.Errorf("a batch with a payload without node_id: verdicts %v, want nil, permanent, nil", verdicts)
+	}
+	if got := queryInt(t, db, "SELECT count(*) FROM github_pull_requests WHERE node_id LIKE 'node-broken-%'"); got != 2 {
+		t.Errorf("%d of the 2 new pull requests beside the broken one stored", got)
+	}
+
+	// The guesses rest: the answers are read, two round trips a message,
+	// where a batch run again takes four a message and more.
+	var next []Message
+	for i := range n {
+		next = append(next, pr(fmt.Sprintf("rest-%d", i), fmt.Sprintf("node-rest-%d", i), "2024-06-01T10:00:00Z", nil))
+	}
+	next[n/2] = msgs[2]
+	before = trips.Load()
+	if verdicts, err = o.handleBatch(ctx, next); err != nil {
+		t.Fatal(err)
+	}
+	for i, v := range verdicts {
+		if i == n/2 && !errors.Is(v, ErrDuplicate) || i != n/2 && v != nil {
+			t.Errorf("after the misses, message %d: %v", i, v)
+		}
+	}
+	if got := trips.Load() - before; got >= 3*n {
+		t.Errorf("a batch with a delivery done before, right after a miss, took %d round trips for %d messages: it ran twice", got, n)
 	}
 }

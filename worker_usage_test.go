@@ -272,6 +272,56 @@ func testUsageInBatchTransactions(t *testing.T) {
 	}
 }
 
+// A batch that runs again (on PostgreSQL, one whose statement sent ahead
+// was answered otherwise: a delivery done before) counts what the broker
+// counted once, with the run that commits: the database worker's batches
+// of deliveries half of which it finished before.
+func TestUsageCountedOnceWhenABatchRunsAgain(t *testing.T) {
+	t.Parallel()
+	onBothStores(t, testUsageCountedOnceWhenABatchRunsAgain)
+}
+
+func testUsageCountedOnceWhenABatchRunsAgain(t *testing.T) {
+	vhost, wire, cfg := wireConfig(t)
+	p := newParts(t, cfg)
+	if err := p.queues.Reachable(context.Background(), p.brokers.List()[0]); err != nil { // declares the topology
+		t.Fatal(err)
+	}
+	budget := NewUsage(cfg, p.brokers, p.queues, p.store, nil, nil, p.log, nil, nil) // never Run
+	ctx := context.Background()
+	body := loadFixture(t, "issues", "opened")
+	for i := range 40 {
+		g := newGUID()
+		if i%2 == 1 {
+			if err := p.store.WriteTx(ctx, func(tx *Tx) error {
+				_, err := tx.MarkDelivery(ctx, "database-service", DeliveryKey{GUID: g}, nil)
+				return err
+			}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		publishRaw(t, vhost, "", queueDatabase, eventMessage("issues", g, body))
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueDatabase, Handle: databaseHandler(testBotAppID, nil, p.log),
+			Batch: p.store, Usage: budget, Log: p.log}.options())
+		close(done)
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	db := openStoreDB(t, cfg.Database)
+	eventually(t, 30*time.Second, "every delivery finished", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service'") == 40
+	})
+	eventually(t, 10*time.Second, "every delivery on the wire counted once", func() bool {
+		return int64(queryInt(t, db, "SELECT coalesce(sum(delivered), 0) FROM broker_usage")) == wire.deliver.Load()
+	})
+	if wire.deliver.Load() < 40 {
+		t.Errorf("the wire carried %d deliveries of 40 messages", wire.deliver.Load())
+	}
+}
+
 // wireConfig is a test config whose broker is a new vhost behind a proxy
 // that counts the billable frames it carries.
 func wireConfig(t *testing.T) (vhost string, wire *frameCounts, cfg *Config) {
