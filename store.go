@@ -552,8 +552,8 @@ func (g *aheadGuess) miss() { g.missed.Store(time.Now().UnixNano()) }
 // flush sends the statements queued ahead in one round trip
 // (sendPipeline) and reads their answers into their results. A statement
 // that fails, or changes other rows than known or guessed ahead, is
-// errAheadMissed, unless the connection is lost; and so is every flush
-// after it.
+// errAheadMissed, unless the connection is lost or ctx ended; and so is
+// every flush after it.
 func (t *Tx) flush(ctx context.Context) error {
 	if len(t.ahead) == 0 || t.aheadErr != nil {
 		return t.aheadErr
@@ -586,9 +586,10 @@ func (t *Tx) flush(ctx context.Context) error {
 		}
 	}
 	switch {
-	case err != nil && connectionLost(err):
-		t.aheadErr = err
-	case err != nil:
+	case err == nil:
+	case connectionLost(err) || ctx.Err() != nil:
+		t.aheadErr = err // no statement's answer: nothing to run again for
+	default:
 		t.aheadErr = fmt.Errorf("%w: %w", errAheadMissed, err)
 	}
 	return t.aheadErr

@@ -399,6 +399,41 @@ func testBatchContextEndsMidway(t *testing.T) {
 	}
 }
 
+// On PostgreSQL a batch whose context ends before its queued statements
+// are sent (Tx.Pipeline) fails with the context's error and commits
+// nothing, and it is not run again as if a statement had been answered
+// otherwise.
+func TestPipelineContextEndsBeforeSend(t *testing.T) {
+	t.Parallel()
+	needPostgres(t)
+	store, err := OpenStore(context.Background(), postgresConfig(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	if _, _, err := store.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	runs := 0
+	err = store.WriteTx(ctx, func(tx *Tx) error {
+		runs++
+		tx.Pipeline()
+		if _, err := tx.execAhead(ctx, 1, "INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('t', 'queued', 'x')"); err != nil {
+			return err
+		}
+		cancel()
+		return nil
+	})
+	if !errors.Is(err, context.Canceled) || runs != 1 {
+		t.Errorf("a batch cut short before its statements went: %v after %d runs, want context.Canceled after 1", err, runs)
+	}
+	if n := queryInt(t, store.r, "SELECT count(*) FROM worker_deliveries WHERE worker = 't'"); n != 0 {
+		t.Fatalf("%d rows committed from a batch whose context ended", n)
+	}
+}
+
 // Each filter of the deliveries search reads an index that hands rows over
 // in the page's order, or narrows to a few: never the whole github table,
 // and never a sort of everything that matches. (The forbidden outcome once
