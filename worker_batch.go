@@ -250,7 +250,8 @@ func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *U
 // it was last taken:
 // a message's delivery is counted with the commit of what it did, and a
 // daemon at work writes no transaction of its own for its counts. Counts a
-// transaction did not commit go back. A nil usage runs fn alone.
+// transaction did not commit go back. A nil usage runs fn alone. The
+// transaction's statements go ahead of their answers (Tx.Pipeline).
 func batchWithUsage(ctx context.Context, batcher Batcher, usage *Usage, fn func(tx *Tx) error) error {
 	undo := func() {}
 	err := batcher.WriteTx(ctx, func(tx *Tx) error {
