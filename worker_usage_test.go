@@ -242,6 +242,19 @@ func TestUsageInBatchTransactions(t *testing.T) {
 }
 
 func testUsageInBatchTransactions(t *testing.T) {
+	countUsageInBatches(t, queueGitHub, func(p *parts) Handler { return serviceHandler(nil, 0, false) }, nil,
+		"every delivery stored", "SELECT count(*) FROM github")
+}
+
+// countUsageInBatches publishes 40 deliveries to queue and consumes them
+// with the handler h gives, with a Usage that never runs (nothing writes
+// its counts but the batches' transactions). before, when set, runs for
+// each delivery before it is published. Once finished (a count that
+// reaches 40) says every delivery is done, broker_usage holds every
+// delivery the wire carried.
+func countUsageInBatches(t *testing.T, queue string, h func(p *parts) Handler, before func(p *parts, guid string, i int),
+	what, finished string) {
+	t.Helper()
 	vhost, wire, cfg := wireConfig(t)
 	p := newParts(t, cfg)
 	if err := p.queues.Reachable(context.Background(), p.brokers.List()[0]); err != nil { // declares the topology
@@ -249,22 +262,24 @@ func testUsageInBatchTransactions(t *testing.T) {
 	}
 	budget := NewUsage(cfg, p.brokers, p.queues, p.store, nil, nil, p.log, nil, nil) // never Run
 	body := loadFixture(t, "issues", "opened")
-	for range 40 {
-		publishRaw(t, vhost, "", queueGitHub, eventMessage("issues", newGUID(), body))
+	for i := range 40 {
+		g := newGUID()
+		if before != nil {
+			before(p, g, i)
+		}
+		publishRaw(t, vhost, "", queue, eventMessage("issues", g, body))
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: serviceHandler(nil, 0, false),
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queue, Handle: h(p),
 			Batch: p.store, Usage: budget, Log: p.log}.options())
 		close(done)
 	}()
 	t.Cleanup(func() { cancel(); <-done })
 	db := openStoreDB(t, cfg.Database)
-	eventually(t, 30*time.Second, "every delivery stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github") == 40
-	})
-	eventually(t, 10*time.Second, "every delivery on the wire counted with a batch", func() bool {
+	eventually(t, 30*time.Second, what, func() bool { return queryInt(t, db, finished) == 40 })
+	eventually(t, 10*time.Second, "every delivery on the wire counted once, with a batch", func() bool {
 		return int64(queryInt(t, db, "SELECT coalesce(sum(delivered), 0) FROM broker_usage")) == wire.deliver.Load()
 	})
 	if wire.deliver.Load() < 40 {
@@ -282,44 +297,20 @@ func TestUsageCountedOnceWhenABatchRunsAgain(t *testing.T) {
 }
 
 func testUsageCountedOnceWhenABatchRunsAgain(t *testing.T) {
-	vhost, wire, cfg := wireConfig(t)
-	p := newParts(t, cfg)
-	if err := p.queues.Reachable(context.Background(), p.brokers.List()[0]); err != nil { // declares the topology
-		t.Fatal(err)
-	}
-	budget := NewUsage(cfg, p.brokers, p.queues, p.store, nil, nil, p.log, nil, nil) // never Run
-	ctx := context.Background()
-	body := loadFixture(t, "issues", "opened")
-	for i := range 40 {
-		g := newGUID()
-		if i%2 == 1 {
-			if err := p.store.WriteTx(ctx, func(tx *Tx) error {
-				_, err := tx.MarkDelivery(ctx, "database-service", DeliveryKey{GUID: g}, nil)
-				return err
-			}); err != nil {
-				t.Fatal(err)
-			}
+	markedBefore := func(p *parts, guid string, i int) {
+		if i%2 == 0 {
+			return
 		}
-		publishRaw(t, vhost, "", queueDatabase, eventMessage("issues", g, body))
+		ctx := context.Background()
+		if err := p.store.WriteTx(ctx, func(tx *Tx) error {
+			_, err := tx.MarkDelivery(ctx, "database-service", DeliveryKey{GUID: guid}, nil)
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueDatabase, Handle: databaseHandler(testBotAppID, nil, p.log),
-			Batch: p.store, Usage: budget, Log: p.log}.options())
-		close(done)
-	}()
-	t.Cleanup(func() { cancel(); <-done })
-	db := openStoreDB(t, cfg.Database)
-	eventually(t, 30*time.Second, "every delivery finished", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service'") == 40
-	})
-	eventually(t, 10*time.Second, "every delivery on the wire counted once", func() bool {
-		return int64(queryInt(t, db, "SELECT coalesce(sum(delivered), 0) FROM broker_usage")) == wire.deliver.Load()
-	})
-	if wire.deliver.Load() < 40 {
-		t.Errorf("the wire carried %d deliveries of 40 messages", wire.deliver.Load())
-	}
+	countUsageInBatches(t, queueDatabase, func(p *parts) Handler { return databaseHandler(testBotAppID, nil, p.log) }, markedBefore,
+		"every delivery finished", "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service'")
 }
 
 // wireConfig is a test config whose broker is a new vhost behind a proxy
