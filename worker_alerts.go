@@ -72,10 +72,11 @@ func (s *AlertSender) sendDue(ctx context.Context, channel string) {
 		if sendErr != nil {
 			backoff := min(s.minBackoff<<min(a.Attempts, 20), s.maxBackoff)
 			backoff = backoff/2 + rand.N(backoff/2+1)
-			log.Warn("alert not sent, will retry", "attempt", a.Attempts+1, "retry_in", backoff.Round(time.Millisecond), "error", sendErr)
+			// Logged once recorded: the line says the retry is due.
 			if err := s.store.WriteTx(ctx, func(tx *Tx) error { return tx.AlertFailed(ctx, a.ID, sendErr, time.Now().Add(backoff)) }); err != nil {
 				log.Warn("cannot record the failed alert", "error", err)
 			}
+			log.Warn("alert not sent, will retry", "attempt", a.Attempts+1, "retry_in", backoff.Round(time.Millisecond), "error", sendErr)
 			return
 		}
 		if err := s.store.WriteTx(ctx, func(tx *Tx) error { return tx.AlertSent(ctx, a.ID, a.Event.DeliveryID) }); err != nil {
