@@ -61,7 +61,10 @@ type roomUse struct {
 // name (package-level, method or field) declared in another file.
 func roomUses(t *testing.T, dir string) []roomUse {
 	t.Helper()
-	out, err := exec.Command("go", "list", "-export", "-deps", "-json=ImportPath,Export", dir).Output()
+	builtBinary(t) // compiles what go list -export reads, once for every test
+	cmd := exec.Command("go", "list", buildFlags, "-export", "-deps", "-json=ImportPath,Export", dir)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	out, err := cmd.Output()
 	if err != nil {
 		var ee *exec.ExitError
 		if errors.As(err, &ee) {
