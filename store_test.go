@@ -789,11 +789,13 @@ func TestSchemaSameOnBothDialects(t *testing.T) {
 	}
 }
 
-// Every reader of the raw log gives back the exact bytes of each payload,
-// stored compressed or, as rows from before, as text, and again once the
-// retention job compressed those: the recorded shapes, empty, one byte,
-// and GitHub's largest. A payload that does not decompress is told as
-// such; the story and the page go on.
+// Every reader of the raw log gives back the exact bytes of each payload
+// (the story, which the deliveries page, its download and `deliveries
+// show` print; the alerts; reprocess), stored compressed or, as rows from
+// before, as text, and again once the retention job compressed those: the
+// recorded shapes, empty, one byte, and GitHub's largest. A payload that
+// does not decompress is told as such; the story, the page and
+// reprocess's reader go on.
 func TestPayloadsGivenBackExactly(t *testing.T) {
 	t.Parallel()
 	onBothStores(t, testPayloadsGivenBackExactly)
@@ -857,6 +859,13 @@ func testPayloadsGivenBackExactly(t *testing.T) {
 				t.Errorf("%s, %s: the alert's payload %d bytes, want %d", when, a.Event.DeliveryID, len(a.Event.Payload), len(want))
 			}
 		}
+		// reprocess's reader, through the whole log.
+		read := rawLog(t, store)
+		for guid, want := range payloads {
+			if c, ok := read[guid]; !ok || c.Unreadable != nil || string(c.Payload) != string(want) {
+				t.Errorf("%s, %s (old %t): reprocess reads %d bytes (%v), want the %d stored", when, guid, old[guid], len(c.Payload), c.Unreadable, len(want))
+			}
+		}
 	}
 	check("stored")
 	for after := int64(0); ; {
@@ -884,6 +893,29 @@ func testPayloadsGivenBackExactly(t *testing.T) {
 	}
 	if _, err := store.DueAlerts(ctx, "push", time.Now().Add(time.Hour), 1000); err != nil {
 		t.Errorf("due alerts beside a broken payload: %v", err)
+	}
+	if c := rawLog(t, store)["exact-002"]; !errors.Is(c.Unreadable, ErrPayloadUnreadable) {
+		t.Errorf("reprocess reads a broken payload as %v, want it told unreadable", c.Unreadable)
+	}
+}
+
+// rawLog is every row of the raw log as reprocess reads it, by GUID.
+func rawLog(t *testing.T, store *Store) map[string]RawCopy {
+	t.Helper()
+	out := map[string]RawCopy{}
+	var after *RawCopy
+	for {
+		batch, err := store.RawCopies(context.Background(), RawFilter{}, after, 100, 64<<20)
+		if err != nil {
+			t.Fatalf("read the raw log: %v", err)
+		}
+		if len(batch) == 0 {
+			return out
+		}
+		for _, c := range batch {
+			out[c.GUID] = c
+		}
+		after = &batch[len(batch)-1]
 	}
 }
 
