@@ -236,6 +236,7 @@ func testBrokerAPI(t *testing.T) {
 func startAPI(t *testing.T, cfg *Config) *testDaemon {
 	t.Helper()
 	log := slog.New(slog.NewTextHandler(&logSink{t: t}, nil))
+	withMigratedStore(t, cfg.Database)
 	d, err := NewDaemon(context.Background(), cfg, log)
 	if err != nil {
 		t.Fatal(err)

@@ -301,6 +301,7 @@ func startDaemon(t *testing.T, cfg *Config) *testDaemon {
 	sink := &logSink{t: t}
 	log := slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	ctx, cancel := context.WithCancel(context.Background())
+	withMigratedStore(t, cfg.Database)
 	d, err := NewDaemon(ctx, cfg, log)
 	if err != nil {
 		cancel()
@@ -580,6 +581,64 @@ func testStore(t testing.TB) DatabaseConfig {
 	db := DefaultConfig().Database
 	db.Path = filepath.Join(t.TempDir(), "switchyard.db")
 	return db
+}
+
+// migratedTemplate is an SQLite database migrated once for the whole test
+// binary; withMigratedStore copies it.
+var migratedTemplate struct {
+	once sync.Once
+	dir  string
+	err  error
+}
+
+// withMigratedStore puts a migrated SQLite database at db's path when
+// nothing is there yet, so that the daemon or the parts about to open it
+// find the schema current. Migrating from nothing parses every
+// migration's SQL, which under the race detector was a fifth of the
+// suite's CPU; the tests of migrating itself open their databases
+// themselves. A PostgreSQL database, or a file a test made, is left as it
+// is.
+func withMigratedStore(t testing.TB, db DatabaseConfig) {
+	t.Helper()
+	if db.Driver == "postgres" {
+		return
+	}
+	if _, err := os.Stat(db.Path); !errors.Is(err, os.ErrNotExist) {
+		return
+	}
+	migratedTemplate.once.Do(func() {
+		dir, err := os.MkdirTemp("", "switchyard-template")
+		if err != nil {
+			migratedTemplate.err = err
+			return
+		}
+		migratedTemplate.dir = dir
+		cfg := DefaultConfig().Database
+		cfg.Path = filepath.Join(dir, "switchyard.db")
+		store, err := OpenStore(context.Background(), cfg, nil)
+		if err != nil {
+			migratedTemplate.err = err
+			return
+		}
+		_, _, err = store.Migrate(context.Background())
+		// Closing the last connection folds the WAL into the file.
+		if err = errors.Join(err, store.Close()); err == nil {
+			if fi, werr := os.Stat(cfg.Path + "-wal"); werr == nil && fi.Size() > 0 {
+				err = fmt.Errorf("%s-wal left with %d bytes: the copy would lack them", cfg.Path, fi.Size())
+			}
+		}
+		migratedTemplate.err = err
+	})
+	if migratedTemplate.err != nil {
+		t.Fatalf("the migrated template database: %v", migratedTemplate.err)
+	}
+	b, err := os.ReadFile(filepath.Join(migratedTemplate.dir, "switchyard.db"))
+	if err == nil {
+		err = os.WriteFile(db.Path, b, 0o600)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
 }
 
 // databaseKeys are the [database] table's keys of cfg, for a config file.
@@ -1222,6 +1281,7 @@ type parts struct {
 func newParts(t testing.TB, cfg *Config) *parts {
 	t.Helper()
 	ctx := context.Background()
+	withMigratedStore(t, cfg.Database)
 	store, err := OpenStore(ctx, cfg.Database, nil)
 	if err != nil {
 		t.Fatal(err)

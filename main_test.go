@@ -73,6 +73,19 @@ level = "info"
 	return p
 }
 
+// TestMain removes what was made once for every test: the built binary
+// and the migrated template database.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if binPath != "" {
+		os.RemoveAll(filepath.Dir(binPath))
+	}
+	if migratedTemplate.dir != "" {
+		os.RemoveAll(migratedTemplate.dir)
+	}
+	os.Exit(code)
+}
+
 // buildFlags are `make build`'s, and every build a test starts (this
 // binary, `make deb`'s, the export data TestLayers reads) is CGO_ENABLED=0
 // with them: they share the compiled packages in Go's build cache, where
