@@ -91,41 +91,121 @@ func needRabbitmqctl(t testing.TB) {
 	}
 }
 
-// newVhost creates a fresh vhost for the test and deletes it afterwards.
+// newVhost gives the test a fresh vhost of its own, deleted after it.
 func newVhost(t testing.TB) string {
 	t.Helper()
+	mgmt := testBroker().mgmt
+	if mgmt == "" {
+		name := localVhosts.take(t)
+		t.Logf("vhost %s", name)
+		t.Cleanup(func() { localVhosts.release(t, name) })
+		return name
+	}
 	name := "sy-" + strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name()))
 	if len(name) > 40 {
 		name = name[:40]
 	}
 	name += "-" + randHex(4)
-	if mgmt := testBroker().mgmt; mgmt != "" {
-		user := testBroker().url.User.Username()
-		management(t, http.MethodPut, mgmt+"/api/vhosts/"+url.PathEscape(name), "")
-		management(t, http.MethodPut, mgmt+"/api/permissions/"+url.PathEscape(name)+"/"+url.PathEscape(user),
-			`{"configure":".*","write":".*","read":".*"}`)
-		t.Cleanup(func() { management(t, http.MethodDelete, mgmt+"/api/vhosts/"+url.PathEscape(name), "") })
-		return name
-	}
-	ctl := func(args ...string) error {
-		out, err := exec.Command("rabbitmqctl", append([]string{"-q"}, args...)...).CombinedOutput()
-		if err != nil {
-			return fmt.Errorf("rabbitmqctl %v: %v: %s", args, err, out)
+	user := testBroker().url.User.Username()
+	management(t, http.MethodPut, mgmt+"/api/vhosts/"+url.PathEscape(name), "")
+	management(t, http.MethodPut, mgmt+"/api/permissions/"+url.PathEscape(name)+"/"+url.PathEscape(user),
+		`{"configure":".*","write":".*","read":".*"}`)
+	t.Cleanup(func() { management(t, http.MethodDelete, mgmt+"/api/vhosts/"+url.PathEscape(name), "") })
+	return name
+}
+
+// localVhosts makes and deletes the local RabbitMQ's test vhosts a batch
+// at a time: each rabbitmqctl starts an Erlang VM (about a second of CPU),
+// and a vhost made and deleted on its own took three, some 700 s of CPU
+// over the suite.
+var localVhosts vhostBatches
+
+// vhostBatch is how many vhosts one rabbitmqctl makes or deletes.
+const vhostBatch = 8
+
+type vhostBatches struct {
+	mu    sync.Mutex
+	ready []string // made, not yet taken
+	done  []string // their tests ended, not yet deleted
+}
+
+// take returns a vhost made for the tests, with every permission for the
+// tests' user, making a batch when none is left.
+func (v *vhostBatches) take(t testing.TB) string {
+	t.Helper()
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if len(v.ready) == 0 {
+		type perm struct {
+			User      string `json:"user"`
+			Vhost     string `json:"vhost"`
+			Configure string `json:"configure"`
+			Write     string `json:"write"`
+			Read      string `json:"read"`
 		}
+		var defs struct {
+			Vhosts      []map[string]string `json:"vhosts"`
+			Permissions []perm              `json:"permissions"`
+		}
+		user := testBroker().url.User.Username()
+		var names []string
+		for range vhostBatch {
+			name := "sy-" + randHex(6)
+			names = append(names, name)
+			defs.Vhosts = append(defs.Vhosts, map[string]string{"name": name})
+			defs.Permissions = append(defs.Permissions, perm{user, name, ".*", ".*", ".*"})
+		}
+		b, _ := json.Marshal(defs)
+		cmd := exec.Command("rabbitmqctl", "-q", "import_definitions", "--format", "json") // from stdin
+		cmd.Stdin = bytes.NewReader(b)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("rabbitmqctl import_definitions (the tests' vhosts): %v: %s", err, out)
+		}
+		v.ready = names
+	}
+	name := v.ready[len(v.ready)-1]
+	v.ready = v.ready[:len(v.ready)-1]
+	return name
+}
+
+// release deletes name with the vhosts released before it once they make
+// a batch; flush deletes the rest.
+func (v *vhostBatches) release(t testing.TB, name string) {
+	v.mu.Lock()
+	v.done = append(v.done, name)
+	var names []string
+	if len(v.done) >= vhostBatch {
+		names, v.done = v.done, nil
+	}
+	v.mu.Unlock()
+	if err := deleteVhosts(names); err != nil {
+		t.Logf("deleting the tests' vhosts %v: %v", names, err)
+	}
+}
+
+// flush deletes every vhost made and not yet deleted.
+func (v *vhostBatches) flush() error {
+	v.mu.Lock()
+	names := append(v.done, v.ready...)
+	v.done, v.ready = nil, nil
+	v.mu.Unlock()
+	return deleteVhosts(names)
+}
+
+// deleteVhosts deletes names on the local RabbitMQ in one rabbitmqctl.
+func deleteVhosts(names []string) error {
+	if len(names) == 0 {
 		return nil
 	}
-	user := testBroker().url.User.Username()
-	for _, args := range [][]string{{"add_vhost", name}, {"set_permissions", "-p", name, user, ".*", ".*", ".*"}} {
-		if err := ctl(args...); err != nil {
-			t.Fatal(err)
-		}
+	var list []string
+	for _, n := range names {
+		list = append(list, "<<\""+n+"\">>")
 	}
-	t.Cleanup(func() {
-		if err := ctl("delete_vhost", name); err != nil {
-			t.Logf("delete_vhost %s: %v", name, err)
-		}
-	})
-	return name
+	expr := "[rabbit_vhost:delete(V, <<\"switchyard-tests\">>) || V <- [" + strings.Join(list, ", ") + "]]."
+	if out, err := exec.Command("rabbitmqctl", "-q", "eval", expr).CombinedOutput(); err != nil {
+		return fmt.Errorf("%v: %s", err, out)
+	}
+	return nil
 }
 
 // managementGet reads path (such as /api/queues/VHOST) of the test

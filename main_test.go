@@ -73,10 +73,13 @@ level = "info"
 	return p
 }
 
-// TestMain removes what was made once for every test: the built binary
-// and the migrated template database.
+// TestMain removes what was made once for every test: the built binary,
+// the migrated template database, and the vhosts not deleted yet.
 func TestMain(m *testing.M) {
 	code := m.Run()
+	if err := localVhosts.flush(); err != nil {
+		fmt.Fprintf(os.Stderr, "deleting the tests' last vhosts: %v\n", err)
+	}
 	if binPath != "" {
 		os.RemoveAll(filepath.Dir(binPath))
 	}
