@@ -674,8 +674,8 @@ var migratedTemplate struct {
 // withMigratedStore puts a migrated SQLite database at db's path when
 // nothing is there yet, so that the daemon or the parts about to open it
 // find the schema current. Migrating from nothing parses every
-// migration's SQL, which under the race detector was a fifth of the
-// suite's CPU; the tests of migrating itself open their databases
+// migration's SQL, which under the race detector was a fifth of the test
+// process's CPU over the suite; the tests of migrating open their databases
 // themselves. A PostgreSQL database, or a file a test made, is left as it
 // is.
 func withMigratedStore(t testing.TB, db DatabaseConfig) {
