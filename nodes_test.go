@@ -28,21 +28,15 @@ type testNode struct {
 	dead       atomic.Bool // read by the lease sampler
 }
 
-// startNodes starts n serve processes on the database at dbURL (the i-th
-// through dbURLs[i] when given), with brokers, each its own listener and
-// node_name, lease_ttl 2s.
-func startNodes(t *testing.T, dbURLs []string, brokers ...string) []*testNode {
+// startNode starts serve as node name on the database at dbURL, with
+// brokers, its own listener and lease_ttl 2s.
+func startNode(t *testing.T, name, dbURL string, brokers ...string) *testNode {
 	t.Helper()
-	var nodes []*testNode
-	for i, u := range dbURLs {
-		n := &testNode{name: fmt.Sprintf("node-%d", i+1), addr: freeAddr(t)}
-		dir := t.TempDir()
-		config := writeConfigWith(t, dir, n.addr, fmt.Sprintf("driver = \"postgres\"\nurl = %q\nmax_conns = 4", u),
-			fmt.Sprintf("node_name = %q\nlease_ttl = \"2s\"", n.name), brokers...)
-		n.cmd, n.out = startProcess(t, config, n.addr)
-		nodes = append(nodes, n)
-	}
-	return nodes
+	n := &testNode{name: name, addr: freeAddr(t)}
+	config := writeConfigWith(t, t.TempDir(), n.addr, fmt.Sprintf("driver = \"postgres\"\nurl = %q\nmax_conns = 4", dbURL),
+		fmt.Sprintf("node_name = %q\nlease_ttl = \"2s\"", n.name), brokers...)
+	n.cmd, n.out = startProcess(t, config, n.addr)
+	return n
 }
 
 // leaseHolders samples, every 50 ms until stop, which live node says it
@@ -140,7 +134,21 @@ func TestThreeNodesOneStore(t *testing.T) {
 		u.Host = p.addr
 		proxies, urls = append(proxies, p), append(urls, u.String())
 	}
-	nodes := startNodes(t, urls, amqpURL(a), amqpURL(b))
+	// Node 1 starts alone and takes every lease; then the other two.
+	nodes := []*testNode{startNode(t, "node-1", urls[0], amqpURL(a), amqpURL(b))}
+	jobs := leaseJobs(DefaultConfig())
+	eventually(t, 20*time.Second, "node 1 holding every lease", func() bool {
+		held := scrapeWith(http.DefaultClient, "http://"+nodes[0].addr+"/metrics", "switchyard_lease_held")
+		for _, job := range jobs {
+			if held[job] != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	for i := 1; i < 3; i++ {
+		nodes = append(nodes, startNode(t, fmt.Sprintf("node-%d", i+1), urls[i], amqpURL(a), amqpURL(b)))
+	}
 	stop := make(chan struct{})
 	overlaps := leaseHolders(t, nodes, stop)
 
@@ -167,17 +175,6 @@ func TestThreeNodesOneStore(t *testing.T) {
 		}
 		wg.Wait()
 	}
-	jobs := leaseJobs(DefaultConfig())
-	// Node 1, started first, holds every lease.
-	eventually(t, 20*time.Second, "node 1 holding every lease", func() bool {
-		held := scrapeWith(http.DefaultClient, "http://"+nodes[0].addr+"/metrics", "switchyard_lease_held")
-		for _, job := range jobs {
-			if held[job] != 1 {
-				return false
-			}
-		}
-		return true
-	})
 	stream(150, nodes)
 	// Node 1 dies with messages in hand, and its leases with it.
 	if err := nodes[0].cmd.Process.Signal(syscall.SIGKILL); err != nil {
