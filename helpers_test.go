@@ -663,13 +663,30 @@ func testStore(t testing.TB) DatabaseConfig {
 	return db
 }
 
-// migratedTemplate is an SQLite database migrated once for the whole test
-// binary; withMigratedStore copies it.
-var migratedTemplate struct {
-	once sync.Once
-	dir  string
-	err  error
-}
+// migratedTemplate is the file of an SQLite database migrated once for
+// the whole test binary, which withMigratedStore copies.
+var migratedTemplate = sync.OnceValues(func() ([]byte, error) {
+	dir, err := os.MkdirTemp("", "switchyard-template")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	cfg := DefaultConfig().Database
+	cfg.Path = filepath.Join(dir, "switchyard.db")
+	store, err := OpenStore(context.Background(), cfg, nil)
+	if err != nil {
+		return nil, err
+	}
+	_, _, err = store.Migrate(context.Background())
+	// Closing the last connection folds the WAL into the file.
+	if err = errors.Join(err, store.Close()); err != nil {
+		return nil, err
+	}
+	if fi, err := os.Stat(cfg.Path + "-wal"); err == nil && fi.Size() > 0 {
+		return nil, fmt.Errorf("%s-wal left with %d bytes: the copy would lack them", cfg.Path, fi.Size())
+	}
+	return os.ReadFile(cfg.Path)
+})
 
 // withMigratedStore puts a migrated SQLite database at db's path when
 // nothing is there yet, so that the daemon or the parts about to open it
@@ -686,37 +703,11 @@ func withMigratedStore(t testing.TB, db DatabaseConfig) {
 	if _, err := os.Stat(db.Path); !errors.Is(err, os.ErrNotExist) {
 		return
 	}
-	migratedTemplate.once.Do(func() {
-		dir, err := os.MkdirTemp("", "switchyard-template")
-		if err != nil {
-			migratedTemplate.err = err
-			return
-		}
-		migratedTemplate.dir = dir
-		cfg := DefaultConfig().Database
-		cfg.Path = filepath.Join(dir, "switchyard.db")
-		store, err := OpenStore(context.Background(), cfg, nil)
-		if err != nil {
-			migratedTemplate.err = err
-			return
-		}
-		_, _, err = store.Migrate(context.Background())
-		// Closing the last connection folds the WAL into the file.
-		if err = errors.Join(err, store.Close()); err == nil {
-			if fi, werr := os.Stat(cfg.Path + "-wal"); werr == nil && fi.Size() > 0 {
-				err = fmt.Errorf("%s-wal left with %d bytes: the copy would lack them", cfg.Path, fi.Size())
-			}
-		}
-		migratedTemplate.err = err
-	})
-	if migratedTemplate.err != nil {
-		t.Fatalf("the migrated template database: %v", migratedTemplate.err)
-	}
-	b, err := os.ReadFile(filepath.Join(migratedTemplate.dir, "switchyard.db"))
-	if err == nil {
-		err = os.WriteFile(db.Path, b, 0o600)
-	}
+	b, err := migratedTemplate()
 	if err != nil {
+		t.Fatalf("the migrated template database: %v", err)
+	}
+	if err := os.WriteFile(db.Path, b, 0o600); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -73,8 +73,8 @@ level = "info"
 	return p
 }
 
-// TestMain removes what was made once for every test: the built binary,
-// the migrated template database, and the vhosts not deleted yet.
+// TestMain removes what was made once for every test: the built binary
+// and the vhosts not deleted yet.
 func TestMain(m *testing.M) {
 	code := m.Run()
 	if err := localVhosts.flush(); err != nil {
@@ -82,9 +82,6 @@ func TestMain(m *testing.M) {
 	}
 	if binPath != "" {
 		os.RemoveAll(filepath.Dir(binPath))
-	}
-	if migratedTemplate.dir != "" {
-		os.RemoveAll(migratedTemplate.dir)
 	}
 	os.Exit(code)
 }
