@@ -53,7 +53,8 @@ fuzz:
 bench: ensure-rabbitmq
 	$(GO) test -run '^$$' -bench '^BenchmarkSwitchyard$$' -benchtime 1x -timeout 30m .
 
-# Binary, unit, example config and README, DESTDIR-aware. The live config is
+# Binary, units (the service and its socket, enabled), example config and
+# README, DESTDIR-aware. The live config is
 # never overwritten: copy the example to /etc/switchyard/switchyard.toml.
 # It installs the binary `make build` made and never runs Go, so that
 # `make build && sudo make install` works under sudo's PATH.
@@ -61,8 +62,15 @@ install:
 	@test -f $(BINARY) || { echo "make install: no $(BINARY) to install; run 'make build' first (as your user)"; exit 1; }
 	install -D -m 0755 $(BINARY) $(DESTDIR)$(PREFIX)/bin/switchyard
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
-	sed 's|/usr/local/bin/switchyard|$(PREFIX)/bin/switchyard|g' deploy/switchyard.service > $(DESTDIR)$(UNITDIR)/switchyard.service
-	chmod 0644 $(DESTDIR)$(UNITDIR)/switchyard.service
+	for u in switchyard.service switchyard.socket; do \
+		sed 's|/usr/local/bin/switchyard|$(PREFIX)/bin/switchyard|g; s|/usr/local/share/doc|$(PREFIX)/share/doc|g' deploy/$$u > $(DESTDIR)$(UNITDIR)/$$u && \
+		chmod 0644 $(DESTDIR)$(UNITDIR)/$$u || exit 1; done
+	@# Enabled, not started: the config needs its secrets first. Enabling is
+	@# links under UNITDIR, made offline (--root) and so under DESTDIR too.
+	@if command -v systemctl >/dev/null 2>&1; then \
+		systemctl --quiet --root=$(if $(DESTDIR),$(DESTDIR),/) enable switchyard.socket switchyard.service 2>/dev/null || \
+		echo "make install: enable them: systemctl enable switchyard.socket switchyard.service"; \
+		if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi; fi
 	install -D -m 0640 config.example.toml $(DESTDIR)/etc/switchyard/switchyard.toml.example
 	install -D -m 0644 README.md $(DESTDIR)$(PREFIX)/share/doc/switchyard/README.md
 
@@ -74,6 +82,7 @@ deb: build
 	{ echo "# switchyard under systemd, from the Debian package (its postinst created the user)."; \
 	  sed '/^# switchyard under systemd/,/^\[Unit\]/{/^#/d}; s|/usr/local/bin/switchyard|/usr/bin/switchyard|g; s|/usr/local/share/doc|/usr/share/doc|g' deploy/switchyard.service; \
 	} > dist/deb/switchyard.service
+	sed 's|/usr/local/share/doc|/usr/share/doc|g' deploy/switchyard.socket > dist/deb/switchyard.socket
 	SWITCHYARD_DEB_VERSION=$(VERSION) $(GO) run $(NFPM) package -f deploy/nfpm.yaml -p deb -t dist/
 	@ls dist/*.deb
 

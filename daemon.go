@@ -197,6 +197,16 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
 		work.Go(func() error { d.watchdog(wctx, interval); return nil })
 	}
+	// The active broker dialed before the first webhook is taken, so that
+	// one that waited in the socket's queue through a restart is answered
+	// at once; a broker down now is the 503 of any other moment.
+	if b, err := d.brokers.Get(d.brokers.Cached().Active); err == nil {
+		dctx, cancel := context.WithTimeout(ctx, d.cfg.Queue.CallTimeout)
+		if err := d.queues.Reachable(dctx, b); err != nil {
+			d.log.Warn("the active broker is not reachable; webhooks answer 503 until it is", "broker", b.String(), "error", err)
+		}
+		cancel()
+	}
 	// Each server's Serve returns once Shutdown has closed its listener;
 	// Run waits for them before it returns.
 	served := make(chan error, len(servers))
@@ -225,56 +235,68 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	}
 	d.log.Info("shutting down")
 	sdNotify(d.log, daemon.SdNotifyStopping)
-	deadline := time.Now().Add(d.cfg.Server.ShutdownTimeout)
+	d.shutdown(servers, stopWork, work, &errs)
+	return errors.Join(errs...)
+}
 
-	// 1. Stop taking webhooks: every one answered 202 is on a broker.
-	sctx, cancel := context.WithDeadline(context.Background(), deadline.Add(-d.cfg.Server.ShutdownTimeout/4))
+// shutdown stops the daemon in order, all of it within shutdown_timeout
+// whatever the database does: the drain (server.drain_delay), then no
+// more webhooks taken, then the workers and the leases, then the usage
+// flush.
+func (d *Daemon) shutdown(servers []*http.Server, stopWork context.CancelFunc, work *errgroup.Group, errs *[]error) {
+	timeout := d.cfg.Server.ShutdownTimeout
+	deadline := time.Now().Add(timeout)
+
+	// 0. The drain: /readyz says so, every endpoint still serves, and a
+	// balancer sends the next webhooks to another node.
+	if drain := d.cfg.Server.DrainDelay; drain > 0 {
+		d.api.Drain()
+		d.log.Info("draining: /readyz answers 503 while webhooks are still taken", "drain_delay", drain.String())
+		time.Sleep(drain)
+	}
+
+	// 1. Stop taking webhooks: every one answered 202 is on a broker. A
+	// socket systemd passed stays open: what arrives now waits in its
+	// queue for the next process.
+	sctx, cancel := context.WithDeadline(context.Background(), deadline.Add(-timeout/4))
 	for _, s := range servers {
 		if err := s.Shutdown(sctx); err != nil {
-			errs = append(errs, fmt.Errorf("http shutdown: %w", err))
+			*errs = append(*errs, fmt.Errorf("http shutdown: %w", err))
 		}
 	}
 	cancel()
 
-	// 2. Stop the workers; each finishes and acks the message in hand. At
-	// the deadline, what is still in hand is abandoned: its transaction
-	// (waiting on a locked database, say) rolls back and the broker gives
-	// its messages back. Run returns only once every worker has, so that
-	// Close never closes the store under one.
+	// 2. Stop the workers; each finishes and acks the message in hand, and
+	// the leases are given up. Past the workers' share of the deadline,
+	// what is still in hand is abandoned: its transaction (waiting on a
+	// locked database, say) rolls back and the broker gives its messages
+	// back. The workers end before Close closes the store under one.
+	workDeadline := deadline.Add(-timeout / 10)
+	d.leases.StopBy(workDeadline)
 	stopWork()
 	finished := make(chan error, 1)
 	go func() { finished <- work.Wait() }()
 	select {
 	case err := <-finished:
-		errs = append(errs, err)
-	case <-time.After(time.Until(deadline)):
-		d.log.Warn("server.shutdown_timeout passed: the messages in hand are left unacknowledged, and the broker gives them back",
-			"shutdown_timeout", d.cfg.Server.ShutdownTimeout.String())
+		*errs = append(*errs, err)
+	case <-time.After(time.Until(workDeadline)):
+		d.log.Warn("server.shutdown_timeout nearly passed: the messages in hand are left unacknowledged, and the broker gives them back",
+			"shutdown_timeout", timeout.String())
 		d.queues.Abandon()
-		errs = append(errs, <-finished)
+		*errs = append(*errs, <-finished)
 	}
 
-	// 3. What the brokers cost since the last write, within what is left
-	// of the shutdown (and half a second more, when it is spent).
-	fctx, cancel := context.WithDeadline(context.Background(), later(deadline, time.Now().Add(500*time.Millisecond)))
+	// 3. What the brokers cost since the last write, within what is left.
+	fctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	if err := d.usage.Flush(fctx); err != nil {
 		d.log.Warn("broker usage since the last write not written at shutdown", "error", err)
 	}
-	return errors.Join(errs...)
 }
 
 // followEvery is how often a node sharing the database reads the broker
 // state that another node may have changed.
 const followEvery = time.Second
-
-// later is the later of two times.
-func later(a, b time.Time) time.Time {
-	if a.After(b) {
-		return a
-	}
-	return b
-}
 
 // httpServers are the API server on ln and, with server.metrics_listen,
 // the metrics server on its own listener.
@@ -363,10 +385,11 @@ func setGCLimits(memoryLimit int64) {
 func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, log *slog.Logger, ready func()) error {
 	setGCLimits(cfg.Server.MemoryLimit)
 	// The listener first: an address in use fails before a database is
-	// created or migrated.
-	ln, err := net.Listen("tcp", cfg.Server.Listen)
+	// created or migrated. A socket systemd passed takes connections into
+	// its queue already; they are accepted once the daemon can answer them.
+	ln, _, err := apiListener(cfg.Server, log)
 	if err != nil {
-		return fmt.Errorf("listen %s (server.listen): %w", cfg.Server.Listen, err)
+		return err
 	}
 	d, err := NewDaemon(ctx, cfg, log)
 	if err != nil {

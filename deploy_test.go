@@ -34,10 +34,32 @@ func TestSystemdUnitVerifies(t *testing.T) {
 			t.Errorf("unit lacks %q", want)
 		}
 	}
+	for _, want := range []string{"Requires=switchyard.socket", "After=switchyard.socket", "Also=switchyard.socket"} {
+		if !strings.Contains(string(unit), want+"\n") {
+			t.Errorf("unit lacks %q", want)
+		}
+	}
+	socket, err := os.ReadFile("deploy/switchyard.socket")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"ListenStream=127.0.0.1:8080", "FileDescriptorName=listen", "WantedBy=sockets.target"} {
+		if !strings.Contains(string(socket), want+"\n") {
+			t.Errorf("socket unit lacks %q", want)
+		}
+	}
+	if m := regexp.MustCompile(`(?m)^Backlog=(\d+)$`).FindSubmatch(socket); m == nil || len(m[1]) < 4 {
+		t.Errorf("socket unit's Backlog= not at least 1024: %q", m)
+	}
+	// The socket's address is the default server.listen.
+	if !strings.Contains(string(socket), "ListenStream="+DefaultConfig().Server.Listen+"\n") {
+		t.Errorf("socket unit's ListenStream is not the default server.listen %s", DefaultConfig().Server.Listen)
+	}
 	dir := t.TempDir()
 	p := filepath.Join(dir, "switchyard.service")
 	os.WriteFile(p, []byte(strings.ReplaceAll(string(unit), "/usr/local/bin/switchyard", builtBinary(t))), 0o644)
-	out, err := exec.Command("systemd-analyze", "verify", p).CombinedOutput()
+	os.WriteFile(filepath.Join(dir, "switchyard.socket"), socket, 0o644)
+	out, err := exec.Command("systemd-analyze", "verify", p, filepath.Join(dir, "switchyard.socket")).CombinedOutput()
 	if err != nil || len(strings.TrimSpace(string(out))) > 0 {
 		t.Errorf("systemd-analyze verify: %v\n%s", err, out)
 	}
@@ -61,9 +83,17 @@ func TestMakeInstall(t *testing.T) {
 		t.Errorf("make install without a binary: %v\n%s", err, out)
 	}
 	for _, f := range []string{"opt/sy/bin/switchyard", "etc/systemd/system/switchyard.service",
-		"etc/switchyard/switchyard.toml.example", "opt/sy/share/doc/switchyard/README.md"} {
+		"etc/systemd/system/switchyard.socket", "etc/switchyard/switchyard.toml.example", "opt/sy/share/doc/switchyard/README.md"} {
 		if _, err := os.Stat(filepath.Join(dest, f)); err != nil {
 			t.Errorf("not installed: %s", f)
+		}
+	}
+	// Both enabled: the socket by sockets.target, the service by
+	// multi-user.target.
+	for _, link := range []string{"etc/systemd/system/sockets.target.wants/switchyard.socket",
+		"etc/systemd/system/multi-user.target.wants/switchyard.service"} {
+		if target, err := os.Readlink(filepath.Join(dest, link)); err != nil || !strings.HasSuffix(target, filepath.Base(link)) {
+			t.Errorf("not enabled: %s (%q, %v)", link, target, err)
 		}
 	}
 	unit, _ := os.ReadFile(filepath.Join(dest, "etc/systemd/system/switchyard.service"))
@@ -217,7 +247,7 @@ func TestDebPackage(t *testing.T) {
 		t.Fatalf("dpkg-deb -c: %v\n%s", err, contents)
 	}
 	for _, want := range []string{"-rwxr-xr-x root/root .* ./usr/bin/switchyard$", "-rw-r----- root/root .* ./etc/switchyard/switchyard.toml$",
-		" ./lib/systemd/system/switchyard.service$", " ./usr/share/switchyard/switchyard.rules.yml$",
+		" ./lib/systemd/system/switchyard.service$", " ./lib/systemd/system/switchyard.socket$", " ./usr/share/switchyard/switchyard.rules.yml$",
 		" ./usr/share/doc/switchyard/README.md$"} {
 		if !regexp.MustCompile("(?m)" + want).Match(contents) {
 			t.Errorf("dpkg-deb -c lacks %s:\n%s", want, contents)
@@ -240,6 +270,19 @@ func TestDebPackage(t *testing.T) {
 		if !strings.Contains(string(postinst), want) {
 			t.Errorf("postinst lacks %q", want)
 		}
+	}
+	// Both units enabled; an upgrade restarts the service, never the
+	// socket, whose queue holds the webhooks that arrive meanwhile.
+	if !strings.Contains(string(postinst), "systemctl enable switchyard.socket switchyard.service") {
+		t.Errorf("postinst does not enable the socket and the service:\n%s", postinst)
+	}
+	for _, line := range strings.Split(string(postinst), "\n") {
+		if strings.Contains(line, "restart") && strings.Contains(line, "switchyard.socket") {
+			t.Errorf("postinst restarts the socket: %s", line)
+		}
+	}
+	if !strings.Contains(string(postinst), "systemctl try-restart switchyard.service") {
+		t.Errorf("postinst does not restart the service on upgrade:\n%s", postinst)
 	}
 	if conffiles, _ := os.ReadFile(filepath.Join(control, "conffiles")); strings.TrimSpace(string(conffiles)) != "/etc/switchyard/switchyard.toml" {
 		t.Errorf("conffiles: %q", conffiles)

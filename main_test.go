@@ -279,7 +279,7 @@ func TestSIGTERMLosesNothing(t *testing.T) {
 
 // stopProcess sends SIGTERM and waits for an exit with status 0, failing
 // the test when the process still runs after within.
-func stopProcess(t *testing.T, cmd *exec.Cmd, out *syncBuffer, within time.Duration) {
+func stopProcess(t testing.TB, cmd *exec.Cmd, out *syncBuffer, within time.Duration) {
 	t.Helper()
 	start := time.Now()
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
@@ -305,6 +305,8 @@ func TestCheckConfig(t *testing.T) {
 	dir := t.TempDir()
 	bad := filepath.Join(dir, "bad.toml")
 	os.WriteFile(bad, []byte(`
+[server]
+drain_delay = "30s"
 [database]
 synchronous = "SOMETIMES"
 [api]
@@ -320,9 +322,10 @@ url = "http://user:hunter2@example.com/"
 	var stdout bytes.Buffer
 	err := run(context.Background(), []string{"check-config", "-config", bad}, &stdout, &stdout)
 	if err == nil {
-		t.Fatal("got no error for a config with three mistakes")
+		t.Fatal("got no error for a config with four mistakes")
 	}
-	for _, field := range []string{"database.synchronous", "queue.prefetch", "brokers[0].url"} {
+	// drain_delay is part of shutdown_timeout (25 s by default).
+	for _, field := range []string{"server.drain_delay", "database.synchronous", "queue.prefetch", "brokers[0].url"} {
 		if !strings.Contains(err.Error(), field) {
 			t.Errorf("error does not name %s:\n%v", field, err)
 		}

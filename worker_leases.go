@@ -60,6 +60,9 @@ type Leases struct {
 	running int
 	ended   *sync.Cond
 	closing bool
+	// stopBy, when set, is when the shutdown must be over: the leases
+	// are given up by then or left to expire.
+	stopBy time.Time
 }
 
 // Lease is one job's lease as this node holds it, or not.
@@ -179,15 +182,28 @@ func (ls *Leases) ending() {
 	ls.ended.Broadcast()
 }
 
-// release waits for the jobs to end, then gives every lease held up.
+// StopBy bounds the giving up of the leases at shutdown: by then, or not
+// at all (they expire after lease_ttl).
+func (ls *Leases) StopBy(t time.Time) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	ls.stopBy = t
+}
+
+// release waits for the jobs to end, then gives every lease held up,
+// within 2 s and by StopBy's time.
 func (ls *Leases) release() {
 	ls.mu.Lock()
 	ls.closing = true
 	for ls.running > 0 {
 		ls.ended.Wait()
 	}
+	by := time.Now().Add(2 * time.Second)
+	if !ls.stopBy.IsZero() && ls.stopBy.Before(by) {
+		by = ls.stopBy
+	}
 	ls.mu.Unlock()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	ctx, cancel := context.WithDeadline(context.Background(), by)
 	defer cancel()
 	err := ls.store.WriteTx(ctx, func(tx *Tx) error {
 		for _, l := range ls.leases {
