@@ -39,6 +39,9 @@ type API struct {
 	started time.Time
 	auth    *authGuard
 	log     *slog.Logger
+	// draining is set on SIGTERM with server.drain_delay: /readyz answers
+	// 503 "draining" while every endpoint still serves.
+	draining atomic.Bool
 	// inspections are the status page's looks at brokers that outlive the
 	// request that started them (a stalled broker answers after the page
 	// gave up on it); Close waits for them.
@@ -60,6 +63,11 @@ func NewAPI(cfg *Config, store *Store, brokers *Brokers, queues *Queues, webhook
 	_, _ = rand.Read(a.csrfKey) // crypto/rand never fails on Linux
 	return a
 }
+
+// Drain makes /readyz answer 503 {"status":"draining"} from now on, so
+// that a balancer sends webhooks elsewhere; everything else serves as
+// before.
+func (a *API) Drain() { a.draining.Store(true) }
 
 // Reload takes the webhook's secrets, allow list and proxies and both API
 // tokens from cfg (SIGHUP); a config the webhook refuses changes nothing.
@@ -144,7 +152,8 @@ func (a *API) bounded(h httprouter.Handle) httprouter.Handle {
 // readyCheckTimeout is each /readyz check's own deadline.
 const readyCheckTimeout = 2 * time.Second
 
-// ready answers 200 {"status":"ready"} when the database takes writes and
+// ready answers 503 {"status":"draining"} once the node drains (Drain),
+// else 200 {"status":"ready"} when the database takes writes and
 // the active broker is reachable and takes publishes, else 503 naming only
 // the parts not ready and how: "broker" with one of "unreachable",
 // "refusing publishes", "refuses access" or "blocked", and "database".
@@ -153,6 +162,10 @@ const readyCheckTimeout = 2 * time.Second
 // once beside the other, with a deadline of its own: a locked database
 // must not make the broker look unreachable too.
 func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
+	if a.draining.Load() {
+		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "draining"})
+		return
+	}
 	checks := []struct {
 		name  string
 		check func(ctx context.Context) error

@@ -52,6 +52,11 @@ type Status struct {
 	// Budgets are the brokers' spending this budget month.
 	Budgets []BudgetView `json:"budgets"`
 
+	// Draining is set once this node, told to stop, drains
+	// (server.drain_delay): /readyz answers 503 and a balancer sends
+	// webhooks elsewhere.
+	Draining bool `json:"draining"`
+
 	// Node is this node's name; Nodes every node sharing the database
 	// (on SQLite, this one), Leases who holds each once-only job.
 	Node   string      `json:"node"`
@@ -200,7 +205,8 @@ func (b BrokerView) ErrorDepth() int {
 // gatherStatus gathers the Status: the state machine, every broker at once (each
 // within statusTimeout), the workers, and the database.
 func (a *API) gatherStatus(ctx context.Context) (Status, error) {
-	st := Status{Version: version, GoVersion: runtime.Version(), StartedAt: a.started, Now: time.Now().UTC()}
+	st := Status{Version: version, GoVersion: runtime.Version(), StartedAt: a.started, Now: time.Now().UTC(),
+		Draining: a.draining.Load()}
 	sw, err := a.brokers.State(ctx)
 	if err != nil {
 		return st, err

@@ -261,6 +261,9 @@ const maxStatusBytes = 16 << 20
 // writeStatus prints a Status for a terminal.
 func writeStatus(w io.Writer, st Status) {
 	fmt.Fprintf(w, "switchyard %s (%s), up %s\n", st.Version, st.GoVersion, st.Now.Sub(st.StartedAt).Round(time.Second))
+	if st.Draining {
+		fmt.Fprintln(w, "draining: told to stop; /readyz answers 503 while the node still answers what reaches it")
+	}
 	for _, b := range st.Brokers {
 		if b.Active {
 			fmt.Fprintf(w, "active broker: #%d %s vhost %s\n", b.Index, b.Host, b.Vhost)

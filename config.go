@@ -52,6 +52,10 @@ type ServerConfig struct {
 	// ShutdownTimeout bounds the whole shutdown after SIGTERM; systemd's
 	// TimeoutStopSec must be longer.
 	ShutdownTimeout time.Duration `toml:"shutdown_timeout"`
+	// DrainDelay is how long, on SIGTERM, the node answers /readyz 503
+	// "draining" while it still takes webhooks, so that a balancer sends
+	// them elsewhere before it stops accepting; part of ShutdownTimeout.
+	DrainDelay time.Duration `toml:"drain_delay"`
 	// MetricsListen is where /metrics is served: its own listener, on
 	// loopback by default, since the metrics name every broker's vhost (on
 	// shared plans, its user); the address of listen serves it there.

@@ -74,6 +74,13 @@ func (c *Config) Validate() error {
 	if c.Server.ShutdownTimeout <= 0 {
 		bad("server.shutdown_timeout", "must be positive")
 	}
+	switch {
+	case c.Server.DrainDelay < 0:
+		bad("server.drain_delay", "must not be negative (0: no drain)")
+	case c.Server.DrainDelay > 0 && c.Server.DrainDelay >= c.Server.ShutdownTimeout:
+		bad("server.drain_delay", "%s is part of server.shutdown_timeout (%s) and must be shorter than it",
+			c.Server.DrainDelay, c.Server.ShutdownTimeout)
+	}
 	if c.Server.MemoryLimit < 0 {
 		bad("server.memory_limit", "must not be negative (0: no limit)")
 	}
