@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"net"
 	"net/http"
 	"os"
@@ -241,5 +242,66 @@ func TestPassedSocketRefused(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(dir, "sy.db")); err == nil {
 		t.Error("serve on a UDP socket created its database")
+	}
+}
+
+// On SIGTERM with server.drain_delay, /readyz answers 503 "draining" at
+// once while webhooks are still taken and stored, and the status says the
+// node drains; then the process stops within shutdown_timeout.
+func TestDrainDelay(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	dir := t.TempDir()
+	addr := freeAddr(t)
+	dbPath := filepath.Join(dir, "switchyard.db")
+	config := writeConfigWith(t, dir, addr, fmt.Sprintf("path = %q", dbPath),
+		"drain_delay = \"10s\"\nshutdown_timeout = \"15s\"", amqpURL(vhost))
+	cmd, out := startProcess(t, config, addr)
+	readyz := func() (int, string) { return do(t, httpRequest(t, http.MethodGet, "http://"+addr+"/readyz", "", "")) }
+	eventually(t, 20*time.Second, "/readyz ready", func() bool { code, _ := readyz(); return code == http.StatusOK })
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	eventually(t, 5*time.Second, "/readyz draining", func() bool {
+		code, body := readyz()
+		return code == http.StatusServiceUnavailable && strings.Contains(body, `"status":"draining"`)
+	})
+	guid := newGUID()
+	code := postWebhook(t, "http://"+addr, "issues", guid, loadFixture(t, "issues", "opened"))
+	_, status := do(t, httpRequest(t, http.MethodGet, "http://"+addr+"/api/v1/status", "", "operator-token-for-tests"))
+	pageReq := httpRequest(t, http.MethodGet, "http://"+addr+"/status", "", "")
+	pageReq.SetBasicAuth("operator", "operator-token-for-tests")
+	_, page := do(t, pageReq)
+	db := openDB(t, dbPath)
+	stored := false
+	eventually(t, 8*time.Second, "the webhook taken while draining stored", func() bool {
+		stored = queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1
+		return stored
+	})
+	// All of that while the node still drained.
+	if c, body := readyz(); c != http.StatusServiceUnavailable || !strings.Contains(body, "draining") {
+		t.Fatalf("the drain ended before the checks: /readyz %d %s", c, body)
+	}
+	if code != http.StatusAccepted {
+		t.Errorf("a webhook while draining: %d, want 202", code)
+	}
+	if !strings.Contains(page, `id="draining"`) {
+		t.Errorf("the status page does not show a draining node:\n%s", page)
+	}
+	if !strings.Contains(status, `"draining":true`) {
+		t.Errorf("the status does not show a draining node: %s", status)
+	}
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Errorf("exit after the drain: %v\n%s", err, out)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatalf("still running 20 s after SIGTERM\n%s", out)
+	}
+	if !strings.Contains(out.String(), "draining") {
+		t.Errorf("the log does not say the node drains:\n%s", out)
 	}
 }
