@@ -172,7 +172,12 @@ func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params)
 		// problem is the public text of a failed check.
 		problem func(err error) string
 	}{
-		{"database", a.store.Writable, func(error) string { return "not writable" }},
+		{"database", a.store.Writable, func(err error) string {
+			if errors.Is(err, ErrSchemaFloor) {
+				return "needs a newer switchyard: upgrade this node"
+			}
+			return "not writable"
+		}},
 		{"broker", a.brokerReady, brokerProblem},
 	}
 	problems := make([]string, len(checks))

@@ -56,6 +56,9 @@ type Status struct {
 	// (server.drain_delay): /readyz answers 503 and a balancer sends
 	// webhooks elsewhere.
 	Draining bool `json:"draining"`
+	// Upgrade says why this node must be upgraded: the database's schema
+	// floor rose above its version, and it stopped consuming.
+	Upgrade string `json:"upgrade,omitempty"`
 
 	// Node is this node's name; Nodes every node sharing the database
 	// (on SQLite, this one), Leases who holds each once-only job.
@@ -83,6 +86,9 @@ const pendingTooLong = time.Hour
 // problems names what needs the operator in st, each on its own.
 func (st *Status) problems() []string {
 	ps := []string{}
+	if st.Upgrade != "" {
+		ps = append(ps, "this node stopped consuming, upgrade it: "+st.Upgrade)
+	}
 	for _, b := range st.Brokers {
 		switch {
 		case !b.Up && b.Problem != "":
@@ -279,6 +285,9 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 		return st, err
 	}
 	st.Statistics, st.Database, st.Gaps, st.GapsTotal, st.Unrecoverable = db.Statistics, db.Database, db.Gaps, db.GapsTotal, db.Unrecoverable
+	if down, _, cause := a.store.Down(); down && errors.Is(cause, ErrSchemaFloor) {
+		st.Upgrade = cause.Error()
+	}
 	st.Node, st.LeaseTTL, st.Jobs = a.cfg.Server.NodeName, a.cfg.Server.LeaseTTL, leaseJobs(a.cfg)
 	if st.Nodes, st.Leases, err = a.store.Cluster(ctx, a.cfg.Server.LeaseTTL); err != nil {
 		return st, err

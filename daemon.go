@@ -71,6 +71,10 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	if from != to {
 		log.Info("database migrated", "database", store.Name(), "from", from, "to", to)
 	}
+	if to > store.Version() {
+		log.Info("the database's schema is newer than this binary's, and its floor allows this binary: serving",
+			"database_version", to, "binary_version", store.Version())
+	}
 	brokers, err := NewBrokers(ctx, cfg.Brokers, store, metrics, log)
 	if err != nil {
 		return fail(err)

@@ -625,3 +625,12 @@ CREATE TABLE rejected_webhooks (
 ) STRICT;
 CREATE INDEX rejected_webhooks_received ON rejected_webhooks (received_at);
 CREATE INDEX rejected_webhooks_delivery ON rejected_webhooks (delivery_id);
+-- migration 19: each migration's floor
+-- schema_migrations.floor: the oldest schema version whose binaries still
+-- work with a database of this version (a rolling upgrade runs two
+-- versions on one database); NULL before it was kept, read as the version
+-- itself. A migration says its floor in a "-- floor: N" line; one that
+-- does not keeps the one before it (an additive change). The database's
+-- floor is the greatest, and a binary of an older version refuses it.
+-- floor: 19
+ALTER TABLE schema_migrations ADD COLUMN floor INTEGER;

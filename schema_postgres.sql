@@ -400,3 +400,6 @@ CREATE TABLE rejected_webhooks (
 );
 CREATE INDEX rejected_webhooks_received ON rejected_webhooks (received_at);
 CREATE INDEX rejected_webhooks_delivery ON rejected_webhooks (delivery_id);
+-- migration 19: each migration's floor (schema.sql's migration 19)
+-- floor: 19
+ALTER TABLE schema_migrations ADD COLUMN floor BIGINT;

@@ -64,7 +64,13 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 		}
 		s := &Store{w: db, r: db, dialect: dialectPostgres, name: redactDatabaseURL(cfg.URL), metrics: metrics,
 			codec: newPayloadCodec()}
-		s.health = newDBHealth(s.dialect, db.PingContext)
+		// Found again once it answers and its floor allows this binary.
+		s.health = newDBHealth(s.dialect, func(ctx context.Context) error {
+			if err := db.PingContext(ctx); err != nil {
+				return err
+			}
+			return s.CheckFloor(ctx)
+		})
 		return s, nil
 	}
 	return openSQLite(ctx, cfg, metrics)
@@ -135,6 +141,12 @@ func openSQLite(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Sto
 
 // Lost returns a channel closed once the database is lost (dbHealth.Lost).
 func (s *Store) Lost() <-chan struct{} { return s.health.Lost() }
+
+// Lose marks the database lost, for cause (dbHealth.Lose).
+func (s *Store) Lose(cause error) { s.health.Lose(cause) }
+
+// Down reports whether the database is lost now, since when and why.
+func (s *Store) Down() (bool, time.Time, error) { return s.health.Down() }
 
 // WaitAnswers waits while the database is lost (dbHealth.WaitAnswers).
 func (s *Store) WaitAnswers(ctx context.Context) error { return s.health.WaitAnswers(ctx) }
@@ -637,6 +649,9 @@ func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
 // PostgreSQL, a primary that answers, not a read-only standby), for
 // /readyz.
 func (s *Store) Writable(ctx context.Context) error {
+	if down, _, cause := s.health.Down(); down && errors.Is(cause, ErrSchemaFloor) {
+		return cause
+	}
 	return s.WriteTx(ctx, func(tx *Tx) error {
 		_, err := tx.tx.ExecContext(ctx, "UPDATE settings SET value = value WHERE false")
 		return err

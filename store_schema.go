@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	_ "embed"
+	"errors"
 	"fmt"
 	"regexp"
 	"strconv"
@@ -19,17 +20,28 @@ var schemaSQL string
 //go:embed schema_postgres.sql
 var schemaPostgresSQL string
 
-// migration is one "-- migration N: ..." block of a schema file.
+// migration is one "-- migration N: ..." block of a schema file, and its
+// floor: the oldest schema version whose binaries work with it.
 type migration struct {
 	version int
 	name    string
 	sql     string
+	floor   int
 }
 
-var migrationHeader = regexp.MustCompile(`(?m)^-- migration (\d+): (.*)$`)
+var (
+	migrationHeader = regexp.MustCompile(`(?m)^-- migration (\d+): (.*)$`)
+	migrationFloor  = regexp.MustCompile(`(?m)^-- floor: (\d+)$`)
+)
+
+// firstFloored is the migration that made schema_migrations.floor. Before
+// it a migration's floor is its own version (the binaries of those
+// versions refuse any newer database); from it on, a migration's "--
+// floor: N" line, or else the floor of the one before it.
+const firstFloored = 19
 
 // parseMigrations splits a schema file into its numbered blocks, which
-// count up from the first one's without gaps.
+// count up from the first one's without gaps, each with its floor.
 func parseMigrations(src string) ([]migration, error) {
 	locs := migrationHeader.FindAllStringSubmatchIndex(src, -1)
 	var ms []migration
@@ -42,9 +54,70 @@ func parseMigrations(src string) ([]migration, error) {
 		if i > 0 && v != ms[0].version+i {
 			return nil, fmt.Errorf("migration %d out of order (want %d)", v, ms[0].version+i)
 		}
-		ms = append(ms, migration{version: v, name: src[loc[4]:loc[5]], sql: src[loc[1]:end]})
+		m := migration{version: v, name: src[loc[4]:loc[5]], sql: src[loc[1]:end], floor: v}
+		if f := migrationFloor.FindStringSubmatch(m.sql); f != nil {
+			m.floor, _ = strconv.Atoi(f[1])
+		} else if v > firstFloored {
+			m.floor = ms[i-1].floor
+		}
+		if m.floor > v {
+			return nil, fmt.Errorf("migration %d: floor %d above its own version", v, m.floor)
+		}
+		ms = append(ms, m)
 	}
 	return ms, nil
+}
+
+// ErrSchemaFloor is a database whose schema floor is above this binary's
+// version: this binary no longer works with it.
+var ErrSchemaFloor = errors.New("upgrade switchyard")
+
+// Version is this binary's schema version: its last migration.
+func (s *Store) Version() int {
+	ms, err := s.migrations()
+	if err != nil || len(ms) == 0 {
+		return 0
+	}
+	return ms[len(ms)-1].version
+}
+
+// SchemaFloor is the database's floor: the oldest schema version whose
+// binaries work with it.
+func (s *Store) SchemaFloor(ctx context.Context) (int, error) {
+	var f int
+	if err := s.w.QueryRowContext(ctx, "SELECT coalesce(max(coalesce(floor, version)), 0) FROM schema_migrations").Scan(&f); err != nil {
+		return 0, fmt.Errorf("read the schema floor: %w", err)
+	}
+	return f, nil
+}
+
+// newerServed checks a database of version v, newer than this binary's
+// last migration: its floor must be at most that version.
+func (s *Store) newerServed(ctx context.Context, v, last int) error {
+	floor, err := s.SchemaFloor(ctx)
+	if err != nil {
+		return err
+	}
+	if floor > last {
+		return fmt.Errorf("database schema version %d works with switchyard of schema version %d or later (its floor); this binary's is %d: %w",
+			v, floor, last, ErrSchemaFloor)
+	}
+	return nil
+}
+
+// CheckFloor fails with ErrSchemaFloor once another node's migration has
+// raised the database's floor above this binary's version: this node
+// must stop writing to it.
+func (s *Store) CheckFloor(ctx context.Context) error {
+	last := s.Version()
+	floor, err := s.SchemaFloor(ctx)
+	if err != nil {
+		return err
+	}
+	if floor > last {
+		return fmt.Errorf("database schema floor %d is above this binary's schema version %d: %w", floor, last, ErrSchemaFloor)
+	}
+	return nil
 }
 
 // migrations are the store's dialect's migrations.
@@ -105,7 +178,7 @@ func (s *Store) Current(ctx context.Context) error {
 	case v < last:
 		return fmt.Errorf("database schema version %d is older than this binary's (%d): run switchyard migrate (or serve) first", v, last)
 	case v > last:
-		return fmt.Errorf("database schema version %d is newer than this binary knows (%d): upgrade switchyard", v, last)
+		return s.newerServed(ctx, v, last)
 	}
 	return nil
 }
@@ -125,7 +198,9 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 	}
 	last := ms[len(ms)-1].version
 	if from > last {
-		return from, from, fmt.Errorf("database schema version %d is newer than this binary knows (%d): upgrade switchyard", from, last)
+		// A rolling upgrade: a newer node migrated; this one serves on
+		// while the database's floor allows it.
+		return from, from, s.newerServed(ctx, from, last)
 	}
 	to = from
 	applied := map[int]string{} // this run's versions, and when
@@ -162,8 +237,15 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 				if t, ok := applied[e.version]; ok {
 					at = t
 				}
-				if _, err := tx.exec(ctx, `INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)
-					ON CONFLICT (version) DO NOTHING`, e.version, e.name, at); err != nil {
+				var err error
+				if m.version >= firstFloored {
+					_, err = tx.exec(ctx, `INSERT INTO schema_migrations (version, name, applied_at, floor) VALUES ($1, $2, $3, $4)
+						ON CONFLICT (version) DO NOTHING`, e.version, e.name, at, e.floor)
+				} else {
+					_, err = tx.exec(ctx, `INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)
+						ON CONFLICT (version) DO NOTHING`, e.version, e.name, at)
+				}
+				if err != nil {
 					return err
 				}
 			}

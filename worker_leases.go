@@ -133,6 +133,19 @@ func (ls *Leases) Run(ctx context.Context) error {
 func (ls *Leases) renew(ctx context.Context, sent time.Time) {
 	ctx, cancel := context.WithTimeout(ctx, ls.ttl/6)
 	defer cancel()
+	// Another node's migration may have raised the database's floor
+	// above this binary: this node then stops writing (its consumers
+	// stop as for a lost database, no attempt burned) and holds no lease.
+	if err := ls.store.CheckFloor(ctx); errors.Is(err, ErrSchemaFloor) {
+		if down, _, _ := ls.store.Down(); !down {
+			ls.log.Error("this node stops consuming: upgrade it", "error", err)
+		}
+		ls.store.Lose(err)
+		for _, l := range ls.leases {
+			l.lose("the database needs a newer switchyard")
+		}
+		return
+	}
 	got := make([]bool, len(ls.leases))
 	err := ls.store.WriteTx(ctx, func(tx *Tx) error {
 		if err := tx.SeeNode(ctx, ls.node, ls.version, ls.started); err != nil {
@@ -148,7 +161,7 @@ func (ls *Leases) renew(ctx context.Context, sent time.Time) {
 	})
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() != nil {
-			ls.store.health.Lose(err)
+			ls.store.Lose(err)
 		}
 		if ctx.Err() == nil || errors.Is(ctx.Err(), context.DeadlineExceeded) {
 			ls.log.Warn("cannot renew the leases; each job stops before its lease expires", "error", err)
