@@ -156,7 +156,8 @@ const readyCheckTimeout = 2 * time.Second
 // else 200 {"status":"ready"} when the database takes writes and
 // the active broker is reachable and takes publishes, else 503 naming only
 // the parts not ready and how: "broker" with one of "unreachable",
-// "refusing publishes", "refuses access" or "blocked", and "database".
+// "refusing publishes", "routes webhooks to no queue", "refuses access" or
+// "blocked", and "database".
 // Anyone may ask, so the answer says no more than that (brokerProblem);
 // the log and the operator's status have the cause. Each check runs at
 // once beside the other, with a deadline of its own: a locked database
@@ -206,8 +207,9 @@ func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params)
 	writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
 }
 
-// brokerReady fails when the active broker cannot be reached, or blocks
-// or refuses publishes: webhooks sent to it would answer 503.
+// brokerReady fails when the active broker cannot be reached, blocks or
+// refuses publishes, or would route a webhook to no queue: webhooks sent
+// to it would answer 503.
 func (a *API) brokerReady(ctx context.Context) error {
 	b, err := a.brokers.Get(a.brokers.Cached().Active)
 	if err != nil {
@@ -219,7 +221,7 @@ func (a *API) brokerReady(ctx context.Context) error {
 	if st, blocked := a.queues.Blocked(b); blocked {
 		return &BrokerRefusal{Kind: st.Kind, Reason: st.Reason}
 	}
-	return nil
+	return a.queues.Routes(ctx, b)
 }
 
 // guarded refuses a source that failed too often with 429 and Retry-After,

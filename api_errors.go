@@ -16,9 +16,9 @@ import (
 var (
 	// Apart, because GitHub's Recent Deliveries shows the operator the
 	// answer: a missing signature means the hook has no secret set, a wrong
-	// one that it has another secret than switchyard.
+	// one that it has another secret than switchyard (badSignature).
 	ErrNoSignature  = errors.New("missing X-Hub-Signature-256: set the hook's secret in GitHub to github.webhook_secret")
-	ErrBadSignature = errors.New("invalid X-Hub-Signature-256: the hook's secret in GitHub is not github.webhook_secret")
+	ErrBadSignature = errors.New("invalid X-Hub-Signature-256") // badSignature says which secret
 	ErrTooLarge     = errors.New("body too large")
 	ErrUnavailable  = errors.New("broker unavailable, retry later")
 )
@@ -64,7 +64,9 @@ func brokerProblem(err error) string {
 		return "refuses access"
 	case errors.Is(err, ErrBrokerBlocked):
 		return "blocked"
-	case errors.Is(err, ErrBrokerRefused), errors.Is(err, ErrUnroutable):
+	case errors.Is(err, ErrUnroutable):
+		return "routes webhooks to no queue"
+	case errors.Is(err, ErrBrokerRefused):
 		return "refusing publishes"
 	case errors.Is(err, ErrPublishTimeout), errors.Is(err, context.DeadlineExceeded):
 		return "no confirm"

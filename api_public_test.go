@@ -324,3 +324,30 @@ func TestDatabaseFileModeAndTimes(t *testing.T) {
 		t.Errorf("received_at %q, want the microseconds the webhook was taken at", received)
 	}
 }
+
+// A config copied from the example (declare_topology = false) on a broker
+// without the queues routes every webhook to no queue: /readyz is not
+// ready and says so, and is once the administrator declares them.
+func TestReadyzRoutesToNoQueue(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.DeclareTopology = false
+	d := startDaemon(t, cfg)
+	readyz := func() (int, string) { return do(t, httpRequest(t, http.MethodGet, d.URL+"/readyz", "", "")) }
+	if code, body := readyz(); code != http.StatusServiceUnavailable || !strings.Contains(body, `"broker":"routes webhooks to no queue"`) {
+		t.Errorf("/readyz without the queues: %d %s, want 503 saying webhooks route to no queue", code, body)
+	}
+	guid := newGUID()
+	if code, body := do(t, webhookRequest(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))); code != http.StatusServiceUnavailable ||
+		!strings.Contains(body, "routes webhooks to no queue") || !strings.Contains(body, "not queued") {
+		t.Errorf("a webhook without the queues: %d %s", code, body)
+	}
+	declareTestTopology(t, vhost, time.Second)
+	if code, body := readyz(); code != http.StatusOK {
+		t.Errorf("/readyz with the queues declared: %d %s, want 200", code, body)
+	}
+	if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
+		t.Errorf("a webhook with the queues declared: %d", code)
+	}
+}

@@ -71,19 +71,30 @@ type webhookAuth struct {
 	proxies prefixSet
 }
 
-// secretsFor are the secrets a webhook from the hook named by the
+// secretsOf are the secrets a webhook from the hook named by the
 // X-GitHub-Hook-ID value id is verified with: a listed hook's own only,
 // else github.webhook_secret and its previous ones (a malformed ID, too:
-// its webhook is refused for the header once signed).
-func (a *webhookAuth) secretsFor(id string) [][]byte {
+// its webhook is refused for the header once signed); and the listed hook
+// whose secrets they are (-1 for github.webhook_secret's).
+func (a *webhookAuth) secretsOf(id string) ([][]byte, int64) {
 	if len(a.hooks) > 0 {
 		if hook, err := parseHookID(id); err == nil {
 			if s, ok := a.hooks[hook]; ok {
-				return s
+				return s, hook
 			}
 		}
 	}
-	return a.secrets
+	return a.secrets, -1
+}
+
+// badSignature is the 401 of a signature that none of the secrets made:
+// it names the secret GitHub's hook should have, so that the operator
+// reading Recent Deliveries knows which to set.
+func badSignature(hook int64) error {
+	if hook >= 0 {
+		return fmt.Errorf("%w: the secret of hook %d in GitHub is not its secret in [[github.hooks]]", ErrBadSignature, hook)
+	}
+	return fmt.Errorf("%w: the hook's secret in GitHub is not github.webhook_secret", ErrBadSignature)
 }
 
 // newWebhookAuth reads the config's secrets and networks; the allow list is
@@ -294,8 +305,8 @@ func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request, buf *[]by
 	if sig == "" {
 		return nil, release, ErrNoSignature
 	}
-	if !validSignature(wh.auth.Load().secretsFor(r.Header.Get("X-GitHub-Hook-ID")), body, sig) {
-		return nil, release, ErrBadSignature
+	if secrets, hook := wh.auth.Load().secretsOf(r.Header.Get("X-GitHub-Hook-ID")); !validSignature(secrets, body, sig) {
+		return nil, release, badSignature(hook)
 	}
 	if err := checkHeaders(r.Header); err != nil {
 		return nil, release, err
@@ -341,7 +352,18 @@ type notQueued struct {
 }
 
 func (e *notQueued) Error() string {
-	return fmt.Sprintf("%s: delivery %s not queued: %v", e.what(), e.delivery, e.cause)
+	return fmt.Sprintf("%s: delivery %s %s: %v", e.what(), e.delivery, e.outcome(), e.cause)
+}
+
+// outcome is what became of the message: "not confirmed" when it was
+// sent and its confirm did not come (it may still reach the queues, and
+// GitHub's redelivery of it is then a duplicate, stored once), else "not
+// queued".
+func (e *notQueued) outcome() string {
+	if errors.Is(e.cause, ErrUnconfirmed) {
+		return "not confirmed"
+	}
+	return "not queued"
 }
 
 // what is the kind of failure in the words of a public answer.
@@ -354,7 +376,7 @@ func (e *notQueued) what() string {
 
 // public is the 503's body text.
 func (e *notQueued) public() string {
-	return fmt.Sprintf("%s: delivery %s not queued, retry later", e.what(), e.delivery)
+	return fmt.Sprintf("%s: delivery %s %s, retry later", e.what(), e.delivery, e.outcome())
 }
 
 func (e *notQueued) Unwrap() error { return ErrUnavailable }

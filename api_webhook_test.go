@@ -449,7 +449,8 @@ func TestHookSecrets(t *testing.T) {
 		{"11x", testSecret, true},         // malformed: refused later for the header
 	}
 	for _, tt := range tests {
-		got := validSignature(wh.auth.Load().secretsFor(tt.hook), body, sign(tt.secret, body))
+		secrets, _ := wh.auth.Load().secretsOf(tt.hook)
+		got := validSignature(secrets, body, sign(tt.secret, body))
 		if got != tt.want {
 			t.Errorf("hook %q signed with %q: got %v, want %v", tt.hook, tt.secret, got, tt.want)
 		}
@@ -791,5 +792,46 @@ func TestUnavailableNamesNoBroker(t *testing.T) {
 	}
 	if !strings.Contains(d.logs.String(), vhost) {
 		t.Errorf("the log does not name the broker")
+	}
+}
+
+// A wrong signature's 401 names the secret the hook should have: a
+// listed hook's own, else github.webhook_secret. A refused webhook that
+// named no hook reads "hook_id": null in the deliveries' JSON.
+func TestWrongSignatureNamesTheSecret(t *testing.T) {
+	t.Parallel()
+	cfg := testConfig(t, amqpURL(newVhost(t)))
+	cfg.GitHub.Hooks = []HookConfig{{ID: 111, Secret: "hook-111-secret"}}
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened")
+	listed := webhookRequest(t, d.URL, "issues", newGUID(), body)
+	listed.Header.Set("X-GitHub-Hook-ID", "111")
+	if code, answer := do(t, listed); code != http.StatusUnauthorized || !strings.Contains(answer, "hook 111") ||
+		!strings.Contains(answer, "[[github.hooks]]") || strings.Contains(answer, "webhook_secret") {
+		t.Errorf("a listed hook's wrong signature: %d %s, want 401 naming its secret in [[github.hooks]]", code, answer)
+	}
+	other := webhookRequest(t, d.URL, "issues", newGUID(), body)
+	other.Header.Set("X-Hub-Signature-256", sign("not-the-secret", body))
+	if code, answer := do(t, other); code != http.StatusUnauthorized || !strings.Contains(answer, "github.webhook_secret") {
+		t.Errorf("another hook's wrong signature: %d %s, want 401 naming github.webhook_secret", code, answer)
+	}
+	guid := newGUID()
+	none := webhookRequest(t, d.URL, "issues", guid, body)
+	none.Header.Del("X-GitHub-Hook-ID")
+	none.Header.Set("X-Hub-Signature-256", sign("not-the-secret", body))
+	if code, _ := do(t, none); code != http.StatusUnauthorized {
+		t.Fatalf("a webhook without a hook, wrongly signed: %d", code)
+	}
+	var story string
+	eventually(t, 20*time.Second, "the refusal recorded", func() bool {
+		_, story = do(t, mustRequestAuth(t, d.URL+"/api/v1/deliveries/"+guid))
+		return strings.Contains(story, `"status":401`)
+	})
+	if !strings.Contains(story, `"hook_id":null`) || strings.Contains(story, `"hook_id":-1`) {
+		t.Errorf("a refused webhook without a hook in its story: %s, want hook_id null", story)
+	}
+	_, list := do(t, mustRequestAuth(t, d.URL+"/api/v1/deliveries?outcome=rejected&guid="+guid))
+	if !strings.Contains(list, guid) || !strings.Contains(list, `"hook_id":null`) || strings.Contains(list, `"hook_id":-1`) {
+		t.Errorf("a refused webhook without a hook in the search: %s, want hook_id null", list)
 	}
 }

@@ -3,8 +3,10 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -251,6 +253,24 @@ func (q *Queues) warnUnconsumed(ctx context.Context, b *Broker, consumed []strin
 				"broker", b.String(), "unconsumed_queue", name, "messages", counts[name])
 		}
 	}
+}
+
+// Routes fails when a webhook published to broker b now would not reach
+// every queue it feeds: with declare_topology = false, github-exchange and
+// the queues bound to it must exist (switchyard declares them itself otherwise,
+// on every connection). For /readyz: every webhook would be refused.
+func (q *Queues) Routes(ctx context.Context, b *Broker) error {
+	if q.cfg.DeclareTopology {
+		return nil
+	}
+	missing, err := q.conns[b.Index].missingRoute(ctx)
+	if err != nil {
+		return err
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("%s lacks %s (queue.declare_topology = false): %w", b, strings.Join(missing, ", "), ErrUnroutable)
+	}
+	return nil
 }
 
 // Reachable dials broker b if needed, for /readyz.

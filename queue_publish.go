@@ -14,6 +14,10 @@ import (
 var (
 	ErrPublishTimeout = errors.New("no publisher confirm in time")
 	ErrUnroutable     = errors.New("message routed to no queue")
+	// ErrUnconfirmed is a publish sent whose confirm did not come (in
+	// time, or the broker blocked the connection first): the message may
+	// still reach the queues.
+	ErrUnconfirmed = errors.New("sent, not confirmed")
 )
 
 // maxInFlight bounds the publishes awaiting a confirm on one broker. It also
@@ -280,11 +284,11 @@ func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 	select {
 	case <-dc.Done():
 	case <-ctx.Done():
-		return fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
+		return fmt.Errorf("publish to %s: %w: %w", b, ErrUnconfirmed, ErrPublishTimeout)
 	case <-blockedSig:
 		// The broker blocked the connection: no confirm comes while it
 		// holds, so the webhook is told at once, not after publish_timeout.
-		return bc.blockedError()
+		return fmt.Errorf("%w: %w", ErrUnconfirmed, bc.blockedError())
 	}
 	if !dc.Acked() {
 		// amqp091-go resolves outstanding confirms as nacks when the
@@ -296,6 +300,11 @@ func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 			e := l.closedBy(ch)
 			if e == nil {
 				return fmt.Errorf("publish to %s: %w: channel closed before the confirm", b, ErrBrokerUnreachable)
+			}
+			if e.Code == amqp.NotFound {
+				// No such exchange (declare_topology = false, and none
+				// declared): the broker takes publishes, none routed.
+				return fmt.Errorf("publish to %s %q: %w: %s", b, exchange, ErrUnroutable, e.Reason)
 			}
 			refusal.Reason = fmt.Sprintf("channel closed: %d %s", e.Code, e.Reason)
 			// A user without the write permission: 403 on the channel.

@@ -111,6 +111,27 @@ func declareTopology(cfg QueueConfig) func(bc *brokerConn, conn *amqp.Connection
 	}
 }
 
+// missingRoute names what of the webhooks' route is missing on the broker:
+// github-exchange, or else the queues bound to it; nil when nothing is.
+func (bc *brokerConn) missingRoute(ctx context.Context) ([]string, error) {
+	conn, ch, err := bc.openChannel(ctx)
+	if err != nil {
+		return nil, err
+	}
+	_, err = call(bc, conn, "passive declare "+exchangeName, func() (struct{}, error) {
+		return struct{}{}, ch.ExchangeDeclarePassive(exchangeName, amqp.ExchangeFanout, true, false, false, false, nil)
+	})
+	if isNotFound(err) {
+		return []string{exchangeName}, nil // the 404 closed the channel
+	}
+	bc.closeChannel(conn, ch)
+	if err != nil {
+		return nil, err
+	}
+	_, missing, err := bc.inspect(ctx, []string{queueGitHub, queueDatabase})
+	return missing, err
+}
+
 // isNotFound reports a 404 from a passive declare: the queue does not exist.
 func isNotFound(err error) bool {
 	var aerr *amqp.Error

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"fmt"
 	"time"
 )
@@ -27,6 +28,24 @@ type Rejection struct {
 	Hook     int64     `json:"hook_id"` // -1: none, or malformed
 	Status   int       `json:"status"`
 	Reason   string    `json:"reason"`
+}
+
+// MarshalJSON writes hook_id null for a webhook that named no hook (or a
+// malformed one).
+func (r Rejection) MarshalJSON() ([]byte, error) {
+	type plain Rejection
+	return json.Marshal(struct {
+		plain
+		Hook *int64 `json:"hook_id"`
+	}{plain(r), hookOrNull(r.Hook)})
+}
+
+// hookOrNull is a hook ID for JSON: nil (null) for -1, none.
+func hookOrNull(h int64) *int64 {
+	if h < 0 {
+		return nil
+	}
+	return &h
 }
 
 // RecordRejections writes rs in tx.

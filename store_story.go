@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -380,6 +381,15 @@ type DeliveryRow struct {
 	Status   int    `json:"status,omitempty"`
 	Reason   string `json:"reason,omitempty"`
 	SourceIP string `json:"source_ip,omitempty"`
+}
+
+// MarshalJSON writes hook_id null for a refused webhook without one.
+func (r DeliveryRow) MarshalJSON() ([]byte, error) {
+	type plain DeliveryRow
+	return json.Marshal(struct {
+		plain
+		Hook *int64 `json:"hook_id"`
+	}{plain(r), hookOrNull(r.Hook)})
 }
 
 // SearchDeliveries returns the stored deliveries f selects, newest first,
