@@ -21,6 +21,7 @@ UNITDIR ?= /etc/systemd/system
 # Tools the tests need that Go does not bring, fetched here when missing.
 TOOLS    := .tools
 PROMTOOL := $(TOOLS)/promtool
+HAPROXY  := $(TOOLS)/haproxy
 SUDO     := $(if $(filter 0,$(shell id -u)),,sudo)
 NFPM     := github.com/goreleaser/nfpm/v2/cmd/nfpm@v2.45.2
 
@@ -36,8 +37,8 @@ run: build ensure-rabbitmq
 # The tests run on SQLite and on the local PostgreSQL (each its own
 # databases); -parallel 4 keeps both cores busy while tests wait on
 # brokers and timers.
-test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL)
-	PROMTOOL=$(CURDIR)/$(PROMTOOL) CGO_ENABLED=1 $(GO) test -race -count=1 -parallel 4 -timeout 15m ./...
+test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY)
+	PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) CGO_ENABLED=1 $(GO) test -race -count=1 -parallel 4 -timeout 15m ./...
 
 lint:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
@@ -111,6 +112,19 @@ $(PROMTOOL):
 	dpkg-deb -x $(TOOLS)/prometheus/prometheus_*.deb $(TOOLS)/prometheus/root
 	cp $(TOOLS)/prometheus/root/usr/bin/promtool $(PROMTOOL)
 	rm -rf $(TOOLS)/prometheus
+
+# haproxy, taken out of Debian's package with the libraries it links (the
+# service is never installed or started), for the test of the fleet behind
+# deploy/haproxy.cfg.
+$(HAPROXY):
+	@echo "fetching haproxy from Debian's package"
+	rm -rf $(TOOLS)/haproxy.d && mkdir -p $(TOOLS)/haproxy.d
+	{ $(SUDO) apt-get install -y -q --no-install-recommends liblua5.3-0 libopentracing-c-wrapper0 >/dev/null 2>&1 || \
+	  { $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q --no-install-recommends liblua5.3-0 libopentracing-c-wrapper0 >/dev/null; }; }
+	cd $(TOOLS)/haproxy.d && { apt-get download haproxy 2>/dev/null || { $(SUDO) apt-get update -q >/dev/null && apt-get download haproxy; }; }
+	dpkg-deb -x $(TOOLS)/haproxy.d/haproxy_*.deb $(TOOLS)/haproxy.d/root
+	cp $(TOOLS)/haproxy.d/root/usr/sbin/haproxy $(HAPROXY)
+	rm -rf $(TOOLS)/haproxy.d
 
 # PostgreSQL, which the tests use beside SQLite
 # (SWITCHYARD_TEST_POSTGRES_URL, by default the local one), runs before the

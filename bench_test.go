@@ -45,7 +45,7 @@ func BenchmarkSwitchyard(b *testing.B) {
 	gaugeBefore := machineGauge(payload)
 
 	// BENCH_ROWS picks rows by name (all by default): ingest, consume,
-	// drain, e2e, switch (localhost); wan-ingest, wan-e2e, burst, wan-drain
+	// drain, e2e, restart, switch (localhost); wan-ingest, wan-e2e, burst, wan-drain
 	// (over the WAN proxy, at each BENCH_RTT); postgres (at the first
 	// BENCH_RTT); billing (at 50ms); dbsize, bigtable, rss, cpu.
 	want := func(row string) bool {
@@ -74,6 +74,21 @@ func BenchmarkSwitchyard(b *testing.B) {
 			add("end to end, sustained 60 s (localhost, prefetch 64)", e2e.rate, 0, "webhooks/s", "printed")
 			rows = append(rows, row{name: "end to end at 200/s: p50 / p99", ours: fmt.Sprintf("%.1f / %.1f ms", e2e.p50, e2e.p99), aim: "p99 < 100 ms"})
 			rows = append(rows, row{name: "peak RSS during end to end", ours: fmt.Sprintf("%.0f MB", e2e.rssMB), aim: "< 100 MB"})
+		}
+		if want("restart") {
+			answers, _, gaps := restartsUnderStream(b, 3, payload)
+			var worst time.Duration
+			for _, g := range gaps {
+				worst = max(worst, g)
+			}
+			refused := 0
+			for _, a := range answers {
+				if a.code != http.StatusAccepted {
+					refused++
+				}
+			}
+			rows = append(rows, row{name: "restart under socket activation, 3 restarts at 160/s: the gap, worst of 3",
+				ours: fmt.Sprintf("%.0f ms, %d of %d not 202", float64(worst.Microseconds())/1000, refused, len(answers)), aim: "printed; none refused"})
 		}
 		if want("switch") {
 			sw, pci := benchSwitch(b)

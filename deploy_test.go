@@ -248,6 +248,7 @@ func TestDebPackage(t *testing.T) {
 	}
 	for _, want := range []string{"-rwxr-xr-x root/root .* ./usr/bin/switchyard$", "-rw-r----- root/root .* ./etc/switchyard/switchyard.toml$",
 		" ./lib/systemd/system/switchyard.service$", " ./lib/systemd/system/switchyard.socket$", " ./usr/share/switchyard/switchyard.rules.yml$",
+		" ./usr/share/switchyard/haproxy.cfg$",
 		" ./usr/share/doc/switchyard/README.md$"} {
 		if !regexp.MustCompile("(?m)" + want).Match(contents) {
 			t.Errorf("dpkg-deb -c lacks %s:\n%s", want, contents)

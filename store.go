@@ -64,13 +64,7 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 		}
 		s := &Store{w: db, r: db, dialect: dialectPostgres, name: redactDatabaseURL(cfg.URL), metrics: metrics,
 			codec: newPayloadCodec()}
-		// Found again once it answers and its floor allows this binary.
-		s.health = newDBHealth(s.dialect, func(ctx context.Context) error {
-			if err := db.PingContext(ctx); err != nil {
-				return err
-			}
-			return s.CheckFloor(ctx)
-		})
+		s.health = newDBHealth(s.dialect, db.PingContext)
 		return s, nil
 	}
 	return openSQLite(ctx, cfg, metrics)
@@ -649,8 +643,8 @@ func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
 // PostgreSQL, a primary that answers, not a read-only standby), for
 // /readyz.
 func (s *Store) Writable(ctx context.Context) error {
-	if down, _, cause := s.health.Down(); down && errors.Is(cause, ErrSchemaFloor) {
-		return cause
+	if err := s.health.refusal(); err != nil {
+		return err
 	}
 	return s.WriteTx(ctx, func(tx *Tx) error {
 		_, err := tx.tx.ExecContext(ctx, "UPDATE settings SET value = value WHERE false")

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -20,6 +21,11 @@ import (
 // one, once the database answers) takes.
 var ErrDatabaseLost = errors.New("database connection lost")
 
+// ErrSchemaFloor is a database whose schema floor is above this binary's
+// version (store_schema.go): this binary no longer works with it, and
+// the node stops writing as for a lost database until it does.
+var ErrSchemaFloor = errors.New("upgrade switchyard")
+
 // probeEvery is how often a lost database is asked whether it answers.
 const probeEvery = 500 * time.Millisecond
 
@@ -30,6 +36,8 @@ const probeEvery = 500 * time.Millisecond
 type dbHealth struct {
 	dialect dialect
 	ping    func(ctx context.Context) error
+	// also is what a ping must pass besides answering (require).
+	also atomic.Pointer[func(ctx context.Context) error]
 
 	mu      sync.Mutex
 	lost    chan struct{} // closed while lost; a fresh one once it answers
@@ -78,6 +86,20 @@ func (h *dbHealth) Lose(cause error) {
 	h.probing.Go(h.probe)
 }
 
+// require adds check to what a lost database must pass to be found again.
+func (h *dbHealth) require(check func(ctx context.Context) error) { h.also.Store(&check) }
+
+// refusal is why the database may not be written now by this binary, nil
+// unless it is lost for its schema floor.
+func (h *dbHealth) refusal() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.down && errors.Is(h.cause, ErrSchemaFloor) {
+		return h.cause
+	}
+	return nil
+}
+
 // probe pings the database until it answers, then marks it found.
 func (h *dbHealth) probe() {
 	t := time.NewTicker(probeEvery)
@@ -90,6 +112,9 @@ func (h *dbHealth) probe() {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		err := h.ping(ctx)
+		if also := h.also.Load(); err == nil && also != nil {
+			err = (*also)(ctx)
+		}
 		cancel()
 		if err == nil {
 			h.mu.Lock()

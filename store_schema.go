@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	_ "embed"
-	"errors"
 	"fmt"
 	"regexp"
 	"strconv"
@@ -67,10 +66,6 @@ func parseMigrations(src string) ([]migration, error) {
 	}
 	return ms, nil
 }
-
-// ErrSchemaFloor is a database whose schema floor is above this binary's
-// version: this binary no longer works with it.
-var ErrSchemaFloor = errors.New("upgrade switchyard")
 
 // Version is this binary's schema version: its last migration.
 func (s *Store) Version() int {
@@ -259,5 +254,8 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 	if n, err := s.OpenGapCount(ctx); err == nil {
 		s.gapsOpen.Store(n > 0)
 	}
+	// A database lost for its floor is found again only once the floor
+	// allows this binary.
+	s.health.require(s.CheckFloor)
 	return from, to, nil
 }
