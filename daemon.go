@@ -172,9 +172,17 @@ func (d *Daemon) Close() error {
 // message in hand. ready, if set, is called once the listener accepts. The
 // Daemon stays open: Close closes it.
 func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
+	var gate *gatedListener
+	if tcp, ok := ln.(*net.TCPListener); ok {
+		gate = newGatedListener(tcp)
+		ln = gate
+	}
 	servers, listeners, err := d.httpServers(ln)
 	if err != nil {
 		return err
+	}
+	if gate != nil {
+		servers[0].ConnState = gate.ConnState
 	}
 
 	// The workers' context does not follow ctx: they stop only after the
@@ -239,7 +247,7 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	}
 	d.log.Info("shutting down")
 	sdNotify(d.log, daemon.SdNotifyStopping)
-	d.shutdown(servers, stopWork, work, &errs)
+	d.shutdown(servers, gate, stopWork, work, &errs)
 	return errors.Join(errs...)
 }
 
@@ -247,7 +255,7 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 // whatever the database does: the drain (server.drain_delay), then no
 // more webhooks taken, then the workers and the leases, then the usage
 // flush.
-func (d *Daemon) shutdown(servers []*http.Server, stopWork context.CancelFunc, work *errgroup.Group, errs *[]error) {
+func (d *Daemon) shutdown(servers []*http.Server, gate *gatedListener, stopWork context.CancelFunc, work *errgroup.Group, errs *[]error) {
 	timeout := d.cfg.Server.ShutdownTimeout
 	deadline := time.Now().Add(timeout)
 
@@ -261,8 +269,13 @@ func (d *Daemon) shutdown(servers []*http.Server, stopWork context.CancelFunc, w
 
 	// 1. Stop taking webhooks: every one answered 202 is on a broker. A
 	// socket systemd passed stays open: what arrives now waits in its
-	// queue for the next process.
+	// queue for the next process. Every connection taken is answered.
 	sctx, cancel := context.WithDeadline(context.Background(), deadline.Add(-timeout/4))
+	if gate != nil {
+		gate.Pause()
+		servers[0].SetKeepAlivesEnabled(false)
+		gate.WaitClosed(sctx)
+	}
 	for _, s := range servers {
 		if err := s.Shutdown(sctx); err != nil {
 			*errs = append(*errs, fmt.Errorf("http shutdown: %w", err))

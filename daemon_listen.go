@@ -4,11 +4,15 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/coreos/go-systemd/v22/activation"
 )
@@ -104,4 +108,112 @@ func sameAddr(a, b string) bool {
 		return ip != nil && ip.IsLoopback()
 	}
 	return ah == bh
+}
+
+// gatedListener is the API's listener with a gate, so that a shutdown
+// answers every connection it took: Pause stops taking connections
+// (those that arrive wait in the socket's queue, for the next process
+// under socket activation) without closing the socket, and, keep-alives
+// off, WaitClosed waits until each connection taken was answered and
+// closed. net/http's Shutdown alone closes, unanswered, a connection whose
+// request it reads after the shutdown began: a webhook that had just been
+// accepted.
+type gatedListener struct {
+	*net.TCPListener
+	pauseOnce sync.Once
+	paused    chan struct{}
+	closeOnce sync.Once
+	closed    chan struct{}
+	// accepting is held through each Accept of the socket, so that Pause
+	// returns once every connection taken is in fresh.
+	accepting sync.Mutex
+	mu        sync.Mutex
+	open      map[net.Conn]struct{} // taken, not closed yet
+}
+
+func newGatedListener(ln *net.TCPListener) *gatedListener {
+	return &gatedListener{TCPListener: ln, paused: make(chan struct{}), closed: make(chan struct{}), open: map[net.Conn]struct{}{}}
+}
+
+// Accept takes the next connection until Pause, then waits for Close.
+func (l *gatedListener) Accept() (net.Conn, error) {
+	select {
+	case <-l.paused:
+		<-l.closed
+		return nil, net.ErrClosed
+	case <-l.closed:
+		return nil, net.ErrClosed
+	default:
+	}
+	l.accepting.Lock()
+	c, err := l.TCPListener.Accept()
+	if err == nil {
+		l.mu.Lock()
+		l.open[c] = struct{}{}
+		l.mu.Unlock()
+	}
+	l.accepting.Unlock()
+	if err != nil {
+		select {
+		case <-l.paused: // the deadline Pause set
+			<-l.closed
+			return nil, net.ErrClosed
+		case <-l.closed:
+			return nil, net.ErrClosed
+		default:
+		}
+	}
+	return c, err
+}
+
+// Pause stops taking connections, at once (a deadline in the past ends
+// the Accept under way), and returns once the last one taken is counted.
+func (l *gatedListener) Pause() {
+	l.pauseOnce.Do(func() {
+		close(l.paused)
+		l.SetDeadline(time.Unix(1, 0)) //nolint:errcheck // a TCP listener takes a deadline
+	})
+	l.accepting.Lock()
+	defer l.accepting.Unlock()
+}
+
+// ConnState is the server's hook: a connection taken is open until it
+// closes.
+func (l *gatedListener) ConnState(c net.Conn, st http.ConnState) {
+	if st != http.StateClosed && st != http.StateHijacked {
+		return
+	}
+	l.mu.Lock()
+	delete(l.open, c)
+	l.mu.Unlock()
+}
+
+// WaitClosed waits until every connection taken has closed (with
+// keep-alives off, once answered), or ctx ends.
+func (l *gatedListener) WaitClosed(ctx context.Context) {
+	t := time.NewTicker(5 * time.Millisecond)
+	defer t.Stop()
+	for {
+		l.mu.Lock()
+		n := len(l.open)
+		l.mu.Unlock()
+		if n == 0 {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// Close closes this process's copy of the socket.
+func (l *gatedListener) Close() error {
+	var err error
+	l.closeOnce.Do(func() {
+		close(l.closed)
+		err = l.TCPListener.Close()
+	})
+	return err
 }
