@@ -230,7 +230,7 @@ func (a *API) guarded(h httprouter.Handle) httprouter.Handle {
 	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
 		if wait := a.auth.blocked(a.webhook.sourceIP(r), time.Now()); wait > 0 {
 			w.Header().Set("Retry-After", strconv.Itoa(int(wait.Seconds())+1))
-			writeJSON(w, http.StatusTooManyRequests, map[string]string{"error": "too many failed authentications from this address; retry later"})
+			writeError(w, r, a.log, ErrTooManyFailures)
 			return
 		}
 		h(w, r, ps)

@@ -145,13 +145,8 @@ func (a *API) searchPage(r *http.Request) (rows []DeliveryRow, next string, err 
 // deliveriesPage is GET /status/deliveries.
 func (a *API) deliveriesPage(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
 	rows, next, err := a.searchPage(r)
-	if errors.Is(err, ErrBadRequest) {
-		http.Error(w, "400 "+err.Error(), http.StatusBadRequest)
-		return
-	}
 	if err != nil {
-		a.log.Error("deliveries page", "error", err)
-		http.Error(w, "500 internal error", http.StatusInternalServerError)
+		writeError(w, r, a.log, err)
 		return
 	}
 	page := struct {
@@ -177,7 +172,7 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 	guid := ps.ByName("guid")
 	hook, err := hookQuery(r.URL.Query())
 	if err != nil {
-		http.Error(w, "400 "+err.Error(), http.StatusBadRequest)
+		writeError(w, r, a.log, err)
 		return
 	}
 	st, err := a.store.Story(r.Context(), guid)
@@ -193,8 +188,7 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 		return
 	}
 	if err != nil {
-		a.log.Error("delivery page", "error", err)
-		http.Error(w, "500 internal error", http.StatusInternalServerError)
+		writeError(w, r, a.log, err)
 		return
 	}
 	if r.URL.Query().Get("download") == "1" {
@@ -377,11 +371,11 @@ func (a *API) actions(r *http.Request, guid string) pageActions {
 // page (same origin, the form's token) and answers 403 when it did not.
 func (a *API) formAllowed(w http.ResponseWriter, r *http.Request, action, guid string) bool {
 	if !sameOrigin(r) {
-		http.Error(w, "403 the request did not come from this server's page", http.StatusForbidden)
+		writeError(w, r, a.log, ErrNotOurPage)
 		return false
 	}
 	if err := r.ParseForm(); err != nil || !hmac.Equal([]byte(r.PostForm.Get("token")), []byte(a.csrfToken(action, guid))) {
-		http.Error(w, "403 missing or stale form token: load the delivery's page again", http.StatusForbidden)
+		writeError(w, r, a.log, ErrStaleForm)
 		return false
 	}
 	return true
@@ -395,7 +389,7 @@ func (a *API) redeliverDelivery(w http.ResponseWriter, r *http.Request, ps httpr
 		return
 	}
 	if a.hooks == nil {
-		http.Error(w, "409 no GitHub App is configured (github.app_id): redeliver it from GitHub's Recent Deliveries", http.StatusConflict)
+		writeError(w, r, a.log, fmt.Errorf("%w: no GitHub App is configured (github.app_id): redeliver it from GitHub's Recent Deliveries", ErrConflict))
 		return
 	}
 	done, err := a.hooks.RedeliverOne(r.Context(), guid)

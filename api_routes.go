@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"net/http"
 
 	"github.com/julienschmidt/httprouter"
@@ -39,15 +40,15 @@ func (a *API) Handler() http.Handler {
 		r.Handler(http.MethodGet, "/metrics", a.metrics.Handler())
 	}
 
-	r.NotFound = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusNotFound, map[string]string{"error": "not found"})
+	r.NotFound = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, r, a.log, ErrNotFound)
 	})
-	r.MethodNotAllowed = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusMethodNotAllowed, map[string]string{"error": "method not allowed"})
+	r.MethodNotAllowed = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, r, a.log, ErrMethodNotAllowed)
 	})
 	r.PanicHandler = func(w http.ResponseWriter, r *http.Request, v any) {
 		a.log.Error("panic in handler", "path", r.URL.Path, "panic", v)
-		writeJSON(w, http.StatusInternalServerError, map[string]string{"error": "internal error"})
+		writeError(w, r, nil, fmt.Errorf("panic: %v", v))
 	}
 	return r
 }

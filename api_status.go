@@ -330,7 +330,7 @@ func (a *API) operatorPage(h httprouter.Handle) httprouter.Handle {
 				a.authFailed(r)
 			}
 			w.Header().Set("WWW-Authenticate", `Basic realm="switchyard", charset="UTF-8"`)
-			http.Error(w, "401 unauthorized: user operator, the operator token as password", http.StatusUnauthorized)
+			writeError(w, r, a.log, ErrPageUnauthorized)
 			return
 		}
 		a.bounded(h)(w, r, ps)
@@ -341,8 +341,7 @@ func (a *API) operatorPage(h httprouter.Handle) httprouter.Handle {
 func (a *API) renderStatus(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
 	st, err := a.gatherStatus(r.Context())
 	if err != nil {
-		a.log.Error("status page", "error", err)
-		http.Error(w, "500 internal error", http.StatusInternalServerError)
+		writeError(w, r, a.log, err)
 		return
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")

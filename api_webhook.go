@@ -425,7 +425,7 @@ func (wh *Webhook) reject(w http.ResponseWriter, r *http.Request, err error, src
 	if statusOf(err) == http.StatusServiceUnavailable {
 		w.Header().Set("Retry-After", "30")
 	}
-	writeJSON(w, statusOf(err), map[string]string{"error": publicText(err)})
+	writeError(w, r, nil, err) // logged above
 }
 
 func addrText(a netip.Addr) string {
