@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"hash"
 	"io"
-	"log/slog"
 	"net/http"
 	"os"
 	"os/exec"
@@ -615,8 +614,7 @@ func benchWANDrain(b *testing.B, payload []byte, rtt time.Duration) (ours, base 
 func benchDatabaseBytes(b *testing.B) (total, payloads int64, corpus string) {
 	store, _ := benchStore(b)
 	defer store.Close()
-	log := slog.New(slog.DiscardHandler)
-	svc, dbh := serviceHandler(nil, 0, false), databaseHandler(testBotAppID, nil, log)
+	svc, dbh := eventFunc(serviceHandler(nil, 0, false)), eventFunc(databaseHandler(testBotAppID))
 	// The recorded corpus of GitHub's payloads when it lies beside the
 	// repository, else the project's own.
 	fixtures, corpus := loadFixtures(b), payloadDir

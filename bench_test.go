@@ -519,7 +519,7 @@ func benchConsume(b *testing.B, payload []byte) consumeResult {
 	log := slog.New(slog.DiscardHandler)
 	q := NewQueues(cfg.Queue, mustBrokers(b, amqpURL(vhost)), nil, log)
 	defer q.Close()
-	h := databaseHandler(testBotAppID, nil, log)
+	h := eventFunc(databaseHandler(testBotAppID))
 	var done atomic.Int64
 	counted := func(ctx context.Context, tx *Tx, ev *Event) error {
 		err := h(ctx, tx, ev)
@@ -533,7 +533,7 @@ func benchConsume(b *testing.B, payload []byte) consumeResult {
 		defer cancel()
 		cpu := selfCPU()
 		start := time.Now()
-		go consumeUntil(ctx, q, q.conns[0].broker, EventOptions{Queue: queueDatabase, Handle: counted, Prepare: databasePrepare(testBotAppID), Batch: store, Log: log}.options())
+		go consumeUntil(ctx, q, q.conns[0].broker, EventOptions{Queue: queueDatabase, Handle: handlerOf(counted), Decode: databaseDecode(testBotAppID), Batch: store, Log: log}.options())
 		for done.Load() < n {
 			time.Sleep(time.Millisecond)
 		}
@@ -807,12 +807,12 @@ func BenchmarkDecodeForTables(b *testing.B) {
 	d := delivered(msg)
 	b.SetBytes(int64(len(d.Body)))
 	for b.Loop() {
-		ev, err := DecodeEvent(d)
+		dec, err := DecodeTableRows(d, testBotAppID)
 		if err != nil {
 			b.Fatal(err)
 		}
-		if rows, err := decodeTableRows(ev, testBotAppID); err != nil || rows.Issue == nil {
-			b.Fatalf("decode: %v, %+v", err, rows)
+		if dec.RowsErr != nil || dec.Rows.Issue == nil {
+			b.Fatalf("decode: %v, %+v", dec.RowsErr, dec.Rows)
 		}
 	}
 }
@@ -824,11 +824,11 @@ func BenchmarkDecodeForTables(b *testing.B) {
 func BenchmarkBatchWrite(b *testing.B) {
 	store, _ := benchStore(b)
 	defer store.Close()
-	h := databaseHandler(testBotAppID, nil, slog.New(slog.DiscardHandler))
+	h := databaseHandler(testBotAppID)
 	payload := paddedPayload(b, 25<<10)
 	ctx, cancel := context.WithTimeout(context.Background(), handleTimeout)
 	defer cancel()
-	evs := make([]*Event, 100)
+	evs := make([]Decoded, 100)
 	var cpu time.Duration
 	n := 0
 	for b.Loop() {
@@ -838,18 +838,17 @@ func BenchmarkBatchWrite(b *testing.B) {
 			guid := fmt.Sprintf("batch-%d", n)
 			msg := eventMessage("pull_request", guid, withNode(payload, "node-"+guid))
 			msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
-			ev, err := DecodeEvent(delivered(msg))
+			dec, err := DecodeTableRows(delivered(msg), testBotAppID)
 			if err != nil {
 				b.Fatal(err)
 			}
-			databasePrepare(testBotAppID)(ev)
-			evs[i] = ev
+			evs[i] = dec
 		}
 		b.StartTimer()
 		start := selfCPU()
 		err := store.WriteTx(ctx, func(tx *Tx) error {
 			for _, ev := range evs {
-				if err := tx.Savepoint(ctx, func() error { return h(ctx, tx, ev) }); err != nil {
+				if err := tx.Savepoint(ctx, func() error { _, err := h(ctx, tx, ev); return err }); err != nil {
 					return err
 				}
 			}

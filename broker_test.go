@@ -651,7 +651,7 @@ func testLeftoverDrainRetry(t *testing.T) {
 	publishRaw(t, b, "", queueGitHub, eventMessage("issues", guid, loadFixture(t, "issues", "opened")))
 	var mu sync.Mutex
 	calls := 0
-	service := serviceHandler(nil, 0, false)
+	service := eventFunc(serviceHandler(nil, 0, false))
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		calls++
@@ -662,7 +662,8 @@ func testLeftoverDrainRetry(t *testing.T) {
 		}
 		return service(ctx, tx, ev)
 	}
-	w := NewWorker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: h, Batch: store, Window: 300 * time.Millisecond}, cfg.Workers, bs, q, log)
+	w := NewEventWorker(WorkerOptions{Name: "service", Queue: queueGitHub, Window: 300 * time.Millisecond},
+		EventOptions{Handle: handlerOf(h), Batch: store}, cfg.Workers, bs, q, log)
 	done := make(chan struct{})
 	go func() { _ = w.Run(ctx); close(done) }()
 	defer func() { cancel(); <-done }()

@@ -91,47 +91,16 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		return fail(err)
 	}
 	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics, leases: leases, refused: refused}
-	w := cfg.Workers
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
 	d.keepalive = NewKeepalive(cfg.Queue, brokers.List(), queues, leases.Lease(jobKeepalive), metrics, log)
 	store.RegisterMetrics(metrics)
-	hc := func(url, name string) *HealthCheck {
-		return NewHealthCheck(url, name, leases.Lease(jobHealthChecks), d.metrics, log)
-	}
-	consumed := consumedQueues(cfg)
 	var rotate func(ctx context.Context, views []BudgetView, now time.Time) error
 	if r := NewRotation(cfg, brokers, queues, store, d.alerter, log); r != nil {
 		rotate = r.Check
 	}
 	d.usage = NewUsage(cfg, brokers, queues, store, d.alerter, metrics, log, leases.Lease(jobBudget), rotate)
-	worker := func(o WorkerOptions) *Worker {
-		o.Consumed, o.Metrics = consumed, metrics
-		if o.Batch != nil {
-			o.Usage = d.usage
-		}
-		return NewWorker(o, w, brokers, queues, log)
-	}
-	retention := NewRetention(store, cfg, log.With("worker", "cleanup"))
-	d.retention = retention
-	retentionLease := leases.Lease(jobRetention)
-	d.workers = []*Worker{
-		worker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(alerter, cfg.GitHub.AppID, false),
-			Batch: store, Window: w.Window, Health: hc(cfg.HealthChecks.Service, "service")}),
-		worker(WorkerOptions{Name: "database-service", Queue: queueDatabase,
-			Handle:  databaseHandler(cfg.GitHub.BotAppID, metrics, log.With("worker", "database-service")),
-			Prepare: databasePrepare(cfg.GitHub.BotAppID),
-			Batch:   store, Window: w.Window, Health: hc(cfg.HealthChecks.DatabaseService, "database-service")}),
-		worker(WorkerOptions{Name: "cleanup", Queue: queueForbidden, Handle: serviceHandler(alerter, cfg.GitHub.AppID, true),
-			Batch: store, Window: w.CleanupWindow, Every: w.CleanupEvery, Health: hc(cfg.HealthChecks.Cleanup, "cleanup"),
-			Poll: func(ctx context.Context) error {
-				if !retentionLease.Held() {
-					return nil // another node's job
-				}
-				_, _, err := retention.Prune(ctx)
-				return err
-			}, PollEvery: w.CleanupEvery}),
-	}
+	d.retention = NewRetention(store, cfg, log.With("worker", "cleanup"))
 	var hooks *Hooks
 	if cfg.GitHub.AppID > 0 {
 		app, err := NewGitHubApp(cfg.GitHub, log.With("component", "github"))
@@ -140,18 +109,12 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 			return fail(err)
 		}
 		hooks = NewHooks(cfg, app, store, brokers, queues, alerter, log.With("worker", "hooks"))
-		// The hooks worker talks to GitHub per message: it is not batched
-		// (no network I/O inside a transaction). Its poll runs between
-		// windows: a window longer than hooks_poll_every would stretch it.
-		d.hooks = worker(WorkerOptions{Name: "hooks", Queue: queueHooks, HandleMessages: hooks.HandleMessages,
-			Window: min(w.Window, w.HooksPollEvery), Health: hc(cfg.HealthChecks.Hooks, "hooks"), PollEvery: w.HooksPollEvery,
-			Poll: func(ctx context.Context) error {
-				n, err := hooks.Poll(ctx)
-				if n > 0 {
-					log.Info("hooks poll queued failed deliveries", "worker", "hooks", "queued", n)
-				}
-				return err
-			}})
+	}
+	ws := workerParts{cfg: cfg, store: store, brokers: brokers, queues: queues, metrics: metrics, alerter: alerter,
+		usage: d.usage, leases: leases, log: log}
+	d.workers = []*Worker{ws.service(), ws.databaseService(), ws.cleanup(d.retention)}
+	if hooks != nil {
+		d.hooks = ws.hooks(hooks)
 		d.workers = append(d.workers, d.hooks)
 	}
 	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.usage, hooks, leases, log)

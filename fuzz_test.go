@@ -128,7 +128,7 @@ func FuzzDecodeEvent(f *testing.F) {
 		if ev.DeliveryID == "" || ev.Name == "" {
 			t.Fatalf("decoded an Event without GUID or name: %+v", ev)
 		}
-		if _, err := decodeTableRows(ev, 4242); err != nil && !errors.As(err, &perm) {
+		if _, err := decodeTableRows(ev, decodedPayload{}, 4242); err != nil && !errors.As(err, &perm) {
 			t.Fatalf("table decode error %v is not permanent", err)
 		}
 	})

@@ -12,21 +12,57 @@ import (
 // Reading a message into an Event: the headers, the payload in one pass
 // into the type its typed tables read (newTablePayload), the wrapped form.
 
+// Decoded is one message read, as a value the worker carries to its
+// handler: the Event and, when they were asked for (DecodeTableRows), the
+// rows the typed tables make of it, or why they cannot.
+type Decoded struct {
+	Event   *Event
+	Rows    *tableRows
+	RowsErr error
+}
+
+// TableRows are d's rows: the ones decoded with it, or, for an Event built
+// by hand, decoded now from its payload.
+func (d Decoded) TableRows(botAppID int64) (*tableRows, error) {
+	if d.Rows == nil && d.RowsErr == nil {
+		return decodeTableRows(d.Event, decodedPayload{}, botAppID)
+	}
+	return d.Rows, d.RowsErr
+}
+
 // DecodeEvent reads a message into an Event. A message without a delivery
 // GUID or event name, or with a body that is not a JSON object, is malformed:
 // no retry can help.
 func DecodeEvent(d Delivery) (*Event, error) {
+	ev, _, err := readEvent(d)
+	return ev, err
+}
+
+// DecodeTableRows is DecodeEvent and the rows of the typed tables, from
+// the one pass over the payload: a payload that does not fit them fails
+// its RowsErr, not the decoding.
+func DecodeTableRows(d Delivery, botAppID int64) (Decoded, error) {
+	ev, src, err := readEvent(d)
+	if err != nil {
+		return Decoded{}, err
+	}
+	rows, rowsErr := decodeTableRows(ev, src, botAppID)
+	return Decoded{Event: ev, Rows: rows, RowsErr: rowsErr}, nil
+}
+
+// readEvent is DecodeEvent, and the payload as its one pass read it.
+func readEvent(d Delivery) (*Event, decodedPayload, error) {
 	body := d.Body
 	get := d.Header
 
 	p, shapeErr, err := decodePayload(body, cmp.Or(get(hdrEvent), d.Type))
 	if err != nil {
-		return nil, err
+		return nil, decodedPayload{}, err
 	}
 	if env := p.event(); env.Headers != nil && env.Payload != nil && memberCount(body) == 2 {
 		wrapped, err := decodeWrappedHeaders(env.Headers)
 		if err != nil {
-			return nil, err
+			return nil, decodedPayload{}, err
 		}
 		get = func(k string) string {
 			if v := wrapped.Get(k); v != "" {
@@ -36,7 +72,7 @@ func DecodeEvent(d Delivery) (*Event, error) {
 		}
 		body = unwrapPayload(env.Payload)
 		if p, shapeErr, err = decodePayload(body, cmp.Or(get(hdrEvent), d.Type)); err != nil {
-			return nil, err
+			return nil, decodedPayload{}, err
 		}
 	}
 
@@ -50,8 +86,6 @@ func DecodeEvent(d Delivery) (*Event, error) {
 		Sender:     login(env.Sender),
 		Payload:    body,
 		ReceivedAt: d.Timestamp,
-		decoded:    p,
-		shapeErr:   shapeErr,
 	}
 	if ev.DeliveryID == "" {
 		ev.DeliveryID = d.MessageID
@@ -60,15 +94,15 @@ func DecodeEvent(d Delivery) (*Event, error) {
 		ev.Name = d.Type
 	}
 	if ev.DeliveryID == "" {
-		return nil, malformed("no delivery GUID (x-github-delivery header or message_id)")
+		return nil, decodedPayload{}, malformed("no delivery GUID (x-github-delivery header or message_id)")
 	}
 	if ev.Name == "" {
-		return nil, malformed("no event name (x-github-event header or type)")
+		return nil, decodedPayload{}, malformed("no event name (x-github-event header or type)")
 	}
 	if ev.HookID, err = parseHookID(get(hdrHookID)); err != nil {
 		// The hook is half the delivery's identity: a guess would make
 		// it another delivery's duplicate, or a copy of its own.
-		return nil, malformed("%v", err)
+		return nil, decodedPayload{}, malformed("%v", err)
 	}
 	ev.TargetID, _ = strconv.ParseInt(get(hdrTargetID), 10, 64)
 	if env.Repository != nil {
@@ -84,7 +118,7 @@ func DecodeEvent(d Delivery) (*Event, error) {
 		ev.ReceivedAt = time.Now()
 	}
 	ev.ReceivedAt = ev.ReceivedAt.UTC()
-	return ev, nil
+	return ev, decodedPayload{value: p, shapeErr: shapeErr}, nil
 }
 
 // decodePayload decodes a payload, in one pass, into the type the typed

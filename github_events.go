@@ -29,18 +29,6 @@ type Event struct {
 	// Broker is the broker ("host/vhost") the delivery came through to
 	// the worker; empty when not known.
 	Broker string
-
-	// decoded is DecodeEvent's one pass over the payload, in the type the
-	// typed tables read (newTablePayload), and shapeErr the first of its
-	// values that did not fit it (decodeInto).
-	decoded  tablePayload
-	shapeErr error
-	// rows and rowsErr are what the typed tables make of the Event
-	// (decodeTableRows), worked out once by tableRows, ahead of the
-	// transaction; rows holds a *tableRows, so that the Event does not
-	// name the tables' types.
-	rows    any
-	rowsErr error
 }
 
 // DeliveryKey is a delivery's identity: the hook its copy of the event was
@@ -186,12 +174,22 @@ func login(u *jsonUser) string {
 	return u.Login
 }
 
-// decodeInto is the Event's payload as T: the one DecodeEvent decoded, or,
-// for an Event built by hand or of another name, the payload decoded now. A
-// payload that does not fit the Event's shape is a permanent failure.
-func decodeInto[T any](ev *Event) (*T, error) {
-	p, ok := any(ev.decoded).(*T)
-	err := ev.shapeErr
+// decodedPayload is an Event's payload as the one pass of DecodeEvent
+// read it, in the type the typed tables read (newTablePayload), and the
+// first of its values that did not fit (shapeErr); the zero value for an
+// Event built by hand.
+type decodedPayload struct {
+	value    tablePayload
+	shapeErr error
+}
+
+// decodeInto is the Event's payload as T: src, the one DecodeEvent decoded,
+// or, for an Event built by hand or of another name, the payload decoded
+// now. A payload that does not fit the Event's shape is a permanent
+// failure.
+func decodeInto[T any](ev *Event, src decodedPayload) (*T, error) {
+	p, ok := any(src.value).(*T)
+	err := src.shapeErr
 	if !ok {
 		p = new(T)
 		err = decodeJSON(ev.Payload, p)

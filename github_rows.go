@@ -24,8 +24,8 @@ type branchPayload struct {
 	MasterBranch string `json:"master_branch"`
 }
 
-func decodeBranch(ev *Event) (*branchRow, error) {
-	p, err := decodeInto[branchPayload](ev)
+func decodeBranch(ev *Event, src decodedPayload) (*branchRow, error) {
+	p, err := decodeInto[branchPayload](ev, src)
 	if err != nil {
 		return nil, err
 	}
@@ -63,11 +63,11 @@ type issuePayload struct {
 	} `json:"issue"`
 }
 
-func decodeIssue(ev *Event) (*issueRow, error) {
+func decodeIssue(ev *Event, src decodedPayload) (*issueRow, error) {
 	if !slices.Contains(issueActions, ev.Action) {
 		return nil, nil
 	}
-	p, err := decodeInto[issuePayload](ev)
+	p, err := decodeInto[issuePayload](ev, src)
 	if err != nil {
 		return nil, err
 	}
@@ -101,11 +101,11 @@ type pullRequestPayload struct {
 	} `json:"pull_request"`
 }
 
-func decodePullRequest(ev *Event) (*issueRow, error) {
+func decodePullRequest(ev *Event, src decodedPayload) (*issueRow, error) {
 	if !slices.Contains(pullActions, ev.Action) {
 		return nil, nil
 	}
-	p, err := decodeInto[pullRequestPayload](ev)
+	p, err := decodeInto[pullRequestPayload](ev, src)
 	if err != nil {
 		return nil, err
 	}
@@ -151,11 +151,11 @@ type commentPayload struct {
 	} `json:"pull_request"`
 }
 
-func decodeComment(ev *Event) (*commentRow, error) {
+func decodeComment(ev *Event, src decodedPayload) (*commentRow, error) {
 	if !slices.Contains(commentActions, ev.Action) {
 		return nil, nil
 	}
-	p, err := decodeInto[commentPayload](ev)
+	p, err := decodeInto[commentPayload](ev, src)
 	if err != nil {
 		return nil, err
 	}
@@ -207,7 +207,7 @@ type discussionPayload struct {
 	} `json:"comment"`
 }
 
-func decodeDiscussion(ev *Event) (*discussionRow, error) {
+func decodeDiscussion(ev *Event, src decodedPayload) (*discussionRow, error) {
 	actions := discussionActions
 	if ev.Name == "discussion_comment" {
 		actions = commentActions
@@ -215,7 +215,7 @@ func decodeDiscussion(ev *Event) (*discussionRow, error) {
 	if !slices.Contains(actions, ev.Action) {
 		return nil, nil
 	}
-	p, err := decodeInto[discussionPayload](ev)
+	p, err := decodeInto[discussionPayload](ev, src)
 	if err != nil {
 		return nil, err
 	}
@@ -266,11 +266,11 @@ type checkRunPayload struct {
 	} `json:"requested_action"`
 }
 
-func decodeCheckRun(ev *Event) (*checkRunRow, error) {
+func decodeCheckRun(ev *Event, src decodedPayload) (*checkRunRow, error) {
 	if !slices.Contains(checkRunActions, ev.Action) {
 		return nil, nil
 	}
-	p, err := decodeInto[checkRunPayload](ev)
+	p, err := decodeInto[checkRunPayload](ev, src)
 	if err != nil {
 		return nil, err
 	}
@@ -317,8 +317,8 @@ type pushPayload struct {
 	Commits []json.RawMessage `json:"commits"`
 }
 
-func decodePush(ev *Event) (*pushRow, error) {
-	p, err := decodeInto[pushPayload](ev)
+func decodePush(ev *Event, src decodedPayload) (*pushRow, error) {
+	p, err := decodeInto[pushPayload](ev, src)
 	if err != nil {
 		return nil, err
 	}
@@ -360,11 +360,11 @@ type installationPayload struct {
 	Removed             []jsonRepo `json:"repositories_removed"`
 }
 
-func decodeInstallation(ev *Event) (*installationRow, []repositoryRow, error) {
+func decodeInstallation(ev *Event, src decodedPayload) (*installationRow, []repositoryRow, error) {
 	if ev.Name == "installation" && !slices.Contains(installationActions, ev.Action) {
 		return nil, nil, nil
 	}
-	p, err := decodeInto[installationPayload](ev)
+	p, err := decodeInto[installationPayload](ev, src)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -404,8 +404,8 @@ type repositoryPayload struct {
 	eventPayload
 }
 
-func decodeRepository(ev *Event) (repositoryRow, error) {
-	p, err := decodeInto[repositoryPayload](ev)
+func decodeRepository(ev *Event, src decodedPayload) (repositoryRow, error) {
+	p, err := decodeInto[repositoryPayload](ev, src)
 	if err != nil {
 		return repositoryRow{}, err
 	}

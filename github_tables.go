@@ -43,7 +43,7 @@ func (r *tableRows) empty() bool {
 type tableDecoder struct {
 	everyApp bool
 	payload  func() tablePayload
-	decode   func(ev *Event, rows *tableRows) error
+	decode   func(ev *Event, src decodedPayload, rows *tableRows) error
 }
 
 // tableDecoders are the tableDecoder of each Event name the tables read.
@@ -55,33 +55,60 @@ var tableDecoders = func() map[string]tableDecoder {
 		}
 	}
 	add(tableDecoder{everyApp: true, payload: func() tablePayload { return new(releasePayload) },
-		decode: func(ev *Event, r *tableRows) (err error) { r.Release, err = decodeRelease(ev); return err }}, "release")
+		decode: func(ev *Event, src decodedPayload, r *tableRows) (err error) {
+			r.Release, err = decodeRelease(ev, src)
+			return err
+		}}, "release")
 	add(tableDecoder{everyApp: true, payload: func() tablePayload { return new(workflowRunPayload) },
-		decode: func(ev *Event, r *tableRows) (err error) { r.WorkflowRun, err = decodeWorkflowRun(ev); return err }}, "workflow_run")
+		decode: func(ev *Event, src decodedPayload, r *tableRows) (err error) {
+			r.WorkflowRun, err = decodeWorkflowRun(ev, src)
+			return err
+		}}, "workflow_run")
 	add(tableDecoder{payload: func() tablePayload { return new(branchPayload) },
-		decode: func(ev *Event, r *tableRows) (err error) { r.Branch, err = decodeBranch(ev); return err }}, "create", "delete")
+		decode: func(ev *Event, src decodedPayload, r *tableRows) (err error) {
+			r.Branch, err = decodeBranch(ev, src)
+			return err
+		}}, "create", "delete")
 	add(tableDecoder{payload: func() tablePayload { return new(issuePayload) },
-		decode: func(ev *Event, r *tableRows) (err error) { r.Issue, err = decodeIssue(ev); return err }}, "issues")
+		decode: func(ev *Event, src decodedPayload, r *tableRows) (err error) {
+			r.Issue, err = decodeIssue(ev, src)
+			return err
+		}}, "issues")
 	add(tableDecoder{payload: func() tablePayload { return new(pullRequestPayload) },
-		decode: func(ev *Event, r *tableRows) (err error) { r.Issue, err = decodePullRequest(ev); return err }}, "pull_request")
+		decode: func(ev *Event, src decodedPayload, r *tableRows) (err error) {
+			r.Issue, err = decodePullRequest(ev, src)
+			return err
+		}}, "pull_request")
 	add(tableDecoder{payload: func() tablePayload { return new(commentPayload) },
-		decode: func(ev *Event, r *tableRows) (err error) { r.Comment, err = decodeComment(ev); return err }},
+		decode: func(ev *Event, src decodedPayload, r *tableRows) (err error) {
+			r.Comment, err = decodeComment(ev, src)
+			return err
+		}},
 		"issue_comment", "pull_request_review_comment", "commit_comment")
 	add(tableDecoder{payload: func() tablePayload { return new(discussionPayload) },
-		decode: func(ev *Event, r *tableRows) (err error) { r.Discussion, err = decodeDiscussion(ev); return err }},
+		decode: func(ev *Event, src decodedPayload, r *tableRows) (err error) {
+			r.Discussion, err = decodeDiscussion(ev, src)
+			return err
+		}},
 		"discussion", "discussion_comment")
 	add(tableDecoder{payload: func() tablePayload { return new(checkRunPayload) },
-		decode: func(ev *Event, r *tableRows) (err error) { r.CheckRun, err = decodeCheckRun(ev); return err }}, "check_run")
+		decode: func(ev *Event, src decodedPayload, r *tableRows) (err error) {
+			r.CheckRun, err = decodeCheckRun(ev, src)
+			return err
+		}}, "check_run")
 	add(tableDecoder{payload: func() tablePayload { return new(pushPayload) },
-		decode: func(ev *Event, r *tableRows) (err error) { r.Push, err = decodePush(ev); return err }}, "push")
+		decode: func(ev *Event, src decodedPayload, r *tableRows) (err error) {
+			r.Push, err = decodePush(ev, src)
+			return err
+		}}, "push")
 	add(tableDecoder{payload: func() tablePayload { return new(installationPayload) },
-		decode: func(ev *Event, r *tableRows) (err error) {
-			r.Installation, r.Repositories, err = decodeInstallation(ev)
+		decode: func(ev *Event, src decodedPayload, r *tableRows) (err error) {
+			r.Installation, r.Repositories, err = decodeInstallation(ev, src)
 			return err
 		}}, "installation", "installation_repositories")
 	add(tableDecoder{payload: func() tablePayload { return new(repositoryPayload) },
-		decode: func(ev *Event, r *tableRows) error {
-			repo, err := decodeRepository(ev)
+		decode: func(ev *Event, src decodedPayload, r *tableRows) error {
+			repo, err := decodeRepository(ev, src)
 			r.Repositories = []repositoryRow{repo}
 			return err
 		}}, "repository")
@@ -97,13 +124,14 @@ func newTablePayload(name string) tablePayload {
 	return new(eventPayload)
 }
 
-// decodeTableRows decodes what ev writes: release tracking for every
-// repository, then the typed tables for the bot App's Events.
-func decodeTableRows(ev *Event, botAppID int64) (*tableRows, error) {
+// decodeTableRows decodes what ev writes, from src (its payload as
+// DecodeEvent read it, or nothing): release tracking for every repository,
+// then the typed tables for the bot App's Events.
+func decodeTableRows(ev *Event, src decodedPayload, botAppID int64) (*tableRows, error) {
 	rows := &tableRows{}
 	bot := isBotEvent(ev, botAppID)
 	if d, ok := tableDecoders[ev.Name]; ok && (d.everyApp || bot) {
-		if err := d.decode(ev, rows); err != nil || !bot {
+		if err := d.decode(ev, src, rows); err != nil || !bot {
 			return rows, err
 		}
 	}
@@ -139,8 +167,8 @@ type releasePayload struct {
 	} `json:"release"`
 }
 
-func decodeRelease(ev *Event) (*releaseRow, error) {
-	p, err := decodeInto[releasePayload](ev)
+func decodeRelease(ev *Event, src decodedPayload) (*releaseRow, error) {
+	p, err := decodeInto[releasePayload](ev, src)
 	if err != nil {
 		return nil, err
 	}
@@ -193,8 +221,8 @@ type workflowRunPayload struct {
 	} `json:"workflow_run"`
 }
 
-func decodeWorkflowRun(ev *Event) (*workflowRunRow, error) {
-	p, err := decodeInto[workflowRunPayload](ev)
+func decodeWorkflowRun(ev *Event, src decodedPayload) (*workflowRunRow, error) {
+	p, err := decodeInto[workflowRunPayload](ev, src)
 	if err != nil {
 		return nil, err
 	}
@@ -219,14 +247,4 @@ func decodeWorkflowRun(ev *Event) (*workflowRunRow, error) {
 		row.Conclusion = *w.Conclusion
 	}
 	return row, nil
-}
-
-// tableRows is decodeTableRows, once per Event: databasePrepare runs it
-// ahead of the transaction, and the handler finds it done.
-func (ev *Event) tableRows(botAppID int64) (*tableRows, error) {
-	if ev.rows == nil && ev.rowsErr == nil {
-		ev.rows, ev.rowsErr = decodeTableRows(ev, botAppID)
-	}
-	rows, _ := ev.rows.(*tableRows)
-	return rows, ev.rowsErr
 }

@@ -1371,3 +1371,19 @@ func newParts(t testing.TB, cfg *Config) *parts {
 	t.Cleanup(func() { queues.Close() })
 	return &parts{store: store, brokers: brokers, queues: queues, log: log, logs: sink}
 }
+
+// eventFunc is h for an Event built by hand or decoded without its rows
+// (Decoded.TableRows decodes them), what it found dropped: the form the
+// tests wrap handlers in.
+func eventFunc(h Handler) func(ctx context.Context, tx *Tx, ev *Event) error {
+	return func(ctx context.Context, tx *Tx, ev *Event) error {
+		_, err := h(ctx, tx, Decoded{Event: ev})
+		return err
+	}
+}
+
+// handlerOf is a Handler of a test's function of an Event, which finds
+// nothing.
+func handlerOf(h func(ctx context.Context, tx *Tx, ev *Event) error) Handler {
+	return func(ctx context.Context, tx *Tx, d Decoded) (Found, error) { return Found{}, h(ctx, tx, d.Event) }
+}

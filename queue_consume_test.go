@@ -98,7 +98,7 @@ func testRetryCycle(t *testing.T, queueType string) {
 	failing, flaky := newGUID(), newGUID()
 	var mu sync.Mutex
 	calls := map[string]int{}
-	service := serviceHandler(nil, 0, false)
+	service := eventFunc(serviceHandler(nil, 0, false))
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		calls[ev.DeliveryID]++
@@ -122,7 +122,7 @@ func testRetryCycle(t *testing.T, queueType string) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, q, brokers[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: store, Log: log}.options())
+		consumeUntil(ctx, q, brokers[0], EventOptions{Queue: queueGitHub, Handle: handlerOf(h), Batch: store, Log: log}.options())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -195,7 +195,7 @@ func TestSplitDeathCountEndsInError(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.options())
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: handlerOf(h), Batch: p.store, Log: p.log}.options())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -473,7 +473,7 @@ func TestBatchedCommits(t *testing.T) {
 	}
 	failOnce := map[string]bool{guids[10]: true, guids[111]: true}
 	var mu sync.Mutex
-	service := serviceHandler(nil, 0, false)
+	service := eventFunc(serviceHandler(nil, 0, false))
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		fail := failOnce[ev.DeliveryID]
@@ -490,7 +490,7 @@ func TestBatchedCommits(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, b, EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.options())
+		consumeUntil(ctx, p.queues, b, EventOptions{Queue: queueGitHub, Handle: handlerOf(h), Batch: p.store, Log: p.log}.options())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -543,12 +543,14 @@ func TestBatchDecodesAhead(t *testing.T) {
 	}
 	var prepared atomic.Int64
 	secondPrepared := make(chan struct{})
-	prepare := func(ev *Event) {
+	decode := func(d Delivery) (Decoded, error) {
+		ev, err := DecodeEvent(d)
 		if prepared.Add(1) == 2 {
 			close(secondPrepared)
 		}
+		return Decoded{Event: ev}, err
 	}
-	service := serviceHandler(nil, 0, false)
+	service := eventFunc(serviceHandler(nil, 0, false))
 	var handled atomic.Int64
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		if handled.Add(1) == 1 {
@@ -563,7 +565,7 @@ func TestBatchDecodesAhead(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, b, EventOptions{Queue: queueGitHub, Handle: h, Prepare: prepare, Batch: p.store, Log: p.log}.options())
+		consumeUntil(ctx, p.queues, b, EventOptions{Queue: queueGitHub, Handle: handlerOf(h), Decode: decode, Batch: p.store, Log: p.log}.options())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -643,7 +645,7 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.options())
+	go consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: handlerOf(h), Batch: p.store, Log: p.log}.options())
 	eventually(t, 10*time.Second, "the first delivery handled", func() bool { return handled.Load() == 1 })
 	if n := unacked(t, vhost, queueGitHub); n > 4 {
 		t.Errorf("unacked 1 MB messages with a 4 MiB bound: %d, want at most 4", n)
@@ -741,7 +743,7 @@ func TestBatchFailuresSettledAfterCommit(t *testing.T) {
 	var mu sync.Mutex
 	inErrorAt := map[*Tx]int{} // -error's depth when a bad message failed in the transaction
 	var after, early int       // messages handled in a bad one's transaction after it, and how many saw it in -error
-	service := serviceHandler(nil, 0, false)
+	service := eventFunc(serviceHandler(nil, 0, false))
 	h := func(ctx context.Context, tx *Tx, ev *Event) error {
 		mu.Lock()
 		defer mu.Unlock()
@@ -762,7 +764,7 @@ func TestBatchFailuresSettledAfterCommit(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: h, Batch: p.store, Log: p.log}.options())
+		consumeUntil(ctx, p.queues, p.brokers.List()[0], EventOptions{Queue: queueGitHub, Handle: handlerOf(h), Batch: p.store, Log: p.log}.options())
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()

@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"maps"
 	"net/http"
 	"os"
@@ -542,8 +541,8 @@ func TestCopyDB(t *testing.T) {
 	if _, _, err := store.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	service := serviceHandler(nil, testBotAppID, false)
-	database := databaseHandler(testBotAppID, nil, slog.New(slog.DiscardHandler))
+	service := eventFunc(serviceHandler(nil, testBotAppID, false))
+	database := eventFunc(databaseHandler(testBotAppID))
 	guid := newGUID()
 	body := loadFixture(t, "pull_request", "opened")
 	copyOf := func(hook int64, bot bool) *Event {

@@ -9,24 +9,12 @@ import (
 	"time"
 )
 
-// WorkerOptions make one worker: its queue and handler, its cadence, and
-// what it does besides consuming.
+// WorkerOptions make one worker: its queue, its cadence, and what it does
+// besides consuming. Its constructor says what it does with its messages:
+// NewEventWorker handles them as Events, NewMessageWorker as they are.
 type WorkerOptions struct {
-	Name   string
-	Queue  string
-	Handle Handler
-	// HandleMessages, when set, handles the queue's messages as they are,
-	// not as Events (the hooks worker's own messages); Handle, Prepare
-	// and Batch are then unused.
-	HandleMessages BatchHandler
-	// Prepare, when set, is the handler's decoding, done ahead of it.
-	Prepare Preparer
-	// Batch, when set, lets a cycle commit several messages at once (a
-	// window's half); nil handles each on its own.
-	Batch Batcher
-	// Usage, when set, writes the brokers' counted messages in the
-	// transactions Batch commits.
-	Usage *Usage
+	Name  string
+	Queue string
 	// Window is how long one cycle consumes the active broker.
 	Window time.Duration
 	// Every, when set, is the pause between cycles (cleanup runs hourly);
@@ -51,6 +39,10 @@ type WorkerOptions struct {
 // active broker for one window.
 type Worker struct {
 	WorkerOptions
+	// events is how an Event worker handles its messages; messages, set
+	// instead, handles them as they are (the hooks worker's own).
+	events   *EventOptions
+	messages BatchHandler
 	lastPoll time.Time
 
 	cfg     WorkersConfig
@@ -107,13 +99,39 @@ func (w *Worker) record(err error) {
 	w.Metrics.cycle(w.Name, w.state.Failures, w.state.LastCycle)
 }
 
-// NewWorker builds a worker over the shared brokers and queues.
-func NewWorker(o WorkerOptions, cfg WorkersConfig, brokers *Brokers, queues *Queues, log *slog.Logger) *Worker {
+// NewEventWorker builds a worker that handles its queue's messages as
+// Events (e: Queue and Log are the worker's), over the shared brokers and
+// queues.
+func NewEventWorker(o WorkerOptions, e EventOptions, cfg WorkersConfig, brokers *Brokers, queues *Queues, log *slog.Logger) *Worker {
+	w := newWorker(o, cfg, brokers, queues, log)
+	w.events = &e
+	return w
+}
+
+// NewMessageWorker builds a worker that handles its queue's messages as
+// they are, with no transaction of the worker's (the hooks worker talks to
+// GitHub per message).
+func NewMessageWorker(o WorkerOptions, handle BatchHandler, cfg WorkersConfig, brokers *Brokers, queues *Queues, log *slog.Logger) *Worker {
+	w := newWorker(o, cfg, brokers, queues, log)
+	w.messages = handle
+	return w
+}
+
+func newWorker(o WorkerOptions, cfg WorkersConfig, brokers *Brokers, queues *Queues, log *slog.Logger) *Worker {
 	if o.Consumed == nil {
 		o.Consumed = logicalQueues
 	}
 	o.Metrics.worker(o.Name)
 	return &Worker{WorkerOptions: o, cfg: cfg, brokers: brokers, queues: queues, log: log.With("worker", o.Name, "queue", o.Queue)}
+}
+
+// batch is the Batcher the worker's transactions run on, nil for a worker
+// that writes none.
+func (w *Worker) batch() Batcher {
+	if w.events == nil {
+		return nil
+	}
+	return w.events.Batch
 }
 
 // Run repeats the cycle until ctx is done. A failed cycle is logged and tried
@@ -128,12 +146,12 @@ func (w *Worker) Run(ctx context.Context) error {
 			return nil
 		}
 		w.record(err)
-		if errors.Is(err, ErrDatabaseLost) && w.Batch != nil {
+		if errors.Is(err, ErrDatabaseLost) && w.batch() != nil {
 			// Its messages went back to the broker, for other nodes:
 			// this one consumes again once the database answers.
 			w.Health.Fail(ctx, err.Error())
 			w.log.Warn("database lost: consuming stops until it answers", "error", err)
-			if werr := w.Batch.WaitAnswers(ctx); werr == nil {
+			if werr := w.batch().WaitAnswers(ctx); werr == nil {
 				w.log.Info("database answers again: consuming")
 			}
 			continue
@@ -196,8 +214,8 @@ func (w *Worker) work(ctx context.Context) error {
 	// A database lost ends the cycle at once: its consumers are cancelled
 	// and what they hold is handed back (ConsumeOptions.HandBack).
 	var lost <-chan struct{}
-	if w.Batch != nil {
-		lost = w.Batch.Lost()
+	if b := w.batch(); b != nil {
+		lost = b.Lost()
 		if closed(lost) {
 			return ErrDatabaseLost
 		}
@@ -301,9 +319,11 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 // consumeOptions are what the worker's consumers and drains do with its
 // queue's messages.
 func (w *Worker) consumeOptions(log *slog.Logger) ConsumeOptions {
-	o := ConsumeOptions{Queue: w.Queue, Handle: w.HandleMessages, Log: log}
-	if w.HandleMessages == nil {
-		o = EventOptions{Queue: w.Queue, Handle: w.Handle, Prepare: w.Prepare, Batch: w.Batch, Usage: w.Usage, Log: log}.options()
+	o := ConsumeOptions{Queue: w.Queue, Handle: w.messages, Log: log}
+	if w.events != nil {
+		e := *w.events
+		e.Queue, e.Log = w.Queue, log
+		o = e.options()
 	}
 	o.Attached = func() { w.record(nil) }
 	return o

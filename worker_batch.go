@@ -13,21 +13,26 @@ import (
 // store transaction with a savepoint each, and GitHub's decode errors
 // become the queue's verdicts.
 
-// Handler processes one Event. It returns nil when done, ErrDuplicate when
-// the worker already finished this delivery, a permanent verdict or a
-// MalformedError when no retry can help, and any other error for a
-// transient failure. tx is the message's transaction, which it is acked
-// after: the batch's, inside a savepoint of the message's own, or one for
-// a lone message. It is nil only for a worker with no Batcher, whose
-// handler writes nothing. A handler must not touch the network.
-type Handler func(ctx context.Context, tx *Tx, ev *Event) error
+// Handler processes one decoded message. It returns what it found (for
+// the worker's Record, once the transaction committed) and nil when done,
+// ErrDuplicate when the worker already finished this delivery, a
+// permanent verdict or a MalformedError when no retry can help, and any
+// other error for a transient failure. tx is the message's transaction,
+// which it is acked after: the batch's, inside a savepoint of the
+// message's own, or one for a lone message. It is nil only for a worker
+// with no Batcher, whose handler writes nothing. A handler must not touch
+// the network.
+type Handler func(ctx context.Context, tx *Tx, d Decoded) (Found, error)
 
-// Preparer does ahead of time the part of a handler's work that needs
-// neither the database nor the network (decoding the payload for the typed
-// tables), keeping what it found in ev for the handler. In a batch it runs
-// on the goroutine that decodes the next messages while the transaction
-// writes the earlier ones.
-type Preparer func(ev *Event)
+// Found is what a handler found of a message besides its verdict, which
+// its worker records (a log line, a counter) once the transaction that
+// wrote it committed: a batch run again records nothing twice.
+type Found struct {
+	// Stale names the typed table whose row was newer than the Event.
+	Stale string
+	// Skipped says why the typed tables used nothing of the Event.
+	Skipped string
+}
 
 // Batcher runs a batch of messages' handlers in one transaction; *Store is
 // one (Store.WriteTx). Lost and WaitAnswers tell when the database is lost
@@ -42,8 +47,13 @@ type Batcher interface {
 type EventOptions struct {
 	Queue  string
 	Handle Handler
-	// Prepare, when set, does the handler's decoding ahead of it.
-	Prepare Preparer
+	// Decode reads a message for Handle (DecodeTableRows with the rows
+	// the handler writes); nil reads its Event only (DecodeEvent). It
+	// runs ahead of the transaction.
+	Decode func(Delivery) (Decoded, error)
+	// Record, when set, records what the handler found of each message
+	// once its transaction committed (or, with no Batch, once handled).
+	Record func(log *slog.Logger, f Found)
 	// Batch, when set, commits a window's half at once; nil hands each
 	// message over on its own, with no transaction.
 	Batch Batcher
@@ -77,16 +87,19 @@ func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error,
 // handle is handleBatch's work.
 func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
-	next, decoded := decodeAhead(msgs, o.Prepare, o.Log)
+	found := make([]Found, len(msgs))
+	next, decoded := decodeAhead(msgs, o.Decode, o.Log)
 	defer decoded()
 	switch {
 	case o.Batch == nil:
 		for i := range msgs {
-			verdicts[i] = next(i).handle(ctx, nil, o.Handle)
+			found[i], verdicts[i] = next(i).handle(ctx, nil, o.Handle)
 		}
+		o.record(next, found)
 		return verdicts, nil
 	case len(msgs) == 1:
-		verdicts[0] = next(0).handleAlone(ctx, o.Batch, o.Handle, o.Usage)
+		found[0], verdicts[0] = next(0).handleAlone(ctx, o.Batch, o.Handle, o.Usage)
+		o.record(next, found)
 		return verdicts, nil
 	}
 	// A message that failed in a pass without savepoints keeps its verdict
@@ -98,7 +111,7 @@ func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, erro
 				verdicts[i] = v
 				continue
 			}
-			verdicts[i] = next(i).handle(ctx, tx, o.Handle)
+			found[i], verdicts[i] = next(i).handle(ctx, tx, o.Handle)
 			if errors.Is(verdicts[i], ErrNeedSavepoints) {
 				// This message's failure, or a statement sent
 				// ahead that was answered otherwise (no one's).
@@ -110,21 +123,44 @@ func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, erro
 		}
 		return ctx.Err()
 	})
+	if err == nil {
+		o.record(next, found)
+	}
 	return verdicts, err
 }
 
-// decoded is one message read for its handler: the Event and its logger,
-// or why the message is no Event.
+// record hands what the handlers found to Record, once: after the commit
+// of the run that counted (a run again overwrote the earlier one's).
+func (o EventOptions) record(next func(i int) decoded, found []Found) {
+	if o.Record == nil {
+		return
+	}
+	for i, f := range found {
+		if f != (Found{}) {
+			o.Record(next(i).log, f)
+		}
+	}
+}
+
+// decoded is one message read for its handler: the Decoded and its
+// logger, or why the message is no Event.
 type decoded struct {
-	ev  *Event
+	d   Decoded
 	log *slog.Logger
 	err error
 }
 
-// decodeEvent reads one message into an Event and prepares it. It talks to
-// nobody: it may run ahead of the transaction, on another goroutine.
-func decodeEvent(m *Message, prepare Preparer, log *slog.Logger) decoded {
-	ev, err := DecodeEvent(Delivery{MessageID: m.ID, Type: m.Type, Header: m.Header, Body: m.Body, Timestamp: m.Timestamp})
+// decodeMessage reads one message with decode (nil: its Event only). It
+// talks to nobody: it may run ahead of the transaction, on another
+// goroutine.
+func decodeMessage(m *Message, decode func(Delivery) (Decoded, error), log *slog.Logger) decoded {
+	if decode == nil {
+		decode = func(d Delivery) (Decoded, error) {
+			ev, err := DecodeEvent(d)
+			return Decoded{Event: ev}, err
+		}
+	}
+	d, err := decode(Delivery{MessageID: m.ID, Type: m.Type, Header: m.Header, Body: m.Body, Timestamp: m.Timestamp})
 	if err != nil {
 		if m.ID != "" {
 			log = log.With("delivery_id", m.ID)
@@ -132,12 +168,9 @@ func decodeEvent(m *Message, prepare Preparer, log *slog.Logger) decoded {
 		return decoded{log: log, err: err}
 	}
 	if m.Broker != nil {
-		ev.Broker = usageKey(m.Broker.Host, m.Broker.Vhost)
+		d.Event.Broker = usageKey(m.Broker.Host, m.Broker.Vhost)
 	}
-	if prepare != nil {
-		prepare(ev)
-	}
-	return decoded{ev: ev, log: log.With("delivery_id", ev.DeliveryID, "event", ev.Name)}
+	return decoded{d: d, log: log.With("delivery_id", d.Event.DeliveryID, "event", d.Event.Name)}
 }
 
 // decodeAhead decodes msgs, in order, on a goroutine of its own, so that a
@@ -145,13 +178,13 @@ func decodeEvent(m *Message, prepare Preparer, log *slog.Logger) decoded {
 // consumer keeps two cores busy instead of one. next waits for message i
 // (ask for them in order); wait waits for the goroutine to end, which the
 // caller does before it returns, whether or not it asked for every message.
-func decodeAhead(msgs []Message, prepare Preparer, log *slog.Logger) (next func(i int) decoded, wait func()) {
+func decodeAhead(msgs []Message, decode func(Delivery) (Decoded, error), log *slog.Logger) (next func(i int) decoded, wait func()) {
 	out := make([]decoded, len(msgs))
 	ready := make(chan struct{}, len(msgs)) // never blocks: the goroutine ends even if nobody waits
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		for i := range msgs {
-			out[i] = decodeEvent(&msgs[i], prepare, log)
+			out[i] = decodeMessage(&msgs[i], decode, log)
 			ready <- struct{}{}
 		}
 	})
@@ -167,32 +200,38 @@ func decodeAhead(msgs []Message, prepare Preparer, log *slog.Logger) (next func(
 // handle runs h on a decoded message, in tx when one is given (inside a
 // savepoint, so a failure undoes this message only), and returns its
 // verdict in the queue's words.
-func (m decoded) handle(ctx context.Context, tx *Tx, h Handler) error {
+func (m decoded) handle(ctx context.Context, tx *Tx, h Handler) (Found, error) {
 	if m.err != nil {
-		return verdict(m.err)
+		return Found{}, verdict(m.err)
 	}
 	ctx = withLogger(ctx, m.log)
 	if tx == nil {
-		return verdict(h(ctx, nil, m.ev))
+		f, err := h(ctx, nil, m.d)
+		return f, verdict(err)
 	}
 	// A duplicate keeps what its handler wrote of it (the receipt's count):
-	// only a failure undoes the savepoint.
+	// only a failure undoes the savepoint, and what it found with it.
 	duplicate := false
+	var found Found
 	err := tx.Savepoint(ctx, func() error {
-		err := h(ctx, tx, m.ev)
+		f, err := h(ctx, tx, m.d)
 		if errors.Is(err, ErrDuplicate) {
 			duplicate = true
 			return nil
 		}
+		found = f
 		return err
 	})
 	if errors.Is(err, ErrNeedSavepoints) {
-		return err // not a verdict: the batch runs again (Store.WriteTx)
+		return Found{}, err // not a verdict: the batch runs again (Store.WriteTx)
 	}
-	if err == nil && duplicate {
-		err = ErrDuplicate
+	if err != nil {
+		return Found{}, verdict(err)
 	}
-	return verdict(err)
+	if duplicate {
+		return Found{}, ErrDuplicate
+	}
+	return found, nil
 }
 
 // verdict maps a handler's error to the queue's verdict: GitHub's decode
@@ -226,23 +265,27 @@ func loggerFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
 // without a savepoint: a failure rolls it back, a duplicate commits what
 // its handler wrote of it (the receipt's count), with the brokers' counts
 // (usage) when it commits.
-func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *Usage) error {
+func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *Usage) (Found, error) {
 	if m.err != nil {
-		return verdict(m.err)
+		return Found{}, verdict(m.err)
 	}
 	ctx = withLogger(ctx, m.log)
 	var handled error
+	var found Found
 	err := batchWithUsage(ctx, b, usage, func(tx *Tx) error {
-		handled = h(ctx, tx, m.ev)
+		found, handled = h(ctx, tx, m.d)
 		if errors.Is(handled, ErrDuplicate) {
 			return nil
 		}
 		return handled
 	})
 	if err != nil {
-		return verdict(err)
+		return Found{}, verdict(err)
 	}
-	return verdict(handled)
+	if handled != nil {
+		return Found{}, verdict(handled)
+	}
+	return found, nil
 }
 
 // batchWithUsage runs fn in one transaction of batcher and, when fn

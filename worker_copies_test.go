@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
@@ -198,7 +197,7 @@ func testLedgerCountsTheAppsCopy(t *testing.T) {
 	}
 	const app = 4242
 	guid := newGUID()
-	handle := serviceHandler(nil, app, false)
+	handle := eventFunc(serviceHandler(nil, app, false))
 	store1 := func(ev *Event) {
 		t.Helper()
 		if err := store.WriteTx(ctx, func(tx *Tx) error { return handle(ctx, tx, ev) }); err != nil {
@@ -327,15 +326,15 @@ func TestUpgradeKeepsDuplicates(t *testing.T) {
 	if n := queryInt(t, db, "SELECT count(*) FROM github WHERE broker = 'h/v'"); n != 2 {
 		t.Errorf("rows kept: %d, want 2", n)
 	}
-	handle := serviceHandler(nil, 0, false)
-	dbHandle := databaseHandler(0, nil, slog.New(slog.DiscardHandler))
+	handle := eventFunc(serviceHandler(nil, 0, false))
+	dbHandle := eventFunc(databaseHandler(0))
 	for _, c := range []struct {
 		guid string
 		hook int64
 	}{{"with-hook", 555}, {"without-hook", 0}} {
 		ev := &Event{DeliveryID: c.guid, Name: "issues", Action: "opened", HookID: c.hook, TargetType: "repository", TargetID: 9,
 			Payload: []byte(`{"action":"opened"}`), ReceivedAt: time.Now()}
-		for name, h := range map[string]Handler{"service": handle, "database-service": dbHandle} {
+		for name, h := range map[string]func(context.Context, *Tx, *Event) error{"service": handle, "database-service": dbHandle} {
 			var verdict error
 			err := store.WriteTx(ctx, func(tx *Tx) error { verdict = h(ctx, tx, ev); return nil })
 			if err != nil || verdict != ErrDuplicate {

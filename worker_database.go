@@ -9,48 +9,55 @@ import (
 // github-database): release tracking for every repository, then the typed
 // tables for the bot App's Events, all in one transaction that also records
 // the delivery as done, so a redelivered or retried Event changes nothing the
-// second time. The payload is decoded for the tables before the handler's
-// statements, by databasePrepare ahead of the transaction when the consumer
-// batches: a payload that lacks a field the tables need is a permanent
-// failure that writes nothing.
+// second time. The payload is decoded for the tables with the Event, ahead
+// of the transaction (databaseDecode): a payload that lacks a field the
+// tables need is a permanent failure that writes nothing.
 //
 // An Event whose object is older than the typed row it maps to (a late
 // synchronize after closed) leaves the row alone and is recorded with
-// outcome stale.
-func databaseHandler(botAppID int64, metrics *Metrics, log *slog.Logger) Handler {
-	return func(ctx context.Context, tx *Tx, ev *Event) error {
-		rows, err := ev.tableRows(botAppID)
+// outcome stale; the handler says so (Found), and databaseRecord logs and
+// counts it once the transaction committed.
+func databaseHandler(botAppID int64) Handler {
+	return func(ctx context.Context, tx *Tx, d Decoded) (Found, error) {
+		rows, err := d.TableRows(botAppID)
 		if err != nil {
-			return err
+			return Found{}, err
 		}
-		if rows.SkippedReason != "" {
-			loggerFrom(ctx, log).Debug("event not used by the typed tables", "reason", rows.SkippedReason)
-		}
-		m := newRowMeta(ev)
-		var stale string
-		done, err := tx.MarkDelivery(ctx, "database-service", ev.Key(), func(tx *Tx) (string, error) {
+		found := Found{Skipped: rows.SkippedReason}
+		m := newRowMeta(d.Event)
+		done, err := tx.MarkDelivery(ctx, "database-service", d.Event.Key(), func(tx *Tx) (string, error) {
 			var err error
-			if stale, err = tx.writeTableRows(ctx, m, rows); err != nil || stale == "" {
+			if found.Stale, err = tx.writeTableRows(ctx, m, rows); err != nil || found.Stale == "" {
 				return "", err
 			}
 			return "stale", nil
 		})
 		if err != nil {
-			return err
-		}
-		if stale != "" {
-			loggerFrom(ctx, log).Info("event older than the stored row, row kept", "table", stale)
-			metrics.staleEvent(stale)
+			return Found{}, err
 		}
 		if !done {
-			return ErrDuplicate
+			return Found{}, ErrDuplicate
 		}
-		return nil
+		return found, nil
 	}
 }
 
-// databasePrepare decodes an Event for the typed tables ahead of
-// databaseHandler (Event.tableRows).
-func databasePrepare(botAppID int64) Preparer {
-	return func(ev *Event) { _, _ = ev.tableRows(botAppID) }
+// databaseDecode reads a message with the rows of the typed tables, ahead
+// of databaseHandler's transaction.
+func databaseDecode(botAppID int64) func(Delivery) (Decoded, error) {
+	return func(d Delivery) (Decoded, error) { return DecodeTableRows(d, botAppID) }
+}
+
+// databaseRecord records what databaseHandler found of a message whose
+// transaction committed: a stale Event's counter and log line.
+func databaseRecord(metrics *Metrics) func(log *slog.Logger, f Found) {
+	return func(log *slog.Logger, f Found) {
+		if f.Skipped != "" {
+			log.Debug("event not used by the typed tables", "reason", f.Skipped)
+		}
+		if f.Stale != "" {
+			log.Info("event older than the stored row, row kept", "table", f.Stale)
+			metrics.staleEvent(f.Stale)
+		}
+	}
 }

@@ -8,12 +8,14 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"path/filepath"
 	"reflect"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -671,16 +673,15 @@ func compareOnePass(t *testing.T, fixtures []fixture) (compared int) {
 	for _, f := range fixtures {
 		msg := eventMessage(f.Event, "fixture-"+f.Event+"-"+f.Name, f.Body)
 		msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
-		ev, err := DecodeEvent(delivered(msg))
+		ev, src, err := readEvent(delivered(msg))
 		if err != nil {
 			continue // a payload the workers refuse reaches no table
 		}
-		onePass, fresh := *ev, *ev
+		onePass := *ev
 		onePass.Payload = nil
-		fresh.decoded, fresh.shapeErr = nil, nil
-		want, wantErr := decodeTableRows(&fresh, testBotAppID)
+		want, wantErr := decodeTableRows(ev, decodedPayload{}, testBotAppID)
 		for name, e := range map[string]*Event{"the one pass": ev, "the one pass alone": &onePass} {
-			got, err := decodeTableRows(e, testBotAppID)
+			got, err := decodeTableRows(e, src, testBotAppID)
 			if (err == nil) != (wantErr == nil) {
 				t.Errorf("%s/%s: %s: %v, decoded anew: %v", f.Event, f.Name, name, err, wantErr)
 				continue
@@ -711,9 +712,9 @@ func TestMalformedPayloads(t *testing.T) {
 			}
 			msg := eventMessage(event, "malformed-"+filepath.Base(p), body)
 			msg.Headers[hdrTargetType], msg.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
-			ev, err := DecodeEvent(delivered(msg))
+			d, err := DecodeTableRows(delivered(msg), testBotAppID)
 			if err == nil {
-				_, err = decodeTableRows(ev, testBotAppID)
+				err = d.RowsErr
 			}
 			if !errors.As(verdict(err), new(*permanentError)) {
 				t.Fatalf("got %v, want a permanent failure", err)
@@ -752,8 +753,8 @@ func TestBatchSendsAhead(t *testing.T) {
 		t.Fatal(err)
 	}
 	log := slog.New(slog.DiscardHandler)
-	o := EventOptions{Queue: queueDatabase, Handle: databaseHandler(testBotAppID, nil, log),
-		Prepare: databasePrepare(testBotAppID), Batch: store, Log: log}
+	o := EventOptions{Queue: queueDatabase, Handle: databaseHandler(testBotAppID),
+		Decode: databaseDecode(testBotAppID), Batch: store, Log: log}
 	pr := func(guid, node, updated string, edit func(pr map[string]any)) Message {
 		body := mutate(t, loadFixture(t, "pull_request", "opened"), func(p map[string]any) {
 			obj(p, "pull_request")["node_id"] = node
@@ -863,4 +864,68 @@ func TestBatchSendsAhead(t *testing.T) {
 	if got := trips.Load() - before; got >= 3*n {
 		t.Errorf("a batch with a delivery done before, right after a miss, took %d round trips for %d messages: it ran twice", got, n)
 	}
+}
+
+// A batch run again (a message in it fails before the statements the
+// batch sent ahead: it runs again with savepoints) records what its
+// handlers found once, after its commit: the stale Event's counter and
+// log line are not doubled.
+func TestBatchRunAgainRecordsOnce(t *testing.T) {
+	t.Parallel()
+	onBothStores(t, func(t *testing.T) {
+		ctx := context.Background()
+		store, err := OpenStore(ctx, testStore(t), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { store.Close() })
+		if _, _, err := store.Migrate(ctx); err != nil {
+			t.Fatal(err)
+		}
+		metrics := NewMetrics(MetricLabels{Version: "test", Queues: logicalQueues, Tables: orderSafeTables, Outcomes: outcomes})
+		var recorded atomic.Int64
+		record := databaseRecord(metrics)
+		o := EventOptions{Queue: queueDatabase, Handle: databaseHandler(testBotAppID), Decode: databaseDecode(testBotAppID),
+			Batch: store, Log: slog.New(slog.DiscardHandler), Record: func(log *slog.Logger, f Found) {
+				if f.Stale != "" {
+					recorded.Add(1)
+				}
+				record(log, f)
+			}}
+		pr := func(guid, node, updated string, edit func(pr map[string]any)) Message {
+			body := mutate(t, loadFixture(t, "pull_request", "opened"), func(p map[string]any) {
+				obj(p, "pull_request")["node_id"] = node
+				obj(p, "pull_request")["updated_at"] = updated
+				if edit != nil {
+					edit(obj(p, "pull_request"))
+				}
+			})
+			m := eventMessage("pull_request", guid, body)
+			m.Headers[hdrTargetType], m.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
+			return Message{ID: m.MessageId, Type: m.Type, Headers: m.Headers, Body: m.Body, Timestamp: m.Timestamp}
+		}
+		if v, err := o.handleBatch(ctx, []Message{pr("newer", "node-1", "2024-06-01T10:00:00Z", nil)}); err != nil || v[0] != nil {
+			t.Fatalf("the newer Event: %v %v", v, err)
+		}
+		batch := []Message{
+			pr("older", "node-1", "2024-05-01T10:00:00Z", nil),
+			pr("broken", "node-2", "2024-06-01T10:00:00Z", func(p map[string]any) { delete(p, "node_id") }),
+			pr("other", "node-3", "2024-06-01T10:00:00Z", nil),
+		}
+		verdicts, err := o.handleBatch(ctx, batch)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if verdicts[0] != nil || !errors.As(verdicts[1], new(*permanentError)) || verdicts[2] != nil {
+			t.Fatalf("verdicts %v, want nil, permanent, nil", verdicts)
+		}
+		if n := recorded.Load(); n != 1 {
+			t.Errorf("the stale Event recorded %d times, want once", n)
+		}
+		srv := httptest.NewServer(metrics.Handler())
+		defer srv.Close()
+		if n := scrape(t, srv.URL)[`switchyard_stale_events_total{table="github_pull_requests"}`]; n != 1 {
+			t.Errorf("switchyard_stale_events_total{table=github_pull_requests} = %v, want 1", n)
+		}
+	})
 }

@@ -45,8 +45,9 @@ func runWorker(t *testing.T, brokerURL, pingURL string) (*Store, *logSink) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := newParts(t, cfg)
 	store, brokers, queues, log, sink := p.store, p.brokers, p.queues, p.log, p.logs
-	w := NewWorker(WorkerOptions{Name: "service", Queue: queueGitHub, Handle: serviceHandler(nil, 0, false), Batch: store,
-		Window: 200 * time.Millisecond, Health: NewHealthCheck(pingURL, "service", nil, nil, log)}, cfg.Workers, brokers, queues, log)
+	w := NewEventWorker(WorkerOptions{Name: "service", Queue: queueGitHub,
+		Window: 200 * time.Millisecond, Health: NewHealthCheck(pingURL, "service", nil, nil, log)},
+		EventOptions{Handle: serviceHandler(nil, 0, false), Batch: store}, cfg.Workers, brokers, queues, log)
 	done := make(chan struct{})
 	go func() { _ = w.Run(ctx); close(done) }()
 	t.Cleanup(func() { cancel(); <-done })

@@ -135,15 +135,12 @@ func reprocessEvent(c *RawCopy, botAppID int64) (*Event, *tableRows, string) {
 	if c.TargetID != 0 {
 		headers[hdrTargetID] = strconv.FormatInt(c.TargetID, 10)
 	}
-	ev, err := DecodeEvent(Delivery{MessageID: c.GUID, Type: c.Event, Body: c.Payload, Timestamp: c.ReceivedAt,
-		Header: func(k string) string { return headers[k] }})
-	if err != nil {
+	d, err := DecodeTableRows(Delivery{MessageID: c.GUID, Type: c.Event, Body: c.Payload, Timestamp: c.ReceivedAt,
+		Header: func(k string) string { return headers[k] }}, botAppID)
+	if err != nil || d.RowsErr != nil {
 		return nil, nil, skipUndecoded
 	}
-	rows, err := ev.tableRows(botAppID)
-	if err != nil {
-		return nil, nil, skipUndecoded
-	}
+	ev, rows := d.Event, d.Rows
 	if rows.empty() {
 		if d, ok := tableDecoders[ev.Name]; ok && !d.everyApp && !isBotEvent(ev, botAppID) {
 			return nil, nil, skipNotBot

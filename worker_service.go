@@ -12,17 +12,18 @@ import (
 // (AlertSender): nothing here waits on the network while the transaction is
 // open, and a retried or redelivered message changes nothing the second time.
 func serviceHandler(alerter *Alerter, appID int64, forbidden bool) Handler {
-	return func(ctx context.Context, tx *Tx, ev *Event) error {
+	return func(ctx context.Context, tx *Tx, d Decoded) (Found, error) {
+		ev := d.Event
 		inserted, err := tx.InsertEvent(ctx, ev, forbidden, alerter.Channels(ev)...)
 		if err != nil {
-			return err
+			return Found{}, err
 		}
 		if !inserted {
-			return ErrDuplicate
+			return Found{}, ErrDuplicate
 		}
 		if ev.AppCopy(appID) {
-			return tx.ResolveGap(ctx, ev.DeliveryID)
+			return Found{}, tx.ResolveGap(ctx, ev.DeliveryID)
 		}
-		return nil
+		return Found{}, nil
 	}
 }

@@ -309,7 +309,7 @@ func testUsageCountedOnceWhenABatchRunsAgain(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	countUsageInBatches(t, queueDatabase, func(p *parts) Handler { return databaseHandler(testBotAppID, nil, p.log) }, markedBefore,
+	countUsageInBatches(t, queueDatabase, func(p *parts) Handler { return databaseHandler(testBotAppID) }, markedBefore,
 		"every delivery finished", "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service'")
 }
 
