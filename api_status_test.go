@@ -458,7 +458,7 @@ func testStatusBoundedWithManyGaps(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = store.WriteTx(ctx, func(tx *Tx) error {
-		_, err := tx.exec(ctx, `WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 100000)
+		_, err := tx.write(ctx, atOnce, `WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 100000)
 			INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at)
 			SELECT 'gap-' || CAST(1000000 + i AS TEXT), i, 'issues', $1, $2 FROM n`, formatTime(time.Now().Add(-5*time.Hour)), formatTime(time.Now()))
 		return err

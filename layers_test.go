@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"sort"
 	"strings"
@@ -239,5 +241,39 @@ func TestLayersCatchFilesUsingEachOther(t *testing.T) {
 	want := "queue.go uses brokerConn of queue_conn.go, and queue_conn.go uses Queues of queue.go: the files of a room use each other one way only"
 	if len(got) != 1 || got[0] != want {
 		t.Errorf("got %q, want %q", got, want)
+	}
+}
+
+// maxFileLines is the most lines a file of the daemon (not a test) may
+// have: past it, a file is split by concern, keeping its prefix.
+const maxFileLines = 600
+
+// No file of the daemon is over maxFileLines, and every error body goes
+// through the one writer (writeError): no http.Error beside it, no
+// {"error": ...} written by hand.
+func TestFilesStaySmall(t *testing.T) {
+	t.Parallel()
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	errorBody := regexp.MustCompile(`writeJSON\([^)]*"error"`)
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := bytes.Count(b, []byte("\n")); n > maxFileLines {
+			t.Errorf("%s: %d lines, over %d: split it by concern, keeping its prefix", f, n, maxFileLines)
+		}
+		if bytes.Contains(b, []byte("http.Error(")) {
+			t.Errorf("%s calls http.Error: every error body goes through writeError", f)
+		}
+		if f != "api_errors.go" && errorBody.Match(b) {
+			t.Errorf("%s writes an error body of its own: every error body goes through writeError", f)
+		}
 	}
 }

@@ -6,12 +6,10 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
-	"net/url"
-	"os"
+	"io"
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -19,23 +17,22 @@ import (
 )
 
 // Store is switchyard's database: an SQLite file (the default), or a
-// PostgreSQL database that several nodes share (store_dialect.go).
+// PostgreSQL database that several nodes share, each through its engine
+// (store_engine.go).
 //
 // SQLite has one writer connection, so writes queue in Go instead of
 // contending for the file lock, and a small pool of read-only connections
 // for the API and health checks. PostgreSQL has one pool of at most
 // database.max_conns connections for both.
 type Store struct {
-	w       *sql.DB
-	r       *sql.DB
-	dialect dialect
-	path    string // the SQLite file; "" on PostgreSQL
+	w      *sql.DB
+	r      *sql.DB
+	engine engine
+	path   string // the SQLite file; "" on PostgreSQL
 	// name says which database this is, without secrets: the file, or
 	// the URL without its password.
 	name    string
 	metrics *Metrics
-	stmts   sync.Map // query -> *sql.Stmt prepared on the writer (see exec)
-	wanted  sync.Map // query -> struct{}: to prepare before the next write
 	// gapsOpen is whether delivery_gaps may hold an open gap: storing an
 	// Event resolves its gap only then (see resolveGap). Migrate counts
 	// them, RecordGap and the hooks poll keep it true.
@@ -43,11 +40,11 @@ type Store struct {
 	// health follows the connection to PostgreSQL (store_health.go).
 	health *dbHealth
 	// claim holds the SQLite file's lock while serve runs (Claim).
-	claim *os.File
+	claim io.Closer
 	// codec compresses and inflates the raw log's payloads (store_codec.go).
 	codec *payloadCodec
 	// guesses are the answers a consumer's statements nearly always get,
-	// sent ahead as if known (Tx.execGuess): a delivery's first copy
+	// sent ahead as if known (guessed): a delivery's first copy
 	// stored, a worker's mark new, an order-safe row written.
 	guesses struct{ firstCopy, mark, row aheadGuess }
 }
@@ -57,79 +54,22 @@ type Store struct {
 // PostgreSQL database at cfg.URL. metrics may be nil (the commands that
 // record none).
 func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Store, error) {
+	s := &Store{metrics: metrics}
 	if cfg.Driver == "postgres" {
-		db, err := openPostgres(ctx, cfg)
+		db, e, err := openPostgres(ctx, cfg)
 		if err != nil {
 			return nil, err
 		}
-		s := &Store{w: db, r: db, dialect: dialectPostgres, name: redactDatabaseURL(cfg.URL), metrics: metrics,
-			codec: newPayloadCodec()}
-		s.health = newDBHealth(s.dialect, db.PingContext)
-		return s, nil
-	}
-	return openSQLite(ctx, cfg, metrics)
-}
-
-// openSQLite opens (creating when needed) the SQLite file at cfg.Path, and
-// checks that WAL mode really took.
-func openSQLite(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Store, error) {
-	dsn := func(extra string) string {
-		q := url.Values{}
-		q.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", cfg.BusyTimeout.Milliseconds()))
-		q.Add("_pragma", "journal_mode(WAL)")
-		q.Add("_pragma", "foreign_keys(1)")
-		q.Add("_pragma", "synchronous("+strings.ToUpper(cfg.Synchronous)+")")
-		// Savepoints and statements that may need undoing keep the pages
-		// they change in a sub-journal: a temporary file, written page by
-		// page, unless temporary storage is memory. A batch's are a few
-		// megabytes at most.
-		q.Add("_pragma", "temp_store(MEMORY)")
-		if extra != "" {
-			q.Add("_pragma", extra)
+		s.w, s.r, s.engine, s.name = db, db, e, redactDatabaseURL(cfg.URL)
+	} else {
+		w, r, e, err := openSQLite(ctx, cfg)
+		if err != nil {
+			return nil, err
 		}
-		// A deferred transaction that later writes fails with SQLITE_BUSY
-		// without waiting; immediate ones wait busy_timeout for the lock.
-		q.Set("_txlock", "immediate")
-		return "file:" + cfg.Path + "?" + q.Encode()
+		s.w, s.r, s.engine, s.path, s.name = w, r, e, cfg.Path, cfg.Path
 	}
-	// The file holds every payload: created readable by its owner only
-	// (SQLite gives its -wal and -shm files the same mode).
-	if f, err := os.OpenFile(cfg.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600); err == nil {
-		f.Close()
-	}
-	// The writer's page cache holds the leaf pages of the delivery_id
-	// indexes that inserts touch, for a big github table. Each 4 KiB page
-	// takes an 8 KiB slot of the driver's allocator (page and headers,
-	// rounded up to a power of two), so n MiB of cache hold 2n MB of RSS:
-	// 4 MiB is where a larger cache stopped speeding up inserts into a
-	// table of a million rows (BENCHMARKS.md). Readers keep the default.
-	w, err := sql.Open("sqlite", dsn("cache_size(-4096)"))
-	if err != nil {
-		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
-	}
-	w.SetMaxOpenConns(1)
-	w.SetMaxIdleConns(1)
-	w.SetConnMaxIdleTime(0)
-	w.SetConnMaxLifetime(0)
-
-	var mode string
-	if err := w.QueryRowContext(ctx, "PRAGMA journal_mode").Scan(&mode); err != nil {
-		w.Close()
-		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
-	}
-	if mode != "wal" {
-		w.Close()
-		return nil, fmt.Errorf("open %s: journal_mode is %q, want wal", cfg.Path, mode)
-	}
-
-	r, err := sql.Open("sqlite", dsn("query_only(1)"))
-	if err != nil {
-		w.Close()
-		return nil, fmt.Errorf("open %s: %w", cfg.Path, err)
-	}
-	r.SetMaxOpenConns(4)
-	s := &Store{w: w, r: r, dialect: dialectSQLite, path: cfg.Path, name: cfg.Path, metrics: metrics, codec: newPayloadCodec()}
-	s.health = newDBHealth(s.dialect, w.PingContext)
+	s.codec = newPayloadCodec()
+	s.health = newDBHealth(s.engine, s.w.PingContext)
 	return s, nil
 }
 
@@ -149,17 +89,17 @@ func (s *Store) WaitAnswers(ctx context.Context) error { return s.health.WaitAns
 func (s *Store) Name() string { return s.name }
 
 // Shared reports whether several nodes may share the database: PostgreSQL.
-func (s *Store) Shared() bool { return s.dialect == dialectPostgres }
+func (s *Store) Shared() bool { return s.engine.shared() }
+
+// Driver is the database.driver the store was opened with.
+func (s *Store) Driver() string { return s.engine.driver() }
 
 // Close closes the pools once the prober of a lost database has ended;
 // SQLite's WAL is checkpointed by the last connection.
 func (s *Store) Close() error {
 	s.health.close()
 	s.codec.close()
-	s.stmts.Range(func(_, st any) bool {
-		st.(*sql.Stmt).Close()
-		return true
-	})
+	s.engine.close()
 	var err error
 	if s.r == s.w {
 		err = s.w.Close()
@@ -167,9 +107,7 @@ func (s *Store) Close() error {
 		err = errors.Join(s.r.Close(), s.w.Close())
 	}
 	if s.claim != nil {
-		// Last: closing a descriptor of the file drops every POSIX lock
-		// the process holds on it, SQLite's too.
-		s.claim.Close()
+		s.claim.Close() // last: see sqliteEngine.claim
 	}
 	return err
 }
@@ -178,19 +116,18 @@ func (s *Store) Close() error {
 // method of Tx, and Store.WriteTx is the one way to open one: the caller says
 // what commits together. Nothing else reaches the writer. It is a value passed along, never carried in a context, so that a
 // callee writes inside a transaction only when its caller hands it one. No
-// network I/O may happen while one is open.
+// network I/O may happen while one is open. It writes one way (write) and
+// reads one way (read); raw is for migrations and copy-db.
 type Tx struct {
-	s     *Store
-	tx    *sql.Tx
-	stmts map[string]*sql.Stmt // the prepared statements bound to tx, by query
+	s  *Store
+	tc *txConn
 	// savepoints: Savepoint opens real ones. A transaction first runs
 	// without them (see Savepoint).
 	savepoints bool
 	// changed counts the rows its statements changed (Changed).
 	changed int64
-	// conn is the PostgreSQL connection tx runs on, whose statements
-	// execAhead queues in ahead, to send together (Pipeline).
-	conn      *sql.Conn
+	// pipelined: statements whose answers can wait are queued in ahead,
+	// to send together (Pipeline).
 	pipelined bool
 	ahead     []aheadStmt
 	aheadErr  error // the failure of a flush: every later one's
@@ -212,9 +149,6 @@ func (t *Tx) Changed() int64 { return t.changed }
 // A failure of the connection to PostgreSQL (connectionLost) is
 // ErrDatabaseLost: the store is lost until it answers again (Lost).
 func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
-	if s.dialect == dialectSQLite {
-		s.prepareWanted(ctx)
-	}
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
 	savepoints := false
@@ -228,49 +162,39 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 			err = t.flush(ctx)
 		}
 		if err != nil {
-			t.end(t.tx.Rollback())
+			t.end(t.tc.tx.Rollback())
 			if errors.Is(err, ErrNeedSavepoints) && !savepoints {
 				savepoints = true // once more, each part in its savepoint
 				continue
 			}
 			return s.health.observe(err)
 		}
-		if err := t.end(t.tx.Commit()); err != nil {
+		if err := t.end(t.tc.tx.Commit()); err != nil {
 			return s.health.observe(fmt.Errorf("commit: %w", err))
 		}
 		return nil
 	}
 }
 
-// begin opens a write transaction: on PostgreSQL on a connection of its
-// own, which Tx.flush sends queued statements on.
+// begin opens a write transaction (engine.begin).
 func (s *Store) begin(ctx context.Context, savepoints bool) (*Tx, error) {
-	t := &Tx{s: s, savepoints: savepoints}
-	if s.dialect == dialectSQLite {
-		tx, err := s.w.BeginTx(ctx, nil)
-		t.tx = tx
-		return t, err
-	}
-	conn, err := s.w.Conn(ctx)
+	tc, err := s.engine.begin(ctx, s.w)
 	if err != nil {
 		return nil, err
 	}
-	if t.tx, err = conn.BeginTx(ctx, nil); err != nil {
-		conn.Close()
-		return nil, err
-	}
-	t.conn = conn
-	return t, nil
+	return &Tx{s: s, tc: tc, savepoints: savepoints}, nil
 }
 
 // end gives t's connection back to the pool once its transaction has
 // ended with err, and returns err.
 func (t *Tx) end(err error) error {
-	if t.conn != nil {
-		t.conn.Close()
-	}
+	t.s.engine.end(t.tc)
 	return err
 }
+
+// raw is t's transaction itself, for migrations and copy-db: no statement
+// cache, nothing queued ahead sent first, no rows counted.
+func (t *Tx) raw() *sql.Tx { return t.tc.tx }
 
 // ErrNeedSavepoints is a part of a transaction that failed without a
 // savepoint to undo it alone: the transaction's function returns it (as a
@@ -318,56 +242,51 @@ func boolInt(b bool) int64 {
 }
 
 // readTx begins a read-only transaction whose queries see one state of
-// the database: SQLite's read transaction does, PostgreSQL's needs
-// REPEATABLE READ (READ COMMITTED sees each query's own).
+// the database (engine.readOptions).
 func (s *Store) readTx(ctx context.Context) (*sql.Tx, error) {
-	opts := &sql.TxOptions{ReadOnly: true}
-	if s.dialect == dialectPostgres {
-		opts.Isolation = sql.LevelRepeatableRead
+	return s.r.BeginTx(ctx, s.engine.readOptions())
+}
+
+// expect is what a write's caller knows of its answer before it reads
+// it: nothing (atOnce: the statement is sent now), or, in a pipelined
+// transaction (Pipeline), that it can wait: the rows it changes known
+// ahead, or guessed.
+type expect struct {
+	ahead bool
+	rows  int64
+	guess *aheadGuess
+}
+
+// atOnce is a write whose answer its caller reads at once.
+var atOnce = expect{}
+
+// ahead is a write whose answer its caller does not need before the next
+// statement: rows is how many rows it changes, known ahead (a count's
+// upsert changes one), or anyRows, which the result tells when read. The
+// flush that sends it checks a count known ahead.
+func ahead(rows int64) expect { return expect{ahead: true, rows: rows} }
+
+// guessed is ahead for a statement that changes one row nearly always,
+// which g guesses: while g is not resting (aheadGuess), the statements
+// after it are sent with it, as if its answer were known, and a miss runs
+// the transaction again.
+func guessed(g *aheadGuess) expect { return expect{ahead: true, rows: g.rows(), guess: g} }
+
+// write is the one way a transaction writes: one statement, sent now
+// (after what was queued ahead, in order), or queued ahead of its answer
+// in a pipelined transaction (e). On SQLite it runs prepared, on
+// PostgreSQL with its context (engine.exec).
+func (t *Tx) write(ctx context.Context, e expect, query string, args ...any) (sql.Result, error) {
+	if e.ahead && t.pipelined {
+		return t.queueAhead(ctx, e, query, args)
 	}
-	return s.r.BeginTx(ctx, opts)
-}
-
-// queryer is what reads need: a pool or a transaction.
-type queryer interface {
-	QueryRowContext(context.Context, string, ...any) *sql.Row
-	QueryContext(context.Context, string, ...any) (*sql.Rows, error)
-}
-
-// exec runs one statement in tx, prepared once: modernc.org/sqlite has no
-// statement cache of its own, and preparing was a twentieth of a consumer's
-// CPU. A statement cannot be prepared inside a transaction (the transaction
-// holds the one writer connection), so the first use runs it unprepared and
-// asks for it, and the next transaction prepares it before it begins
-// (prepareWanted).
-//
-// The statement runs without its context's cancellation: for a context
-// that can end, modernc.org/sqlite starts a goroutine per statement to
-// interrupt it, a tenth of the writer's CPU per message (BenchmarkBatchWrite),
-// for statements that take microseconds. A context that has ended fails the
-// next statement, and database/sql rolls the transaction back (BeginTx).
-//
-// On PostgreSQL a statement keeps its context, whose end cancels it: a
-// database that stops answering must not hold a transaction open; and
-// the driver keeps its own cache of prepared statements per connection.
-// What tx queued ahead (Pipeline) is sent first, in order.
-func (t *Tx) exec(ctx context.Context, query string, args ...any) (sql.Result, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
 	if err := t.flush(ctx); err != nil {
 		return nil, err
 	}
-	args = sqlArgs(args)
-	var res sql.Result
-	var err error
-	if t.s.dialect == dialectPostgres {
-		res, err = t.tx.ExecContext(ctx, query, args...)
-	} else if st := t.stmt(context.WithoutCancel(ctx), query); st != nil {
-		res, err = st.ExecContext(context.WithoutCancel(ctx), args...)
-	} else {
-		res, err = t.tx.ExecContext(context.WithoutCancel(ctx), query, args...)
-	}
+	res, err := t.s.engine.exec(ctx, t.tc, query, sqlArgs(args))
 	if err == nil && changes(query) {
 		if n, nerr := res.RowsAffected(); nerr == nil {
 			t.changed += n
@@ -387,21 +306,13 @@ func changes(query string) bool {
 	return false
 }
 
-// queryRow is exec's counterpart for one-row reads inside tx; they see
-// what the statements queued before them wrote.
-func (t *Tx) queryRow(ctx context.Context, query string, args ...any) scanner {
+// read is the one way a transaction reads: one row, which sees what the
+// statements queued before it wrote.
+func (t *Tx) read(ctx context.Context, query string, args ...any) scanner {
 	if err := t.flush(ctx); err != nil {
 		return failedRow{err}
 	}
-	args = sqlArgs(args)
-	if t.s.dialect == dialectPostgres {
-		return t.tx.QueryRowContext(ctx, query, args...)
-	}
-	ctx = context.WithoutCancel(ctx)
-	if st := t.stmt(ctx, query); st != nil {
-		return st.QueryRowContext(ctx, args...)
-	}
-	return t.tx.QueryRowContext(ctx, query, args...)
+	return t.s.engine.queryRow(ctx, t.tc, query, sqlArgs(args))
 }
 
 // scanner is a row read: *sql.Row, or failedRow.
@@ -412,44 +323,8 @@ type failedRow struct{ err error }
 
 func (r failedRow) Scan(...any) error { return r.err }
 
-// stmt is query's prepared statement bound to tx, or nil (and asked for)
-// when it is not prepared yet. database/sql binds a statement to a
-// transaction anew on every Tx.StmtContext, and keeps each binding until
-// the end; a batch binds each of its statements once.
-func (t *Tx) stmt(ctx context.Context, query string) *sql.Stmt {
-	if st, ok := t.stmts[query]; ok {
-		return st
-	}
-	st, ok := t.s.stmts.Load(query)
-	if !ok {
-		t.s.wanted.Store(query, struct{}{})
-		return nil
-	}
-	if t.stmts == nil {
-		t.stmts = map[string]*sql.Stmt{}
-	}
-	bound := t.tx.StmtContext(ctx, st.(*sql.Stmt))
-	t.stmts[query] = bound
-	return bound
-}
-
-// prepareWanted prepares the statements exec asked for. It runs outside any
-// transaction, before one begins; a statement that fails to prepare stays
-// unprepared.
-func (s *Store) prepareWanted(ctx context.Context) {
-	s.wanted.Range(func(k, _ any) bool {
-		s.wanted.Delete(k)
-		if st, err := s.w.PrepareContext(ctx, k.(string)); err == nil {
-			if _, loaded := s.stmts.LoadOrStore(k, st); loaded {
-				st.Close()
-			}
-		}
-		return true
-	})
-}
-
-// Pipeline has t send the statements execAhead and execGuess are given
-// together, on PostgreSQL: they are queued, and go to the database in one
+// Pipeline has t send the statements written ahead of their answers
+// (ahead, guessed) together, on PostgreSQL: they are queued, and go to the database in one
 // round trip when t needs an answer (a result read, another statement, a
 // read, the commit). Each statement sent alone waits a round trip and
 // costs both sides a write and a read on the socket, more than most of
@@ -458,9 +333,9 @@ func (s *Store) prepareWanted(ctx context.Context) {
 // round trip or two. It is for a transaction that runs without
 // savepoints; on SQLite, where a statement is a function call, it changes
 // nothing.
-func (t *Tx) Pipeline() { t.pipelined = t.conn != nil && !t.savepoints }
+func (t *Tx) Pipeline() { t.pipelined = t.s.engine.pipelines() && !t.savepoints }
 
-// anyRows is execAhead's rows for a statement whose result says how many
+// anyRows is ahead's rows for a statement whose result says how many
 // rows it changed when it is read (which sends it), rather than being
 // known ahead.
 const anyRows = -1
@@ -503,32 +378,13 @@ func (r *aheadResult) LastInsertId() (int64, error) {
 // part fails.
 var errAheadMissed = fmt.Errorf("%w: a statement sent ahead was answered otherwise than expected", ErrNeedSavepoints)
 
-// execAhead is exec for a statement whose answer its caller does not need
-// before the next statement: rows is how many rows it changes, known
-// ahead (a count's upsert changes one), or anyRows, which the result
-// tells when read. In a pipelined transaction (Pipeline) it is queued; the
-// flush that sends it checks a count known ahead.
-func (t *Tx) execAhead(ctx context.Context, rows int64, query string, args ...any) (sql.Result, error) {
-	return t.queueAhead(ctx, rows, nil, query, args)
-}
-
-// execGuess is execAhead for a statement that changes one row nearly
-// always, which g guesses: while g is not resting (aheadGuess), the
-// statements after it are sent with it, as if its answer were known, and
-// a miss runs the transaction again.
-func (t *Tx) execGuess(ctx context.Context, g *aheadGuess, query string, args ...any) (sql.Result, error) {
-	return t.queueAhead(ctx, g.rows(), g, query, args)
-}
-
-func (t *Tx) queueAhead(ctx context.Context, rows int64, g *aheadGuess, query string, args []any) (sql.Result, error) {
-	if !t.pipelined {
-		return t.exec(ctx, query, args...)
-	}
+func (t *Tx) queueAhead(ctx context.Context, e expect, query string, args []any) (sql.Result, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	rows := e.rows
 	res := &aheadResult{ctx: ctx, tx: t, rows: max(rows, 0), sent: rows >= 0}
-	t.ahead = append(t.ahead, aheadStmt{pipelined: pipelined{query: query, args: sqlArgs(args)}, rows: rows, guess: g, res: res})
+	t.ahead = append(t.ahead, aheadStmt{pipelined: pipelined{query: query, args: sqlArgs(args)}, rows: rows, guess: e.guess, res: res})
 	if rows > 0 && changes(query) {
 		t.changed += rows
 	}
@@ -556,7 +412,7 @@ func (g *aheadGuess) rows() int64 {
 func (g *aheadGuess) miss() { g.missed.Store(time.Now().UnixNano()) }
 
 // flush sends the statements queued ahead in one round trip
-// (sendPipeline) and reads their answers into their results. A statement
+// (engine.sendAhead) and reads their answers into their results. A statement
 // that fails, or changes other rows than known or guessed ahead, is
 // errAheadMissed, unless the connection is lost or ctx ended; and so is
 // every flush after it.
@@ -570,11 +426,7 @@ func (t *Tx) flush(ctx context.Context) error {
 	for i, st := range ahead {
 		stmts[i] = st.pipelined
 	}
-	var rows []int64
-	err := t.conn.Raw(func(dc any) (err error) {
-		rows, err = sendPipeline(ctx, dc, stmts)
-		return err
-	})
+	rows, err := t.s.engine.sendAhead(ctx, t.tc, stmts)
 	for i, n := range rows {
 		st := ahead[i]
 		switch {
@@ -593,7 +445,7 @@ func (t *Tx) flush(ctx context.Context) error {
 	}
 	switch {
 	case err == nil:
-	case connectionLost(err) || ctx.Err() != nil:
+	case t.s.engine.lost(err) || ctx.Err() != nil:
 		t.aheadErr = err // no statement's answer: nothing to run again for
 	default:
 		t.aheadErr = fmt.Errorf("%w: %w", errAheadMissed, err)
@@ -622,18 +474,18 @@ func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
 		}
 		return nil
 	}
-	if _, err := t.exec(ctx, "SAVEPOINT msg"); err != nil {
+	if _, err := t.write(ctx, atOnce, "SAVEPOINT msg"); err != nil {
 		return fmt.Errorf("savepoint: %w", err)
 	}
 	if err := fn(); err != nil {
 		ctx := context.WithoutCancel(ctx) // undo the message even when its time is up
-		if _, rerr := t.exec(ctx, "ROLLBACK TO msg"); rerr != nil {
+		if _, rerr := t.write(ctx, atOnce, "ROLLBACK TO msg"); rerr != nil {
 			return errors.Join(err, fmt.Errorf("rollback to savepoint: %w", rerr))
 		}
-		_, _ = t.exec(ctx, "RELEASE msg")
+		_, _ = t.write(ctx, atOnce, "RELEASE msg")
 		return err
 	}
-	if _, err := t.exec(ctx, "RELEASE msg"); err != nil {
+	if _, err := t.write(ctx, atOnce, "RELEASE msg"); err != nil {
 		return fmt.Errorf("release savepoint: %w", err)
 	}
 	return nil
@@ -647,79 +499,14 @@ func (s *Store) Writable(ctx context.Context) error {
 		return err
 	}
 	return s.WriteTx(ctx, func(tx *Tx) error {
-		_, err := tx.tx.ExecContext(ctx, "UPDATE settings SET value = value WHERE false")
+		_, err := tx.write(ctx, atOnce, "UPDATE settings SET value = value WHERE false")
 		return err
 	})
 }
 
-// Setting reads one settings row from a reader; a missing row reads as "".
-func (s *Store) Setting(ctx context.Context, key string) (string, error) {
-	return getSetting(ctx, s.r, key)
-}
-
-// Setting reads one settings row inside tx.
-func (t *Tx) Setting(ctx context.Context, key string) (string, error) {
-	return getSetting(ctx, t.tx, key)
-}
-
-// Settings reads the settings rows of keys in one query; a missing row
-// reads as "".
-func (s *Store) Settings(ctx context.Context, keys ...string) (map[string]string, error) {
-	return getSettings(ctx, s.r, keys)
-}
-
-// Settings reads the settings rows of keys inside tx.
-func (t *Tx) Settings(ctx context.Context, keys ...string) (map[string]string, error) {
-	return getSettings(ctx, t.tx, keys)
-}
-
-func getSettings(ctx context.Context, q queryer, keys []string) (map[string]string, error) {
-	args := make([]any, len(keys))
-	for i, k := range keys {
-		args[i] = k
-	}
-	rows, err := q.QueryContext(ctx, numberParams("SELECT key, value FROM settings WHERE key IN (?"+strings.Repeat(", ?", len(keys)-1)+")"), args...)
-	if err != nil {
-		return nil, fmt.Errorf("read settings: %w", err)
-	}
-	defer rows.Close()
-	vals := make(map[string]string, len(keys))
-	for rows.Next() {
-		var k, v string
-		if err := rows.Scan(&k, &v); err != nil {
-			return nil, fmt.Errorf("read settings: %w", err)
-		}
-		vals[k] = v
-	}
-	return vals, rows.Err()
-}
-
-func getSetting(ctx context.Context, q queryer, key string) (string, error) {
-	var v string
-	err := q.QueryRowContext(ctx, "SELECT value FROM settings WHERE key = $1", key).Scan(&v)
-	if errors.Is(err, sql.ErrNoRows) {
-		return "", nil
-	}
-	if err != nil {
-		return "", fmt.Errorf("read setting %s: %w", key, err)
-	}
-	return v, nil
-}
-
-// SetSetting writes one settings row inside tx.
-func (t *Tx) SetSetting(ctx context.Context, key, value string, now time.Time) error {
-	_, err := t.exec(ctx, `INSERT INTO settings (key, value, updated_at) VALUES ($1, $2, $3)
-		ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at`,
-		key, value, formatTime(now))
-	if err != nil {
-		return fmt.Errorf("write setting %s: %w", key, err)
-	}
-	return nil
-}
-
 // numberParams numbers a query's ? placeholders $1, $2, ... in order: a
 // query built from parts (a search's filters) writes ? and numbers them
-// once it is whole. Every query text runs on both dialects with $N.
+// once it is whole. Every query text runs on both databases with $N.
 func numberParams(q string) string {
 	var b strings.Builder
 	n := 0
@@ -750,29 +537,8 @@ func nullInt(v int64) any {
 	return v
 }
 
-// Backup writes a consistent snapshot of the live database to dest with
-// VACUUM INTO, then checks the copy with integrity_check.
+// Backup writes a consistent snapshot of the live database to dest
+// (engine.backup): SQLite's VACUUM INTO, checked.
 func (s *Store) Backup(ctx context.Context, dest string) error {
-	if s.dialect == dialectPostgres {
-		return errors.New("backup copies an SQLite file; this database is PostgreSQL: use pg_dump, or the provider's backups")
-	}
-	// VACUUM INTO only reads this database (in one read transaction, so the
-	// copy is consistent while serve writes), but the query_only readers
-	// refuse it; the writer connection does it without taking a write lock.
-	if _, err := s.w.ExecContext(ctx, "VACUUM INTO $1", dest); err != nil {
-		return fmt.Errorf("vacuum into %s: %w", dest, err)
-	}
-	db, err := sql.Open("sqlite", "file:"+dest+"?mode=ro")
-	if err != nil {
-		return fmt.Errorf("open backup: %w", err)
-	}
-	defer db.Close()
-	var res string
-	if err := db.QueryRowContext(ctx, "PRAGMA integrity_check").Scan(&res); err != nil {
-		return fmt.Errorf("integrity_check %s: %w", dest, err)
-	}
-	if res != "ok" {
-		return fmt.Errorf("integrity_check %s: %s", dest, res)
-	}
-	return nil
+	return s.engine.backup(ctx, s.w, dest)
 }

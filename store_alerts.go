@@ -11,7 +11,7 @@ import (
 func (t *Tx) queueAlerts(ctx context.Context, deliveryID string, channels []string) error {
 	now := formatTime(time.Now())
 	for _, c := range channels {
-		if _, err := t.execAhead(ctx, anyRows, `INSERT INTO alert_outbox (delivery_id, channel, created_at, next_at)
+		if _, err := t.write(ctx, ahead(anyRows), `INSERT INTO alert_outbox (delivery_id, channel, created_at, next_at)
 			VALUES ($1, $2, $3, $4) ON CONFLICT (delivery_id, channel) DO NOTHING`, deliveryID, c, now, now); err != nil {
 			return fmt.Errorf("queue alert: %w", err)
 		}
@@ -84,10 +84,10 @@ func (tx *Tx) AlertSent(ctx context.Context, id int64, deliveryID string) error 
 		return err
 	}
 	now := formatTime(time.Now())
-	if _, err := tx.exec(ctx, "UPDATE alert_outbox SET sent_at = $1 WHERE id = $2", now, id); err != nil {
+	if _, err := tx.write(ctx, atOnce, "UPDATE alert_outbox SET sent_at = $1 WHERE id = $2", now, id); err != nil {
 		return fmt.Errorf("mark alert sent: %w", err)
 	}
-	_, err := tx.exec(ctx, `UPDATE github SET alerted_at = $1 WHERE id = (SELECT min(id) FROM github WHERE delivery_id = $2)
+	_, err := tx.write(ctx, atOnce, `UPDATE github SET alerted_at = $1 WHERE id = (SELECT min(id) FROM github WHERE delivery_id = $2)
 		AND alerted_at IS NULL AND NOT EXISTS (SELECT 1 FROM alert_outbox WHERE delivery_id = $3 AND sent_at IS NULL)`,
 		now, deliveryID, deliveryID)
 	if err != nil {
@@ -98,7 +98,7 @@ func (tx *Tx) AlertSent(ctx context.Context, id int64, deliveryID string) error 
 
 // AlertFailed records a failed send and when to try again.
 func (tx *Tx) AlertFailed(ctx context.Context, id int64, cause error, next time.Time) error {
-	_, err := tx.exec(ctx, "UPDATE alert_outbox SET attempts = attempts + 1, last_error = $1, next_at = $2 WHERE id = $3",
+	_, err := tx.write(ctx, atOnce, "UPDATE alert_outbox SET attempts = attempts + 1, last_error = $1, next_at = $2 WHERE id = $3",
 		cause.Error(), formatTime(next), id)
 	if err != nil {
 		return fmt.Errorf("record alert failure: %w", err)

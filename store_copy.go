@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -29,10 +28,7 @@ var ErrTargetNotEmpty = fmt.Errorf("the target database holds rows: copy-db fill
 
 // tables are the store's tables, in name order.
 func (s *Store) tables(ctx context.Context, q queryer) ([]string, error) {
-	query := "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name"
-	if s.dialect == dialectPostgres {
-		query = "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() AND table_type = 'BASE TABLE' ORDER BY table_name"
-	}
+	query := s.engine.tablesQuery()
 	rows, err := q.QueryContext(ctx, query)
 	if err != nil {
 		return nil, fmt.Errorf("list tables: %w", err)
@@ -137,7 +133,7 @@ func copyTable(ctx context.Context, src *sql.Tx, tx *Tx, table string, progress 
 		k := len(batch) / len(cols)
 		query := numberParams("INSERT INTO " + table + " (" + strings.Join(cols, ", ") + ") VALUES " +
 			row + strings.Repeat(", "+row, k-1))
-		if _, err := tx.tx.ExecContext(ctx, query, batch...); err != nil {
+		if _, err := tx.raw().ExecContext(ctx, query, batch...); err != nil {
 			return err
 		}
 		n += int64(k)
@@ -173,24 +169,12 @@ func copyTable(ctx context.Context, src *sql.Tx, tx *Tx, table string, progress 
 // tables go on after the greatest id copied, so that the next row a node
 // writes takes a new one. SQLite's rowids need nothing.
 func (s *Store) resetIdentities(ctx context.Context, tx *Tx, copied []TableCopy) error {
-	if s.dialect != dialectPostgres {
-		return nil
-	}
 	for _, c := range copied {
 		if c.Rows == 0 {
 			continue
 		}
-		var seq sql.NullString
-		err := tx.tx.QueryRowContext(ctx, `SELECT pg_get_serial_sequence(table_name, column_name) FROM information_schema.columns
-			WHERE table_schema = current_schema() AND table_name = $1 AND column_name = 'id' AND is_identity = 'YES'`, c.Table).Scan(&seq)
-		if errors.Is(err, sql.ErrNoRows) || err == nil && !seq.Valid {
-			continue // no identity
-		}
-		if err != nil {
-			return fmt.Errorf("identity of %s: %w", c.Table, err)
-		}
-		if _, err := tx.tx.ExecContext(ctx, "SELECT setval($1, (SELECT max(id) FROM "+c.Table+"))", seq.String); err != nil {
-			return fmt.Errorf("identity of %s: %w", c.Table, err)
+		if err := s.engine.afterCopy(ctx, tx.raw(), c.Table); err != nil {
+			return err
 		}
 	}
 	return nil

@@ -24,12 +24,12 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 	args := []any{ev.DeliveryID, ev.Name, ev.Action, ev.HookID, ev.TargetType, nullInt(ev.TargetID),
 		nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
 		tx.s.codec.compress(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker}
-	res, err := tx.execGuess(ctx, &tx.s.guesses.firstCopy, insertGitHub+"1) ON CONFLICT DO NOTHING", args...)
+	res, err := tx.write(ctx, guessed(&tx.s.guesses.firstCopy), insertGitHub+"1) ON CONFLICT DO NOTHING", args...)
 	if err != nil {
 		return false, fmt.Errorf("insert github: %w", err)
 	}
 	if n, _ := res.RowsAffected(); n == 1 {
-		if _, err = tx.execAhead(ctx, 1, `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES ($1, $2, $3, 1)
+		if _, err = tx.write(ctx, ahead(1), `INSERT INTO github_statistics_6h (bucket, event, action, count) VALUES ($1, $2, $3, 1)
 			ON CONFLICT (bucket, event, action) DO UPDATE SET count = github_statistics_6h.count + 1`,
 			statisticsBucket(ev.ReceivedAt), ev.Name, ev.Action); err != nil {
 			return false, fmt.Errorf("count statistics: %w", err)
@@ -38,14 +38,14 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 	}
 	// A copy for another hook after the first: stored, neither counted
 	// nor alerted.
-	if res, err = tx.exec(ctx, insertGitHub+"NULL) ON CONFLICT (delivery_id, hook_id) DO NOTHING", args...); err != nil {
+	if res, err = tx.write(ctx, atOnce, insertGitHub+"NULL) ON CONFLICT (delivery_id, hook_id) DO NOTHING", args...); err != nil {
 		return false, fmt.Errorf("insert github: %w", err)
 	}
 	if n, _ := res.RowsAffected(); n == 1 {
 		return true, nil
 	}
 	// Stored before: the story of the delivery says it came again.
-	if _, err := tx.exec(ctx, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = $1 WHERE delivery_id = $2 AND hook_id = $3",
+	if _, err := tx.write(ctx, atOnce, "UPDATE github SET duplicates = duplicates + 1, last_duplicate_at = $1 WHERE delivery_id = $2 AND hook_id = $3",
 		formatTime(time.Now()), ev.DeliveryID, ev.HookID); err != nil {
 		return false, fmt.Errorf("count a duplicate: %w", err)
 	}
@@ -62,7 +62,7 @@ const insertGitHub = `INSERT INTO github (delivery_id, event, action, hook_id, t
 // with the outcome fn returns ("" is done). It reports false, without
 // running fn, when the worker already finished it.
 func (tx *Tx) MarkDelivery(ctx context.Context, worker string, key DeliveryKey, fn func(tx *Tx) (outcome string, err error)) (done bool, err error) {
-	res, err := tx.execGuess(ctx, &tx.s.guesses.mark, `INSERT INTO worker_deliveries (worker, delivery_id, hook_id, processed_at)
+	res, err := tx.write(ctx, guessed(&tx.s.guesses.mark), `INSERT INTO worker_deliveries (worker, delivery_id, hook_id, processed_at)
 		VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING`, worker, key.GUID, key.Hook, formatTime(time.Now()))
 	if err != nil {
 		return false, fmt.Errorf("mark delivery: %w", err)
@@ -77,7 +77,7 @@ func (tx *Tx) MarkDelivery(ctx context.Context, worker string, key DeliveryKey, 
 	if err != nil || outcome == "" {
 		return true, err
 	}
-	_, err = tx.exec(ctx, "UPDATE worker_deliveries SET outcome = $1 WHERE worker = $2 AND delivery_id = $3 AND hook_id = $4",
+	_, err = tx.write(ctx, atOnce, "UPDATE worker_deliveries SET outcome = $1 WHERE worker = $2 AND delivery_id = $3 AND hook_id = $4",
 		outcome, worker, key.GUID, key.Hook)
 	return true, err
 }

@@ -34,8 +34,8 @@ const probeEvery = 500 * time.Millisecond
 // closed, and a prober pings it until it answers, when a new channel
 // stands for the next loss.
 type dbHealth struct {
-	dialect dialect
-	ping    func(ctx context.Context) error
+	engine engine
+	ping   func(ctx context.Context) error
 	// also is what a ping must pass besides answering (require).
 	also atomic.Pointer[func(ctx context.Context) error]
 
@@ -51,18 +51,18 @@ type dbHealth struct {
 	stop    chan struct{}
 }
 
-// newDBHealth follows a database of dialect d, which ping asks whether it
-// answers.
-func newDBHealth(d dialect, ping func(ctx context.Context) error) *dbHealth {
+// newDBHealth follows a database whose engine is e, which ping asks
+// whether it answers.
+func newDBHealth(e engine, ping func(ctx context.Context) error) *dbHealth {
 	answers := make(chan struct{})
 	close(answers)
-	return &dbHealth{dialect: d, ping: ping, lost: make(chan struct{}), answers: answers, stop: make(chan struct{})}
+	return &dbHealth{engine: e, ping: ping, lost: make(chan struct{}), answers: answers, stop: make(chan struct{})}
 }
 
 // observe returns err, as ErrDatabaseLost when it is the connection to
 // PostgreSQL failing, which makes the database lost.
 func (h *dbHealth) observe(err error) error {
-	if h.dialect != dialectPostgres || !connectionLost(err) {
+	if !h.engine.lost(err) {
 		return err
 	}
 	h.Lose(err)
@@ -72,7 +72,7 @@ func (h *dbHealth) observe(err error) error {
 // Lose marks the database lost, for cause, until it answers a ping. The
 // lease keeper calls it when the database stops answering altogether.
 func (h *dbHealth) Lose(cause error) {
-	if h.dialect != dialectPostgres {
+	if !h.engine.shared() {
 		return
 	}
 	h.mu.Lock()

@@ -12,7 +12,7 @@ import (
 
 // HookQueued remembers that a failed delivery was queued on github-hooks.
 func (tx *Tx) HookQueued(ctx context.Context, guid string, githubID int64, event string) error {
-	_, err := tx.exec(ctx, `INSERT INTO hook_redeliveries (guid, delivery_id, event, queued_at)
+	_, err := tx.write(ctx, atOnce, `INSERT INTO hook_redeliveries (guid, delivery_id, event, queued_at)
 		VALUES ($1, $2, $3, $4) ON CONFLICT (guid) DO NOTHING`, guid, githubID, event, formatTime(time.Now()))
 	if err != nil {
 		return fmt.Errorf("write hook_redeliveries: %w", err)
@@ -23,7 +23,7 @@ func (tx *Tx) HookQueued(ctx context.Context, guid string, githubID int64, event
 // hookRepublished records, inside tx, that a queued delivery was published
 // again.
 func (tx *Tx) hookRepublished(ctx context.Context, guid string) error {
-	_, err := tx.exec(ctx, `UPDATE hook_redeliveries SET republished_at = $1 WHERE guid = $2`,
+	_, err := tx.write(ctx, atOnce, `UPDATE hook_redeliveries SET republished_at = $1 WHERE guid = $2`,
 		formatTime(time.Now()), guid)
 	if err != nil {
 		return fmt.Errorf("write hook_redeliveries: %w", err)
@@ -110,7 +110,7 @@ func (tx *Tx) RecordGap(ctx context.Context, g deliveryGap, channels []string) (
 	if g.UnrecoverableAt != nil {
 		unrecoverable = formatTime(*g.UnrecoverableAt)
 	}
-	res, err := tx.exec(ctx, `INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at, unrecoverable_at, last_error)
+	res, err := tx.write(ctx, atOnce, `INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at, unrecoverable_at, last_error)
 		VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (guid) DO NOTHING`,
 		g.GUID, g.DeliveryID, g.Event, formatTime(g.DeliveredAt), formatTime(g.FoundAt), unrecoverable, g.LastError)
 	if err != nil {
@@ -131,7 +131,7 @@ func (tx *Tx) RecordGap(ctx context.Context, g deliveryGap, channels []string) (
 // queued on each of channels, in the same transaction; gaveUp reports it.
 func (tx *Tx) GapRefused(ctx context.Context, guid, reason string, limit int, channels []string) (gaveUp bool, err error) {
 	var refusals int
-	err = tx.queryRow(ctx, `UPDATE delivery_gaps SET refusals = refusals + 1, last_error = $1
+	err = tx.read(ctx, `UPDATE delivery_gaps SET refusals = refusals + 1, last_error = $1
 		WHERE guid = $2 AND unrecoverable_at IS NULL RETURNING refusals`, reason, guid).Scan(&refusals)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
@@ -142,7 +142,7 @@ func (tx *Tx) GapRefused(ctx context.Context, guid, reason string, limit int, ch
 	if refusals < limit {
 		return false, nil
 	}
-	if _, err := tx.exec(ctx, "UPDATE delivery_gaps SET unrecoverable_at = $1 WHERE guid = $2", formatTime(time.Now()), guid); err != nil {
+	if _, err := tx.write(ctx, atOnce, "UPDATE delivery_gaps SET unrecoverable_at = $1 WHERE guid = $2", formatTime(time.Now()), guid); err != nil {
 		return false, fmt.Errorf("give up a gap: %w", err)
 	}
 	return true, tx.queueAlerts(ctx, unrecoverableAlertID(guid), channels)
@@ -157,7 +157,7 @@ func (s *Store) GapsToRedeliver(ctx context.Context, limit int) ([]deliveryGap, 
 
 // GapRedelivered records that GitHub was asked to deliver a gap again.
 func (tx *Tx) GapRedelivered(ctx context.Context, guid string, at time.Time) error {
-	_, err := tx.exec(ctx, "UPDATE delivery_gaps SET redelivered_at = $1 WHERE guid = $2", formatTime(at), guid)
+	_, err := tx.write(ctx, atOnce, "UPDATE delivery_gaps SET redelivered_at = $1 WHERE guid = $2", formatTime(at), guid)
 	return err
 }
 
@@ -168,7 +168,7 @@ func (tx *Tx) ResolveGap(ctx context.Context, guid string) error {
 	if !tx.s.gapsOpen.Load() {
 		return nil
 	}
-	_, err := tx.exec(ctx, "UPDATE delivery_gaps SET resolved_at = $1 WHERE guid = $2 AND resolved_at IS NULL",
+	_, err := tx.write(ctx, atOnce, "UPDATE delivery_gaps SET resolved_at = $1 WHERE guid = $2 AND resolved_at IS NULL",
 		formatTime(time.Now()), guid)
 	if err != nil {
 		return fmt.Errorf("resolve gap: %w", err)
@@ -180,14 +180,14 @@ func (tx *Tx) ResolveGap(ctx context.Context, guid string) error {
 // copy is stored of, and refreshes whether any gap is still open. It
 // returns how many it resolved.
 func (tx *Tx) ResolveStoredGaps(ctx context.Context, appID int64) (int64, error) {
-	res, err := tx.exec(ctx, `UPDATE delivery_gaps SET resolved_at = $1 WHERE resolved_at IS NULL
+	res, err := tx.write(ctx, atOnce, `UPDATE delivery_gaps SET resolved_at = $1 WHERE resolved_at IS NULL
 		AND EXISTS (SELECT 1 FROM github WHERE delivery_id = delivery_gaps.guid AND `+appCopy("$2")+`)`, formatTime(time.Now()), appID)
 	if err != nil {
 		return 0, fmt.Errorf("resolve stored gaps: %w", err)
 	}
 	n, _ := res.RowsAffected()
 	var open int
-	if err := tx.queryRow(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&open); err != nil {
+	if err := tx.read(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&open); err != nil {
 		return 0, err
 	}
 	tx.s.gapsOpen.Store(open > 0)
@@ -330,13 +330,13 @@ func (tx *Tx) RecordAttempts(ctx context.Context, attempts []hookDelivery, cutof
 		if len(status) > maxAttemptStatus {
 			status = strings.ToValidUTF8(status[:maxAttemptStatus], "")
 		}
-		if _, err := tx.exec(ctx, `INSERT INTO github_attempts (attempt_id, guid, delivered_at, status_code, status, redelivery)
+		if _, err := tx.write(ctx, atOnce, `INSERT INTO github_attempts (attempt_id, guid, delivered_at, status_code, status, redelivery)
 			VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (attempt_id) DO NOTHING`,
 			a.ID, a.GUID, formatTime(a.DeliveredAt), a.StatusCode, status, a.Redelivery); err != nil {
 			return fmt.Errorf("record GitHub's attempts: %w", err)
 		}
 	}
-	if _, err := tx.exec(ctx, `DELETE FROM github_attempts WHERE attempt_id IN
+	if _, err := tx.write(ctx, atOnce, `DELETE FROM github_attempts WHERE attempt_id IN
 		(SELECT attempt_id FROM github_attempts WHERE delivered_at < $1 LIMIT $2)`, formatTime(cutoff), retentionBatch); err != nil {
 		return fmt.Errorf("forget GitHub's old attempts: %w", err)
 	}

@@ -2,10 +2,7 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"os"
-	"syscall"
 	"time"
 )
 
@@ -13,7 +10,7 @@ import (
 // database run each once-only job on one node at a time and know of each
 // other, the lock that serializes what two nodes must not interleave, and
 // the claim that keeps an SQLite file to one serve. Every time
-// here is the database's clock (dialect.clock), so that nodes whose clocks
+// here is the database's clock (engine.clock), so that nodes whose clocks
 // differ agree on when a lease expires or a node is gone.
 
 // TakeLease takes job's lease for node, or renews it when node holds it,
@@ -21,8 +18,8 @@ import (
 // expired and renews one only for its holder, so that of two nodes asking
 // at once one gets it. It reports whether node holds the lease.
 func (tx *Tx) TakeLease(ctx context.Context, job, node string, ttl time.Duration) (bool, error) {
-	d := tx.s.dialect
-	res, err := tx.exec(ctx, `INSERT INTO leases (job, node, expires_at, taken_at) VALUES ($1, $2, `+d.clock("$3")+`, `+d.clock("0")+`)
+	d := tx.s.engine
+	res, err := tx.write(ctx, atOnce, `INSERT INTO leases (job, node, expires_at, taken_at) VALUES ($1, $2, `+d.clock("$3")+`, `+d.clock("0")+`)
 		ON CONFLICT (job) DO UPDATE SET node = excluded.node, expires_at = excluded.expires_at,
 			taken_at = CASE WHEN leases.node = excluded.node THEN leases.taken_at ELSE excluded.taken_at END
 		WHERE leases.node = excluded.node OR leases.expires_at < `+d.clock("0"),
@@ -37,7 +34,7 @@ func (tx *Tx) TakeLease(ctx context.Context, job, node string, ttl time.Duration
 // ReleaseLease gives job's lease up, when node holds it: it expires now,
 // and another node takes it at its next try.
 func (tx *Tx) ReleaseLease(ctx context.Context, job, node string) error {
-	_, err := tx.exec(ctx, `UPDATE leases SET expires_at = `+tx.s.dialect.clock("-1")+` WHERE job = $1 AND node = $2`, job, node)
+	_, err := tx.write(ctx, atOnce, `UPDATE leases SET expires_at = `+tx.s.engine.clock("-1")+` WHERE job = $1 AND node = $2`, job, node)
 	if err != nil {
 		return fmt.Errorf("release lease %s: %w", job, err)
 	}
@@ -47,13 +44,13 @@ func (tx *Tx) ReleaseLease(ctx context.Context, job, node string) error {
 // SeeNode writes node's row: its version, when it started, and that it is
 // seen now; rows of nodes gone for nodesKept go.
 func (tx *Tx) SeeNode(ctx context.Context, node, version string, started time.Time) error {
-	d := tx.s.dialect
-	if _, err := tx.exec(ctx, `INSERT INTO nodes (name, version, started_at, seen_at) VALUES ($1, $2, $3, `+d.clock("0")+`)
+	d := tx.s.engine
+	if _, err := tx.write(ctx, atOnce, `INSERT INTO nodes (name, version, started_at, seen_at) VALUES ($1, $2, $3, `+d.clock("0")+`)
 		ON CONFLICT (name) DO UPDATE SET version = excluded.version, started_at = excluded.started_at, seen_at = excluded.seen_at`,
 		node, version, formatTime(started)); err != nil {
 		return fmt.Errorf("write node %s: %w", node, err)
 	}
-	if _, err := tx.exec(ctx, `DELETE FROM nodes WHERE seen_at < `+d.clock("$1"), -nodesKept.Milliseconds()); err != nil {
+	if _, err := tx.write(ctx, atOnce, `DELETE FROM nodes WHERE seen_at < `+d.clock("$1"), -nodesKept.Milliseconds()); err != nil {
 		return fmt.Errorf("forget gone nodes: %w", err)
 	}
 	return nil
@@ -94,7 +91,7 @@ func (s *Store) Cluster(ctx context.Context, ttl time.Duration) (nodes []NodeVie
 	}
 	defer tx.Rollback() //nolint:errcheck // read only
 	var now string
-	if err := tx.QueryRowContext(ctx, "SELECT "+s.dialect.clock("0")).Scan(&now); err != nil {
+	if err := tx.QueryRowContext(ctx, "SELECT "+s.engine.clock("0")).Scan(&now); err != nil {
 		return nil, nil, fmt.Errorf("read the database's clock: %w", err)
 	}
 	dbNow, _ := time.Parse(timeFormat, now)
@@ -150,7 +147,7 @@ func (s *Store) Cluster(ctx context.Context, ttl time.Duration) (nodes []NodeVie
 // VoteDrained records that node found the active broker drained for the
 // pending switch whose switchedAt is key, with nothing of it in hand.
 func (tx *Tx) VoteDrained(ctx context.Context, node, key string) error {
-	_, err := tx.exec(ctx, "UPDATE nodes SET drained = $1 WHERE name = $2", key, node)
+	_, err := tx.write(ctx, atOnce, "UPDATE nodes SET drained = $1 WHERE name = $2", key, node)
 	return err
 }
 
@@ -158,7 +155,7 @@ func (tx *Tx) VoteDrained(ctx context.Context, node, key string) error {
 // key drained: only then may the switch complete.
 func (tx *Tx) AllDrained(ctx context.Context, key string, gone time.Duration) (bool, error) {
 	var n int
-	err := tx.queryRow(ctx, `SELECT count(*) FROM nodes WHERE drained != $1 AND seen_at >= `+tx.s.dialect.clock("$2"),
+	err := tx.read(ctx, `SELECT count(*) FROM nodes WHERE drained != $1 AND seen_at >= `+tx.s.engine.clock("$2"),
 		key, -gone.Milliseconds()).Scan(&n)
 	if err != nil {
 		return false, fmt.Errorf("read the nodes' drain checks: %w", err)
@@ -168,47 +165,26 @@ func (tx *Tx) AllDrained(ctx context.Context, key string, gone time.Duration) (b
 
 // Lock serializes, until tx ends, every transaction that locks key: what
 // reads and then writes (the broker switch, the first copy of an event)
-// must not interleave with another node doing the same. SQLite's write
-// transactions are serial already (BEGIN IMMEDIATE): there it does
-// nothing. On PostgreSQL it is a transaction-level advisory lock, which
-// a pooler in transaction mode keeps and a dropped connection releases
-// with the transaction; never a session lock.
+// must not interleave with another node doing the same (engine.lock:
+// nothing on SQLite, whose write transactions are serial already; a
+// transaction-level advisory lock on PostgreSQL).
 func (t *Tx) Lock(ctx context.Context, key string) error {
-	if t.s.dialect != dialectPostgres {
-		return nil
+	if err := t.flush(ctx); err != nil {
+		return err
 	}
-	if _, err := t.exec(ctx, "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", "switchyard:"+key); err != nil {
+	if err := t.s.engine.lock(ctx, t.tc, key); err != nil {
 		return fmt.Errorf("lock %s: %w", key, err)
 	}
 	return nil
 }
 
-// Claim takes the database for this process's serve. Nodes share a
-// PostgreSQL database: nothing to take. An SQLite file has one serve: an
-// exclusive lock on it (flock, beside SQLite's own locks), which the
-// kernel releases when the process ends however it ends, so that a second
-// serve is refused, naming the node that serves it, and a restart after a
-// crash is not.
+// Claim takes the database for this process's serve (engine.claim): an
+// SQLite file has one serve, a PostgreSQL database is shared.
 func (s *Store) Claim(ctx context.Context) error {
-	if s.dialect != dialectSQLite {
-		return nil
-	}
-	f, err := os.Open(s.path)
+	c, err := s.engine.claim(ctx, s.r)
 	if err != nil {
-		return fmt.Errorf("claim %s: %w", s.path, err)
+		return err
 	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-		f.Close()
-		if !errors.Is(err, syscall.EWOULDBLOCK) {
-			return fmt.Errorf("claim %s: %w", s.path, err)
-		}
-		who := "another switchyard serve"
-		var name, seen string
-		if s.r.QueryRowContext(ctx, "SELECT name, seen_at FROM nodes ORDER BY seen_at DESC LIMIT 1").Scan(&name, &seen) == nil {
-			who = fmt.Sprintf("node %q (last seen %s)", name, seen)
-		}
-		return fmt.Errorf("database %s is served by %s: one serve per SQLite file; several nodes share a PostgreSQL database (database.driver = \"postgres\")", s.path, who)
-	}
-	s.claim = f
+	s.claim = c
 	return nil
 }

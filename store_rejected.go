@@ -59,7 +59,7 @@ func (tx *Tx) RecordRejections(ctx context.Context, rs []Rejection) error {
 		if r.Hook >= 0 {
 			hook = r.Hook
 		}
-		if _, err := tx.exec(ctx, `INSERT INTO rejected_webhooks (received_at, source_ip, event, delivery_id, hook_id, status, reason)
+		if _, err := tx.write(ctx, atOnce, `INSERT INTO rejected_webhooks (received_at, source_ip, event, delivery_id, hook_id, status, reason)
 			VALUES ($1, $2, $3, $4, $5, $6, $7)`, formatTime(r.At), r.SourceIP, r.Event, r.GUID, hook, r.Status, reason); err != nil {
 			return fmt.Errorf("record refused webhooks: %w", err)
 		}
@@ -70,7 +70,7 @@ func (tx *Tx) RecordRejections(ctx context.Context, rs []Rejection) error {
 // PruneRejections deletes, in tx, the refused webhooks older than
 // rejectionsKeptFor before now and those past the newest rejectionsKept.
 func (tx *Tx) PruneRejections(ctx context.Context, now time.Time) error {
-	_, err := tx.exec(ctx, `DELETE FROM rejected_webhooks WHERE received_at < $1
+	_, err := tx.write(ctx, atOnce, `DELETE FROM rejected_webhooks WHERE received_at < $1
 		OR id <= (SELECT id FROM rejected_webhooks ORDER BY id DESC LIMIT 1 OFFSET $2)`,
 		formatTime(now.Add(-rejectionsKeptFor)), rejectionsKept)
 	if err != nil {

@@ -19,7 +19,7 @@ const retentionBatch = 1000
 // github rows received before cutoff, in tx, and returns how many it
 // pruned. The rows stay, as the deliveries' identities.
 func (tx *Tx) PrunePayloadsBefore(ctx context.Context, cutoff time.Time) (int64, error) {
-	res, err := tx.exec(ctx, `UPDATE github SET payload = '', payload_zstd = NULL, payload_pruned_at = $1 WHERE id IN
+	res, err := tx.write(ctx, atOnce, `UPDATE github SET payload = '', payload_zstd = NULL, payload_pruned_at = $1 WHERE id IN
 		(SELECT id FROM github WHERE received_at < $2 AND payload_pruned_at IS NULL ORDER BY received_at LIMIT $3)`,
 		formatTime(time.Now()), formatTime(cutoff), retentionBatch)
 	if err != nil {
@@ -33,7 +33,7 @@ func (tx *Tx) PrunePayloadsBefore(ctx context.Context, cutoff time.Time) (int64,
 // which workers finished them. Statistics and typed tables stay. It returns
 // how many github rows it deleted.
 func (tx *Tx) DeleteIdentitiesBefore(ctx context.Context, cutoff time.Time) (int64, error) {
-	res, err := tx.exec(ctx, `DELETE FROM github WHERE id IN
+	res, err := tx.write(ctx, atOnce, `DELETE FROM github WHERE id IN
 		(SELECT id FROM github WHERE received_at < $1 ORDER BY received_at LIMIT $2)`, formatTime(cutoff), retentionBatch)
 	if err != nil {
 		return 0, fmt.Errorf("delete delivery identities: %w", err)
@@ -42,7 +42,7 @@ func (tx *Tx) DeleteIdentitiesBefore(ctx context.Context, cutoff time.Time) (int
 	if err != nil {
 		return 0, err
 	}
-	_, err = tx.exec(ctx, `DELETE FROM worker_deliveries WHERE (worker, delivery_id, hook_id) IN
+	_, err = tx.write(ctx, atOnce, `DELETE FROM worker_deliveries WHERE (worker, delivery_id, hook_id) IN
 		(SELECT worker, delivery_id, hook_id FROM worker_deliveries WHERE processed_at < $1 LIMIT $2)`, formatTime(cutoff), retentionBatch)
 	if err != nil {
 		return 0, fmt.Errorf("delete worker records: %w", err)
@@ -87,7 +87,7 @@ func (s *Store) CompressOlderPayloads(ctx context.Context, after int64) (last in
 	}
 	err = s.WriteTx(ctx, func(tx *Tx) error {
 		for _, r := range batch {
-			res, err := tx.exec(ctx, `UPDATE github SET payload = '', payload_zstd = $1
+			res, err := tx.write(ctx, atOnce, `UPDATE github SET payload = '', payload_zstd = $1
 				WHERE id = $2 AND payload_zstd IS NULL AND payload_pruned_at IS NULL`, r.compressed, r.id)
 			if err != nil {
 				return err

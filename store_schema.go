@@ -115,12 +115,9 @@ func (s *Store) CheckFloor(ctx context.Context) error {
 	return nil
 }
 
-// migrations are the store's dialect's migrations.
+// migrations are the store's database's migrations (engine.schema).
 func (s *Store) migrations() ([]migration, error) {
-	if s.dialect == dialectPostgres {
-		return parseMigrations(schemaPostgresSQL)
-	}
-	return parseMigrations(schemaSQL)
+	return parseMigrations(s.engine.schema())
 }
 
 // firstTracked is the migration that made schema_migrations, where every
@@ -136,20 +133,15 @@ func (s *Store) SchemaVersion(ctx context.Context) (int, error) {
 // schemaVersion reads the version through q.
 func (s *Store) schemaVersion(ctx context.Context, q queryer) (int, error) {
 	var tracked bool
-	exists := "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations'"
-	if s.dialect == dialectPostgres {
-		exists = "SELECT to_regclass('schema_migrations') IS NOT NULL"
-	}
-	if err := q.QueryRowContext(ctx, exists).Scan(&tracked); err != nil {
+	if err := q.QueryRowContext(ctx, s.engine.tracked()).Scan(&tracked); err != nil {
 		return 0, fmt.Errorf("read schema version: %w", err)
 	}
 	var v int
 	var err error
-	switch {
-	case tracked:
+	if tracked {
 		err = q.QueryRowContext(ctx, "SELECT coalesce(max(version), 0) FROM schema_migrations").Scan(&v)
-	case s.dialect == dialectSQLite:
-		err = q.QueryRowContext(ctx, "PRAGMA user_version").Scan(&v)
+	} else {
+		v, err = s.engine.legacyVersion(ctx, q)
 	}
 	if err != nil {
 		return 0, fmt.Errorf("read schema version: %w", err)
@@ -207,18 +199,16 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 			if err := tx.Lock(ctx, "migrate"); err != nil {
 				return err
 			}
-			if v, err := s.schemaVersion(ctx, tx.tx); err != nil || v >= m.version {
+			if v, err := s.schemaVersion(ctx, tx.raw()); err != nil || v >= m.version {
 				return err // another node applied it
 			}
-			if _, err := tx.tx.ExecContext(ctx, m.sql); err != nil {
+			if _, err := tx.raw().ExecContext(ctx, m.sql); err != nil {
 				return err
 			}
 			now := formatTime(time.Now())
 			applied[m.version] = now
-			if s.dialect == dialectSQLite {
-				if _, err := tx.tx.ExecContext(ctx, fmt.Sprintf("PRAGMA user_version = %d", m.version)); err != nil {
-					return err
-				}
+			if err := s.engine.migrated(ctx, tx.raw(), m.version); err != nil {
+				return err
 			}
 			if m.version < firstTracked {
 				return nil
@@ -234,10 +224,10 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 				}
 				var err error
 				if m.version >= firstFloored {
-					_, err = tx.exec(ctx, `INSERT INTO schema_migrations (version, name, applied_at, floor) VALUES ($1, $2, $3, $4)
+					_, err = tx.write(ctx, atOnce, `INSERT INTO schema_migrations (version, name, applied_at, floor) VALUES ($1, $2, $3, $4)
 						ON CONFLICT (version) DO NOTHING`, e.version, e.name, at, e.floor)
 				} else {
-					_, err = tx.exec(ctx, `INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)
+					_, err = tx.write(ctx, atOnce, `INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)
 						ON CONFLICT (version) DO NOTHING`, e.version, e.name, at)
 				}
 				if err != nil {

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"os"
 	"time"
 )
 
@@ -57,16 +56,10 @@ func (s *Store) Status(ctx context.Context, since, now time.Time, gapLimit int) 
 
 // databaseStatus reads the file sizes and, through q, the row counts.
 func (s *Store) databaseStatus(ctx context.Context, q queryer) (DatabaseStatus, error) {
-	st := DatabaseStatus{Driver: s.dialect.String(), Path: s.name, Rows: map[string]int{}}
-	if s.dialect == dialectPostgres {
-		if err := q.QueryRowContext(ctx, "SELECT pg_database_size(current_database())").Scan(&st.SizeBytes); err != nil {
-			return st, fmt.Errorf("database size: %w", err)
-		}
-	}
-	for _, p := range []string{s.path, s.path + "-wal"} {
-		if fi, err := os.Stat(p); s.path != "" && err == nil {
-			st.SizeBytes += fi.Size()
-		}
+	st := DatabaseStatus{Driver: s.engine.driver(), Path: s.name, Rows: map[string]int{}}
+	var err error
+	if st.SizeBytes, err = s.engine.size(ctx, q); err != nil {
+		return st, err
 	}
 	for _, t := range statusTables {
 		var n int

@@ -123,7 +123,7 @@ func upserted(res sql.Result, err error) (stale bool, _ error) {
 
 // writeRelease upserts a release unless the stored row is newer.
 func (tx *Tx) writeRelease(ctx context.Context, m rowMeta, r *releaseRow) error {
-	_, err := tx.execAhead(ctx, anyRows, `INSERT INTO github_releases (release_id, repository, tag_name, name, draft,
+	_, err := tx.write(ctx, ahead(anyRows), `INSERT INTO github_releases (release_id, repository, tag_name, name, draft,
 		prerelease, author, html_url, last_action, created_at, published_at, deleted, github_updated_at, delivery_id, updated_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
 		ON CONFLICT (release_id) DO UPDATE SET repository = excluded.repository, tag_name = excluded.tag_name,
@@ -150,7 +150,7 @@ func (tx *Tx) writeWorkflowRun(ctx context.Context, m rowMeta, r *workflowRunRow
 		tag = r.HeadBranch
 	} else if r.HeadBranch != "" {
 		var t string
-		err := tx.queryRow(ctx, `SELECT tag_name FROM github_releases WHERE repository = $1 AND tag_name = $2 LIMIT 1`,
+		err := tx.read(ctx, `SELECT tag_name FROM github_releases WHERE repository = $1 AND tag_name = $2 LIMIT 1`,
 			r.Repository, r.HeadBranch).Scan(&t)
 		if err != nil && !errors.Is(err, sql.ErrNoRows) {
 			return err
@@ -159,7 +159,7 @@ func (tx *Tx) writeWorkflowRun(ctx context.Context, m rowMeta, r *workflowRunRow
 			tag = t
 		}
 	}
-	_, err := tx.execAhead(ctx, anyRows, `INSERT INTO github_release_workflow_runs (run_id, repository, workflow_name,
+	_, err := tx.write(ctx, ahead(anyRows), `INSERT INTO github_release_workflow_runs (run_id, repository, workflow_name,
 		head_branch, head_sha, event, status, conclusion, run_number, run_attempt, html_url, github_updated_at,
 		release_tag, delivery_id, updated_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
@@ -182,7 +182,7 @@ var workflowRunChanges = differs("github_release_workflow_runs", "repository", "
 	" AND " + laterWriter("github_release_workflow_runs", "$16")
 
 func (tx *Tx) writeBranch(ctx context.Context, m rowMeta, r *branchRow) error {
-	_, err := tx.execAhead(ctx, anyRows, `INSERT INTO github_branches (delivery_id, hook_id, target_type, target_id,
+	_, err := tx.write(ctx, ahead(anyRows), `INSERT INTO github_branches (delivery_id, hook_id, target_type, target_id,
 		installation_id, event, repository, ref, ref_type, master_branch, sender, processing_state, processing_date,
 		created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'NEW', $12, $13, $14)
 		ON CONFLICT (delivery_id) DO NOTHING`,
@@ -240,7 +240,7 @@ func (tx *Tx) writeIssue(ctx context.Context, m rowMeta, r *issueRow) (stale boo
 		args = append(args, r.HeadRef, r.HeadSHA, r.Merged, r.Draft)
 	}
 	args = append(args, r.NodeID, m.Now, openState, closedState, openProcessing, closedProcessing, openChange, closedChange, m.ReceivedAt)
-	res, err := tx.execGuess(ctx, &tx.s.guesses.row, query, args...)
+	res, err := tx.write(ctx, guessed(&tx.s.guesses.row), query, args...)
 	if err != nil {
 		return false, err
 	}
@@ -253,7 +253,7 @@ func (tx *Tx) writeIssue(ctx context.Context, m rowMeta, r *issueRow) (stale boo
 		return false, nil
 	}
 	var updated sql.NullString
-	err = tx.queryRow(ctx, "SELECT github_updated_at FROM "+table+" WHERE node_id = $1", r.NodeID).Scan(&updated)
+	err = tx.read(ctx, "SELECT github_updated_at FROM "+table+" WHERE node_id = $1", r.NodeID).Scan(&updated)
 	if err != nil {
 		return false, err
 	}
@@ -294,7 +294,7 @@ func issueUpsertFor(table string, extra []string) string {
 }
 
 func (tx *Tx) writeComment(ctx context.Context, m rowMeta, r *commentRow) (stale bool, err error) {
-	return upserted(tx.execGuess(ctx, &tx.s.guesses.row, `INSERT INTO github_comments (comment_id, delivery_id, hook_id, target_type,
+	return upserted(tx.write(ctx, guessed(&tx.s.guesses.row), `INSERT INTO github_comments (comment_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, event, repository, number, commit_id, path, author, body, html_url, deleted,
 		last_action, processing_state, processing_date, created_at, updated_at, github_updated_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, 'NEW', $17, $18, $19, $20)
@@ -321,7 +321,7 @@ func (tx *Tx) writeDiscussion(ctx context.Context, m rowMeta, r *discussionRow) 
 	if r.Event == "discussion_comment" {
 		state = "UPDATED"
 	}
-	return upserted(tx.execGuess(ctx, &tx.s.guesses.row, `INSERT INTO github_discussions (node_id, delivery_id, hook_id, target_type,
+	return upserted(tx.write(ctx, guessed(&tx.s.guesses.row), `INSERT INTO github_discussions (node_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, repository, number, title, category, state, sender, last_event, last_action,
 		last_comment_id, processing_state, processing_date, created_at, updated_at, github_updated_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, 'NEW', $16, $17, $18, $19)
@@ -345,7 +345,7 @@ var discussionChanges = differs("github_discussions", "delivery_id", "hook_id", 
 	" AND " + laterWriter("github_discussions", "$21")
 
 func (tx *Tx) writeCheckRun(ctx context.Context, m rowMeta, r *checkRunRow) (stale bool, err error) {
-	return upserted(tx.execGuess(ctx, &tx.s.guesses.row, `INSERT INTO github_check_runs (check_run_id, delivery_id, hook_id, target_type,
+	return upserted(tx.write(ctx, guessed(&tx.s.guesses.row), `INSERT INTO github_check_runs (check_run_id, delivery_id, hook_id, target_type,
 		target_id, installation_id, repository, name, head_sha, status, conclusion, html_url, requested_action,
 		last_action, processing_state, processing_date, created_at, updated_at, github_updated_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 'NEW', $15, $16, $17, $18)
@@ -370,7 +370,7 @@ var checkRunChanges = differs("github_check_runs", "delivery_id", "hook_id", "ta
 // writePush inserts a push; the same head pushed again asks for the work
 // again (RE_REQUESTED).
 func (tx *Tx) writePush(ctx context.Context, m rowMeta, r *pushRow) error {
-	_, err := tx.execAhead(ctx, anyRows, `INSERT INTO github_pushes (delivery_id, hook_id, target_type, target_id,
+	_, err := tx.write(ctx, ahead(anyRows), `INSERT INTO github_pushes (delivery_id, hook_id, target_type, target_id,
 		installation_id, repository, head_commit, ref, before, pusher, commits, created, deleted, forced,
 		processing_state, processing_date, created_at, updated_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 'NEW', $15, $16, $17)
@@ -394,7 +394,7 @@ func (tx *Tx) writeInstallation(ctx context.Context, m rowMeta, r *installationR
 	if r.Event == "installation_repositories" {
 		state = "UPDATED"
 	}
-	_, err := tx.execAhead(ctx, anyRows, `INSERT INTO github_installations (installation_id, delivery_id, hook_id,
+	_, err := tx.write(ctx, ahead(anyRows), `INSERT INTO github_installations (installation_id, delivery_id, hook_id,
 		target_type, target_id, account, account_type, repository_selection, app_id, suspended, deleted,
 		last_event, last_action, processing_state, processing_date, created_at, updated_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, 'NEW', $14, $15, $16)
@@ -422,7 +422,7 @@ var installationChanges = differs("github_installations", "delivery_id", "hook_i
 
 func (tx *Tx) writeRepositories(ctx context.Context, m rowMeta, rs []repositoryRow) error {
 	for _, r := range rs {
-		_, err := tx.execAhead(ctx, anyRows, `INSERT INTO github_repositories (delivery_id, hook_id, target_type, target_id,
+		_, err := tx.write(ctx, ahead(anyRows), `INSERT INTO github_repositories (delivery_id, hook_id, target_type, target_id,
 			installation_id, event, action, repository, repository_id, private, sender, processing_state,
 			processing_date, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'NEW', $12, $13, $14)
 			ON CONFLICT (delivery_id, repository) DO NOTHING`,

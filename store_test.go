@@ -383,11 +383,11 @@ func testBatchContextEndsMidway(t *testing.T) {
 	insert := "INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('t', $1, 'x')"
 	var afterCancel error
 	err := store.WriteTx(ctx, func(tx *Tx) error {
-		if _, err := tx.exec(ctx, insert, "before"); err != nil {
+		if _, err := tx.write(ctx, atOnce, insert, "before"); err != nil {
 			return err
 		}
 		cancel()
-		_, afterCancel = tx.exec(ctx, insert, "after")
+		_, afterCancel = tx.write(ctx, atOnce, insert, "after")
 		return afterCancel
 	})
 	if afterCancel == nil || err == nil {
@@ -419,7 +419,7 @@ func TestPipelineContextEndsBeforeSend(t *testing.T) {
 	err = store.WriteTx(ctx, func(tx *Tx) error {
 		runs++
 		tx.Pipeline()
-		if _, err := tx.execAhead(ctx, 1, "INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('t', 'queued', 'x')"); err != nil {
+		if _, err := tx.write(ctx, ahead(1), "INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('t', 'queued', 'x')"); err != nil {
 			return err
 		}
 		cancel()
@@ -720,7 +720,7 @@ func TestSchemaSameOnBothDialects(t *testing.T) {
 		for _, table := range tables {
 			sh := &shape{}
 			out[table] = sh
-			if store.dialect == dialectSQLite {
+			if store.Driver() == "sqlite" {
 				for _, c := range list("SELECT name, \"notnull\" OR pk FROM pragma_table_info($1) ORDER BY cid", table) {
 					sh.columns = append(sh.columns, c[0]+" "+c[1])
 				}
@@ -826,7 +826,7 @@ func testPayloadsGivenBackExactly(t *testing.T) {
 		err := store.WriteTx(ctx, func(tx *Tx) error {
 			if i%2 == 1 {
 				old[guid] = true
-				_, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, payload, received_at, processed_at, first_copy)
+				_, err := tx.write(ctx, atOnce, `INSERT INTO github (delivery_id, event, payload, received_at, processed_at, first_copy)
 					VALUES ($1, 'issues', $2, $3, $3, 1)`, guid, string(p), formatTime(time.Now()))
 				return err
 			}
@@ -934,7 +934,7 @@ func testCompressionLooksOnlyAtNewRows(t *testing.T) {
 	insertText := func(id int) {
 		t.Helper()
 		err := p.store.WriteTx(ctx, func(tx *Tx) error {
-			_, err := tx.exec(ctx, `INSERT INTO github (id, delivery_id, event, payload, received_at, processed_at, first_copy)
+			_, err := tx.write(ctx, atOnce, `INSERT INTO github (id, delivery_id, event, payload, received_at, processed_at, first_copy)
 				VALUES ($1, $2, 'issues', '{"old":true}', $3, $3, 1)`, id, fmt.Sprint("old-", id), formatTime(time.Now()))
 			return err
 		})
@@ -993,12 +993,12 @@ func TestCompressionResumesAfterKill(t *testing.T) {
 	// itself: one statement, not ten thousand under the race detector.
 	err = store.WriteTx(ctx, func(tx *Tx) error {
 		for i, f := range fixtures {
-			if _, err := tx.exec(ctx, `INSERT INTO github (delivery_id, event, payload, received_at, processed_at, first_copy)
+			if _, err := tx.write(ctx, atOnce, `INSERT INTO github (delivery_id, event, payload, received_at, processed_at, first_copy)
 				VALUES ($1, 'issues', $2, $3, $3, 1)`, fmt.Sprintf("old-%05d", i), string(f.Body), formatTime(time.Now())); err != nil {
 				return err
 			}
 		}
-		_, err := tx.exec(ctx, `WITH RECURSIVE n(i) AS (SELECT $1 UNION ALL SELECT i + 1 FROM n WHERE i + 1 < $2)
+		_, err := tx.write(ctx, atOnce, `WITH RECURSIVE n(i) AS (SELECT $1 UNION ALL SELECT i + 1 FROM n WHERE i + 1 < $2)
 			INSERT INTO github (delivery_id, event, payload, received_at, processed_at, first_copy)
 			SELECT printf('old-%05d', n.i), 'issues', f.payload, f.received_at, f.received_at, 1
 			FROM n JOIN github f ON f.delivery_id = printf('old-%05d', n.i % $1)`, len(fixtures), n)

@@ -24,7 +24,7 @@ func (tx *Tx) AddBrokerUsage(ctx context.Context, at time.Time, rows []usageRow)
 		if r.Published == 0 && r.Delivered == 0 {
 			continue
 		}
-		if _, err := tx.execAhead(ctx, 1, `INSERT INTO broker_usage (broker, hour, published, delivered) VALUES ($1, $2, $3, $4)
+		if _, err := tx.write(ctx, ahead(1), `INSERT INTO broker_usage (broker, hour, published, delivered) VALUES ($1, $2, $3, $4)
 			ON CONFLICT (broker, hour) DO UPDATE SET published = broker_usage.published + excluded.published,
 			delivered = broker_usage.delivered + excluded.delivered`, r.Broker, hour, r.Published, r.Delivered); err != nil {
 			return fmt.Errorf("write broker_usage: %w", err)
@@ -48,7 +48,7 @@ func (s *Store) BrokerUsageSince(ctx context.Context, broker string, since time.
 // with the same id changes nothing. It reports whether it was new.
 func (tx *Tx) QueueOwnAlert(ctx context.Context, id string, channels []string) (queued bool, err error) {
 	var n int
-	if err := tx.queryRow(ctx, "SELECT count(*) FROM alert_outbox WHERE delivery_id = $1", id).Scan(&n); err != nil {
+	if err := tx.read(ctx, "SELECT count(*) FROM alert_outbox WHERE delivery_id = $1", id).Scan(&n); err != nil {
 		return false, err
 	}
 	if n > 0 {

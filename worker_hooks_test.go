@@ -782,7 +782,7 @@ func testHooksPollKeepsGitHubAttempts(t *testing.T) {
 		t.Errorf("an attempt from 80 hours ago is still known: %v", err)
 	}
 
-	config := writeConfigWith(t, t.TempDir(), "127.0.0.1:1", databaseKeys(DatabaseConfig{Driver: store.dialect.String(), URL: testStore(t).URL, Path: store.path}), "", amqpURL(vhost))
+	config := writeConfigWith(t, t.TempDir(), "127.0.0.1:1", databaseKeys(DatabaseConfig{Driver: store.Driver(), URL: testStore(t).URL, Path: store.path}), "", amqpURL(vhost))
 	var out bytes.Buffer
 	if err := run(ctx, []string{"deliveries", "-config", config, "show", guid}, &out, &out); err != nil {
 		t.Fatalf("deliveries show: %v\n%s", err, out.String())

@@ -1,0 +1,95 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"io"
+)
+
+// The seam between what the store does and the database it does it on:
+// one engine per database, chosen once when the store opens, as River's
+// driver is: store_sqlite.go's (embedded, the default) or
+// store_postgres.go's (shared by several nodes). One query text serves
+// both where they agree ($N placeholders, ON CONFLICT, RETURNING); what
+// differs is an engine's, and nothing else in the store asks which
+// database it is on.
+
+// engine is what the store does differently on each database.
+type engine interface {
+	// driver is the database.driver that opened it: "sqlite" or
+	// "postgres".
+	driver() string
+	// shared reports whether several nodes may share the database.
+	shared() bool
+	// readOptions are the options of a read transaction whose queries
+	// see one state of the database.
+	readOptions() *sql.TxOptions
+
+	// begin opens a write transaction on w, after what beforeWrite
+	// does; end gives its connection back once it ended.
+	begin(ctx context.Context, w *sql.DB) (*txConn, error)
+	end(tc *txConn)
+	// exec and queryRow run one statement in tc now.
+	exec(ctx context.Context, tc *txConn, query string, args []any) (sql.Result, error)
+	queryRow(ctx context.Context, tc *txConn, query string, args []any) *sql.Row
+	// pipelines reports whether statements queued ahead of their answers
+	// are sent together (sendAhead), in one round trip.
+	pipelines() bool
+	sendAhead(ctx context.Context, tc *txConn, stmts []pipelined) ([]int64, error)
+	// lost reports whether err is the connection to the database failing
+	// (never on a file), not a statement the database refused.
+	lost(err error) bool
+	// lock serializes, among the nodes, transactions that read and then
+	// write key.
+	lock(ctx context.Context, tc *txConn, key string) error
+
+	// clock is the database's clock ms milliseconds from now (a
+	// parameter, or a number), as a time in timeFormat: leases are timed
+	// by the database, so that nodes whose clocks differ agree.
+	clock(ms string) string
+	// schema is the file of numbered migrations for this database;
+	// tracked asks whether schema_migrations exists; legacyVersion reads
+	// a version kept before it; migrated records version where that was
+	// kept.
+	schema() string
+	tracked() string
+	legacyVersion(ctx context.Context, q queryer) (int, error)
+	migrated(ctx context.Context, tx *sql.Tx, version int) error
+	// tablesQuery lists the store's tables, in name order.
+	tablesQuery() string
+	// size is the database's size in bytes.
+	size(ctx context.Context, q queryer) (int64, error)
+
+	// claim takes the database for this process's serve (nil: nothing
+	// to take); its Close lets it go.
+	claim(ctx context.Context, r *sql.DB) (io.Closer, error)
+	// afterCopy readies a table copy-db filled (PostgreSQL's identity
+	// columns go on after the greatest id copied).
+	afterCopy(ctx context.Context, tx *sql.Tx, table string) error
+	// backup writes a consistent copy of the live database to dest.
+	backup(ctx context.Context, w *sql.DB, dest string) error
+	// close lets go of what the engine keeps (prepared statements).
+	close()
+}
+
+// txConn is a write transaction as an engine runs it: the transaction,
+// the connection it runs on (PostgreSQL's, which statements queued ahead
+// are sent on) and the prepared statements bound to it (SQLite's).
+type txConn struct {
+	tx    *sql.Tx
+	conn  *sql.Conn
+	stmts map[string]*sql.Stmt
+}
+
+// queryer is what reads need: a pool or a transaction.
+type queryer interface {
+	QueryRowContext(context.Context, string, ...any) *sql.Row
+	QueryContext(context.Context, string, ...any) (*sql.Rows, error)
+}
+
+// pipelined is a statement sent ahead of its answer: its text and
+// arguments.
+type pipelined struct {
+	query string
+	args  []any
+}

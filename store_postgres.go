@@ -1,0 +1,203 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
+)
+
+// The PostgreSQL engine: one pool of at most database.max_conns
+// connections that several nodes share the database through, statements
+// sent ahead of their answers in one round trip, transaction-level
+// advisory locks.
+
+// postgresEngine is the store's engine on a PostgreSQL database.
+type postgresEngine struct{}
+
+// openPostgres opens a pool of at most cfg.MaxConns connections to the
+// PostgreSQL database at cfg.URL, and checks that it answers.
+func openPostgres(ctx context.Context, cfg DatabaseConfig) (*sql.DB, postgresEngine, error) {
+	cc, err := pgx.ParseConfig(cfg.URL)
+	if err != nil {
+		var pe *pgconn.ParseConfigError
+		if errors.As(err, &pe) {
+			return nil, postgresEngine{}, fmt.Errorf("database.url: %v", pe.Unwrap())
+		}
+		return nil, postgresEngine{}, errors.New("database.url: not a PostgreSQL URL")
+	}
+	if cc.ConnectTimeout == 0 {
+		cc.ConnectTimeout = 10 * time.Second
+	}
+	db := stdlib.OpenDB(*cc)
+	db.SetMaxOpenConns(cfg.MaxConns)
+	db.SetMaxIdleConns(cfg.MaxConns)
+	// A connection is closed after a while, so that a database that
+	// failed over is found again by every connection.
+	db.SetConnMaxLifetime(30 * time.Minute)
+	pctx, cancel := context.WithTimeout(ctx, cc.ConnectTimeout)
+	defer cancel()
+	if err := db.PingContext(pctx); err != nil {
+		db.Close()
+		return nil, postgresEngine{}, fmt.Errorf("database %s: %w", redactDatabaseURL(cfg.URL), err)
+	}
+	return db, postgresEngine{}, nil
+}
+
+func (postgresEngine) driver() string { return "postgres" }
+func (postgresEngine) shared() bool   { return true }
+
+// readOptions: READ COMMITTED sees each query's own state, REPEATABLE
+// READ one for the whole transaction.
+func (postgresEngine) readOptions() *sql.TxOptions {
+	return &sql.TxOptions{ReadOnly: true, Isolation: sql.LevelRepeatableRead}
+}
+
+// begin opens a write transaction on a connection of its own, which
+// statements queued ahead are sent on.
+func (postgresEngine) begin(ctx context.Context, w *sql.DB) (*txConn, error) {
+	conn, err := w.Conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	tx, err := conn.BeginTx(ctx, nil)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return &txConn{tx: tx, conn: conn}, nil
+}
+
+func (postgresEngine) end(tc *txConn) { tc.conn.Close() }
+
+// exec runs one statement, which keeps its context: a database that
+// stops answering must not hold a transaction open. The driver keeps its
+// own cache of prepared statements per connection.
+func (postgresEngine) exec(ctx context.Context, tc *txConn, query string, args []any) (sql.Result, error) {
+	return tc.tx.ExecContext(ctx, query, args...)
+}
+
+func (postgresEngine) queryRow(ctx context.Context, tc *txConn, query string, args []any) *sql.Row {
+	return tc.tx.QueryRowContext(ctx, query, args...)
+}
+
+func (postgresEngine) pipelines() bool { return true }
+
+// sendAhead sends stmts on tc's connection in one round trip (a pipeline
+// that one Sync ends) and reads their answers in order: the rows each
+// changed, up to the first that failed, and that one's failure.
+func (postgresEngine) sendAhead(ctx context.Context, tc *txConn, stmts []pipelined) (rows []int64, err error) {
+	err = tc.conn.Raw(func(dc any) error {
+		conn, ok := dc.(*stdlib.Conn)
+		if !ok {
+			return fmt.Errorf("send a pipeline: not a pgx connection: %T", dc)
+		}
+		var b pgx.Batch
+		for _, st := range stmts {
+			b.Queue(st.query, st.args...)
+		}
+		results := conn.Conn().SendBatch(ctx, &b)
+		rows = make([]int64, 0, len(stmts))
+		for range stmts {
+			tag, err := results.Exec()
+			if err != nil {
+				return errors.Join(err, results.Close())
+			}
+			rows = append(rows, tag.RowsAffected())
+		}
+		return results.Close()
+	})
+	return rows, err
+}
+
+// lost reports whether err is the connection to PostgreSQL failing
+// (refused, dropped, reset, closed under a statement), not a statement
+// the database refused nor a failure of the caller's own: a node that
+// loses the database stops consuming, while a statement's error is the
+// message's own failure.
+func (postgresEngine) lost(err error) bool { return connectionLost(err) }
+
+func connectionLost(err error) bool {
+	if err == nil {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		// Class 08 is a connection exception; 57P01-57P03 the server
+		// shutting down or not accepting connections yet.
+		return strings.HasPrefix(pgErr.Code, "08") || pgErr.Code == "57P01" || pgErr.Code == "57P02" || pgErr.Code == "57P03"
+	}
+	var ce *pgconn.ConnectError
+	var ne net.Error
+	return errors.As(err, &ce) || errors.As(err, &ne) || errors.Is(err, pgconn.ErrConnClosed) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone)
+}
+
+// lock is a transaction-level advisory lock, which a pooler in
+// transaction mode keeps and a dropped connection releases with the
+// transaction; never a session lock.
+func (e postgresEngine) lock(ctx context.Context, tc *txConn, key string) error {
+	_, err := e.exec(ctx, tc, "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", []any{"switchyard:" + key})
+	return err
+}
+
+func (postgresEngine) clock(ms string) string {
+	return `to_char((clock_timestamp() + CAST(` + ms + ` AS BIGINT) * interval '1 millisecond') AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`
+}
+
+func (postgresEngine) schema() string  { return schemaPostgresSQL }
+func (postgresEngine) tracked() string { return "SELECT to_regclass('schema_migrations') IS NOT NULL" }
+
+// legacyVersion: a PostgreSQL database kept schema_migrations from its
+// first migration; without it, it has none.
+func (postgresEngine) legacyVersion(context.Context, queryer) (int, error) { return 0, nil }
+func (postgresEngine) migrated(context.Context, *sql.Tx, int) error        { return nil }
+
+func (postgresEngine) tablesQuery() string {
+	return "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() AND table_type = 'BASE TABLE' ORDER BY table_name"
+}
+
+func (postgresEngine) size(ctx context.Context, q queryer) (int64, error) {
+	var n int64
+	if err := q.QueryRowContext(ctx, "SELECT pg_database_size(current_database())").Scan(&n); err != nil {
+		return 0, fmt.Errorf("database size: %w", err)
+	}
+	return n, nil
+}
+
+// claim: nodes share a PostgreSQL database, nothing to take.
+func (postgresEngine) claim(context.Context, *sql.DB) (io.Closer, error) { return nil, nil }
+
+// afterCopy makes table's identity column, if it has one, go on after the
+// greatest id copied, so that the next row a node writes takes a new one.
+func (postgresEngine) afterCopy(ctx context.Context, tx *sql.Tx, table string) error {
+	var seq sql.NullString
+	err := tx.QueryRowContext(ctx, `SELECT pg_get_serial_sequence(table_name, column_name) FROM information_schema.columns
+		WHERE table_schema = current_schema() AND table_name = $1 AND column_name = 'id' AND is_identity = 'YES'`, table).Scan(&seq)
+	if errors.Is(err, sql.ErrNoRows) || err == nil && !seq.Valid {
+		return nil // no identity
+	}
+	if err != nil {
+		return fmt.Errorf("identity of %s: %w", table, err)
+	}
+	if _, err := tx.ExecContext(ctx, "SELECT setval($1, (SELECT max(id) FROM "+table+"))", seq.String); err != nil {
+		return fmt.Errorf("identity of %s: %w", table, err)
+	}
+	return nil
+}
+
+func (postgresEngine) backup(context.Context, *sql.DB, string) error {
+	return errors.New("backup copies an SQLite file; this database is PostgreSQL: use pg_dump, or the provider's backups")
+}
+
+func (postgresEngine) close() {}
