@@ -20,21 +20,10 @@ import (
 // and the process's own pid in LISTEN_PID (the shell's, which exec keeps).
 func socketServe(t testing.TB, config string, f *os.File) (*exec.Cmd, *syncBuffer) {
 	t.Helper()
-	out := &syncBuffer{}
 	cmd := exec.Command("/bin/sh", "-c", `LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=listen exec "$0" serve -config "$1"`,
 		builtBinary(t), config)
 	cmd.ExtraFiles = []*os.File{f}
-	cmd.Stdout, cmd.Stderr = out, out
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-		}
-	})
-	return cmd, out
+	return cmd, started(t, cmd)
 }
 
 // answer is one webhook's answer in a stream: its delivery, the status (0
@@ -162,17 +151,7 @@ func restartsUnderStream(t testing.TB, restarts int, body []byte) (answers []ans
 func TestSocketActivationRestartsRefuseNothing(t *testing.T) {
 	t.Parallel()
 	answers, dbPath, gaps := restartsUnderStream(t, 3, loadFixture(t, "issues", "opened"))
-	bad := 0
-	for _, a := range answers {
-		if a.code != http.StatusAccepted {
-			if bad++; bad <= 10 {
-				t.Errorf("delivery %s: status %d, error %v", a.guid, a.code, a.err)
-			}
-		}
-	}
-	if bad > 0 {
-		t.Fatalf("%d of %d webhooks not answered 202 through 3 restarts", bad, len(answers))
-	}
+	allAccepted(t, answers, "through 3 restarts")
 	t.Logf("%d webhooks, all 202; restart gaps %v", len(answers), gaps)
 	db := openDB(t, dbPath)
 	if n, distinct := queryInt(t, db, "SELECT count(*) FROM github"), queryInt(t, db, "SELECT count(DISTINCT delivery_id) FROM github"); n != len(answers) || distinct != n {
@@ -303,5 +282,22 @@ func TestDrainDelay(t *testing.T) {
 	}
 	if !strings.Contains(out.String(), "draining") {
 		t.Errorf("the log does not say the node drains:\n%s", out)
+	}
+}
+
+// allAccepted fails the test, naming the first few, unless every answer
+// is a 202.
+func allAccepted(t testing.TB, answers []answer, what string) {
+	t.Helper()
+	bad := 0
+	for _, a := range answers {
+		if a.code != http.StatusAccepted {
+			if bad++; bad <= 10 {
+				t.Errorf("delivery %s: status %d, error %v", a.guid, a.code, a.err)
+			}
+		}
+	}
+	if bad > 0 {
+		t.Fatalf("%d of %d webhooks not answered 202 %s", bad, len(answers), what)
 	}
 }

@@ -158,8 +158,24 @@ func freeAddr(t testing.TB) string {
 // startProcess runs `switchyard serve` and waits until /healthz answers.
 func startProcess(t *testing.T, config, addr string) (*exec.Cmd, *syncBuffer) {
 	t.Helper()
-	out := &syncBuffer{}
 	cmd := exec.Command(builtBinary(t), "serve", "-config", config)
+	out := started(t, cmd)
+	eventually(t, 20*time.Second, "serve answering /healthz", func() bool {
+		resp, err := http.Get("http://" + addr + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+	return cmd, out
+}
+
+// started starts cmd, its output in the buffer it returns, and kills it
+// at the test's end if it still runs.
+func started(t testing.TB, cmd *exec.Cmd) *syncBuffer {
+	t.Helper()
+	out := &syncBuffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -170,15 +186,7 @@ func startProcess(t *testing.T, config, addr string) (*exec.Cmd, *syncBuffer) {
 			_ = cmd.Wait()
 		}
 	})
-	eventually(t, 20*time.Second, "serve answering /healthz", func() bool {
-		resp, err := http.Get("http://" + addr + "/healthz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	})
-	return cmd, out
+	return out
 }
 
 // syncBuffer is a process's output, safe to read while the process writes it.

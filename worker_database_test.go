@@ -756,16 +756,7 @@ func TestBatchSendsAhead(t *testing.T) {
 	o := EventOptions{Queue: queueDatabase, Handle: databaseHandler(testBotAppID),
 		Decode: databaseDecode(testBotAppID), Batch: store, Log: log}
 	pr := func(guid, node, updated string, edit func(pr map[string]any)) Message {
-		body := mutate(t, loadFixture(t, "pull_request", "opened"), func(p map[string]any) {
-			obj(p, "pull_request")["node_id"] = node
-			obj(p, "pull_request")["updated_at"] = updated
-			if edit != nil {
-				edit(obj(p, "pull_request"))
-			}
-		})
-		m := eventMessage("pull_request", guid, body)
-		m.Headers[hdrTargetType], m.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
-		return Message{ID: m.MessageId, Type: m.Type, Headers: m.Headers, Body: m.Body, Timestamp: m.Timestamp}
+		return botPullRequest(t, guid, node, updated, edit)
 	}
 	const n = 40
 	var msgs []Message
@@ -893,16 +884,7 @@ func TestBatchRunAgainRecordsOnce(t *testing.T) {
 				record(log, f)
 			}}
 		pr := func(guid, node, updated string, edit func(pr map[string]any)) Message {
-			body := mutate(t, loadFixture(t, "pull_request", "opened"), func(p map[string]any) {
-				obj(p, "pull_request")["node_id"] = node
-				obj(p, "pull_request")["updated_at"] = updated
-				if edit != nil {
-					edit(obj(p, "pull_request"))
-				}
-			})
-			m := eventMessage("pull_request", guid, body)
-			m.Headers[hdrTargetType], m.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
-			return Message{ID: m.MessageId, Type: m.Type, Headers: m.Headers, Body: m.Body, Timestamp: m.Timestamp}
+			return botPullRequest(t, guid, node, updated, edit)
 		}
 		if v, err := o.handleBatch(ctx, []Message{pr("newer", "node-1", "2024-06-01T10:00:00Z", nil)}); err != nil || v[0] != nil {
 			t.Fatalf("the newer Event: %v %v", v, err)
@@ -928,4 +910,21 @@ func TestBatchRunAgainRecordsOnce(t *testing.T) {
 			t.Errorf("switchyard_stale_events_total{table=github_pull_requests} = %v, want 1", n)
 		}
 	})
+}
+
+// botPullRequest is a message of a pull_request.opened delivered to the
+// bot App's hook, of pull request node updated at updated, edit changing
+// its pull_request object further when set.
+func botPullRequest(t *testing.T, guid, node, updated string, edit func(pr map[string]any)) Message {
+	t.Helper()
+	body := mutate(t, loadFixture(t, "pull_request", "opened"), func(p map[string]any) {
+		obj(p, "pull_request")["node_id"] = node
+		obj(p, "pull_request")["updated_at"] = updated
+		if edit != nil {
+			edit(obj(p, "pull_request"))
+		}
+	})
+	m := eventMessage("pull_request", guid, body)
+	m.Headers[hdrTargetType], m.Headers[hdrTargetID] = "integration", strconv.Itoa(testBotAppID)
+	return Message{ID: m.MessageId, Type: m.Type, Headers: m.Headers, Body: m.Body, Timestamp: m.Timestamp}
 }
