@@ -28,19 +28,14 @@ func (s *Store) Settings(ctx context.Context, keys ...string) (map[string]string
 	return getSettings(ctx, s.r, keys)
 }
 
-// Settings reads the settings rows of keys inside tx, one read each.
+// Settings reads the settings rows of keys inside tx, in one query that
+// sees what tx queued before it: the one read of several rows a Tx makes
+// (read is of one), so it runs on the transaction itself.
 func (t *Tx) Settings(ctx context.Context, keys ...string) (map[string]string, error) {
-	vals := make(map[string]string, len(keys))
-	for _, k := range keys {
-		v, err := t.Setting(ctx, k)
-		if err != nil {
-			return nil, err
-		}
-		if v != "" {
-			vals[k] = v
-		}
+	if err := t.flush(ctx); err != nil {
+		return nil, err
 	}
-	return vals, nil
+	return getSettings(ctx, t.raw(), keys)
 }
 
 func getSettings(ctx context.Context, q queryer, keys []string) (map[string]string, error) {
