@@ -69,7 +69,7 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 		s.w, s.r, s.engine, s.path, s.name = w, r, e, cfg.Path, cfg.Path
 	}
 	s.codec = newPayloadCodec()
-	s.health = newDBHealth(s.engine, s.w.PingContext)
+	s.health = newDBHealth(s.engine, s.w)
 	return s, nil
 }
 
@@ -163,7 +163,7 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 		}
 		if err != nil {
 			t.end(t.tc.tx.Rollback())
-			if errors.Is(err, ErrNeedSavepoints) && !savepoints {
+			if errors.Is(err, ErrNeedSavepoints) && !savepoints && !errors.Is(err, ErrDatabaseLost) {
 				savepoints = true // once more, each part in its savepoint
 				continue
 			}
@@ -287,7 +287,12 @@ func (t *Tx) write(ctx context.Context, e expect, query string, args ...any) (sq
 		return nil, err
 	}
 	res, err := t.s.engine.exec(ctx, t.tc, query, sqlArgs(args))
-	if err == nil && changes(query) {
+	if err != nil {
+		// The database lost under a statement is no fault of its
+		// caller's: the whole transaction fails so (ErrDatabaseLost).
+		return res, t.s.health.observe(err)
+	}
+	if changes(query) {
 		if n, nerr := res.RowsAffected(); nerr == nil {
 			t.changed += n
 		}
@@ -446,7 +451,7 @@ func (t *Tx) flush(ctx context.Context) error {
 	switch {
 	case err == nil:
 	case t.s.engine.lost(err) || ctx.Err() != nil:
-		t.aheadErr = err // no statement's answer: nothing to run again for
+		t.aheadErr = t.s.health.observe(err) // no statement's answer: nothing to run again for
 	default:
 		t.aheadErr = fmt.Errorf("%w: %w", errAheadMissed, err)
 	}
@@ -470,6 +475,9 @@ func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
 			if errors.Is(err, errAheadMissed) {
 				return err // not fn's failure: an earlier part's, or none
 			}
+			if t.s.engine.lost(err) {
+				return t.s.health.observe(err) // the database's, not fn's
+			}
 			return &NeedSavepoints{Err: err}
 		}
 		return nil
@@ -478,6 +486,9 @@ func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
 		return fmt.Errorf("savepoint: %w", err)
 	}
 	if err := fn(); err != nil {
+		if t.s.engine.lost(err) {
+			return t.s.health.observe(err) // the transaction is gone with it
+		}
 		ctx := context.WithoutCancel(ctx) // undo the message even when its time is up
 		if _, rerr := t.write(ctx, atOnce, "ROLLBACK TO msg"); rerr != nil {
 			return errors.Join(err, fmt.Errorf("rollback to savepoint: %w", rerr))

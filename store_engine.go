@@ -39,6 +39,11 @@ type engine interface {
 	// lost reports whether err is the connection to the database failing
 	// (never on a file), not a statement the database refused.
 	lost(err error) bool
+	// ping asks whether the database answers and takes writes; idle
+	// keeps the pool's idle connections (true) or drops them, while the
+	// database is lost, so that each ping dials anew.
+	ping(ctx context.Context, w *sql.DB) error
+	idle(w *sql.DB, keep bool)
 	// lock serializes, among the nodes, transactions that read and then
 	// write key.
 	lock(ctx context.Context, tc *txConn, key string) error

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -35,7 +36,7 @@ const probeEvery = 500 * time.Millisecond
 // stands for the next loss.
 type dbHealth struct {
 	engine engine
-	ping   func(ctx context.Context) error
+	w      *sql.DB
 	// also is what a ping must pass besides answering (require).
 	also atomic.Pointer[func(ctx context.Context) error]
 
@@ -51,18 +52,17 @@ type dbHealth struct {
 	stop    chan struct{}
 }
 
-// newDBHealth follows a database whose engine is e, which ping asks
-// whether it answers.
-func newDBHealth(e engine, ping func(ctx context.Context) error) *dbHealth {
+// newDBHealth follows the database of w, whose engine is e.
+func newDBHealth(e engine, w *sql.DB) *dbHealth {
 	answers := make(chan struct{})
 	close(answers)
-	return &dbHealth{engine: e, ping: ping, lost: make(chan struct{}), answers: answers, stop: make(chan struct{})}
+	return &dbHealth{engine: e, w: w, lost: make(chan struct{}), answers: answers, stop: make(chan struct{})}
 }
 
 // observe returns err, as ErrDatabaseLost when it is the connection to
 // PostgreSQL failing, which makes the database lost.
 func (h *dbHealth) observe(err error) error {
-	if !h.engine.lost(err) {
+	if errors.Is(err, ErrDatabaseLost) || !h.engine.lost(err) {
 		return err
 	}
 	h.Lose(err)
@@ -81,6 +81,7 @@ func (h *dbHealth) Lose(cause error) {
 		return
 	}
 	h.down, h.cause, h.since = true, cause, time.Now()
+	h.engine.idle(h.w, false) // the next connections dial anew
 	h.answers = make(chan struct{})
 	close(h.lost)
 	h.probing.Go(h.probe)
@@ -111,12 +112,13 @@ func (h *dbHealth) probe() {
 		case <-t.C:
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		err := h.ping(ctx)
+		err := h.engine.ping(ctx, h.w)
 		if also := h.also.Load(); err == nil && also != nil {
 			err = (*also)(ctx)
 		}
 		cancel()
 		if err == nil {
+			h.engine.idle(h.w, true)
 			h.mu.Lock()
 			h.down, h.cause = false, nil
 			h.lost = make(chan struct{})

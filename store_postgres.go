@@ -9,10 +9,12 @@ import (
 	"io"
 	"net"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
@@ -21,8 +23,9 @@ import (
 // sent ahead of their answers in one round trip, transaction-level
 // advisory locks.
 
-// postgresEngine is the store's engine on a PostgreSQL database.
-type postgresEngine struct{}
+// postgresEngine is the store's engine on a PostgreSQL database: maxConns
+// is database.max_conns, the pool's idle connections while it answers.
+type postgresEngine struct{ maxConns int }
 
 // openPostgres opens a pool of at most cfg.MaxConns connections to the
 // PostgreSQL database at cfg.URL, and checks that it answers.
@@ -38,6 +41,21 @@ func openPostgres(ctx context.Context, cfg DatabaseConfig) (*sql.DB, postgresEng
 	if cc.ConnectTimeout == 0 {
 		cc.ConnectTimeout = 10 * time.Second
 	}
+	// A primary that dies without a word (a host gone, a partition) is
+	// noticed within deadPeer: keepalive probes on an idle connection,
+	// TCP_USER_TIMEOUT on one whose writes go unanswered. Every host of a
+	// multi-host URL is dialed so; target_session_attrs=read-write picks
+	// the writable one, as pgx reads it.
+	d := &net.Dialer{KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 3},
+		Control: userTimeout(deadPeer)}
+	cc.DialFunc = d.DialContext
+	// A statement its context cuts short ends its connection (a deadline
+	// in the past), which the pool replaces, instead of a cancel request
+	// sent on a connection of its own: a pooler passes those poorly
+	// (Debian 12's PgBouncer 1.18 aborts on one, every client with it).
+	cc.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
+		return &pgconn.DeadlineContextWatcherHandler{Conn: pc.Conn()}
+	}
 	db := stdlib.OpenDB(*cc)
 	db.SetMaxOpenConns(cfg.MaxConns)
 	db.SetMaxIdleConns(cfg.MaxConns)
@@ -50,8 +68,29 @@ func openPostgres(ctx context.Context, cfg DatabaseConfig) (*sql.DB, postgresEng
 		db.Close()
 		return nil, postgresEngine{}, fmt.Errorf("database %s: %w", redactDatabaseURL(cfg.URL), err)
 	}
-	return db, postgresEngine{}, nil
+	return db, postgresEngine{maxConns: cfg.MaxConns}, nil
 }
+
+// deadPeer is how long a connection to a silent database lives: the
+// keepalive probes (5 s idle, then 3 every 2 s) and TCP_USER_TIMEOUT end
+// it within this.
+const deadPeer = 15 * time.Second
+
+// userTimeout sets TCP_USER_TIMEOUT on a socket before it connects: data
+// unacknowledged for d ends the connection.
+func userTimeout(d time.Duration) func(network, address string, c syscall.RawConn) error {
+	return func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) {
+			serr = syscall.SetsockoptInt(int(fd), syscall.IPPROTO_TCP, unix_TCP_USER_TIMEOUT, int(d.Milliseconds()))
+		})
+		return errors.Join(err, serr)
+	}
+}
+
+// unix_TCP_USER_TIMEOUT is Linux's TCP_USER_TIMEOUT socket option
+// (linux/tcp.h), which package syscall does not name.
+const unix_TCP_USER_TIMEOUT = 0x12
 
 func (postgresEngine) driver() string { return "postgres" }
 func (postgresEngine) shared() bool   { return true }
@@ -126,15 +165,52 @@ func (postgresEngine) sendAhead(ctx context.Context, tc *txConn, stmts []pipelin
 // message's own failure.
 func (postgresEngine) lost(err error) bool { return connectionLost(err) }
 
+// ping asks for a connection that takes writes: SELECT 1 answers on a
+// standby too.
+func (postgresEngine) ping(ctx context.Context, w *sql.DB) error {
+	var ro string
+	if err := w.QueryRowContext(ctx, "SHOW transaction_read_only").Scan(&ro); err != nil {
+		return err
+	}
+	if ro != "off" {
+		return errors.New("the database is read-only")
+	}
+	return nil
+}
+
+// idle drops the pool's idle connections (keep false: each later one is
+// dialed anew, to the host that takes writes now), or keeps them again.
+func (e postgresEngine) idle(w *sql.DB, keep bool) {
+	if keep {
+		w.SetMaxIdleConns(e.maxConns)
+	} else {
+		w.SetMaxIdleConns(0)
+	}
+}
+
 func connectionLost(err error) bool {
 	if err == nil {
 		return false
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
-		// Class 08 is a connection exception; 57P01-57P03 the server
-		// shutting down or not accepting connections yet.
-		return strings.HasPrefix(pgErr.Code, "08") || pgErr.Code == "57P01" || pgErr.Code == "57P02" || pgErr.Code == "57P03"
+		switch pgErr.Code {
+		case "57P01", "57P02", "57P03":
+			// The server shutting down, or not accepting connections yet.
+			return true
+		case "25006":
+			// A read-only server: a primary demoted, or turned read-only
+			// without closing its connections, or a standby reached.
+			return true
+		case "42P05", "26000":
+			// A prepared statement that already exists or does not: a
+			// pooler in transaction mode gave the connection's statements
+			// to another (README: default_query_exec_mode). No fault of
+			// the message's.
+			return true
+		}
+		// Class 08 is a connection exception.
+		return strings.HasPrefix(pgErr.Code, "08")
 	}
 	var ce *pgconn.ConnectError
 	var ne net.Error

@@ -176,6 +176,9 @@ func (e *sqliteEngine) sendAhead(context.Context, *txConn, []pipelined) ([]int64
 // lost: a file is never lost.
 func (e *sqliteEngine) lost(error) bool { return false }
 
+func (e *sqliteEngine) ping(ctx context.Context, w *sql.DB) error { return w.PingContext(ctx) }
+func (e *sqliteEngine) idle(*sql.DB, bool)                        {}
+
 // lock: SQLite's write transactions are serial already (BEGIN IMMEDIATE).
 func (e *sqliteEngine) lock(context.Context, *txConn, string) error { return nil }
 
