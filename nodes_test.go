@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os/exec"
 	"slices"
@@ -411,5 +412,127 @@ func TestStatusJobWithoutHolder(t *testing.T) {
 	}
 	if strings.Contains(ps, "retention") {
 		t.Errorf("problems:\n%s\nname a lease that expired 20 s ago, less than twice lease_ttl", ps)
+	}
+}
+
+// A lease holder paused past its lease (SIGSTOP for 3 x lease_ttl) while
+// another node takes the leases over takes no step once it resumes: no
+// HealthChecks ping of its after SIGCONT, and the leases table names the
+// other node.
+func TestPausedHolderTakesNoStep(t *testing.T) {
+	t.Parallel()
+	needPostgres(t)
+	vhost := newVhost(t)
+	dbURL := newPostgresDatabase(t)
+	var mu sync.Mutex
+	var pings []string // "node-N at" each ping's time
+	var resumed time.Time
+	late := 0
+	hc := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		node := strings.Trim(r.URL.Path, "/")
+		node, _, _ = strings.Cut(node, "/")
+		pings = append(pings, node)
+		if node == "node-1" && !resumed.IsZero() {
+			late++
+		}
+	}))
+	defer hc.Close()
+	const ttl = 2 * time.Second
+	start := func(name string) *testNode {
+		n := &testNode{name: name, addr: freeAddr(t)}
+		config := writeConfigWith(t, t.TempDir(), n.addr, fmt.Sprintf("driver = \"postgres\"\nurl = %q\nmax_conns = 4", dbURL),
+			fmt.Sprintf("node_name = %q\nlease_ttl = %q", name, ttl.String()), amqpURL(vhost))
+		appendFile(t, config, fmt.Sprintf("[healthchecks]\nservice = %q\ndatabase_service = %q\n", hc.URL+"/"+name, hc.URL+"/"+name))
+		n.cmd, n.out = startProcess(t, config, n.addr)
+		return n
+	}
+	holds := func(n *testNode) bool {
+		return scrapeWith(http.DefaultClient, "http://"+n.addr+"/metrics", "switchyard_lease_held")[jobHealthChecks] == 1
+	}
+	one := start("node-1")
+	eventually(t, 20*time.Second, "node 1 holding the leases", func() bool { return holds(one) })
+	two := start("node-2")
+	eventually(t, 20*time.Second, "node 1 pinging", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Contains(pings, "node-1")
+	})
+	if err := one.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 20*time.Second, "node 2 taking the leases over", func() bool { return holds(two) })
+	eventually(t, 20*time.Second, "node 2 pinging", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Contains(pings, "node-2")
+	})
+	// Paused for 3 x lease_ttl in all: the scenario's length, not a wait
+	// for something to happen.
+	time.Sleep(3*ttl - ttl)
+	mu.Lock()
+	resumed = time.Now()
+	mu.Unlock()
+	if err := one.cmd.Process.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	// Node 1 has resumed and runs its cycles: its workers' next windows
+	// come and go, and node 2 pings on.
+	eventually(t, 30*time.Second, "node 1 answering after it resumed", func() bool {
+		resp, err := http.Get("http://" + one.addr + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return true
+	})
+	before := func() int { mu.Lock(); defer mu.Unlock(); return len(pings) }()
+	eventually(t, 30*time.Second, "more pings after node 1 resumed", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(pings) >= before+4
+	})
+	mu.Lock()
+	if late > 0 {
+		t.Errorf("node 1 pinged HealthChecks %d times after it resumed, its leases taken over", late)
+	}
+	mu.Unlock()
+	db := openStoreDB(t, DatabaseConfig{Driver: "postgres", URL: dbURL})
+	var holder string
+	if err := db.QueryRow("SELECT node FROM leases WHERE job = $1", jobHealthChecks).Scan(&holder); err != nil || holder != "node-2" {
+		t.Errorf("leases table: healthchecks held by %q (%v), want node-2", holder, err)
+	}
+}
+
+// A lease counts as held only until its validity runs out on this node's
+// monotonic clock, whatever the renewal loop has said so far: the state a
+// holder resumes in after a pause (SIGSTOP, a frozen VM), before its loop
+// runs. A job's context under it ends as soon as it is asked.
+func TestLeaseHeldOnlyWhileValid(t *testing.T) {
+	t.Parallel()
+	l := &Lease{Job: jobAlerts, held: true, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
+	if !l.Held() {
+		t.Fatal("a lease valid for an hour is not held")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	jctx := &leaseContext{Context: ctx, l: l, stop: cancel}
+	if jctx.Err() != nil {
+		t.Fatal("the job's context ended under a valid lease")
+	}
+	l.mu.Lock()
+	l.until = time.Now().Add(-time.Millisecond) // paused past it; the loop has not run
+	l.mu.Unlock()
+	if l.Held() {
+		t.Error("a lease past its validity is held")
+	}
+	select {
+	case <-jctx.Done():
+	default:
+		t.Error("the job's context goes on past the lease's validity")
+	}
+	if jctx.Err() == nil {
+		t.Error("the job's context has no error past the lease's validity")
 	}
 }

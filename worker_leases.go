@@ -293,15 +293,44 @@ func (l *Lease) lose(reason string) {
 	l.ls.log.Warn("lease lost: the job stops on this node", "job", l.Job, "reason", reason)
 }
 
-// Held reports whether this node holds the lease now. A nil *Lease (a
-// job not kept under a lease) is always held.
+// Held reports whether this node holds the lease now, on its monotonic
+// clock: a holder paused past its lease (a frozen VM, SIGSTOP) finds it
+// no longer held the moment it resumes, before its renewal loop runs and
+// says so. A nil *Lease (a job not kept under a lease) is always held.
+// Every step of a once-only job that acts outside the process asks it
+// right before it acts (or its job's context, leaseContext).
 func (l *Lease) Held() bool {
 	if l == nil {
 		return true
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.held
+	return l.held && time.Now().Before(l.until)
+}
+
+// leaseContext is a job's context under its lease: besides ending when
+// the holding ends (the renewal loop), it ends the moment Done or Err is
+// asked while the lease is no longer valid on this node's monotonic
+// clock, so that a step that looks at its context before it acts (an
+// HTTP request, a publish) takes none after a pause.
+type leaseContext struct {
+	context.Context
+	l    *Lease
+	stop func()
+}
+
+func (c *leaseContext) Done() <-chan struct{} {
+	if !c.l.Held() {
+		c.stop()
+	}
+	return c.Context.Done()
+}
+
+func (c *leaseContext) Err() error {
+	if !c.l.Held() {
+		c.stop()
+	}
+	return c.Context.Err()
 }
 
 // Run runs job whenever this node holds the lease, with a context that
@@ -333,7 +362,9 @@ func (l *Lease) Run(ctx context.Context, job func(ctx context.Context) error) er
 			return nil
 		}
 		jctx, stop := whileOpen(ctx, lost)
-		err := job(jctx)
+		lctx, end := context.WithCancel(jctx)
+		err := job(&leaseContext{Context: lctx, l: l, stop: end})
+		end()
 		stop()
 		l.ls.ending()
 		if err != nil && ctx.Err() == nil {
