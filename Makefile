@@ -16,12 +16,13 @@ export CGO_ENABLED = 0
 BINARY  ?= switchyard
 UNITDIR ?= /etc/systemd/system
 
-.PHONY: build run test lint fuzz bench install deb screenshot clean ensure-rabbitmq ensure-postgres ensure-chromium
+.PHONY: build run test test-pgbouncer lint fuzz bench install deb screenshot clean ensure-rabbitmq ensure-postgres ensure-chromium
 
 # Tools the tests need that Go does not bring, fetched here when missing.
 TOOLS    := .tools
 PROMTOOL := $(TOOLS)/promtool
 HAPROXY  := $(TOOLS)/haproxy
+PGBOUNCER := $(TOOLS)/pgbouncer
 SUDO     := $(if $(filter 0,$(shell id -u)),,sudo)
 NFPM     := github.com/goreleaser/nfpm/v2/cmd/nfpm@v2.45.2
 
@@ -39,6 +40,33 @@ run: build ensure-rabbitmq
 # brokers and timers.
 test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY)
 	PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) CGO_ENABLED=1 $(GO) test -race -count=1 -parallel 4 -timeout 15m ./...
+
+# The PostgreSQL store and node tests once more, through Debian's
+# pgbouncer in transaction mode (started here, as the postgres user, on a
+# port of its own), with the URL the README gives for a pooler: the
+# postgres half of every test that runs on both stores (onBothStores),
+# then the tests of several nodes. Not part of make test yet: Debian 12's
+# PgBouncer 1.18 aborts now and then on the cancel requests the tests'
+# own connections send under load ("bad client state" in
+# disconnect_client), which fails the run for the pooler's bug.
+# A database locked past shutdown_timeout makes both sides cancel their
+# statements at once, which aborts Debian 12's PgBouncer 1.18 (a bug of
+# its cancel handling, "bad client state"): that test runs without it.
+PGBOUNCER_SKIP ?= TestShutdownTimeoutAbandonsLockedWork
+NODE_TESTS ?= TestThreeNodesOneStore|TestBatchSendsAhead|TestNodeBelowRisingFloor|TestPausedHolderTakesNoStep|TestFleetBehindHAProxyRefusesNothing
+test-pgbouncer: ensure-postgres $(PGBOUNCER) $(HAPROXY)
+	@dir=$$(mktemp -d /tmp/switchyard-pgbouncer.XXXXXX); port=$$((20000 + RANDOM % 20000)); \
+	printf '[databases]\n* = host=127.0.0.1 port=5432\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = %s\nunix_socket_dir =\nauth_type = trust\nauth_file = %s/users\npool_mode = transaction\nmax_client_conn = 1000\ndefault_pool_size = 40\nignore_startup_parameters = extra_float_digits\nlogfile = %s/pgbouncer.log\n' $$port $$dir $$dir > $$dir/pgbouncer.ini; \
+	echo '"postgres" ""' > $$dir/users; cp $(PGBOUNCER) $$dir/pgbouncer; chmod 0755 $$dir; chown -R postgres $$dir; \
+	runuser -u postgres -- $$dir/pgbouncer $$dir/pgbouncer.ini >/dev/null 2>&1 & pid=$$!; \
+	trap "kill $$pid 2>/dev/null; rm -rf $$dir" EXIT; \
+	for i in $$(seq 1 50); do (echo > /dev/tcp/127.0.0.1/$$port) 2>/dev/null && break; sleep 0.1; done; \
+	both=$$(awk '/^func /{name=""} /^func Test/{name=$$2; sub(/\(.*/,"",name)} /onBothStores\(t/ && name!="" {print name}' *_test.go | sort -u | paste -sd'|'); \
+	export SWITCHYARD_TEST_POSTGRES_URL="postgres://postgres@127.0.0.1:$$port/postgres?sslmode=disable&default_query_exec_mode=exec" \
+		HAPROXY=$(CURDIR)/$(HAPROXY) CGO_ENABLED=1; \
+	echo "the PostgreSQL tests through pgbouncer (transaction mode) on 127.0.0.1:$$port"; \
+	$(GO) test -race -count=1 -parallel 4 -timeout 10m -run "^($$both)\$$/^postgres\$$" -skip '$(PGBOUNCER_SKIP)' . && \
+	$(GO) test -race -count=1 -parallel 4 -timeout 10m -run '^($(NODE_TESTS))$$' .
 
 lint:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
@@ -125,6 +153,18 @@ $(HAPROXY):
 	dpkg-deb -x $(TOOLS)/haproxy.d/haproxy_*.deb $(TOOLS)/haproxy.d/root
 	cp $(TOOLS)/haproxy.d/root/usr/sbin/haproxy $(HAPROXY)
 	rm -rf $(TOOLS)/haproxy.d
+
+# pgbouncer, taken out of Debian's package with the library it links (the
+# service is never installed or started), for make test-pgbouncer.
+$(PGBOUNCER):
+	@echo "fetching pgbouncer from Debian's package"
+	rm -rf $(TOOLS)/pgbouncer.d && mkdir -p $(TOOLS)/pgbouncer.d
+	{ $(SUDO) apt-get install -y -q --no-install-recommends libc-ares2 libevent-2.1-7 >/dev/null 2>&1 || \
+	  { $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q --no-install-recommends libc-ares2 libevent-2.1-7 >/dev/null; }; }
+	cd $(TOOLS)/pgbouncer.d && { apt-get download pgbouncer 2>/dev/null || { $(SUDO) apt-get update -q >/dev/null && apt-get download pgbouncer; }; }
+	dpkg-deb -x $(TOOLS)/pgbouncer.d/pgbouncer_*.deb $(TOOLS)/pgbouncer.d/root
+	cp $(TOOLS)/pgbouncer.d/root/usr/sbin/pgbouncer $(PGBOUNCER)
+	rm -rf $(TOOLS)/pgbouncer.d
 
 # PostgreSQL, which the tests use beside SQLite
 # (SWITCHYARD_TEST_POSTGRES_URL, by default the local one), runs before the

@@ -437,6 +437,9 @@ func (c *Config) Warnings(path string) []string {
 		if len(sqliteOnly) > 0 {
 			ws = append(ws, strings.Join(sqliteOnly, ", ")+` set, but they are SQLite's: with driver = "postgres" they do not apply`)
 		}
+		if w := poolerWarning(c.Database.URL); w != "" {
+			ws = append(ws, w)
+		}
 	}
 	if len(c.GitHub.AllowedCIDRs) > 0 && c.GitHub.MetaFile == "" && !coversGitHubHooks(c.GitHub.AllowedCIDRs) {
 		ws = append(ws, "github.allowed_cidrs replaces GitHub's hooks ranges and leaves some out: webhooks from GitHub "+
@@ -448,6 +451,31 @@ func (c *Config) Warnings(path string) []string {
 		}
 	}
 	return ws
+}
+
+// poolerPort is the port a pooler (PgBouncer, pgcat, Supavisor's
+// transaction mode) usually listens on.
+const poolerPort = "6432"
+
+// poolerWarning warns of a database URL that names a pooler's usual port
+// without the query mode a pooler in transaction mode needs: pgx's named
+// prepared statements go to whichever server connection the pooler
+// gives, and fail there ("prepared statement ... already exists").
+func poolerWarning(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return ""
+	}
+	if mode := u.Query().Get("default_query_exec_mode"); mode == "exec" || mode == "simple_protocol" {
+		return ""
+	}
+	for _, host := range strings.Split(u.Host, ",") {
+		if _, port, err := net.SplitHostPort(host); err == nil && port == poolerPort {
+			return "database.url: port " + poolerPort + " is a pooler's (PgBouncer's) usual port: in transaction mode it needs " +
+				"default_query_exec_mode=exec in the URL (README, \"When one VPS is not enough\")"
+		}
+	}
+	return ""
 }
 
 // coversGitHubHooks reports whether cidrs take in every range of GitHub's

@@ -1160,6 +1160,23 @@ url = "amqp://guest:guest@127.0.0.1:5672/"
 	if strings.Contains(out.String(), "pg-s3cret") {
 		t.Errorf("check-config shows the database password:\n%s", out.String())
 	}
+	// A pooler's usual port without the query mode a pooler in
+	// transaction mode needs is a warning; with it, none.
+	for url, warned := range map[string]bool{
+		"postgres://sy:pw@pgbouncer:6432/switchyard":                                    true,
+		"postgres://sy:pw@db1:5432,pgbouncer:6432/switchyard?sslmode=require":           true,
+		"postgres://sy:pw@pgbouncer:6432/switchyard?default_query_exec_mode=exec":       false,
+		"postgres://sy:pw@db1:5432,db2:5432/switchyard?target_session_attrs=read-write": false,
+	} {
+		out.Reset()
+		p := write("pooler.toml", fmt.Sprintf("driver = \"postgres\"\nurl = %q", url))
+		if err := run(context.Background(), []string{"check-config", "-config", p}, &out, &out); err != nil {
+			t.Fatalf("check-config of %s: %v\n%s", url, err, out.String())
+		}
+		if got := strings.Contains(out.String(), "is a pooler's (PgBouncer's) usual port"); got != warned {
+			t.Errorf("check-config of %s: warned %v, want %v:\n%s", url, got, warned, out.String())
+		}
+	}
 	for _, c := range []struct{ database, want string }{
 		{`driver = "postgres"`, "database.url: required"},
 		{"driver = \"postgres\"\nurl = \"mysql://x@y/z\"", "database.url: want a postgres:// URL"},
