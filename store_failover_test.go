@@ -124,7 +124,7 @@ func TestDatabaseFailover(t *testing.T) {
 	answered := func() int { return len(got()) }
 	waitMore := func(what string, n int) {
 		before := answered()
-		eventually(t, 60*time.Second, what, func() bool { return answered() >= before+n })
+		eventually(t, 90*time.Second, what, func() bool { return answered() >= before+n })
 	}
 	holds := func() bool {
 		return scrapeWith(http.DefaultClient, "http://"+addr+"/metrics", "switchyard_lease_held")[jobAlerts] == 1
@@ -139,7 +139,11 @@ func TestDatabaseFailover(t *testing.T) {
 	if _, err := admin.Exec("SELECT pg_reload_conf()"); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 30*time.Second, "the node to stop consuming", func() bool { return strings.Contains(out.String(), "database lost") })
+	dbReady := func() bool {
+		code, _ := do(t, httpRequest(t, http.MethodGet, "http://"+addr+"/readyz", "", ""))
+		return code == http.StatusOK
+	}
+	eventually(t, 60*time.Second, "the node to find the database read-only", func() bool { return !dbReady() })
 	waitMore("webhooks while the primary is read-only", 40)
 	if _, err := admin.Exec("ALTER SYSTEM RESET default_transaction_read_only"); err != nil {
 		t.Fatal(err)
@@ -147,7 +151,7 @@ func TestDatabaseFailover(t *testing.T) {
 	if _, err := admin.Exec("SELECT pg_reload_conf()"); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 30*time.Second, "the node consuming again", func() bool { return strings.Contains(out.String(), "database answers again") })
+	eventually(t, 60*time.Second, "the node to find the database writable again", dbReady)
 	waitMore("webhooks after the read-only spell", 40)
 
 	// The primary dies; the standby is promoted.
@@ -174,7 +178,7 @@ func TestDatabaseFailover(t *testing.T) {
 	if strings.Contains(out.String(), "will retry") {
 		t.Errorf("a message was retried:\n%s", out)
 	}
-	eventually(t, 30*time.Second, "the leases held on the new primary", holds)
+	eventually(t, 60*time.Second, "the leases held on the new primary", holds)
 	if n := queryInt(t, db, "SELECT count(*) FROM leases WHERE node = 'node-1'"); n == 0 {
 		t.Errorf("no lease of node-1 on the new primary")
 	}
