@@ -634,3 +634,9 @@ CREATE INDEX rejected_webhooks_delivery ON rejected_webhooks (delivery_id);
 -- floor is the greatest, and a binary of an older version refuses it.
 -- floor: 19
 ALTER TABLE schema_migrations ADD COLUMN floor INTEGER;
+-- migration 20: lease terms
+-- leases.term: raised each time another node takes the lease (a new one is
+-- term 1), so that a once-only job's writes name the holding they are made
+-- under, and a stale holder's change nothing (Fence). Additive: the floor
+-- stays.
+ALTER TABLE leases ADD COLUMN term INTEGER NOT NULL DEFAULT 0;

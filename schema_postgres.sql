@@ -403,3 +403,5 @@ CREATE INDEX rejected_webhooks_delivery ON rejected_webhooks (delivery_id);
 -- migration 19: each migration's floor (schema.sql's migration 19)
 -- floor: 19
 ALTER TABLE schema_migrations ADD COLUMN floor BIGINT;
+-- migration 20: lease terms (schema.sql's migration 20)
+ALTER TABLE leases ADD COLUMN term BIGINT NOT NULL DEFAULT 0;

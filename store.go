@@ -157,7 +157,10 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 		if err != nil {
 			return s.health.observe(fmt.Errorf("begin: %w", err))
 		}
-		err = fn(t)
+		err = t.fence(ctx)
+		if err == nil {
+			err = fn(t)
+		}
 		if err == nil {
 			err = t.flush(ctx)
 		}
@@ -174,6 +177,39 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 		}
 		return nil
 	}
+}
+
+// Fence is the holding of a lease that a once-only job's writes are made
+// under: a write transaction whose context carries one (WithFence) fails
+// with ErrStaleLease, changing nothing, unless node holds job's lease in
+// that term when it begins; on PostgreSQL the lease's row is locked
+// shared until it ends, so that a takeover waits for it.
+type Fence struct {
+	Job, Node string
+	Term      int64
+}
+
+type fenceKey struct{}
+
+// WithFence has the write transactions of ctx made under f.
+func WithFence(ctx context.Context, f Fence) context.Context { return context.WithValue(ctx, fenceKey{}, f) }
+
+// ErrStaleLease is a write of a job whose lease another node took since.
+var ErrStaleLease = errors.New("the lease was taken by another node")
+
+// fence checks ctx's Fence, if any, in t.
+func (t *Tx) fence(ctx context.Context) error {
+	f, ok := ctx.Value(fenceKey{}).(Fence)
+	if !ok {
+		return nil
+	}
+	var term int64
+	err := t.read(ctx, "SELECT term FROM leases WHERE job = $1 AND node = $2 AND term = $3"+t.s.engine.lockShared(),
+		f.Job, f.Node, f.Term).Scan(&term)
+	if errors.Is(err, sql.ErrNoRows) {
+		return fmt.Errorf("%w: job %s, term %d of node %s", ErrStaleLease, f.Job, f.Term, f.Node)
+	}
+	return err
 }
 
 // begin opens a write transaction (engine.begin).

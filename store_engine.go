@@ -47,6 +47,9 @@ type engine interface {
 	// lock serializes, among the nodes, transactions that read and then
 	// write key.
 	lock(ctx context.Context, tc *txConn, key string) error
+	// lockShared is what a SELECT ends with to lock its rows shared until
+	// the transaction ends ("" where writers are serial anyway).
+	lockShared() string
 
 	// clock is the database's clock ms milliseconds from now (a
 	// parameter, or a number), as a time in timeFormat: leases are timed

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"database/sql"
+	"errors"
 	"fmt"
 	"time"
 )
@@ -16,19 +18,23 @@ import (
 // TakeLease takes job's lease for node, or renews it when node holds it,
 // until ttl from now: one statement, which takes a lease that is absent or
 // expired and renews one only for its holder, so that of two nodes asking
-// at once one gets it. It reports whether node holds the lease.
-func (tx *Tx) TakeLease(ctx context.Context, job, node string, ttl time.Duration) (bool, error) {
+// at once one gets it. It reports whether node holds the lease, and its
+// term, raised when another node held it before.
+func (tx *Tx) TakeLease(ctx context.Context, job, node string, ttl time.Duration) (held bool, term int64, err error) {
 	d := tx.s.engine
-	res, err := tx.write(ctx, atOnce, `INSERT INTO leases (job, node, expires_at, taken_at) VALUES ($1, $2, `+d.clock("$3")+`, `+d.clock("0")+`)
+	err = tx.read(ctx, `INSERT INTO leases (job, node, expires_at, taken_at, term) VALUES ($1, $2, `+d.clock("$3")+`, `+d.clock("0")+`, 1)
 		ON CONFLICT (job) DO UPDATE SET node = excluded.node, expires_at = excluded.expires_at,
-			taken_at = CASE WHEN leases.node = excluded.node THEN leases.taken_at ELSE excluded.taken_at END
-		WHERE leases.node = excluded.node OR leases.expires_at < `+d.clock("0"),
-		job, node, ttl.Milliseconds())
-	if err != nil {
-		return false, fmt.Errorf("take lease %s: %w", job, err)
+			taken_at = CASE WHEN leases.node = excluded.node THEN leases.taken_at ELSE excluded.taken_at END,
+			term = CASE WHEN leases.node = excluded.node THEN leases.term ELSE leases.term + 1 END
+		WHERE leases.node = excluded.node OR leases.expires_at < `+d.clock("0")+`
+		RETURNING term`, job, node, ttl.Milliseconds()).Scan(&term)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, 0, nil // another node holds it
 	}
-	n, err := res.RowsAffected()
-	return n == 1, err
+	if err != nil {
+		return false, 0, fmt.Errorf("take lease %s: %w", job, err)
+	}
+	return true, term, nil
 }
 
 // ReleaseLease gives job's lease up, when node holds it: it expires now,

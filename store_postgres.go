@@ -227,6 +227,8 @@ func (e postgresEngine) lock(ctx context.Context, tc *txConn, key string) error 
 	return err
 }
 
+func (postgresEngine) lockShared() string { return " FOR SHARE" }
+
 func (postgresEngine) clock(ms string) string {
 	return `to_char((clock_timestamp() + CAST(` + ms + ` AS BIGINT) * interval '1 millisecond') AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -144,4 +145,62 @@ func TestNodeBelowRisingFloor(t *testing.T) {
 	if strings.Contains(n.out.String(), "will retry") {
 		t.Errorf("a message failed while the node was below the floor:\n%s", n.out)
 	}
+}
+
+// A lease's term rises when another node takes it over, not when its
+// holder renews it; a write transaction fenced by a stale holding fails
+// and changes nothing, one by the current holding writes.
+func TestLeaseTermsFenceStaleWrites(t *testing.T) {
+	t.Parallel()
+	onBothStores(t, func(t *testing.T) {
+		ctx := context.Background()
+		store, err := OpenStore(ctx, testStore(t), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { store.Close() })
+		if _, _, err := store.Migrate(ctx); err != nil {
+			t.Fatal(err)
+		}
+		take := func(node string, ttl time.Duration) (held bool, term int64) {
+			t.Helper()
+			if err := store.WriteTx(ctx, func(tx *Tx) (err error) {
+				held, term, err = tx.TakeLease(ctx, jobAlerts, node, ttl)
+				return err
+			}); err != nil {
+				t.Fatal(err)
+			}
+			return held, term
+		}
+		if held, term := take("node-1", time.Minute); !held || term != 1 {
+			t.Fatalf("a new lease: held %v, term %d; want held, term 1", held, term)
+		}
+		if held, term := take("node-1", time.Millisecond); !held || term != 1 {
+			t.Fatalf("renewed by its holder: held %v, term %d; want held, term 1", held, term)
+		}
+		eventually(t, 5*time.Second, "the lease expired and taken by node 2", func() bool {
+			held, term := take("node-2", time.Minute)
+			return held && term == 2
+		})
+		if held, _ := take("node-1", time.Minute); held {
+			t.Fatal("node 1 took a lease node 2 holds")
+		}
+		write := func(f Fence, value string) error {
+			return store.WriteTx(WithFence(ctx, f), func(tx *Tx) error {
+				return tx.SetSetting(ctx, "fenced", value, time.Now())
+			})
+		}
+		if err := write(Fence{Job: jobAlerts, Node: "node-1", Term: 1}, "stale"); !errors.Is(err, ErrStaleLease) {
+			t.Errorf("a write of the stale holding: %v, want ErrStaleLease", err)
+		}
+		if v, _ := store.Setting(ctx, "fenced"); v != "" {
+			t.Errorf("the stale holding's write changed the setting to %q", v)
+		}
+		if err := write(Fence{Job: jobAlerts, Node: "node-2", Term: 2}, "current"); err != nil {
+			t.Fatalf("a write of the current holding: %v", err)
+		}
+		if v, _ := store.Setting(ctx, "fenced"); v != "current" {
+			t.Errorf("the setting is %q, want the current holding's", v)
+		}
+	})
 }

@@ -73,6 +73,7 @@ type Lease struct {
 	mu    sync.Mutex
 	held  bool
 	until time.Time     // valid until, on this node's clock
+	term  int64         // the holding's term (leases.term)
 	taken chan struct{} // closed once held; a fresh one after each loss
 	lost  chan struct{} // closed when the holding ends
 }
@@ -146,14 +147,14 @@ func (ls *Leases) renew(ctx context.Context, sent time.Time) {
 		}
 		return
 	}
-	got := make([]bool, len(ls.leases))
+	got, terms := make([]bool, len(ls.leases)), make([]int64, len(ls.leases))
 	err := ls.store.WriteTx(ctx, func(tx *Tx) error {
 		if err := tx.SeeNode(ctx, ls.node, ls.version, ls.started); err != nil {
 			return err
 		}
 		for i, l := range ls.leases {
 			var err error
-			if got[i], err = tx.TakeLease(ctx, l.Job, ls.node, ls.ttl); err != nil {
+			if got[i], terms[i], err = tx.TakeLease(ctx, l.Job, ls.node, ls.ttl); err != nil {
 				return err
 			}
 		}
@@ -169,7 +170,7 @@ func (ls *Leases) renew(ctx context.Context, sent time.Time) {
 		return
 	}
 	for i, l := range ls.leases {
-		l.renewed(got[i], sent)
+		l.renewed(got[i], terms[i], sent)
 	}
 	if ls.store.Shared() {
 		_ = ls.store.NoteOpenGaps(ctx)
@@ -238,7 +239,7 @@ func (ls *Leases) release() {
 
 // renewed records the answer to a renewal sent at sent: held, or taken by
 // another node.
-func (l *Lease) renewed(held bool, sent time.Time) {
+func (l *Lease) renewed(held bool, term int64, sent time.Time) {
 	if !held {
 		l.lose("held by another node")
 		return
@@ -246,6 +247,14 @@ func (l *Lease) renewed(held bool, sent time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.until = sent.Add(l.ls.ttl * 2 / 3)
+	if l.held && l.term != term {
+		// Taken over and back between two renewals: a holding of its
+		// own, whose job starts anew.
+		l.held = false
+		close(l.lost)
+		l.taken = make(chan struct{})
+	}
+	l.term = term
 	if !l.held {
 		l.held = true
 		close(l.taken)
@@ -361,9 +370,14 @@ func (l *Lease) Run(ctx context.Context, job func(ctx context.Context) error) er
 		if !l.ls.starting() {
 			return nil
 		}
+		l.mu.Lock()
+		term := l.term
+		l.mu.Unlock()
 		jctx, stop := whileOpen(ctx, lost)
 		lctx, end := context.WithCancel(jctx)
-		err := job(&leaseContext{Context: lctx, l: l, stop: end})
+		// Its writes are made under this holding: a stale one's change
+		// nothing (Fence).
+		err := job(WithFence(&leaseContext{Context: lctx, l: l, stop: end}, Fence{Job: l.Job, Node: l.ls.node, Term: term}))
 		end()
 		stop()
 		l.ls.ending()
