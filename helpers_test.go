@@ -35,6 +35,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
+	"github.com/jackc/pgx/v5/stdlib"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
@@ -544,7 +548,7 @@ func testPostgresURL() string {
 
 // testPostgres is a connection to that server, or why there is none.
 var testPostgres = sync.OnceValues(func() (*sql.DB, error) {
-	db, err := sql.Open("pgx", testPostgresURL())
+	db, err := openPGX(testPostgresURL())
 	if err != nil {
 		return nil, err
 	}
@@ -737,7 +741,7 @@ func openStoreDB(t testing.TB, cfg DatabaseConfig) *sql.DB {
 	if cfg.Driver != "postgres" {
 		return openDB(t, cfg.Path)
 	}
-	db, err := sql.Open("pgx", cfg.URL)
+	db, err := openPGX(cfg.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1386,4 +1390,19 @@ func eventFunc(h Handler) func(ctx context.Context, tx *Tx, ev *Event) error {
 // nothing.
 func handlerOf(h func(ctx context.Context, tx *Tx, ev *Event) error) Handler {
 	return func(ctx context.Context, tx *Tx, d Decoded) (Found, error) { return Found{}, h(ctx, tx, d.Event) }
+}
+
+// openPGX opens a pool on the PostgreSQL database at url as the store
+// does: a statement its context cuts short ends its connection, with no
+// cancel request, which a pooler in transaction mode passes poorly
+// (make test-pgbouncer).
+func openPGX(url string) (*sql.DB, error) {
+	cc, err := pgx.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cc.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
+		return &pgconn.DeadlineContextWatcherHandler{Conn: pc.Conn()}
+	}
+	return stdlib.OpenDB(*cc), nil
 }
