@@ -406,7 +406,7 @@ func (wh *Webhook) reject(w http.ResponseWriter, r *http.Request, err error, src
 	if !eventName(event) {
 		event = ""
 	}
-	wh.refused.Note(Rejection{At: time.Now(), SourceIP: addrText(src), Event: event, GUID: guid, Hook: hook,
+	wh.refused.Note(Rejection{At: time.Now(), SourceIP: addrText(src), Event: event, GUID: guid, Hook: HookID(hook),
 		Status: statusOf(err), Reason: err.Error()})
 	if ok, suppressed := wh.rejects.allow(outcome, time.Now()); ok {
 		args := []any{"outcome", outcome, "status", statusOf(err), "source_ip", addrText(src)}

@@ -1406,3 +1406,18 @@ func openPGX(url string) (*sql.DB, error) {
 	}
 	return stdlib.OpenDB(*cc), nil
 }
+
+// migratedStore is the test's store (testStore), opened and migrated,
+// closed at the test's end.
+func migratedStore(t testing.TB) *Store {
+	t.Helper()
+	store, err := OpenStore(context.Background(), testStore(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	if _, _, err := store.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return store
+}

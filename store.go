@@ -192,7 +192,9 @@ type Fence struct {
 type fenceKey struct{}
 
 // WithFence has the write transactions of ctx made under f.
-func WithFence(ctx context.Context, f Fence) context.Context { return context.WithValue(ctx, fenceKey{}, f) }
+func WithFence(ctx context.Context, f Fence) context.Context {
+	return context.WithValue(ctx, fenceKey{}, f)
+}
 
 // ErrStaleLease is a write of a job whose lease another node took since.
 var ErrStaleLease = errors.New("the lease was taken by another node")

@@ -3,8 +3,8 @@ package main
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"fmt"
+	"strconv"
 	"time"
 )
 
@@ -25,27 +25,29 @@ type Rejection struct {
 	SourceIP string    `json:"source_ip,omitempty"`
 	Event    string    `json:"event,omitempty"`
 	GUID     string    `json:"delivery_id,omitempty"`
-	Hook     int64     `json:"hook_id"` // -1: none, or malformed
+	Hook     HookID    `json:"hook_id"` // -1: none, or malformed
 	Status   int       `json:"status"`
 	Reason   string    `json:"reason"`
 }
 
-// MarshalJSON writes hook_id null for a webhook that named no hook (or a
-// malformed one).
-func (r Rejection) MarshalJSON() ([]byte, error) {
-	type plain Rejection
-	return json.Marshal(struct {
-		plain
-		Hook *int64 `json:"hook_id"`
-	}{plain(r), hookOrNull(r.Hook)})
+// HookID is a hook's ID in an answer, -1 for none: null in JSON.
+type HookID int64
+
+func (h HookID) MarshalJSON() ([]byte, error) {
+	if h < 0 {
+		return []byte("null"), nil
+	}
+	return strconv.AppendInt(nil, int64(h), 10), nil
 }
 
-// hookOrNull is a hook ID for JSON: nil (null) for -1, none.
-func hookOrNull(h int64) *int64 {
-	if h < 0 {
+func (h *HookID) UnmarshalJSON(b []byte) error {
+	if string(b) == "null" {
+		*h = -1
 		return nil
 	}
-	return &h
+	n, err := strconv.ParseInt(string(b), 10, 64)
+	*h = HookID(n)
+	return err
 }
 
 // RecordRejections writes rs in tx.
@@ -113,7 +115,7 @@ func scanRejection(rows *sql.Rows, extra []any) (Rejection, error) {
 	r.At, _ = time.Parse(time.RFC3339Nano, at)
 	r.Hook = -1
 	if hook.Valid {
-		r.Hook = hook.Int64
+		r.Hook = HookID(hook.Int64)
 	}
 	return r, nil
 }

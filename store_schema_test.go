@@ -154,14 +154,7 @@ func TestLeaseTermsFenceStaleWrites(t *testing.T) {
 	t.Parallel()
 	onBothStores(t, func(t *testing.T) {
 		ctx := context.Background()
-		store, err := OpenStore(ctx, testStore(t), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { store.Close() })
-		if _, _, err := store.Migrate(ctx); err != nil {
-			t.Fatal(err)
-		}
+		store := migratedStore(t)
 		take := func(node string, ttl time.Duration) (held bool, term int64) {
 			t.Helper()
 			if err := store.WriteTx(ctx, func(tx *Tx) (err error) {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"strings"
 	"time"
@@ -36,7 +35,7 @@ type DeliveryRow struct {
 	GUID       string    `json:"delivery_id"`
 	// Hook is the hook the copy was sent to, 0 when none recorded (-1 for
 	// a refused webhook without one).
-	Hook       int64  `json:"hook_id"`
+	Hook       HookID `json:"hook_id"`
 	TargetType string `json:"target_type,omitempty"`
 	Event      string `json:"event"`
 	Action     string `json:"action,omitempty"`
@@ -49,15 +48,6 @@ type DeliveryRow struct {
 	Status   int    `json:"status,omitempty"`
 	Reason   string `json:"reason,omitempty"`
 	SourceIP string `json:"source_ip,omitempty"`
-}
-
-// MarshalJSON writes hook_id null for a refused webhook without one.
-func (r DeliveryRow) MarshalJSON() ([]byte, error) {
-	type plain DeliveryRow
-	return json.Marshal(struct {
-		plain
-		Hook *int64 `json:"hook_id"`
-	}{plain(r), hookOrNull(r.Hook)})
 }
 
 // SearchDeliveries returns the stored deliveries f selects, newest first,

@@ -181,7 +181,7 @@ func (e *sqliteEngine) idle(*sql.DB, bool)                        {}
 
 // lock: SQLite's write transactions are serial already (BEGIN IMMEDIATE).
 func (e *sqliteEngine) lock(context.Context, *txConn, string) error { return nil }
-func (e *sqliteEngine) lockShared() string                           { return "" }
+func (e *sqliteEngine) lockShared() string                          { return "" }
 
 func (e *sqliteEngine) clock(ms string) string {
 	// %f is seconds with three fraction digits; timeFormat has six.

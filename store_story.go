@@ -147,7 +147,7 @@ func (st *DeliveryStory) copyOf(hook int64) *StoryCopy {
 // waiting in queues. A hook with neither a copy nor a refusal known is
 // ErrUnknownDelivery.
 func (st *DeliveryStory) Narrow(hook int64) error {
-	st.Rejected = slices.DeleteFunc(st.Rejected, func(r Rejection) bool { return r.Hook != hook })
+	st.Rejected = slices.DeleteFunc(st.Rejected, func(r Rejection) bool { return r.Hook != HookID(hook) })
 	st.Errors = slices.DeleteFunc(st.Errors, func(e StoryError) bool { return e.Hook != hook })
 	copies := st.Copies
 	st.Copies = []StoryCopy{}

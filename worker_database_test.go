@@ -865,14 +865,7 @@ func TestBatchRunAgainRecordsOnce(t *testing.T) {
 	t.Parallel()
 	onBothStores(t, func(t *testing.T) {
 		ctx := context.Background()
-		store, err := OpenStore(ctx, testStore(t), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { store.Close() })
-		if _, _, err := store.Migrate(ctx); err != nil {
-			t.Fatal(err)
-		}
+		store := migratedStore(t)
 		metrics := NewMetrics(MetricLabels{Version: "test", Queues: logicalQueues, Tables: orderSafeTables, Outcomes: outcomes})
 		var recorded atomic.Int64
 		record := databaseRecord(metrics)
