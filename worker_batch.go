@@ -204,7 +204,6 @@ func (m decoded) handle(ctx context.Context, tx *Tx, h Handler) (Found, error) {
 	if m.err != nil {
 		return Found{}, verdict(m.err)
 	}
-	ctx = withLogger(ctx, m.log)
 	if tx == nil {
 		f, err := h(ctx, nil, m.d)
 		return f, verdict(err)
@@ -244,23 +243,6 @@ func verdict(err error) error {
 	return err
 }
 
-type loggerKey struct{}
-
-// withLogger hands a handler the message's logger, which carries worker,
-// queue, broker, delivery_id and event, so that its lines say which message
-// they are about.
-func withLogger(ctx context.Context, log *slog.Logger) context.Context {
-	return context.WithValue(ctx, loggerKey{}, log)
-}
-
-// loggerFrom returns the message's logger, or fallback outside a message.
-func loggerFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
-	if l, ok := ctx.Value(loggerKey{}).(*slog.Logger); ok {
-		return l
-	}
-	return fallback
-}
-
 // handleAlone runs h on a lone decoded message in a transaction of its own,
 // without a savepoint: a failure rolls it back, a duplicate commits what
 // its handler wrote of it (the receipt's count), with the brokers' counts
@@ -269,7 +251,6 @@ func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *U
 	if m.err != nil {
 		return Found{}, verdict(m.err)
 	}
-	ctx = withLogger(ctx, m.log)
 	var handled error
 	var found Found
 	err := batchWithUsage(ctx, b, usage, func(tx *Tx) error {
