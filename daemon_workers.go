@@ -61,7 +61,7 @@ func (p workerParts) cleanup(retention *Retention) *Worker {
 		if !lease.Held() {
 			return nil // another node's job
 		}
-		_, _, err := retention.Prune(ctx)
+		_, _, err := retention.Prune(lease.Fenced(ctx))
 		return err
 	}
 	return p.events(o, EventOptions{Handle: serviceHandler(p.alerter, p.cfg.GitHub.AppID, true)})

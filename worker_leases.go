@@ -317,6 +317,19 @@ func (l *Lease) Held() bool {
 	return l.held && time.Now().Before(l.until)
 }
 
+// Fenced is ctx with this node's holding of the lease as the Fence of its
+// write transactions (WithFence): a write made under it changes nothing
+// once another node has taken the lease. A nil *Lease fences nothing.
+func (l *Lease) Fenced(ctx context.Context) context.Context {
+	if l == nil {
+		return ctx
+	}
+	l.mu.Lock()
+	term := l.term
+	l.mu.Unlock()
+	return WithFence(ctx, Fence{Job: l.Job, Node: l.ls.node, Term: term})
+}
+
 // leaseContext is a job's context under its lease: besides ending when
 // the holding ends (the renewal loop), it ends the moment Done or Err is
 // asked while the lease is no longer valid on this node's monotonic
@@ -370,14 +383,11 @@ func (l *Lease) Run(ctx context.Context, job func(ctx context.Context) error) er
 		if !l.ls.starting() {
 			return nil
 		}
-		l.mu.Lock()
-		term := l.term
-		l.mu.Unlock()
 		jctx, stop := whileOpen(ctx, lost)
 		lctx, end := context.WithCancel(jctx)
 		// Its writes are made under this holding: a stale one's change
-		// nothing (Fence).
-		err := job(WithFence(&leaseContext{Context: lctx, l: l, stop: end}, Fence{Job: l.Job, Node: l.ls.node, Term: term}))
+		// nothing.
+		err := job(l.Fenced(&leaseContext{Context: lctx, l: l, stop: end}))
 		end()
 		stop()
 		l.ls.ending()

@@ -97,8 +97,10 @@ func (b *Usage) Flush(ctx context.Context) error {
 		return err
 	}
 	held := b.lease.Held()
+	// The budget job's own writes are made under its lease's holding.
+	jctx := b.lease.Fenced(ctx)
 	if held {
-		if err := b.alertBlocks(ctx); err != nil {
+		if err := b.alertBlocks(jctx); err != nil {
 			return err
 		}
 	}
@@ -109,13 +111,13 @@ func (b *Usage) Flush(ctx context.Context) error {
 	for _, v := range views {
 		b.metrics.brokerMessages(v.Broker, v.Published, v.Delivered, v.UsedRatio)
 		if v.Monthly > 0 && held {
-			if err := b.alert(ctx, v); err != nil {
+			if err := b.alert(jctx, v); err != nil {
 				return err
 			}
 		}
 	}
 	if b.then != nil && held {
-		return b.then(ctx, views, now)
+		return b.then(jctx, views, now)
 	}
 	return nil
 }
