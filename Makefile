@@ -46,9 +46,10 @@ test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY)
 # port of its own), with the URL the README gives for a pooler: the
 # postgres half of every test that runs on both stores (onBothStores),
 # then the tests of several nodes. Not part of make test yet: Debian 12's
-# PgBouncer 1.18 aborts now and then on the cancel requests the tests'
-# own connections send under load ("bad client state" in
-# disconnect_client), which fails the run for the pooler's bug.
+# PgBouncer 1.18 aborts now and then ("bad client state" in
+# disconnect_client) on the cancel request pgx sends as it closes a
+# connection whose statement its context cut short, which fails the run
+# for the pooler's bug.
 # A database locked past shutdown_timeout makes both sides cancel their
 # statements at once, which aborts Debian 12's PgBouncer 1.18 (a bug of
 # its cancel handling, "bad client state"): that test runs without it.

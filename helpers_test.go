@@ -35,10 +35,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
-	"github.com/jackc/pgx/v5/stdlib"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
@@ -548,7 +544,7 @@ func testPostgresURL() string {
 
 // testPostgres is a connection to that server, or why there is none.
 var testPostgres = sync.OnceValues(func() (*sql.DB, error) {
-	db, err := openPGX(testPostgresURL())
+	db, err := sql.Open("pgx", testPostgresURL())
 	if err != nil {
 		return nil, err
 	}
@@ -741,7 +737,7 @@ func openStoreDB(t testing.TB, cfg DatabaseConfig) *sql.DB {
 	if cfg.Driver != "postgres" {
 		return openDB(t, cfg.Path)
 	}
-	db, err := openPGX(cfg.URL)
+	db, err := sql.Open("pgx", cfg.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1390,21 +1386,6 @@ func eventFunc(h Handler) func(ctx context.Context, tx *Tx, ev *Event) error {
 // nothing.
 func handlerOf(h func(ctx context.Context, tx *Tx, ev *Event) error) Handler {
 	return func(ctx context.Context, tx *Tx, d Decoded) (Found, error) { return Found{}, h(ctx, tx, d.Event) }
-}
-
-// openPGX opens a pool on the PostgreSQL database at url as the store
-// does: a statement its context cuts short ends its connection, with no
-// cancel request, which a pooler in transaction mode passes poorly
-// (make test-pgbouncer).
-func openPGX(url string) (*sql.DB, error) {
-	cc, err := pgx.ParseConfig(url)
-	if err != nil {
-		return nil, err
-	}
-	cc.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
-		return &pgconn.DeadlineContextWatcherHandler{Conn: pc.Conn()}
-	}
-	return stdlib.OpenDB(*cc), nil
 }
 
 // migratedStore is the test's store (testStore), opened and migrated,

@@ -14,7 +14,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
@@ -49,13 +48,6 @@ func openPostgres(ctx context.Context, cfg DatabaseConfig) (*sql.DB, postgresEng
 	d := &net.Dialer{KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 3},
 		Control: userTimeout(deadPeer)}
 	cc.DialFunc = d.DialContext
-	// A statement its context cuts short ends its connection (a deadline
-	// in the past), which the pool replaces, instead of a cancel request
-	// sent on a connection of its own: a pooler passes those poorly
-	// (Debian 12's PgBouncer 1.18 aborts on one, every client with it).
-	cc.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
-		return &pgconn.DeadlineContextWatcherHandler{Conn: pc.Conn()}
-	}
 	db := stdlib.OpenDB(*cc)
 	db.SetMaxOpenConns(cfg.MaxConns)
 	db.SetMaxIdleConns(cfg.MaxConns)
