@@ -210,15 +210,15 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	}
 	d.log.Info("shutting down")
 	sdNotify(d.log, daemon.SdNotifyStopping)
-	d.shutdown(servers, gate, stopWork, work, &errs)
+	errs = append(errs, d.shutdown(servers, gate, stopWork, work)...)
 	return errors.Join(errs...)
 }
 
 // shutdown stops the daemon in order, all of it within shutdown_timeout
 // whatever the database does: the drain (server.drain_delay), then no
 // more webhooks taken, then the workers and the leases, then the usage
-// flush.
-func (d *Daemon) shutdown(servers []*http.Server, gate *gatedListener, stopWork context.CancelFunc, work *errgroup.Group, errs *[]error) {
+// flush. It returns what failed on the way.
+func (d *Daemon) shutdown(servers []*http.Server, gate *gatedListener, stopWork context.CancelFunc, work *errgroup.Group) (errs []error) {
 	timeout := d.cfg.Server.ShutdownTimeout
 	deadline := time.Now().Add(timeout)
 
@@ -241,7 +241,7 @@ func (d *Daemon) shutdown(servers []*http.Server, gate *gatedListener, stopWork 
 	}
 	for _, s := range servers {
 		if err := s.Shutdown(sctx); err != nil {
-			*errs = append(*errs, fmt.Errorf("http shutdown: %w", err))
+			errs = append(errs, fmt.Errorf("http shutdown: %w", err))
 		}
 	}
 	cancel()
@@ -258,12 +258,12 @@ func (d *Daemon) shutdown(servers []*http.Server, gate *gatedListener, stopWork 
 	go func() { finished <- work.Wait() }()
 	select {
 	case err := <-finished:
-		*errs = append(*errs, err)
+		errs = append(errs, err)
 	case <-time.After(time.Until(workDeadline)):
 		d.log.Warn("server.shutdown_timeout nearly passed: the messages in hand are left unacknowledged, and the broker gives them back",
 			"shutdown_timeout", timeout.String())
 		d.queues.Abandon()
-		*errs = append(*errs, <-finished)
+		errs = append(errs, <-finished)
 	}
 
 	// 3. What the brokers cost since the last write, within what is left.
@@ -272,6 +272,7 @@ func (d *Daemon) shutdown(servers []*http.Server, gate *gatedListener, stopWork 
 	if err := d.usage.Flush(fctx); err != nil {
 		d.log.Warn("broker usage since the last write not written at shutdown", "error", err)
 	}
+	return errs
 }
 
 // followEvery is how often a node sharing the database reads the broker
@@ -367,7 +368,7 @@ func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, 
 	// The listener first: an address in use fails before a database is
 	// created or migrated. A socket systemd passed takes connections into
 	// its queue already; they are accepted once the daemon can answer them.
-	ln, _, err := apiListener(cfg.Server, log)
+	ln, err := apiListener(cfg.Server, log)
 	if err != nil {
 		return err
 	}

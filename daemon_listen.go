@@ -21,29 +21,29 @@ import (
 // (FileDescriptorName=).
 const listenFDName = "listen"
 
-// apiListener is the API's listener and whether systemd passed it: the
-// socket of LISTEN_FDS named "listen" (or the only one), else one bound to
+// apiListener is the API's listener: the socket of LISTEN_FDS named
+// "listen" (or the only one) that systemd passed, else one bound to
 // server.listen. Closing a passed listener closes this process's copy of
 // systemd's socket, which stays open: connections that arrive once the
 // server stopped accepting wait in its queue for the next process.
-func apiListener(cfg ServerConfig, log *slog.Logger) (net.Listener, bool, error) {
+func apiListener(cfg ServerConfig, log *slog.Logger) (net.Listener, error) {
 	ln, err := passedListener(activation.Files(true))
 	if err != nil {
-		return nil, false, fmt.Errorf("the socket systemd passed (LISTEN_FDS): %w", err)
+		return nil, fmt.Errorf("the socket systemd passed (LISTEN_FDS): %w", err)
 	}
 	if ln == nil {
 		ln, err := net.Listen("tcp", cfg.Listen)
 		if err != nil {
-			return nil, false, fmt.Errorf("listen %s (server.listen): %w", cfg.Listen, err)
+			return nil, fmt.Errorf("listen %s (server.listen): %w", cfg.Listen, err)
 		}
-		return ln, false, nil
+		return ln, nil
 	}
 	log.Info("listening on the socket systemd passed", "address", ln.Addr().String())
 	if !sameAddr(ln.Addr().String(), cfg.Listen) {
 		log.Warn("the socket systemd passed is not server.listen; serving on the passed socket",
 			"socket", ln.Addr().String(), "server.listen", cfg.Listen)
 	}
-	return ln, true, nil
+	return ln, nil
 }
 
 // passedListener is the one TCP listener among files (systemd's sockets):

@@ -301,3 +301,25 @@ func allAccepted(t testing.TB, answers []answer, what string) {
 		t.Fatalf("%d of %d webhooks not answered 202 %s", bad, len(answers), what)
 	}
 }
+
+// A passed socket is server.listen's when their addresses agree, a host
+// name or an empty host standing for what it names; else serve warns.
+func TestSameAddr(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		socket, listen string
+		same           bool
+	}{
+		{"127.0.0.1:8080", "127.0.0.1:8080", true},
+		{"127.0.0.1:8080", "localhost:8080", true},
+		{"0.0.0.0:8080", ":8080", true},
+		{"[::]:8080", "0.0.0.0:8080", true},
+		{"127.0.0.1:8081", "127.0.0.1:8080", false},
+		{"10.0.0.1:8080", "127.0.0.1:8080", false},
+		{"127.0.0.1:8080", ":8080", false},
+	} {
+		if got := sameAddr(c.socket, c.listen); got != c.same {
+			t.Errorf("sameAddr(%q, %q) = %v, want %v", c.socket, c.listen, got, c.same)
+		}
+	}
+}
