@@ -26,6 +26,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/klauspost/compress/zstd"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
@@ -314,22 +315,42 @@ func benchWANIngest(b *testing.B, payload []byte, rtt time.Duration) (ours, base
 	return ingestRounds(b, cfg, vhost, proxy.URL(vhost), payload, 64, 4, 1000)
 }
 
+// wanEndToEnd is a row of benchWANEndToEnd: the daemon's rate, the raw
+// pipeline's moving the payloads as they are and moving them
+// zstd-compressed; the CPU per webhook of the daemon, the broker and this
+// process; and the bytes per webhook the link carried for each.
+type wanEndToEnd struct {
+	rate, raw, rawPacked             float64
+	daemon, broker, bench, rawBroker time.Duration
+	bytes, rawBytes, rawPackedBytes  float64
+}
+
 // benchWANEndToEnd: the real binary with the default config over amqps to a
 // broker behind the WAN proxy, 64 clients for 30 s: the rate, and the CPU
 // per webhook of the daemon (its 202 and both rows), of the broker and of
 // this process (the load generator and the proxy), which share the two
 // cores: steadier than the rate, and what says which of them bounds it.
-func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate, raw float64, daemon, broker, bench time.Duration) {
+// Beside it the raw pipeline, twice: moving the payloads as they are (what
+// a user gets without switchyard), and moving the same payloads
+// zstd-compressed at the fastest level (what the broker allows for the
+// bytes switchyard moves).
+func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (r wanEndToEnd) {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANProxy(b, testBrokerAddr(), rtt)
-	// The baseline first, on the same vhost and proxy: its queues are
-	// empty again when it returns.
-	raw = rawPipeline(b, proxy.URL(vhost), payload, 64, 30*time.Second)
+	brokerCPU := brokerCPU(b)
+	// The baselines first, on the same vhost and proxy: its queues are
+	// empty again when each returns.
+	m0, b0 := proxy.moved.Load(), brokerCPU()
+	var n int
+	r.raw, n = rawPipeline(b, proxy.URL(vhost), payload, false, 64, 30*time.Second)
+	r.rawBytes, r.rawBroker = float64(proxy.moved.Load()-m0)/float64(n), (brokerCPU()-b0)/time.Duration(n)
+	m0 = proxy.moved.Load()
+	r.rawPacked, n = rawPipeline(b, proxy.URL(vhost), payload, true, 64, 30*time.Second)
+	r.rawPackedBytes = float64(proxy.moved.Load()-m0) / float64(n)
 	prof := newBenchProfile(b, fmt.Sprintf("e2e-%s", rtt))
 	p := startBenchProcess(b, proxy.URL(vhost), "", prof.config...)
 	defer p.stop(b) // idle, it would still cost the rows after it
-	brokerCPU := brokerCPU(b)
 	// A second of webhooks first, not counted, stored before the clock
 	// starts: the row is the rate the daemon sustains, and a daemon opens
 	// its confirm lanes (two round trips each) on its first publishes.
@@ -337,11 +358,13 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (rate, ra
 	// 966-1,074, warm 1,026-1,078 webhooks/s).
 	sustained(b, p, payload, 64, time.Second)
 	profiled := prof.take(b)
-	d0, b0, s0 := p.cpu(b), brokerCPU(), selfCPU()
-	rate, n := sustained(b, p, payload, 64, 30*time.Second)
+	d0, b0, s0, m0 := p.cpu(b), brokerCPU(), selfCPU(), proxy.moved.Load()
+	r.rate, n = sustained(b, p, payload, 64, 30*time.Second)
 	profiled()
 	per := func(d time.Duration) time.Duration { return d / time.Duration(n) }
-	return rate, raw, per(p.cpu(b) - d0), per(brokerCPU() - b0), per(selfCPU() - s0)
+	r.daemon, r.broker, r.bench = per(p.cpu(b)-d0), per(brokerCPU()-b0), per(selfCPU()-s0)
+	r.bytes = float64(proxy.moved.Load()-m0) / float64(n)
+	return r
 }
 
 // benchProfile is BENCH_PROFILE=DIR: a CPU profile of a daemon over 20 s
@@ -447,9 +470,15 @@ func (p *benchProcess) stop(b testing.TB) {
 // daemon's webhook endpoint does), and one consumer on each of the fanout's
 // two queues, on a connection of its own (as the daemon's workers share
 // one), takes them with prefetch 200 and acks in batches of 100; for d, on
-// the vhost behind the same proxy. The rate is of messages both consumers
-// acked.
-func rawPipeline(b testing.TB, url string, payload []byte, publishers int, d time.Duration) float64 {
+// the vhost behind the same proxy. packed publishes the payload
+// zstd-compressed at the fastest level (content_encoding zstd), as the
+// endpoint does. The rate is of messages both consumers acked, n how many.
+func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishers int, d time.Duration) (rate float64, n int) {
+	body, encoding := payload, ""
+	if packed {
+		enc, _ := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedFastest))
+		body, encoding = enc.EncodeAll(payload, nil), "zstd"
+	}
 	pub, err := amqp.Dial(url)
 	if err != nil {
 		b.Fatal(err)
@@ -508,7 +537,9 @@ func rawPipeline(b testing.TB, url string, payload []byte, publishers int, d tim
 			h := h.Clone()
 			for time.Now().Before(deadline) {
 				h.Set("X-GitHub-Delivery", fmt.Sprintf("raw-pipe-%d", published.Add(1)))
-				dc, err := ch.PublishWithDeferredConfirm(exchangeName, "", true, false, newPublishing(h, payload, "127.0.0.1", time.Now()))
+				msg := newPublishing(h, payload, "127.0.0.1", time.Now())
+				msg.Body, msg.ContentEncoding = body, encoding
+				dc, err := ch.PublishWithDeferredConfirm(exchangeName, "", true, false, msg)
 				if err != nil || !dc.Wait() {
 					b.Errorf("raw publish: %v", err)
 					return
@@ -521,7 +552,7 @@ func rawPipeline(b testing.TB, url string, payload []byte, publishers int, d tim
 	eventually(b, 5*time.Minute, "the raw pipeline's consumers caught up", func() bool {
 		return acked[0].Load() >= total && acked[1].Load() >= total
 	})
-	rate := float64(total) / time.Since(start).Seconds()
+	rate = float64(total) / time.Since(start).Seconds()
 	close(stop)
 	wg.Wait()
 	cons.Close() // what was not acked goes back, to be purged
@@ -534,7 +565,7 @@ func rawPipeline(b testing.TB, url string, payload []byte, publishers int, d tim
 			b.Fatal(err)
 		}
 	}
-	return rate
+	return rate, int(total)
 }
 
 // benchBurst: 2,000 webhooks at once from 200 connections, through a daemon

@@ -955,6 +955,9 @@ type tcpProxy struct {
 	// more than this many bytes: a broker that closes the connection on a
 	// message over its size limit.
 	dropOver int64
+	// moved counts the bytes forwarded either way (the TLS proxy's: as
+	// plain AMQP): what the link carries.
+	moved atomic.Int64
 }
 
 // frameCounts are the billable AMQP methods a proxy saw: basic.publish from
@@ -1161,6 +1164,7 @@ func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
 		if n > 0 && scan != nil {
 			scan.feed(buf[:n])
 		}
+		p.moved.Add(int64(n))
 		if sent += int64(n); fromClient && dropOver > 0 && sent > dropOver {
 			break
 		}
@@ -1201,6 +1205,7 @@ func (p *tcpProxy) delayedPipe(dst, src net.Conn, scan interface{ feed([]byte) }
 			if n > 0 && scan != nil {
 				scan.feed((*buf)[:n])
 			}
+			p.moved.Add(int64(n))
 			if n > 0 {
 				q <- chunk{buf, n, time.Now().Add(p.delay)}
 			} else {
