@@ -26,7 +26,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/klauspost/compress/zstd"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
@@ -476,8 +475,7 @@ func (p *benchProcess) stop(b testing.TB) {
 func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishers int, d time.Duration) (rate float64, n int) {
 	body, encoding := payload, ""
 	if packed {
-		enc, _ := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedFastest))
-		body, encoding = enc.EncodeAll(payload, nil), "zstd"
+		body, encoding = compressZstd(payload), encodingZstd
 	}
 	pub, err := amqp.Dial(url)
 	if err != nil {
@@ -735,7 +733,7 @@ func benchBigTable(b *testing.B, payload []byte) (big, empty float64, slowestPag
 	// Stored as serve stores them, compressed: rows of text, as an upgrade
 	// leaves them, would have the cleanup worker compress them while the
 	// row is measured (it read 0.88 so, 0.93-0.99 before the compression).
-	packed := store.codec.compress(fmt.Appendf(nil, `{"pad":%q}`, strings.Repeat("0", 2000)))
+	packed := compressZstd(fmt.Appendf(nil, `{"pad":%q}`, strings.Repeat("0", 2000)))
 	_, err = store.w.Exec(`WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1000000)
 		INSERT INTO github (delivery_id, event, action, repository, sender, payload, payload_zstd, received_at, processed_at)
 		SELECT printf('old-%07d', i), 'pull_request', 'opened', 'octo/repo', 'octocat', '', $1,

@@ -179,9 +179,14 @@ type QueueConfig struct {
 	RotateOnBudget     bool          `toml:"rotate_on_budget"`
 	RotateAt           float64       `toml:"rotate_at"`
 	BlockedRotateAfter time.Duration `toml:"blocked_rotate_after"`
-	// CompressOver is the body size over which a webhook is published
-	// gzip-compressed (content_encoding gzip); 0 publishes every body as
-	// it came, for queues another consumer also reads.
+	// Compress is how a webhook is published: "zstd" compresses every
+	// one (content_encoding zstd) once every live node reads it; "none",
+	// for queues another consumer also reads, publishes it as it came but
+	// over CompressOver.
+	Compress string `toml:"compress"`
+	// CompressOver is the body size over which a webhook not published
+	// zstd-compressed goes gzip-compressed (content_encoding gzip); 0
+	// publishes every such body as it came.
 	CompressOver int64 `toml:"compress_over"`
 	// Type is the queue type every queue is declared with, explicitly
 	// (x-queue-type), so that a vhost's default type changes nothing:
@@ -294,6 +299,7 @@ func DefaultConfig() *Config {
 			BudgetWarnAt:       0.8,
 			RotateAt:           0.9,
 			BlockedRotateAfter: 5 * time.Minute,
+			Compress:           "zstd",
 			CompressOver:       1 << 20,
 			Type:               "classic",
 		},

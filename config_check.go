@@ -227,6 +227,9 @@ func (c *Config) Validate() error {
 	if c.Queue.KeepaliveEvery <= 0 || c.Queue.KeepaliveEvery > 7*24*time.Hour {
 		bad("queue.keepalive_every", "want more than 0 and at most 7 days (free plans delete queues unused for 28), got %s", c.Queue.KeepaliveEvery)
 	}
+	if c.Queue.Compress != "zstd" && c.Queue.Compress != "none" {
+		bad("queue.compress", "want zstd or none, got %q", c.Queue.Compress)
+	}
 	if c.Queue.CompressOver < 0 {
 		bad("queue.compress_over", "want 0 (off) or a size in bytes, got %d", c.Queue.CompressOver)
 	}
@@ -559,7 +562,7 @@ func (c *Config) Summary(w io.Writer) {
 	p("queue.declare_topology = %t, keepalive_every = %s", c.Queue.DeclareTopology, c.Queue.KeepaliveEvery)
 	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
 		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)
-	p("queue.type = %s, compress_over = %d", c.Queue.Type, c.Queue.CompressOver)
+	p("queue.type = %s, compress = %s, compress_over = %d", c.Queue.Type, c.Queue.Compress, c.Queue.CompressOver)
 	p("workers.window = %s, pending_check_interval = %s, leftover_drain_limit = %d",
 		c.Workers.Window, c.Workers.PendingCheckInterval, c.Workers.LeftoverDrainLimit)
 	p("workers.cleanup_every = %s, cleanup_window = %s, hooks_poll_every = %s",

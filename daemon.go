@@ -82,6 +82,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	brokers.JoinNodes(cfg.Server.NodeName, cfg.Server.LeaseTTL)
 	leases := NewLeases(store, cfg.Server.NodeName, cfg.Server.LeaseTTL, leaseJobs(cfg), metrics, log)
 	queues := NewQueues(cfg.Queue, brokers.List(), metrics, log)
+	leases.OnZstdReaders(queues.SetZstdReaders)
 	for _, b := range brokers.List() {
 		metrics.broker(b.Index, b.Host, b.Vhost)
 	}

@@ -214,7 +214,7 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	d.stop(t)
 
 	// Compression off: 413 before publishing, the delivery named in the log.
-	cfg.Queue.CompressOver = 0
+	cfg.Queue.Compress, cfg.Queue.CompressOver = "none", 0
 	d = startDaemon(t, cfg)
 	tooLarge := newGUID()
 	if code, answer := do(t, webhookRequest(t, d.URL, "issues", tooLarge, body)); code != http.StatusRequestEntityTooLarge ||

@@ -59,13 +59,15 @@ func readEvent(d Delivery) (*Event, decodedPayload, error) {
 	if err != nil {
 		return nil, decodedPayload{}, err
 	}
-	if env := p.event(); env.Headers != nil && env.Payload != nil && memberCount(body) == 2 {
-		wrapped, err := decodeWrappedHeaders(env.Headers)
+	env := p.event()
+	wrapped := env.Headers != nil && env.Payload != nil && memberCount(body) == 2
+	if wrapped {
+		hdrs, err := decodeWrappedHeaders(env.Headers)
 		if err != nil {
 			return nil, decodedPayload{}, err
 		}
 		get = func(k string) string {
-			if v := wrapped.Get(k); v != "" {
+			if v := hdrs.Get(k); v != "" {
 				return v
 			}
 			return d.Header(k)
@@ -74,9 +76,9 @@ func readEvent(d Delivery) (*Event, decodedPayload, error) {
 		if p, shapeErr, err = decodePayload(body, cmp.Or(get(hdrEvent), d.Type)); err != nil {
 			return nil, decodedPayload{}, err
 		}
+		env = p.event()
 	}
 
-	env := p.event()
 	ev := &Event{
 		DeliveryID: get(hdrDelivery),
 		Name:       get(hdrEvent),
@@ -86,6 +88,9 @@ func readEvent(d Delivery) (*Event, decodedPayload, error) {
 		Sender:     login(env.Sender),
 		Payload:    body,
 		ReceivedAt: d.Timestamp,
+	}
+	if !wrapped {
+		ev.PayloadZstd = d.Zstd // the body as it came
 	}
 	if ev.DeliveryID == "" {
 		ev.DeliveryID = d.MessageID

@@ -25,7 +25,10 @@ type Event struct {
 	Sender         string
 	SourceIP       string
 	Payload        []byte // the webhook's JSON, byte for byte
-	ReceivedAt     time.Time
+	// PayloadZstd is Payload zstd-compressed, as its message came (the
+	// raw log stores it as it is); nil when it came otherwise.
+	PayloadZstd []byte
+	ReceivedAt  time.Time
 	// Broker is the broker ("host/vhost") the delivery came through to
 	// the worker; empty when not known.
 	Broker string
@@ -136,6 +139,8 @@ type Delivery struct {
 	Type      string
 	Header    func(k string) string
 	Body      []byte
+	// Zstd is Body as the message came, when it came zstd-compressed.
+	Zstd      []byte
 	Timestamp time.Time
 }
 

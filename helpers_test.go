@@ -922,6 +922,20 @@ func deliveryOf(d *amqp.Delivery) Delivery {
 		Body: d.Body, Timestamp: d.Timestamp}
 }
 
+// spyOn binds a queue of the test's own, "spy", to github-exchange on
+// vhost: a copy of every message the endpoint publishes, as it went.
+func spyOn(t testing.TB, vhost string) *amqp.Channel {
+	t.Helper()
+	spy := amqpChannel(t, vhost)
+	if _, err := spy.QueueDeclare("spy", false, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := spy.QueueBind("spy", "", exchangeName, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	return spy
+}
+
 // getOne takes one message from queue on vhost, failing when there is none.
 func getOne(t testing.TB, vhost, queue string) amqp.Delivery {
 	t.Helper()
@@ -1397,7 +1411,14 @@ func handlerOf(h func(ctx context.Context, tx *Tx, ev *Event) error) Handler {
 // closed at the test's end.
 func migratedStore(t testing.TB) *Store {
 	t.Helper()
-	store, err := OpenStore(context.Background(), testStore(t), nil)
+	return migratedStoreOf(t, testStore(t))
+}
+
+// migratedStoreOf is the store of db, opened and migrated, closed at the
+// test's end.
+func migratedStoreOf(t testing.TB, db DatabaseConfig) *Store {
+	t.Helper()
+	store, err := OpenStore(context.Background(), db, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -29,6 +30,9 @@ type Queues struct {
 	drainQuiet time.Duration
 	// abandon ends the handling of every message in hand (Abandon).
 	abandon context.CancelFunc
+	// zstdReaders: whether every node reading the queues reads zstd
+	// (SetZstdReaders, fit).
+	zstdReaders atomic.Int32
 }
 
 // NewQueues prepares connections to the brokers; nothing is dialed yet.
@@ -130,19 +134,64 @@ func (q *Queues) PublishToTarget(ctx context.Context, brokers *Brokers, exchange
 	return b, q.Publish(ctx, b, exchange, key, msg)
 }
 
-// fit makes msg fit broker b: a body over queue.compress_over goes
-// gzip-compressed, and one still over b's max_message_bytes is a
-// *TooLargeError, refused here rather than by the broker (which closes the
-// channel for it).
+// TooLargeError is a message still over the broker's max_message_bytes,
+// compressed where compression was on. Its text names no broker.
+type TooLargeError struct {
+	Size, Max int64
+}
+
+func (e *TooLargeError) Error() string {
+	return fmt.Sprintf("message of %d bytes is over the broker's max_message_bytes (%d)", e.Size, e.Max)
+}
+
+// fit makes msg fit broker b: a body not yet encoded goes zstd-compressed
+// when queue.compress is zstd and every node reading the queues reads it
+// (SetZstdReaders), else gzip-compressed over queue.compress_over; one
+// still over b's max_message_bytes is a *TooLargeError, refused here
+// rather than by the broker (which closes the channel for it).
 func (q *Queues) fit(b *Broker, msg amqp.Publishing) (amqp.Publishing, error) {
-	if q.cfg.CompressOver > 0 && int64(len(msg.Body)) > q.cfg.CompressOver && msg.ContentEncoding == "" {
-		msg.Body, msg.ContentEncoding = compressBody(msg.Body), encodingGzip
+	if msg.ContentEncoding == "" {
+		switch {
+		case q.cfg.Compress == encodingZstd && q.zstdReaders.Load() == zstdAll:
+			// A body too small to shrink, as the hooks queue's, goes as
+			// it came: the reader keeps it and compresses it for the
+			// disk.
+			if z := compressZstd(msg.Body); len(z) < len(msg.Body) {
+				msg.Body, msg.ContentEncoding = z, encodingZstd
+			}
+		case q.cfg.CompressOver > 0 && int64(len(msg.Body)) > q.cfg.CompressOver:
+			msg.Body, msg.ContentEncoding = compressGzip(msg.Body), encodingGzip
+		}
 	}
 	if b.MaxMessageBytes > 0 && int64(len(msg.Body)) > b.MaxMessageBytes {
 		return msg, &TooLargeError{Size: int64(len(msg.Body)), Max: b.MaxMessageBytes}
 	}
 	return msg, nil
 }
+
+// SetZstdReaders says whether every node that reads the queues reads
+// zstd-compressed messages: until it is said, and while it is not so (a
+// node of an older version runs), nothing is published zstd-compressed.
+func (q *Queues) SetZstdReaders(all bool) {
+	state := zstdNotAll
+	if all {
+		state = zstdAll
+	}
+	if q.zstdReaders.Swap(state) == state || q.cfg.Compress != encodingZstd {
+		return
+	}
+	if all {
+		q.log.Info("every live node reads zstd: webhooks are published zstd-compressed")
+	} else {
+		q.log.Warn("a live node does not read zstd (an older version): webhooks are published as before, gzip over queue.compress_over")
+	}
+}
+
+// What SetZstdReaders was told; zero until it is.
+const (
+	zstdAll int32 = 1 + iota
+	zstdNotAll
+)
 
 // Publish sends msg to broker b and waits for its publisher confirm until
 // ctx ends (see publisher.Publish).

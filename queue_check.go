@@ -321,7 +321,8 @@ func (c *brokerCheck) retryCycle() {
 	c.add(name, true, "came back twice after the TTL of %s, attempt count 1 then 2", checkCycleTTL)
 }
 
-// large: a 20 MiB body travels compressed, within the broker's
+// large: a 20 MiB body travels compressed as the daemon publishes it (zstd,
+// or gzip with queue.compress = "none"), within the broker's
 // max_message_bytes, and reads back whole.
 func (c *brokerCheck) large(maxBytes int64) {
 	const name = "compressed message, 20 MiB before compression"
@@ -334,14 +335,17 @@ func (c *brokerCheck) large(maxBytes int64) {
 		body = hex.AppendEncode(body, line[:1024])
 	}
 	body = append(body, `"}`...)
-	packed := compressBody(body)
+	packed, encoding := compressZstd(body), encodingZstd
+	if c.cfg.Compress != encodingZstd {
+		packed, encoding = compressGzip(body), encodingGzip
+	}
 	if maxBytes > 0 && int64(len(packed)) > maxBytes {
 		c.add(name, false, "%d bytes compressed, over max_message_bytes (%d)", len(packed), maxBytes)
 		return
 	}
 	err := c.declare(q, nil)
 	if err == nil {
-		_, err = c.publish("", q, amqp.Publishing{Body: packed, ContentEncoding: encodingGzip, MessageId: "check-large", DeliveryMode: amqp.Persistent})
+		_, err = c.publish("", q, amqp.Publishing{Body: packed, ContentEncoding: encoding, MessageId: "check-large", DeliveryMode: amqp.Persistent})
 	}
 	if err != nil && c.dropped() {
 		c.add(name, false, "%d bytes compressed: the broker dropped the connection on it: its message size limit is below that; "+
@@ -363,7 +367,7 @@ func (c *brokerCheck) large(maxBytes int64) {
 		c.add(name, false, "read back %d bytes (%v), want %d", len(got), err, len(body))
 		return
 	}
-	c.add(name, true, "%d bytes as %d compressed, read back whole", len(body), len(packed))
+	c.add(name, true, "%d bytes as %d compressed (%s), read back whole", len(body), len(packed), encoding)
 }
 
 // topology: the 12 queues exist with the arguments switchyard declares

@@ -820,7 +820,7 @@ func TestQuorumQueues(t *testing.T) {
 	publishRaw(t, a, "", errorQueue(queueGitHub), eventMessage("issues", dead, body))
 	big := largeIssue(t, 2<<20)
 	msg := eventMessage("issues", packed, big)
-	msg.Body, msg.ContentEncoding = compressBody(big), encodingGzip
+	msg.Body, msg.ContentEncoding = compressGzip(big), encodingGzip
 	publishRaw(t, a, "", errorQueue(queueGitHub), msg)
 
 	d := startDaemon(t, cfg)

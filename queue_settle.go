@@ -31,10 +31,14 @@ const (
 // Message is one delivery as a consumer hands it over: the queue's plain
 // view, with nothing of what the body means.
 type Message struct {
-	ID        string // message_id
-	Type      string // type
-	Headers   amqp.Table
-	Body      []byte
+	ID      string // message_id
+	Type    string // type
+	Headers amqp.Table
+	Body    []byte
+	// Zstd is Body as the message came, when it came zstd-compressed
+	// (content_encoding zstd): a reader that keeps the body compressed
+	// keeps these bytes rather than compress it again.
+	Zstd      []byte
 	Timestamp time.Time
 	// Attempts is how often the message failed on this queue before
 	// (its x-death count).
@@ -312,8 +316,12 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 			verdicts[i] = permanent("%v", err)
 			continue
 		}
-		msgs = append(msgs, Message{ID: d.MessageId, Type: d.Type, Headers: d.Headers, Body: body, Broker: s.bc.broker,
-			Timestamp: d.Timestamp, Attempts: attempts})
+		m := Message{ID: d.MessageId, Type: d.Type, Headers: d.Headers, Body: body, Broker: s.bc.broker,
+			Timestamp: d.Timestamp, Attempts: attempts}
+		if d.ContentEncoding == encodingZstd {
+			m.Zstd = d.Body
+		}
+		msgs = append(msgs, m)
 		at = append(at, i)
 	}
 	if len(msgs) > 0 {

@@ -640,3 +640,11 @@ ALTER TABLE schema_migrations ADD COLUMN floor INTEGER;
 -- under, and a stale holder's change nothing (Fence). Additive: the floor
 -- stays.
 ALTER TABLE leases ADD COLUMN term INTEGER NOT NULL DEFAULT 0;
+-- migration 21: what each node reads
+-- nodes.reads: the content encodings a node reads beyond gzip, and the
+-- start of the process that said so ("zstd " || started_at): a node of an
+-- older version writes none, and one that replaced a newer node under its
+-- name leaves the newer one's, which no longer names its start. The
+-- endpoint compresses with zstd only while every live node reads it.
+-- Additive: the floor stays.
+ALTER TABLE nodes ADD COLUMN reads TEXT NOT NULL DEFAULT '';

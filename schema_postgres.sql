@@ -405,3 +405,5 @@ CREATE INDEX rejected_webhooks_delivery ON rejected_webhooks (delivery_id);
 ALTER TABLE schema_migrations ADD COLUMN floor BIGINT;
 -- migration 20: lease terms (schema.sql's migration 20)
 ALTER TABLE leases ADD COLUMN term BIGINT NOT NULL DEFAULT 0;
+-- migration 21: what each node reads (schema.sql's migration 21)
+ALTER TABLE nodes ADD COLUMN reads TEXT COLLATE "C" NOT NULL DEFAULT '';

@@ -41,8 +41,6 @@ type Store struct {
 	health *dbHealth
 	// claim holds the SQLite file's lock while serve runs (Claim).
 	claim io.Closer
-	// codec compresses and inflates the raw log's payloads (store_codec.go).
-	codec *payloadCodec
 	// guesses are the answers a consumer's statements nearly always get,
 	// sent ahead as if known (guessed): a delivery's first copy
 	// stored, a worker's mark new, an order-safe row written.
@@ -68,7 +66,6 @@ func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Stor
 		}
 		s.w, s.r, s.engine, s.path, s.name = w, r, e, cfg.Path, cfg.Path
 	}
-	s.codec = newPayloadCodec()
 	s.health = newDBHealth(s.engine, s.w)
 	return s, nil
 }
@@ -98,7 +95,6 @@ func (s *Store) Driver() string { return s.engine.driver() }
 // SQLite's WAL is checkpointed by the last connection.
 func (s *Store) Close() error {
 	s.health.close()
-	s.codec.close()
 	s.engine.close()
 	var err error
 	if s.r == s.w {

@@ -64,7 +64,7 @@ func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, li
 		}
 		// An alert goes out even when its payload does not inflate: what
 		// it says comes from the row; the payload adds a link.
-		if ev.Payload, err = s.codec.payload(payload, compressed); err != nil {
+		if ev.Payload, err = rowPayload(payload, compressed); err != nil {
 			ev.Payload = []byte("{}")
 		}
 		ev.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)

@@ -23,7 +23,7 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 	// two nodes store two copies at once.
 	args := []any{ev.DeliveryID, ev.Name, ev.Action, ev.HookID, ev.TargetType, nullInt(ev.TargetID),
 		nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
-		tx.s.codec.compress(ev.Payload), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker}
+		packedPayload(ev), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker}
 	res, err := tx.write(ctx, guessed(&tx.s.guesses.firstCopy), insertGitHub+"1) ON CONFLICT DO NOTHING", args...)
 	if err != nil {
 		return false, fmt.Errorf("insert github: %w", err)

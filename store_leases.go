@@ -47,19 +47,38 @@ func (tx *Tx) ReleaseLease(ctx context.Context, job, node string) error {
 	return nil
 }
 
-// SeeNode writes node's row: its version, when it started, and that it is
-// seen now; rows of nodes gone for nodesKept go.
+// SeeNode writes node's row: its version, when it started, that it reads
+// zstd messages, and that it is seen now; rows of nodes gone for nodesKept
+// go.
 func (tx *Tx) SeeNode(ctx context.Context, node, version string, started time.Time) error {
 	d := tx.s.engine
-	if _, err := tx.write(ctx, atOnce, `INSERT INTO nodes (name, version, started_at, seen_at) VALUES ($1, $2, $3, `+d.clock("0")+`)
-		ON CONFLICT (name) DO UPDATE SET version = excluded.version, started_at = excluded.started_at, seen_at = excluded.seen_at`,
-		node, version, formatTime(started)); err != nil {
+	if _, err := tx.write(ctx, atOnce, `INSERT INTO nodes (name, version, started_at, seen_at, reads) VALUES ($1, $2, $3, `+d.clock("0")+`, $4)
+		ON CONFLICT (name) DO UPDATE SET version = excluded.version, started_at = excluded.started_at, seen_at = excluded.seen_at,
+			reads = excluded.reads`,
+		node, version, formatTime(started), readsZstd+formatTime(started)); err != nil {
 		return fmt.Errorf("write node %s: %w", node, err)
 	}
 	if _, err := tx.write(ctx, atOnce, `DELETE FROM nodes WHERE seen_at < `+d.clock("$1"), -nodesKept.Milliseconds()); err != nil {
 		return fmt.Errorf("forget gone nodes: %w", err)
 	}
 	return nil
+}
+
+// readsZstd begins nodes.reads of a node that reads zstd messages; the
+// process's start follows it, so that a node of an older version started
+// under the same name, which leaves reads as it was, is not taken for one.
+const readsZstd = "zstd "
+
+// ZstdReaders reports whether every node seen within gone reads zstd
+// messages (nodes.reads names the start of the process that wrote it).
+func (tx *Tx) ZstdReaders(ctx context.Context, gone time.Duration) (bool, error) {
+	var n int
+	err := tx.read(ctx, `SELECT count(*) FROM nodes WHERE reads != ($1 || started_at) AND seen_at >= `+tx.s.engine.clock("$2"),
+		readsZstd, -gone.Milliseconds()).Scan(&n)
+	if err != nil {
+		return false, fmt.Errorf("read what the nodes read: %w", err)
+	}
+	return n == 0, nil
 }
 
 // nodesKept is how long the row of a node gone stays.

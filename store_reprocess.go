@@ -88,7 +88,7 @@ func (s *Store) RawCopies(ctx context.Context, f RawFilter, after *RawCopy, limi
 		}
 		c.TargetID = targetID.Int64
 		c.ReceivedAt, _ = time.Parse(time.RFC3339Nano, c.receivedText)
-		c.Payload, c.Unreadable = s.codec.payload(text, compressed)
+		c.Payload, c.Unreadable = rowPayload(text, compressed)
 		size += len(c.Payload)
 		out = append(out, c)
 	}

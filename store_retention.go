@@ -78,7 +78,7 @@ func (s *Store) CompressOlderPayloads(ctx context.Context, after int64) (last in
 			rows.Close()
 			return after, 0, fmt.Errorf("read payloads to compress: %w", err)
 		}
-		r.compressed = s.codec.compress([]byte(text))
+		r.compressed = compressZstd([]byte(text))
 		batch, last = append(batch, r), r.id
 	}
 	rows.Close()

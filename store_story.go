@@ -226,7 +226,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 			&received, &stored, &text, &compressed, &pruned, &r.Duplicates, &lastDup, &r.Broker); err != nil {
 			return err
 		}
-		payload, err := s.codec.payload(text, compressed)
+		payload, err := rowPayload(text, compressed)
 		if err != nil {
 			r.Unreadable = err.Error()
 		}

@@ -1047,7 +1047,7 @@ func TestCompressionResumesAfterKill(t *testing.T) {
 		if err := rows.Scan(&guid, &text, &z); err != nil {
 			t.Fatal(err)
 		}
-		p, err := store.codec.payload(text, z)
+		p, err := rowPayload(text, z)
 		if err != nil || string(p) != string(want[guid]) || text != "" {
 			t.Errorf("%s after the kill and the restart: %d bytes (%v), want its %d", guid, len(p), err, len(want[guid]))
 		}

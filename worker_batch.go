@@ -160,7 +160,7 @@ func decodeMessage(m *Message, decode func(Delivery) (Decoded, error), log *slog
 			return Decoded{Event: ev}, err
 		}
 	}
-	d, err := decode(Delivery{MessageID: m.ID, Type: m.Type, Header: m.Header, Body: m.Body, Timestamp: m.Timestamp})
+	d, err := decode(Delivery{MessageID: m.ID, Type: m.Type, Header: m.Header, Body: m.Body, Zstd: m.Zstd, Timestamp: m.Timestamp})
 	if err != nil {
 		if m.ID != "" {
 			log = log.With("delivery_id", m.ID)

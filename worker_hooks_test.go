@@ -271,6 +271,15 @@ func testHooksRedeliversFailedDeliveries(t *testing.T) {
 			queryInt(t, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id = $1", failed) == 1
 	})
 	eventually(t, 10*time.Second, "two more polls", func() bool { l, _, _ := gh.counts(1); return l >= 3 })
+	// The API gives the payload as a JSON value in its answer, which the
+	// fake GitHub's encoder compacts: those bytes, byte for byte.
+	var gave bytes.Buffer
+	if err := json.Compact(&gave, payload); err != nil {
+		t.Fatal(err)
+	}
+	if got := storedPayload(t, d.store, failed); got != gave.String() {
+		t.Errorf("the republished payload stored as %d bytes, want the %d GitHub gave, byte for byte", len(got), gave.Len())
+	}
 	d.stop(t)
 	if n := queryInt(t, db, "SELECT count(*) FROM hook_redeliveries"); n != 1 {
 		t.Errorf("hook_redeliveries: %d rows, want only the failed delivery", n)

@@ -63,6 +63,9 @@ type Leases struct {
 	// stopBy, when set, is when the shutdown must be over: the leases
 	// are given up by then or left to expire.
 	stopBy time.Time
+	// onReaders hears, after each renewal, whether every live node reads
+	// zstd messages (OnZstdReaders).
+	onReaders func(all bool)
 }
 
 // Lease is one job's lease as this node holds it, or not.
@@ -89,6 +92,12 @@ func NewLeases(store *Store, node string, ttl time.Duration, jobs []string, metr
 	}
 	return ls
 }
+
+// OnZstdReaders has fn told, after each renewal, whether every live node
+// (seen within 3 x lease_ttl, as the status counts them) reads
+// zstd-compressed messages: an older node reads no message it cannot
+// read. Set it before Run.
+func (ls *Leases) OnZstdReaders(fn func(all bool)) { ls.onReaders = fn }
 
 // Lease is job's lease; nil for a job not kept here, which runs always.
 func (ls *Leases) Lease(job string) *Lease {
@@ -148,8 +157,13 @@ func (ls *Leases) renew(ctx context.Context, sent time.Time) {
 		return
 	}
 	got, terms := make([]bool, len(ls.leases)), make([]int64, len(ls.leases))
+	var zstdReaders bool
 	err := ls.store.WriteTx(ctx, func(tx *Tx) error {
 		if err := tx.SeeNode(ctx, ls.node, ls.version, ls.started); err != nil {
+			return err
+		}
+		var err error
+		if zstdReaders, err = tx.ZstdReaders(ctx, 3*ls.ttl); err != nil {
 			return err
 		}
 		for i, l := range ls.leases {
@@ -168,6 +182,9 @@ func (ls *Leases) renew(ctx context.Context, sent time.Time) {
 			ls.log.Warn("cannot renew the leases; each job stops before its lease expires", "error", err)
 		}
 		return
+	}
+	if ls.onReaders != nil {
+		ls.onReaders(zstdReaders) // before the jobs it lets start publish
 	}
 	for i, l := range ls.leases {
 		l.renewed(got[i], terms[i], sent)
