@@ -58,7 +58,7 @@ type reader struct {
 
 // window is a consumer's prefetch for queue: at most queue.prefetch unacked
 // messages, and no more than queue.max_batch_bytes of them by the sizes seen
-// so far. RabbitMQ's prefetch counts messages, not bytes, and amqp091-go
+// so far (inflated, as they are held). RabbitMQ's prefetch counts messages, not bytes, and amqp091-go
 // holds every message the broker sent in memory: with 1 MB payloads a count
 // alone would hold prefetch megabytes per consumer.
 func (r *reader) window(queue string) int {
@@ -280,8 +280,14 @@ func (r *reader) handleBatch(ctx context.Context, c *consumer, first amqp.Delive
 		ds = append(ds, d)
 		size += int64(len(d.Body))
 	}
-	if err := r.settleBatch(ds, o); err != nil {
+	held, err := r.settleBatch(ds, o)
+	if err != nil {
 		return ds, refused, fmt.Errorf("settle on %s: %w", bc.broker, err)
+	}
+	// The window counts the bodies as inflated: a compressed message
+	// takes its full size in hand.
+	if held > size {
+		size = held
 	}
 	r.sizes.observe(o.Queue, len(ds), size)
 	return ds, refused, nil

@@ -623,6 +623,8 @@ func unacked(t testing.TB, vhost, queue string) int {
 // A consumer holds at most queue.max_batch_bytes of messages, whatever the
 // prefetch: 1 MB payloads at prefetch 200 and a 4 MiB bound are delivered
 // four at a time, and payloads of a few KB then fill the whole window.
+// The 1 MB payloads come zstd-compressed, a fifth of that on the wire: the
+// window counts them as held, inflated.
 func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
@@ -632,7 +634,9 @@ func TestConsumerWindowBoundedByBytes(t *testing.T) {
 	declareTestTopology(t, vhost, cfg.Queue.RetryTTL)
 	big := paddedPayload(t, 1<<20)
 	for i := 0; i < 40; i++ {
-		publishRaw(t, vhost, "", queueGitHub, eventMessage("pull_request", fmt.Sprintf("big-%d", i), big))
+		msg := eventMessage("pull_request", fmt.Sprintf("big-%d", i), big)
+		msg.Body, msg.ContentEncoding = compressZstd(big), encodingZstd
+		publishRaw(t, vhost, "", queueGitHub, msg)
 	}
 	p := newParts(t, cfg)
 	release := make(chan struct{})

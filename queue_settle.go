@@ -292,7 +292,9 @@ func (s *settler) retry(ctx context.Context, queue string, d *amqp.Delivery, cau
 // which covers exactly these (every other delivery up to the last of them
 // was settled before). A message whose x-death is broken never reaches the
 // handler: a count of -1,000,000 would otherwise buy a million retries.
-func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
+// held is the size of the bodies handed over, inflated: what the batch
+// held in memory, which the window is sized by.
+func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) (held int64, err error) {
 	queue, log := o.Queue, o.Log
 	inHand := &s.bc.inHand
 	defer inHand.Add(-int64(len(ds)))
@@ -316,6 +318,7 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 			verdicts[i] = permanent("%v", err)
 			continue
 		}
+		held += int64(len(body))
 		m := Message{ID: d.MessageId, Type: d.Type, Headers: d.Headers, Body: body, Broker: s.bc.broker,
 			Timestamp: d.Timestamp, Attempts: attempts}
 		if d.ContentEncoding == encodingZstd {
@@ -341,14 +344,14 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 			// Not a failure of the messages: neither nacked into the
 			// retry cycle (an attempt they did not fail) nor acked.
 			log.Warn("shutdown_timeout passed: messages in hand left unacknowledged, the broker gives them back", "messages", len(ds))
-			return ErrAbandoned
+			return held, ErrAbandoned
 		}
 		if closed(o.HandBack) || errors.Is(err, ErrHandedBack) {
 			log.Warn("messages in hand handed back unacknowledged: the broker gives them to another consumer", "messages", len(ds), "error", err)
 			if errors.Is(err, ErrHandedBack) {
-				return err
+				return held, err
 			}
-			return fmt.Errorf("%w: %w", ErrHandedBack, cmp.Or(err, errors.New("handed back")))
+			return held, fmt.Errorf("%w: %w", ErrHandedBack, cmp.Or(err, errors.New("handed back")))
 		}
 		if err != nil {
 			log.Warn("batch not committed, its messages will retry", "messages", len(msgs), "error", err)
@@ -361,7 +364,7 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 		if !ok {
 			var ferr error
 			if outcome, ferr = s.finish(ctx, queue, &ds[i], verdicts[i], mlog); ferr != nil {
-				return ferr
+				return held, ferr
 			}
 		} else {
 			if outcome == OutcomeDuplicate {
@@ -372,9 +375,9 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) error {
 		s.consumed(queue, outcome, start)
 	}
 	if last < 0 {
-		return nil
+		return held, nil
 	}
-	return ds[last].Ack(true)
+	return held, ds[last].Ack(true)
 }
 
 // consumed records how one message of queue ended.
