@@ -356,7 +356,10 @@ func TestProducerRotation(t *testing.T) {
 
 func testProducerRotation(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
-	retryTTL := 3 * time.Second
+	// Long enough that A's retry queues still hold their messages through
+	// four drain checks after the notification, however slow the machine
+	// is to start the daemon and publish to B (3 s lost that race once).
+	retryTTL := 10 * time.Second
 	declareTestTopology(t, a, retryTTL)
 	declareTestTopology(t, b, retryTTL)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
