@@ -154,8 +154,9 @@ $(HAPROXY):
 # deb.debian.org's pool, checked against the SHA-256 of trixie's Sources):
 # Debian 12's binary package, PgBouncer 1.18, aborts ("bad client state" in
 # disconnect_client) when a cancel request's client leaves before the
-# server it cancels, which a node that is killed or stopping does; 1.19 and
-# later fixed it. Built without c-ares, PAM or systemd; the service is
+# server it cancels, which a node that is killed or stopping does (fixed
+# in 1.19.1; more crashes of its cancel handling with Go clients in
+# 1.21.0). Built without c-ares, PAM or systemd; the service is
 # never installed or started.
 PGBOUNCER_VERSION := 1.24.1
 PGBOUNCER_SHA256  := da72a3aba13072876d055a3e58dd4aba4a5de4ed6148e73033185245598fd3e0
