@@ -2,7 +2,6 @@ package main
 
 import (
 	"fmt"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -132,14 +131,7 @@ func TestFleetBehindHAProxyRefusesNothing(t *testing.T) {
 	})
 	// Every node up behind the balancer: three answers in a row, one each.
 	stats := func() string { return lbOut.String() }
-	eventually(t, 30*time.Second, "haproxy taking webhooks", func() bool {
-		resp, err := http.Get("http://" + front + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	})
+	eventually(t, 30*time.Second, "haproxy taking webhooks", func() bool { return answersOK("http://" + front + "/readyz") })
 
 	stop, got := webhookStream(t, "http://"+front, loadFixture(t, "issues", "opened"), 4, 50*time.Millisecond)
 	answered := func() int { return len(got()) }

@@ -936,6 +936,16 @@ func spyOn(t testing.TB, vhost string) *amqp.Channel {
 	return spy
 }
 
+// answersOK reports whether a GET of url answers 200.
+func answersOK(url string) bool {
+	resp, err := http.Get(url)
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
 // getOne takes one message from queue on vhost, failing when there is none.
 func getOne(t testing.TB, vhost, queue string) amqp.Delivery {
 	t.Helper()

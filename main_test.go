@@ -160,14 +160,7 @@ func startProcess(t *testing.T, config, addr string) (*exec.Cmd, *syncBuffer) {
 	t.Helper()
 	cmd := exec.Command(builtBinary(t), "serve", "-config", config)
 	out := started(t, cmd)
-	eventually(t, 20*time.Second, "serve answering /healthz", func() bool {
-		resp, err := http.Get("http://" + addr + "/healthz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	})
+	eventually(t, 20*time.Second, "serve answering /healthz", func() bool { return answersOK("http://" + addr + "/healthz") })
 	return cmd, out
 }
 
