@@ -32,13 +32,15 @@ const (
 	encodingGzip = "gzip"
 )
 
-// zstdCodec is the one zstd encoder and decoder of the process. Their
-// EncodeAll and DecodeAll are safe for concurrent use, start no
+// zstdPair is the one zstd encoder and decoder of the process (zstdCodec).
+// Their EncodeAll and DecodeAll are safe for concurrent use, start no
 // goroutines, and keep their buffers between calls.
-var zstdCodec = sync.OnceValue(func() struct {
+type zstdPair struct {
 	enc *zstd.Encoder
 	dec *zstd.Decoder
-} {
+}
+
+var zstdCodec = sync.OnceValue(func() zstdPair {
 	// Literals are entropy-coded even in a block without matches, which
 	// the fastest level skips by default: a payload carrying a large
 	// base64 or hex blob then shrinks by a third to a half rather than not
@@ -54,10 +56,7 @@ var zstdCodec = sync.OnceValue(func() struct {
 	if err != nil {
 		panic(err)
 	}
-	return struct {
-		enc *zstd.Encoder
-		dec *zstd.Decoder
-	}{enc, dec}
+	return zstdPair{enc, dec}
 })
 
 // compressZstd is b as one zstd frame at the fastest level; an empty b
