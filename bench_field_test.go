@@ -316,12 +316,13 @@ func benchWANIngest(b *testing.B, payload []byte, rtt time.Duration) (ours, base
 
 // wanEndToEnd is a row of benchWANEndToEnd: the daemon's rate, the raw
 // pipeline's moving the payloads as they are and moving them
-// zstd-compressed; the CPU per webhook of the daemon, the broker and this
-// process; and the bytes per webhook the link carried for each.
+// zstd-compressed; the CPU per webhook of the daemon, the broker (under
+// each of the three) and this process; and the bytes per webhook the link
+// carried for each.
 type wanEndToEnd struct {
-	rate, raw, rawPacked             float64
-	daemon, broker, bench, rawBroker time.Duration
-	bytes, rawBytes, rawPackedBytes  float64
+	rate, raw, rawPacked                              float64
+	daemon, broker, bench, rawBroker, rawPackedBroker time.Duration
+	bytes, rawBytes, rawPackedBytes                   float64
 }
 
 // benchWANEndToEnd: the real binary with the default config over amqps to a
@@ -344,9 +345,9 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (r wanEnd
 	var n int
 	r.raw, n = rawPipeline(b, proxy.URL(vhost), payload, false, 64, 30*time.Second)
 	r.rawBytes, r.rawBroker = float64(proxy.moved.Load()-m0)/float64(n), (brokerCPU()-b0)/time.Duration(n)
-	m0 = proxy.moved.Load()
+	m0, b0 = proxy.moved.Load(), brokerCPU()
 	r.rawPacked, n = rawPipeline(b, proxy.URL(vhost), payload, true, 64, 30*time.Second)
-	r.rawPackedBytes = float64(proxy.moved.Load()-m0) / float64(n)
+	r.rawPackedBytes, r.rawPackedBroker = float64(proxy.moved.Load()-m0)/float64(n), (brokerCPU()-b0)/time.Duration(n)
 	prof := newBenchProfile(b, fmt.Sprintf("e2e-%s", rtt))
 	p := startBenchProcess(b, proxy.URL(vhost), "", prof.config...)
 	defer p.stop(b) // idle, it would still cost the rows after it
