@@ -317,12 +317,14 @@ func benchWANIngest(b *testing.B, payload []byte, rtt time.Duration) (ours, base
 // wanEndToEnd is a row of benchWANEndToEnd: the daemon's rate, the raw
 // pipeline's moving the payloads as they are and moving them
 // zstd-compressed; the CPU per webhook of the daemon, the broker (under
-// each of the three) and this process; and the bytes per webhook the link
-// carried for each.
+// each of the three) and this process; the bytes per webhook the link
+// carried for each; and how long the compressed raw pipeline's publishes
+// waited for their confirms, on average.
 type wanEndToEnd struct {
 	rate, raw, rawPacked                              float64
 	daemon, broker, bench, rawBroker, rawPackedBroker time.Duration
 	bytes, rawBytes, rawPackedBytes                   float64
+	rawPackedConfirm                                  time.Duration
 }
 
 // benchWANEndToEnd: the real binary with the default config over amqps to a
@@ -343,10 +345,10 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (r wanEnd
 	// empty again when each returns.
 	m0, b0 := proxy.moved.Load(), brokerCPU()
 	var n int
-	r.raw, n = rawPipeline(b, proxy.URL(vhost), payload, false, 64, 30*time.Second)
+	r.raw, n, _ = rawPipeline(b, proxy.URL(vhost), payload, false, 64, 30*time.Second)
 	r.rawBytes, r.rawBroker = float64(proxy.moved.Load()-m0)/float64(n), (brokerCPU()-b0)/time.Duration(n)
 	m0, b0 = proxy.moved.Load(), brokerCPU()
-	r.rawPacked, n = rawPipeline(b, proxy.URL(vhost), payload, true, 64, 30*time.Second)
+	r.rawPacked, n, r.rawPackedConfirm = rawPipeline(b, proxy.URL(vhost), payload, true, 64, 30*time.Second)
 	r.rawPackedBytes, r.rawPackedBroker = float64(proxy.moved.Load()-m0)/float64(n), (brokerCPU()-b0)/time.Duration(n)
 	prof := newBenchProfile(b, fmt.Sprintf("e2e-%s", rtt))
 	p := startBenchProcess(b, proxy.URL(vhost), "", prof.config...)
@@ -472,8 +474,9 @@ func (p *benchProcess) stop(b testing.TB) {
 // one), takes them with prefetch 200 and acks in batches of 100; for d, on
 // the vhost behind the same proxy. packed publishes the payload
 // zstd-compressed at the fastest level (content_encoding zstd), as the
-// endpoint does. The rate is of messages both consumers acked, n how many.
-func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishers int, d time.Duration) (rate float64, n int) {
+// endpoint does. The rate is of messages both consumers acked, n how many;
+// confirm is how long a publish waited for its confirm, on average.
+func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishers int, d time.Duration) (rate float64, n int, confirm time.Duration) {
 	body, encoding := payload, ""
 	if packed {
 		body, encoding = compressZstd(payload), encodingZstd
@@ -522,7 +525,7 @@ func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishe
 	h := http.Header{}
 	h.Set("X-GitHub-Event", "pull_request")
 	h.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
-	var published atomic.Int64
+	var published, confirmed, waited atomic.Int64
 	deadline := time.Now().Add(d)
 	start := time.Now()
 	var pubs sync.WaitGroup
@@ -538,11 +541,14 @@ func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishe
 				h.Set("X-GitHub-Delivery", fmt.Sprintf("raw-pipe-%d", published.Add(1)))
 				msg := newPublishing(h, payload, "127.0.0.1", time.Now())
 				msg.Body, msg.ContentEncoding = body, encoding
+				sent := time.Now()
 				dc, err := ch.PublishWithDeferredConfirm(exchangeName, "", true, false, msg)
 				if err != nil || !dc.Wait() {
 					b.Errorf("raw publish: %v", err)
 					return
 				}
+				waited.Add(int64(time.Since(sent)))
+				confirmed.Add(1)
 			}
 		})
 	}
@@ -552,6 +558,7 @@ func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishe
 		return acked[0].Load() >= total && acked[1].Load() >= total
 	})
 	rate = float64(total) / time.Since(start).Seconds()
+	confirm = time.Duration(waited.Load() / max(confirmed.Load(), 1))
 	close(stop)
 	wg.Wait()
 	cons.Close() // what was not acked goes back, to be purged
@@ -564,7 +571,7 @@ func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishe
 			b.Fatal(err)
 		}
 	}
-	return rate, int(total)
+	return rate, int(total), confirm
 }
 
 // benchBurst: 2,000 webhooks at once from 200 connections, through a daemon
