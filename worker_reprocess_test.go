@@ -103,11 +103,27 @@ func testReprocess(t *testing.T) {
 	post("issues", "opened", false, nil)     // not the bot App's copy
 	post("ping", "app", true, nil)           // no typed table
 	pruned := post("issues", "labeled", true, func(p map[string]any) { obj(p, "issue")["node_id"] = "pruned-node" })
-	waitDatabase(t, db, guids...)
+	// Reprocess reads the raw log: each delivery's github row (the
+	// service worker's) as well as its typed rows (database-service's).
+	stored := func(guids ...string) {
+		t.Helper()
+		waitDatabase(t, db, guids...)
+		eventually(t, 30*time.Second, "every raw row stored", func() bool {
+			for _, g := range guids {
+				if queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", g) == 0 {
+					return false
+				}
+			}
+			return true
+		})
+	}
+	stored(guids...)
 
 	w := openWritableDB(t, cfg.Database)
-	if _, err := w.Exec("UPDATE github SET payload = '', payload_zstd = NULL, payload_pruned_at = received_at WHERE delivery_id = $1", pruned); err != nil {
+	if res, err := w.Exec("UPDATE github SET payload = '', payload_zstd = NULL, payload_pruned_at = received_at WHERE delivery_id = $1", pruned); err != nil {
 		t.Fatal(err)
+	} else if n, _ := res.RowsAffected(); n != 1 {
+		t.Fatalf("pruned %d raw rows, want 1", n)
 	}
 	// A raw row whose payload the tables cannot read: a pull request that
 	// is not an object.
@@ -159,7 +175,7 @@ func testReprocess(t *testing.T) {
 	sum := run(ReprocessOptions{Batch: 3, Progress: func(s ReprocessSummary) {
 		if during == "" {
 			during = post("issues", "opened", true, func(p map[string]any) { obj(p, "issue")["node_id"] = "during-node" })
-			waitDatabase(t, db, during)
+			stored(during)
 		}
 	}})
 	t.Logf("run: %+v", sum)
