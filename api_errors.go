@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -66,27 +65,6 @@ func statusOf(err error) int {
 	default:
 		return http.StatusInternalServerError
 	}
-}
-
-// brokerProblem is what a public answer may say of a broker's failure: its
-// kind, in a fixed text. Never the broker's own text, nor its host, port,
-// vhost or user: on a hosted plan those are the account, and a webhook's
-// answer is shown on GitHub's Recent Deliveries page. The cause goes to
-// the log and to the operator's status.
-func brokerProblem(err error) string {
-	switch {
-	case errors.Is(err, ErrBrokerAccessRefused):
-		return "refuses access"
-	case errors.Is(err, ErrBrokerBlocked):
-		return "blocked"
-	case errors.Is(err, ErrUnroutable):
-		return "routes webhooks to no queue"
-	case errors.Is(err, ErrBrokerRefused):
-		return "refusing publishes"
-	case errors.Is(err, ErrPublishTimeout), errors.Is(err, context.DeadlineExceeded):
-		return "no confirm"
-	}
-	return "unreachable"
 }
 
 // publicText is the one mapping from an error to the text an answer

@@ -969,12 +969,15 @@ type tcpProxy struct {
 	mu      sync.Mutex
 	conns   []net.Conn
 	stalled bool
-	closed  bool
-	tls     *tls.Config // set: the proxy ends TLS (newTLSProxy)
-	caFile  string
-	delay   time.Duration // set: each direction is this late (newWANProxy)
-	frames  *frameCounts  // set: the AMQP methods a plan's quota counts, counted as they pass
-	trips   *atomic.Int64 // set: a PostgreSQL client's round trips, counted as they pass
+	// repliesStalled stops the broker's side only: what the client sends
+	// arrives, its answers (confirms) do not.
+	repliesStalled bool
+	closed         bool
+	tls            *tls.Config // set: the proxy ends TLS (newTLSProxy)
+	caFile         string
+	delay          time.Duration // set: each direction is this late (newWANProxy)
+	frames         *frameCounts  // set: the AMQP methods a plan's quota counts, counted as they pass
+	trips          *atomic.Int64 // set: a PostgreSQL client's round trips, counted as they pass
 	// dropOver, when set, drops a connection once its client has sent
 	// more than this many bytes: a broker that closes the connection on a
 	// message over its size limit.
@@ -1193,7 +1196,7 @@ func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
 			break
 		}
 		if n > 0 {
-			for p.isStalled() {
+			for p.isStalled() || !fromClient && p.areRepliesStalled() {
 				time.Sleep(10 * time.Millisecond)
 			}
 			if _, werr := dst.Write(buf[:n]); werr != nil {
@@ -1309,6 +1312,20 @@ func (p *tcpProxy) isStalled() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.stalled && !p.closed
+}
+
+func (p *tcpProxy) areRepliesStalled() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.repliesStalled && !p.closed
+}
+
+// StallReplies stops forwarding the broker's bytes to the client (a
+// confirm lost on the way back); the client's still arrive.
+func (p *tcpProxy) StallReplies(on bool) {
+	p.mu.Lock()
+	p.repliesStalled = on
+	p.mu.Unlock()
 }
 
 // Stall stops forwarding bytes; connections stay open.

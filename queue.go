@@ -118,30 +118,35 @@ func (q *Queues) Blocked(b *Broker) (blockedState, bool) { return q.conns[b.Inde
 
 // PublishToTarget publishes msg to the broker the switch state names as the
 // publish target now (a Pending Switch's target, else the active broker),
-// waiting at most publish_timeout for the confirm. It is the one path by
-// which webhooks and republished deliveries reach a broker, and it returns
-// the broker it chose.
+// sending it again while publish_timeout lasts when its confirm is lost
+// (PublishConfirmed). It is the path by which republished deliveries reach
+// a broker (webhooks take Prepare and PublishConfirmed, to spool what the
+// broker does not confirm), and it returns the broker it chose.
 func (q *Queues) PublishToTarget(ctx context.Context, brokers *Brokers, exchange, key string, msg amqp.Publishing) (*Broker, error) {
-	b, err := brokers.Get(brokers.Cached().PublishTarget())
+	b, msg, err := q.Prepare(brokers, msg)
 	if err != nil {
-		return nil, err
-	}
-	if msg, err = q.fit(b, msg); err != nil {
 		return b, err
 	}
 	ctx, cancel := context.WithTimeout(ctx, q.cfg.PublishTimeout)
 	defer cancel()
-	return b, q.Publish(ctx, b, exchange, key, msg)
+	return b, q.PublishConfirmed(ctx, b, exchange, key, msg)
 }
 
-// TooLargeError is a message still over the broker's max_message_bytes,
-// compressed where compression was on. Its text names no broker.
-type TooLargeError struct {
-	Size, Max int64
+// Target is the broker the switch state names as the publish target now:
+// a Pending Switch's target, else the active broker.
+func (q *Queues) Target(brokers *Brokers) (*Broker, error) {
+	return brokers.Get(brokers.Cached().PublishTarget())
 }
 
-func (e *TooLargeError) Error() string {
-	return fmt.Sprintf("message of %d bytes is over the broker's max_message_bytes (%d)", e.Size, e.Max)
+// Prepare readies msg for the publish target (Target): compressed as
+// queue.compress says, within its max_message_bytes (*TooLargeError).
+func (q *Queues) Prepare(brokers *Brokers, msg amqp.Publishing) (*Broker, amqp.Publishing, error) {
+	b, err := q.Target(brokers)
+	if err != nil {
+		return nil, msg, err
+	}
+	msg, err = q.fit(b, msg)
+	return b, msg, err
 }
 
 // fit makes msg fit broker b: a body not yet encoded goes zstd-compressed
@@ -197,6 +202,37 @@ const (
 // ctx ends (see publisher.Publish).
 func (q *Queues) Publish(ctx context.Context, b *Broker, exchange, key string, msg amqp.Publishing) error {
 	return q.pubs[b.Index].Publish(ctx, exchange, key, msg)
+}
+
+// PublishConfirmed publishes msg to broker b, sending it again on a fresh
+// channel until it is confirmed or ctx ends (publisher.PublishConfirmed).
+func (q *Queues) PublishConfirmed(ctx context.Context, b *Broker, exchange, key string, msg amqp.Publishing) error {
+	return q.pubs[b.Index].PublishConfirmed(ctx, exchange, key, msg)
+}
+
+// PublishInOrder publishes msgs to broker b on one channel, in their
+// order, and waits for their confirms until ctx ends: it returns how many
+// of the first were confirmed, and why the next one was not.
+func (q *Queues) PublishInOrder(ctx context.Context, b *Broker, msgs []Outgoing) (int, error) {
+	p := q.pubs[b.Index]
+	start := time.Now()
+	n, err := p.publishAll(ctx, msgs)
+	for i := range msgs {
+		var e error
+		if i >= n {
+			e = err
+		}
+		p.metrics.publish(b.Index, e, time.Since(start))
+	}
+	return n, err
+}
+
+// Broker is broker index i of the configured ones.
+func (q *Queues) Broker(i int) (*Broker, bool) {
+	if i < 0 || i >= len(q.conns) {
+		return nil, false
+	}
+	return q.conns[i].broker, true
 }
 
 // Consume reads the queue o names on broker b until the window ends, stop
@@ -326,4 +362,25 @@ func (q *Queues) Routes(ctx context.Context, b *Broker) error {
 func (q *Queues) Reachable(ctx context.Context, b *Broker) error {
 	_, err := q.conns[b.Index].connection(ctx)
 	return err
+}
+
+// brokerProblem is what a public answer may say of a broker's failure: its
+// kind, in a fixed text. Never the broker's own text, nor its host, port,
+// vhost or user: on a hosted plan those are the account, and a webhook's
+// answer is shown on GitHub's Recent Deliveries page. The cause goes to
+// the log and to the operator's status.
+func brokerProblem(err error) string {
+	switch {
+	case errors.Is(err, ErrBrokerAccessRefused):
+		return "refuses access"
+	case errors.Is(err, ErrBrokerBlocked):
+		return "blocked"
+	case errors.Is(err, ErrUnroutable):
+		return "routes webhooks to no queue"
+	case errors.Is(err, ErrBrokerRefused):
+		return "refusing publishes"
+	case errors.Is(err, ErrPublishTimeout), errors.Is(err, context.DeadlineExceeded):
+		return "no confirm"
+	}
+	return "unreachable"
 }

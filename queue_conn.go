@@ -67,7 +67,10 @@ type brokerConn struct {
 	metrics *Metrics
 	log     *slog.Logger
 	// Backoff between failed dials, doubled per failure up to maxBackoff,
-	// with jitter. Fields so tests can shorten them.
+	// with jitter. maxBackoff is a second: the spool's drain and the
+	// workers ask for the broker at least that often, and a broker back
+	// from its bad minute is used again within it, at the cost of a dial a
+	// second to one that stays away. Fields so tests can shorten them.
 	minBackoff, maxBackoff time.Duration
 
 	lock chan struct{} // a mutex that a context can give up on
@@ -106,7 +109,7 @@ type brokerConn struct {
 // newBrokerConn prepares the connection to broker b; nothing is dialed yet.
 func newBrokerConn(b *Broker, callTimeout time.Duration, onDial func(*brokerConn, *amqp.Connection) error, metrics *Metrics, log *slog.Logger) *brokerConn {
 	bc := &brokerConn{broker: b, callTimeout: callTimeout, onDial: onDial, metrics: metrics, log: log,
-		minBackoff: 200 * time.Millisecond, maxBackoff: 15 * time.Second, lock: make(chan struct{}, 1)}
+		minBackoff: 200 * time.Millisecond, maxBackoff: time.Second, lock: make(chan struct{}, 1)}
 	sig := make(chan struct{})
 	bc.blockedSig.Swap(&sig)
 	return bc

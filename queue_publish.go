@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -19,6 +20,19 @@ var (
 	// still reach the queues.
 	ErrUnconfirmed = errors.New("sent, not confirmed")
 )
+
+// TooLargeError is a message still over the broker's max_message_bytes,
+// compressed where compression was on. Its text names no broker.
+type TooLargeError struct {
+	Size, Max int64
+}
+
+func (e *TooLargeError) Error() string {
+	if e.Max <= 0 {
+		return fmt.Sprintf("message of %d bytes is over the broker's own max_message_size (the broker closed the channel on it): lower max_message_bytes to it", e.Size)
+	}
+	return fmt.Sprintf("message of %d bytes is over the broker's max_message_bytes (%d)", e.Size, e.Max)
+}
 
 // maxInFlight bounds the publishes awaiting a confirm on one broker. It also
 // bounds the returns that can wait in a lane's buffer (see wasReturned), so
@@ -247,40 +261,86 @@ drain:
 // Messages are mandatory: one that reaches no queue (a queue deleted on the
 // broker) is an error, never a silent success.
 func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) (err error) {
-	bc, b := p.bc, p.bc.broker
 	start := time.Now()
-	defer func() { p.metrics.publish(b.Index, err, time.Since(start)) }()
+	defer func() { p.metrics.publish(p.bc.broker.Index, err, time.Since(start)) }()
+	sent, err := p.publishAll(ctx, []Outgoing{{exchange, key, msg}})
+	if sent == 1 {
+		return nil
+	}
+	return err
+}
+
+// Outgoing is one message to publish, and where.
+type Outgoing struct {
+	Exchange, Key string
+	Msg           amqp.Publishing
+}
+
+// publishAll sends msgs in their order on one channel, then waits for their
+// confirms until ctx ends: the broker takes them in that order. It returns
+// how many of the first were confirmed before the first that was not, and
+// why that one was not.
+func (p *publisher) publishAll(ctx context.Context, msgs []Outgoing) (confirmed int, err error) {
+	bc, b := p.bc, p.bc.broker
 	blockedSig := *bc.blockedSig.Load()
 	if bc.blocked.Load() != nil {
 		// A refusal (bc.refused) does not stop a publish: only a confirmed
 		// one can tell that the broker takes them again.
-		return bc.blockedError()
+		return 0, bc.blockedError()
 	}
 	conn, err := bc.connection(ctx)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	p.onConn(conn)
-	select {
-	case p.sem <- struct{}{}:
-	case <-ctx.Done():
-		return fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
-	case <-blockedSig:
-		return bc.blockedError()
+	for taken := 0; taken < len(msgs); taken++ {
+		select {
+		case p.sem <- struct{}{}:
+			defer func() { <-p.sem }()
+		case <-ctx.Done():
+			return 0, fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
+		case <-blockedSig:
+			return 0, bc.blockedError()
+		}
 	}
-	defer func() { <-p.sem }()
 
 	l, idle := p.pickLane()
 	defer p.put(l, idle)
 	ch, returns, err := l.channel(bc)
 	if err != nil {
-		return fmt.Errorf("publish to %s: %w", b, err)
+		return 0, fmt.Errorf("publish to %s: %w: %w", b, errConfirmLost, err)
 	}
-	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
-	if err != nil {
-		return fmt.Errorf("publish to %s: %w", b, err)
+	dcs := make([]*amqp.DeferredConfirmation, 0, len(msgs))
+	for _, m := range msgs {
+		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, m.Exchange, m.Key, true, false, m.Msg)
+		if err != nil {
+			if len(dcs) == 0 {
+				return 0, fmt.Errorf("publish to %s: %w: %w", b, errConfirmLost, err)
+			}
+			break // wait for those sent
+		}
+		bc.published.Add(1) // sent: the broker counts it, confirmed or not
+		dcs = append(dcs, dc)
 	}
-	bc.published.Add(1) // sent: the broker counts it, confirmed or not
+	for i, dc := range dcs {
+		if err := p.await(ctx, l, ch, returns, dc, msgs[i], blockedSig); err != nil {
+			return i, err
+		}
+	}
+	if len(dcs) < len(msgs) {
+		return len(dcs), fmt.Errorf("publish to %s: %w: the channel closed while sending", b, errConfirmLost)
+	}
+	return len(dcs), nil
+}
+
+// errConfirmLost is a publish whose channel or connection closed before
+// its confirm came: PublishConfirmed sends it again on a fresh channel.
+var errConfirmLost = errors.New("channel closed before the confirm")
+
+// await waits for the confirm dc of m, sent on lane l's channel ch.
+func (p *publisher) await(ctx context.Context, l *lane, ch *amqp.Channel, returns chan amqp.Return, dc *amqp.DeferredConfirmation,
+	m Outgoing, blockedSig chan struct{}) error {
+	bc, b := p.bc, p.bc.broker
 	select {
 	case <-dc.Done():
 	case <-ctx.Done():
@@ -299,12 +359,20 @@ func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 		if ch.IsClosed() {
 			e := l.closedBy(ch)
 			if e == nil {
-				return fmt.Errorf("publish to %s: %w: channel closed before the confirm", b, ErrBrokerUnreachable)
+				return fmt.Errorf("publish to %s: %w: %w: %w", b, ErrBrokerUnreachable, ErrUnconfirmed, errConfirmLost)
 			}
 			if e.Code == amqp.NotFound {
 				// No such exchange (declare_topology = false, and none
 				// declared): the broker takes publishes, none routed.
-				return fmt.Errorf("publish to %s %q: %w: %s", b, exchange, ErrUnroutable, e.Reason)
+				return fmt.Errorf("publish to %s %q: %w: %s", b, m.Exchange, ErrUnroutable, e.Reason)
+			}
+			if e.Code == amqp.PreconditionFailed && strings.Contains(e.Reason, "larger than configured max size") {
+				// RabbitMQ's max_message_size, below this broker's
+				// max_message_bytes: sent again, or spooled, it would be
+				// refused again.
+				bc.log.Warn("the broker refused a message over its own max_message_size: set the broker's max_message_bytes to it",
+					"broker", b.String(), "delivery_id", m.Msg.MessageId, "reason", fmt.Sprintf("%d %s", e.Code, e.Reason))
+				return fmt.Errorf("publish to %s: %w", b, &TooLargeError{Size: int64(len(m.Msg.Body))})
 			}
 			refusal.Reason = fmt.Sprintf("channel closed: %d %s", e.Code, e.Reason)
 			// A user without the write permission: 403 on the channel.
@@ -316,8 +384,47 @@ func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.
 		return fmt.Errorf("publish to %s: %w", b, refusal)
 	}
 	bc.confirmed()
-	if l.wasReturned(returns, msg.MessageId) {
-		return fmt.Errorf("publish to %s %q: %w", b, exchange+"/"+key, ErrUnroutable)
+	if l.wasReturned(returns, m.Msg.MessageId) {
+		return fmt.Errorf("publish to %s %q: %w", b, m.Exchange+"/"+m.Key, ErrUnroutable)
 	}
 	return nil
+}
+
+// resendable reports whether a publish that failed with err may be
+// confirmed if sent again at once on a fresh channel: it was nacked (a
+// quorum queue without a leader for a moment), or its channel or
+// connection closed before the confirm. A broker that blocks, refuses
+// access, routes nowhere or cannot be dialed answers the same again.
+func resendable(err error) bool {
+	if errors.Is(err, ErrBrokerAccessRefused) || errors.Is(err, ErrUnroutable) || errors.Is(err, ErrBrokerBlocked) {
+		return false
+	}
+	return errors.Is(err, errConfirmLost) || errors.Is(err, ErrBrokerRefused)
+}
+
+// resendPause is the wait before a publish is sent again, doubled per try
+// up to resendPauseMax: a broker electing a queue's leader answers within
+// seconds, and a nack comes back in a round trip.
+const (
+	resendPause    = 20 * time.Millisecond
+	resendPauseMax = 500 * time.Millisecond
+)
+
+// PublishConfirmed publishes msg as Publish does, sending it again on a
+// fresh channel (resendable) until it is confirmed or ctx ends: a copy
+// that landed before its confirm was lost is a duplicate, stored once.
+func (p *publisher) PublishConfirmed(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+	pause := resendPause
+	for {
+		err := p.Publish(ctx, exchange, key, msg)
+		if err == nil || !resendable(err) || ctx.Err() != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, resendPauseMax)
+	}
 }
