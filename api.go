@@ -157,7 +157,8 @@ const readyCheckTimeout = 2 * time.Second
 // the active broker is reachable and takes publishes, else 503 naming only
 // the parts not ready and how: "broker" with one of "unreachable",
 // "refusing publishes", "routes webhooks to no queue", "refuses access" or
-// "blocked", and "database".
+// "blocked", and "database". While the spool takes webhooks the broker's
+// problem does not make the node unready: the answer's "spool" says so.
 // Anyone may ask, so the answer says no more than that (brokerProblem);
 // the log and the operator's status have the cause. Each check runs at
 // once beside the other, with a deadline of its own: a locked database
@@ -200,11 +201,33 @@ func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params)
 			out[c.name] = problems[i]
 		}
 	}
+	answer := map[string]any{"status": "ready"}
+	if spool := a.webhook.spool; spool.On() && out["database"] == "" {
+		// The spool takes what the broker does not: webhooks are still
+		// answered 202, so the node is ready.
+		st := spool.State()
+		switch {
+		case spool.Full():
+			out["spool"] = "full"
+		case out["broker"] != "" && spoolsFor(out["broker"]):
+			answer["spool"] = fmt.Sprintf("taking webhooks while the broker is %s (%d waiting)", out["broker"], st.Messages)
+			delete(out, "broker")
+		case st.Messages > 0:
+			answer["spool"] = fmt.Sprintf("%d webhooks waiting for the broker", st.Messages)
+		}
+	}
 	if len(out) > 0 {
 		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "not ready", "problems": out})
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
+	writeJSON(w, http.StatusOK, answer)
+}
+
+// spoolsFor reports whether the spool takes the webhooks of a broker with
+// problem (brokerProblem): one away, blocked, refusing publishes or not
+// confirming, not one that refuses access or routes them nowhere.
+func spoolsFor(problem string) bool {
+	return problem != "refuses access" && problem != "routes webhooks to no queue"
 }
 
 // brokerReady fails when the active broker cannot be reached, blocks or

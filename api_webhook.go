@@ -46,9 +46,10 @@ func (s prefixSet) contains(a netip.Addr) bool {
 // Webhook is the POST /webhooks/github endpoint: bound, verify, then publish.
 type Webhook struct {
 	// auth is what a SIGHUP may change: secrets, allow list, proxies.
-	auth     atomic.Pointer[webhookAuth]
-	brokers  *Brokers
-	queues   *Queues
+	auth    atomic.Pointer[webhookAuth]
+	brokers *Brokers
+	// spool takes what the broker does not confirm in time.
+	spool    *Spool
 	log      *slog.Logger
 	metrics  *Metrics
 	inflight *inflightBodies
@@ -141,12 +142,12 @@ func secretBytes(current string, previous []string) [][]byte {
 
 // NewWebhook builds the endpoint from the config; refused, when set, keeps
 // the webhooks it refuses.
-func NewWebhook(cfg *Config, brokers *Brokers, queues *Queues, metrics *Metrics, refused *RejectLog, log *slog.Logger) (*Webhook, error) {
+func NewWebhook(cfg *Config, brokers *Brokers, spool *Spool, metrics *Metrics, refused *RejectLog, log *slog.Logger) (*Webhook, error) {
 	auth, err := newWebhookAuth(cfg)
 	if err != nil {
 		return nil, err
 	}
-	wh := &Webhook{brokers: brokers, queues: queues, metrics: metrics, refused: refused, log: log,
+	wh := &Webhook{brokers: brokers, spool: spool, metrics: metrics, refused: refused, log: log,
 		inflight: newInflightBodies(cfg.Server.MaxInflightBytes), rejects: newLogLimiter(10 * time.Second)}
 	wh.auth.Store(auth)
 	wh.bodies.New = func() any { return new([]byte) }
@@ -334,9 +335,11 @@ func isForm(contentType string) bool {
 	return mt == "application/x-www-form-urlencoded"
 }
 
-// queued is the 202 answer. Queue is set for a webhook from outside the
-// allowed sources, which waits in github-forbidden for the cleanup worker:
-// whoever sent it by hand learns why no row appears at once.
+// queued is the 202 answer: status "queued" (the broker confirmed it) or
+// "spooled" (the store holds it until the broker takes it). Queue is set
+// for a webhook from outside the allowed sources, which waits in
+// github-forbidden for the cleanup worker: whoever sent it by hand learns
+// why no row appears at once.
 type queued struct {
 	Status     string `json:"status"`
 	DeliveryID string `json:"delivery_id"`
@@ -366,12 +369,22 @@ func (e *notQueued) outcome() string {
 	return "not queued"
 }
 
-// what is the kind of failure in the words of a public answer.
+// what is the kind of failure in the words of a public answer: the
+// broker's, and the spool's when it could not take the webhook either.
 func (e *notQueued) what() string {
-	if p := brokerProblem(e.cause); p != "no confirm" {
-		return "broker " + p
+	what := "no confirm from the broker within queue.publish_timeout"
+	if errors.Is(e.cause, errBehindSpool) {
+		what = "the broker has not taken the spooled webhooks yet"
+	} else if p := brokerProblem(e.cause); p != "no confirm" {
+		what = "broker " + p
 	}
-	return "no confirm from the broker within queue.publish_timeout"
+	switch {
+	case errors.Is(e.cause, ErrSpoolFull):
+		what += ", and the spool is full"
+	case errors.Is(e.cause, errSpoolRefused):
+		what += ", and the spool did not take it"
+	}
+	return what
 }
 
 // public is the 503's body text.
@@ -435,7 +448,8 @@ func addrText(a netip.Addr) string {
 	return a.String()
 }
 
-// ServeHTTP answers 202 only once the broker confirmed the message.
+// ServeHTTP answers 202 only once the webhook is durable: confirmed by the
+// broker, or committed to the spool.
 func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	buf := wh.bodies.Get().(*[]byte)
 	defer func() {
@@ -459,7 +473,7 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	msg := newPublishing(r.Header, payload, addrText(src), time.Now())
 
-	b, err := wh.queues.PublishToTarget(r.Context(), wh.brokers, exchange, key, msg)
+	took, err := wh.spool.Take(r.Context(), exchange, key, msg)
 	var tooLarge *TooLargeError
 	if errors.As(err, &tooLarge) {
 		wh.reject(w, r, fmt.Errorf("%w: delivery %s not queued: %v", ErrTooLarge, msg.MessageId, tooLarge), src)
@@ -469,16 +483,19 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		wh.reject(w, r, &notQueued{delivery: msg.MessageId, cause: err}, src)
 		return
 	}
-	outcome := "accepted"
+	outcome, status := "accepted", "queued"
 	if key != "" {
 		outcome = "forbidden"
 	}
+	if took.Spooled {
+		outcome, status = "spooled", "spooled"
+	}
 	wh.metrics.webhook(outcome)
 	if wh.log.Enabled(r.Context(), slog.LevelDebug) {
-		wh.log.Debug("webhook queued", "delivery_id", msg.MessageId, "event", msg.Type, "source_ip", addrText(src),
-			"broker", b.String(), "forbidden", key != "")
+		wh.log.Debug("webhook "+status, "delivery_id", msg.MessageId, "event", msg.Type, "source_ip", addrText(src),
+			"broker", took.Broker.String(), "forbidden", key != "")
 	}
-	writeJSON(w, http.StatusAccepted, queued{Status: "queued", DeliveryID: msg.MessageId, Queue: key})
+	writeJSON(w, http.StatusAccepted, queued{Status: status, DeliveryID: msg.MessageId, Queue: key})
 }
 
 // logLimiter lets one log line per key through per period, and counts the

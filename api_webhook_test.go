@@ -327,6 +327,7 @@ func TestWebhookBrokerUnavailable(t *testing.T) {
 	vhost := newVhost(t)
 	proxy := newTCPProxy(t, testBrokerAddr())
 	cfg := testConfig(t, proxy.URL(vhost))
+	cfg.Queue.SpoolMaxBytes = 0 // the refusals without the spool (worker_spool_test.go has them with it)
 	cfg.Queue.PublishTimeout = time.Second
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")
@@ -768,6 +769,7 @@ func TestUnavailableNamesNoBroker(t *testing.T) {
 	vhost := newVhost(t)
 	proxy := newTCPProxy(t, testBrokerAddr())
 	cfg := testConfig(t, proxy.URL(vhost))
+	cfg.Queue.SpoolMaxBytes = 0 // the refusals without the spool (worker_spool_test.go has them with it)
 	cfg.Queue.PublishTimeout = time.Second
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")

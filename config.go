@@ -159,6 +159,14 @@ type QueueConfig struct {
 	MaxAttempts     int           `toml:"max_attempts"`
 	Prefetch        int           `toml:"prefetch"`
 	PublishTimeout  time.Duration `toml:"publish_timeout"`
+	// SpoolAfter is how long a webhook waits for the broker's confirm
+	// before it is written to the spool in the store instead (and answered
+	// 202 all the same); a broker that refuses, blocks or cannot be
+	// reached sends it there at once.
+	SpoolAfter time.Duration `toml:"spool_after"`
+	// SpoolMaxBytes bounds the spool: past it a webhook the broker did not
+	// confirm is answered 503. 0 turns the spool off.
+	SpoolMaxBytes int64 `toml:"spool_max_bytes"`
 	// CallTimeout bounds every other AMQP call (dial, declare, get, ack).
 	CallTimeout time.Duration `toml:"call_timeout"`
 	// MaxBatchBytes bounds the message bytes one consumer holds: its window
@@ -293,6 +301,8 @@ func DefaultConfig() *Config {
 			// dozen messages a second.
 			Prefetch:           200,
 			PublishTimeout:     5 * time.Second,
+			SpoolAfter:         time.Second,
+			SpoolMaxBytes:      1 << 30,
 			CallTimeout:        10 * time.Second,
 			MaxBatchBytes:      8 << 20,
 			KeepaliveEvery:     24 * time.Hour,

@@ -224,6 +224,12 @@ func (c *Config) Validate() error {
 	if c.Queue.CallTimeout <= 0 {
 		bad("queue.call_timeout", "must be positive")
 	}
+	if c.Queue.SpoolAfter <= 0 || c.Queue.SpoolAfter >= c.Queue.PublishTimeout {
+		bad("queue.spool_after", "want more than 0 and less than queue.publish_timeout (%s), got %s", c.Queue.PublishTimeout, c.Queue.SpoolAfter)
+	}
+	if c.Queue.SpoolMaxBytes < 0 {
+		bad("queue.spool_max_bytes", "want 0 (no spool) or a size in bytes, got %d", c.Queue.SpoolMaxBytes)
+	}
 	if c.Queue.KeepaliveEvery <= 0 || c.Queue.KeepaliveEvery > 7*24*time.Hour {
 		bad("queue.keepalive_every", "want more than 0 and at most 7 days (free plans delete queues unused for 28), got %s", c.Queue.KeepaliveEvery)
 	}
@@ -563,6 +569,11 @@ func (c *Config) Summary(w io.Writer) {
 	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
 		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)
 	p("queue.type = %s, compress = %s, compress_over = %d", c.Queue.Type, c.Queue.Compress, c.Queue.CompressOver)
+	if c.Queue.SpoolMaxBytes > 0 {
+		p("queue.spool_after = %s, spool_max_bytes = %d", c.Queue.SpoolAfter, c.Queue.SpoolMaxBytes)
+	} else {
+		p("queue.spool_max_bytes = 0 (no spool: a webhook the broker does not confirm is answered 503)")
+	}
 	p("workers.window = %s, pending_check_interval = %s, leftover_drain_limit = %d",
 		c.Workers.Window, c.Workers.PendingCheckInterval, c.Workers.LeftoverDrainLimit)
 	p("workers.cleanup_every = %s, cleanup_window = %s, hooks_poll_every = %s",

@@ -42,6 +42,7 @@ type Daemon struct {
 	leases    *Leases
 	retention *Retention
 	refused   *RejectLog
+	spool     *Spool
 	workers   []*Worker
 	// hooks is the hooks worker, which runs under its lease; nil without
 	// the GitHub App.
@@ -87,11 +88,13 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		metrics.broker(b.Index, b.Host, b.Vhost)
 	}
 	refused := NewRejectLog(store, metrics, log.With("component", "webhook"))
-	webhook, err := NewWebhook(cfg, brokers, queues, metrics, refused, log)
+	spool := NewSpool(cfg, store, brokers, queues, metrics, log)
+	webhook, err := NewWebhook(cfg, brokers, spool, metrics, refused, log)
 	if err != nil {
 		return fail(err)
 	}
-	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics, leases: leases, refused: refused}
+	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics, leases: leases, refused: refused,
+		spool: spool}
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
 	d.keepalive = NewKeepalive(cfg.Queue, brokers.List(), queues, leases.Lease(jobKeepalive), metrics, log)
@@ -166,6 +169,10 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	work.Go(func() error { return d.leases.Lease(jobRetention).Run(wctx, d.retention.Compress) })
 	work.Go(func() error { return d.keepalive.Run(wctx) })
 	work.Go(func() error { return d.refused.Run(wctx) })
+	if d.spool.On() {
+		work.Go(func() error { return d.spool.Watch(wctx) })
+		work.Go(func() error { return d.leases.Lease(jobSpool).Run(wctx, d.spool.Drain) })
+	}
 	work.Go(func() error { return d.usage.Run(wctx) })
 	if d.store.Shared() {
 		work.Go(func() error { return d.brokers.Follow(wctx, followEvery) })

@@ -22,6 +22,7 @@ func TestFaultBrokerBlocked(t *testing.T) {
 	needRabbitmqctl(t)
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.SpoolMaxBytes = 0            // the refusals without the spool (worker_spool_test.go has them with it)
 	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the block's, not the timeout's
 	cfg.Log.Level = "info"
 	pushed := alertOnBlock(t, cfg)
@@ -112,6 +113,7 @@ func TestFaultBrokerRefuses(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
+	cfg.Queue.SpoolMaxBytes = 0            // the refusals without the spool (worker_spool_test.go has them with it)
 	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the refusal's, not the timeout's
 	pushed := alertOnBlock(t, cfg)
 	d := startDaemon(t, cfg)
@@ -227,12 +229,15 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	d.stop(t)
 
 	// A broker limit below max_message_bytes: the broker closes the
-	// channel, and says why.
+	// channel, and says why; waiting would not change it, so it is 413,
+	// not spooled (it would hold the spool forever). spool_after is long
+	// enough for 20 MiB to reach the broker under the race detector.
 	cfg.Brokers[0].MaxMessageBytes = 64 << 20
+	cfg.Queue.SpoolAfter = 20 * time.Second
 	d = startDaemon(t, cfg)
 	code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
-	if code != http.StatusServiceUnavailable || !strings.Contains(answer, "broker refusing publishes") || strings.Contains(answer, "406") {
-		t.Errorf("a message over the broker's own limit: %d %s, want 503 naming the refusal, not the broker's text", code, answer)
+	if code != http.StatusRequestEntityTooLarge || !strings.Contains(answer, "max_message_size") || strings.Contains(answer, "406") {
+		t.Errorf("a message over the broker's own limit: %d %s, want 413 naming the limit, not the broker's text, never spooled", code, answer)
 	}
 	if !strings.Contains(d.logs.String(), "406 PRECONDITION_FAILED") {
 		t.Errorf("the log does not say why the broker refused (406)")
@@ -252,6 +257,7 @@ func TestRefusalRotates(t *testing.T) {
 	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
+	cfg.Queue.SpoolMaxBytes = 0 // the refusals without the spool (worker_spool_test.go has them with it)
 	cfg.Queue.RotateOnBudget, cfg.Queue.BlockedRotateAfter = true, time.Millisecond
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")

@@ -134,25 +134,29 @@ func TestFaultRabbitMQRestart(t *testing.T) {
 	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "-q", "start_app").Run() })
 
 	body := loadFixture(t, "issues", "opened")
-	probe := func() int { return postWebhook(t, d.URL, "issues", newGUID(), body) }
 	done := make(chan []string)
 	go func() { done <- stream(t, func() string { return d.URL }, 600, 4, 3*time.Minute) }()
 	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "the stream flowing", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") > 0 })
 	rabbitmqctl(t, "stop_app")
-	// While it is down: 503, and the workers find the broker gone.
-	down := probe()
+	// While it is down: 202 from the spool, and the workers find the
+	// broker gone.
+	downGUID := newGUID()
+	down, downAnswer := do(t, webhookRequest(t, d.URL, "issues", downGUID, body))
 	logged(t, d.logs, "cycle failed", 1)
 	rabbitmqctl(t, "start_app")
 	accepted := <-done
-	eventually(t, 60*time.Second, "202 once RabbitMQ is back", func() bool { return probe() == http.StatusAccepted })
-	if down != http.StatusServiceUnavailable {
-		t.Errorf("webhook while RabbitMQ was stopped: got %d, want 503", down)
+	eventually(t, 60*time.Second, "202 queued once RabbitMQ is back", func() bool {
+		_, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
+		return strings.Contains(answer, `"queued"`)
+	})
+	if down != http.StatusAccepted || !strings.Contains(downAnswer, `"spooled"`) {
+		t.Errorf("webhook while RabbitMQ was stopped: got %d %s, want 202 spooled", down, downAnswer)
 	}
 	if len(accepted) != 600 {
 		t.Fatalf("accepted %d of 600", len(accepted))
 	}
-	storedExactlyOnce(t, cfg.Database.Path, accepted, 2*time.Minute)
+	storedExactlyOnce(t, cfg.Database.Path, append(accepted, downGUID), 2*time.Minute)
 }
 
 // switchyard killed with SIGKILL 10 times during a stream and restarted:
@@ -184,8 +188,9 @@ func TestFaultSIGKILL(t *testing.T) {
 }
 
 // A broker that accepts connections and then never answers: AMQP calls time
-// out, the webhook answers 503 within publish_timeout, the worker logs and
-// moves on, and once the broker answers again everything flows.
+// out, the webhook is spooled after spool_after, the worker logs and moves
+// on, and once the broker answers again everything flows, the spooled
+// webhook too.
 func TestFaultStalledBroker(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
@@ -200,13 +205,14 @@ func TestFaultStalledBroker(t *testing.T) {
 	}
 
 	proxy.Stall(true)
-	// Sent, with no confirm in time: it may yet reach the queue, and the
-	// answer says so.
+	// Sent, with no confirm within spool_after: spooled, and answered 202
+	// while the stall still holds.
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body).WithContext(ctx))
-	if code != http.StatusServiceUnavailable || !strings.Contains(answer, "not confirmed") {
-		t.Errorf("stalled broker: got %d %s, want 503 saying not confirmed", code, answer)
+	stalled := newGUID()
+	code, answer := do(t, webhookRequest(t, d.URL, "issues", stalled, body).WithContext(ctx))
+	if code != http.StatusAccepted || !strings.Contains(answer, `"spooled"`) || !proxy.isStalled() {
+		t.Errorf("stalled broker: got %d %s, want 202 spooled while the stall holds", code, answer)
 	}
 	eventually(t, 20*time.Second, "a worker noticing the stall", func() bool {
 		logs := d.logs.String()
@@ -218,8 +224,5 @@ func TestFaultStalledBroker(t *testing.T) {
 	eventually(t, 30*time.Second, "202 after the stall", func() bool {
 		return postWebhook(t, d.URL, "issues", guid, body) == http.StatusAccepted
 	})
-	db := openStoreDB(t, cfg.Database)
-	eventually(t, 30*time.Second, "stored after the stall", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1
-	})
+	storedAll(t, cfg.Database, []string{stalled, guid}, 30*time.Second)
 }

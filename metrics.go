@@ -61,7 +61,7 @@ func NewMetrics(labels MetricLabels) *Metrics {
 	m := &Metrics{
 		reg: prometheus.NewRegistry(),
 		webhooks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_webhooks_received_total",
-			Help: "Webhook requests by outcome: accepted, forbidden (accepted into github-forbidden), unauthorized, bad_request, too_large, unavailable."},
+			Help: "Webhook requests by outcome: accepted, forbidden (accepted into github-forbidden), spooled (answered 202 from the spool), unauthorized, bad_request, too_large, unavailable."},
 			[]string{"outcome"}),
 		unrecorded: prometheus.NewCounter(prometheus.CounterOpts{Name: "switchyard_webhook_rejections_unrecorded_total",
 			Help: "Refused webhooks counted but not recorded in rejected_webhooks: over 100 a second, or the database did not take them."}),
@@ -118,7 +118,7 @@ func NewMetrics(labels MetricLabels) *Metrics {
 	m.buildInfo.WithLabelValues(labels.Version, runtime.Version()).Set(1)
 	// Counters whose label values are known start at 0, so that rate() and
 	// increase() see their first event.
-	for _, o := range []string{"accepted", "forbidden", "unauthorized", "bad_request", "too_large", "unavailable"} {
+	for _, o := range []string{"accepted", "forbidden", "spooled", "unauthorized", "bad_request", "too_large", "unavailable"} {
 		m.webhooks.WithLabelValues(o)
 	}
 	for _, q := range labels.Queues {

@@ -648,3 +648,35 @@ ALTER TABLE leases ADD COLUMN term INTEGER NOT NULL DEFAULT 0;
 -- endpoint compresses with zstd only while every live node reads it.
 -- Additive: the floor stays.
 ALTER TABLE nodes ADD COLUMN reads TEXT NOT NULL DEFAULT '';
+-- migration 22: the spool
+-- spooled_webhooks: webhooks the broker did not confirm in time (or
+-- refused, blocked, could not be reached), committed here and answered
+-- 202: each the message as it would have been published (exchange and
+-- routing key, headers as a JSON object, the body as compressed). The
+-- spool is the rows not yet published; the spool drain publishes them
+-- oldest first (received_at, id) to where the endpoint publishes, then
+-- drops the row's message (body and headers emptied) and sets
+-- published_at: the times stay for the delivery's story 7 days. Additive:
+-- an older node neither reads nor writes it, so the floor stays.
+CREATE TABLE spooled_webhooks (
+    id               INTEGER PRIMARY KEY,
+    delivery_id      TEXT NOT NULL,
+    hook_id          INTEGER,                   -- NULL when none
+    event            TEXT NOT NULL,
+    received_at      TEXT NOT NULL,             -- at the door
+    spooled_at       TEXT NOT NULL,
+    node             TEXT NOT NULL,             -- the node that took it
+    broker           INTEGER NOT NULL,          -- the broker it was meant for
+    reason           TEXT NOT NULL,             -- why the broker did not take it
+    exchange         TEXT NOT NULL,
+    routing_key      TEXT NOT NULL,
+    headers          TEXT NOT NULL,
+    content_encoding TEXT NOT NULL DEFAULT '',
+    body             BLOB NOT NULL,
+    bytes            INTEGER NOT NULL,          -- the message's size while spooled
+    published_at     TEXT,
+    published_to     INTEGER
+) STRICT;
+CREATE INDEX spooled_webhooks_unpublished ON spooled_webhooks (received_at, id) WHERE published_at IS NULL;
+CREATE INDEX spooled_webhooks_delivery ON spooled_webhooks (delivery_id);
+CREATE INDEX spooled_webhooks_published ON spooled_webhooks (published_at) WHERE published_at IS NOT NULL;

@@ -25,6 +25,9 @@ type DeliveryStory struct {
 	// Rejected are the webhooks of this GUID that were refused here (401,
 	// 400, 413, 503), oldest first.
 	Rejected []Rejection `json:"rejected"`
+	// Spooled are the webhooks of this GUID that the broker did not
+	// confirm in time, kept in the spool until published, oldest first.
+	Spooled []SpoolStory `json:"spooled"`
 	// Copies are the hooks' copies known here, in the order they were stored.
 	Copies []StoryCopy  `json:"copies"`
 	Hooks  *StoryHooks  `json:"redelivered_through_hooks,omitempty"`
@@ -129,7 +132,7 @@ var ErrUnknownDelivery = errors.New("no delivery with this GUID is known")
 
 // newStory is an empty story of guid, its lists empty rather than null.
 func newStory(guid string) *DeliveryStory {
-	return &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Rejected: []Rejection{}, Copies: []StoryCopy{}, Alerts: []StoryAlert{}}
+	return &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Rejected: []Rejection{}, Spooled: []SpoolStory{}, Copies: []StoryCopy{}, Alerts: []StoryAlert{}}
 }
 
 // copyOf is the story's copy for hook, added when there is none yet.
@@ -148,6 +151,7 @@ func (st *DeliveryStory) copyOf(hook int64) *StoryCopy {
 // ErrUnknownDelivery.
 func (st *DeliveryStory) Narrow(hook int64) error {
 	st.Rejected = slices.DeleteFunc(st.Rejected, func(r Rejection) bool { return r.Hook != HookID(hook) })
+	st.Spooled = slices.DeleteFunc(st.Spooled, func(s SpoolStory) bool { return s.Hook != HookID(hook) })
 	st.Errors = slices.DeleteFunc(st.Errors, func(e StoryError) bool { return e.Hook != hook })
 	copies := st.Copies
 	st.Copies = []StoryCopy{}
@@ -260,6 +264,11 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		return nil, err
 	}
 	st.Rejected = append(st.Rejected, rejected...)
+	spooled, err := spoolingsOf(ctx, tx, guid)
+	if err != nil {
+		return nil, err
+	}
+	st.Spooled = append(st.Spooled, spooled...)
 	err = each("worker_deliveries", `SELECT hook_id, worker, outcome, processed_at FROM worker_deliveries
 		WHERE delivery_id = $1 ORDER BY hook_id, worker LIMIT $2`, func(rows *sql.Rows) error {
 		var w StoryWorker
@@ -336,7 +345,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	if err != nil {
 		return nil, err
 	}
-	if len(st.Copies) == 0 && st.Hooks == nil && st.Gap == nil && len(st.GitHub) == 0 && len(st.Rejected) == 0 {
+	if len(st.Copies) == 0 && st.Hooks == nil && st.Gap == nil && len(st.GitHub) == 0 && len(st.Rejected) == 0 && len(st.Spooled) == 0 {
 		return nil, fmt.Errorf("%w: %s", ErrUnknownDelivery, guid)
 	}
 	return st, nil
@@ -377,6 +386,18 @@ func (st *DeliveryStory) Lines() []StoryLine {
 		}
 		add("rejected", "%s %d from %s, %s, %s: %s", when(r.At), r.Status, cmp.Or(r.SourceIP, "-"), hook, cmp.Or(r.Event, "no event"), r.Reason)
 	}
+	for _, s := range st.Spooled {
+		line := fmt.Sprintf("%s on node %s (%s)", when(s.SpooledAt), s.Node, s.Reason)
+		switch {
+		case s.PublishedAt != nil && s.Broker < 0:
+			line = fmt.Sprintf("%s on node %s; given up %s: %s", when(s.SpooledAt), s.Node, when(*s.PublishedAt), s.Reason)
+		case s.PublishedAt != nil:
+			line += fmt.Sprintf("; published %s to broker #%d", when(*s.PublishedAt), s.Broker)
+		default:
+			line += fmt.Sprintf("; waiting in the spool for broker #%d", s.Broker)
+		}
+		add("spooled", "%s", line)
+	}
 	for _, c := range st.Copies {
 		head := fmt.Sprintf("hook %d", c.Hook)
 		if c.Hook == 0 {
@@ -403,6 +424,13 @@ func (st *DeliveryStory) Lines() []StoryLine {
 				add("broker", "came through %s vhost %s", host, vhost)
 			}
 			add("stored", "%s", when(r.StoredAt))
+			// The raw row is the service worker's record (the cleanup
+			// worker's for github-forbidden); the others keep their own.
+			writer := "service"
+			if r.Forbidden {
+				writer = "cleanup"
+			}
+			add("worker "+writer, "stored the github row %s", when(r.StoredAt))
 			if r.Duplicates > 0 && r.LastDuplicateAt != nil {
 				times := "1 time"
 				if r.Duplicates != 1 {

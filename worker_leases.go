@@ -11,8 +11,8 @@ import (
 // Jobs that must run once among the nodes sharing a database, each on the
 // holder of its lease (the leases table): the hooks worker (ledger polls,
 // redeliveries, republish), the alert sender, the HealthChecks pings,
-// raw retention, the brokers' keepalive, and the budget alerts and
-// rotation. Consuming is every node's: a delivery is stored once, the
+// raw retention, the brokers' keepalive, the budget alerts and
+// rotation, and the spool drain. Consuming is every node's: a delivery is stored once, the
 // database decides inside the writing transaction.
 const (
 	jobHooks        = "hooks"
@@ -26,6 +26,9 @@ const (
 // leaseJobs are the jobs of cfg: the hooks worker's only with the App.
 func leaseJobs(cfg *Config) []string {
 	jobs := []string{jobAlerts, jobHealthChecks, jobRetention, jobKeepalive, jobBudget}
+	if cfg.Queue.SpoolMaxBytes > 0 {
+		jobs = append(jobs, jobSpool)
+	}
 	if cfg.GitHub.AppID > 0 {
 		jobs = append([]string{jobHooks}, jobs...)
 	}

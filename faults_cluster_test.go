@@ -1,0 +1,277 @@
+package main
+
+import (
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// A RabbitMQ cluster of the test's own: three nodes of the installed
+// rabbitmq-server, each with its node name, ports, data directories and
+// an Erlang cookie of the test's own, the machine's config files never
+// read, joined into one cluster; behind Debian's haproxy in TCP mode, as a
+// user runs one when one broker is not enough. The machine's own node is
+// never touched.
+
+const rabbitmqServer = "/usr/lib/rabbitmq/bin/rabbitmq-server"
+
+// rabbitNode is one node of a test's cluster.
+type rabbitNode struct {
+	name       string // node@localhost
+	port, dist int
+	dir        string
+	mu         sync.Mutex
+	cmd        *exec.Cmd
+	done       chan struct{}
+}
+
+// env is the node's environment: its name, ports and directories, a
+// cookie of the test's own in HOME, empty config files.
+func (n *rabbitNode) env() []string {
+	return []string{"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=" + filepath.Join(n.dir, "home"), "LANG=C.UTF-8",
+		"RABBITMQ_NODENAME=" + n.name, fmt.Sprintf("RABBITMQ_NODE_PORT=%d", n.port), fmt.Sprintf("RABBITMQ_DIST_PORT=%d", n.dist),
+		"RABBITMQ_NODE_IP_ADDRESS=127.0.0.1", "ERL_EPMD_ADDRESS=127.0.0.1",
+		"RABBITMQ_MNESIA_BASE=" + filepath.Join(n.dir, "mnesia"), "RABBITMQ_LOG_BASE=" + filepath.Join(n.dir, "log"),
+		"RABBITMQ_PID_FILE=" + filepath.Join(n.dir, "pid"), "RABBITMQ_ENABLED_PLUGINS_FILE=" + filepath.Join(n.dir, "plugins"),
+		"RABBITMQ_CONF_ENV_FILE=" + filepath.Join(n.dir, "env.conf"), "RABBITMQ_CONFIG_FILE=" + filepath.Join(n.dir, "empty.conf")}
+}
+
+// start runs the node in the foreground, its output to its directory.
+func (n *rabbitNode) start(t testing.TB) {
+	t.Helper()
+	out, err := os.OpenFile(filepath.Join(n.dir, "out.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(rabbitmqServer)
+	cmd.Env, cmd.Stdout, cmd.Stderr = n.env(), out, out
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // the Erlang VM and its helpers, killed together
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); out.Close(); close(done) }()
+	n.mu.Lock()
+	n.cmd, n.done = cmd, done
+	n.mu.Unlock()
+}
+
+// kill sends SIGKILL to the node's whole process group and waits for it.
+func (n *rabbitNode) kill() {
+	n.mu.Lock()
+	cmd, done := n.cmd, n.done
+	n.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+	<-done
+}
+
+// ctl runs rabbitmqctl against the node.
+func (n *rabbitNode) ctl(t testing.TB, args ...string) string {
+	t.Helper()
+	cmd := exec.Command("/usr/lib/rabbitmq/bin/rabbitmqctl", append([]string{"-q", "-n", n.name}, args...)...)
+	cmd.Env = n.env()
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("rabbitmqctl -n %s %s: %v\n%s", n.name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// answers reports whether the node takes AMQP connections.
+func (n *rabbitNode) answers() bool {
+	c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", n.port), time.Second)
+	if err == nil {
+		c.Close()
+	}
+	return err == nil
+}
+
+// freePort is a loopback port nothing listens on now.
+func freePort(t testing.TB) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// rabbitCluster starts three nodes, joins the second and third to the
+// first, and stops them all at the test's end.
+func rabbitCluster(t *testing.T) []*rabbitNode {
+	t.Helper()
+	if _, err := os.Stat(rabbitmqServer); err != nil {
+		t.Skipf("no %s: the cluster test needs Debian's rabbitmq-server installed", rabbitmqServer)
+	}
+	cookie := "SWITCHYARDTEST" + strings.ToUpper(randHex(8))
+	prefix := "sy" + randHex(3)
+	nodes := make([]*rabbitNode, 3)
+	for i := range nodes {
+		n := &rabbitNode{name: fmt.Sprintf("%s-%d@localhost", prefix, i+1), port: freePort(t), dist: freePort(t), dir: t.TempDir()}
+		for _, d := range []string{"home", "mnesia", "log"} {
+			if err := os.MkdirAll(filepath.Join(n.dir, d), 0o700); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, f := range []string{"plugins", "env.conf", "empty.conf"} {
+			if err := os.WriteFile(filepath.Join(n.dir, f), nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.WriteFile(filepath.Join(n.dir, "home", ".erlang.cookie"), []byte(cookie), 0o400); err != nil {
+			t.Fatal(err)
+		}
+		nodes[i] = n
+		n.start(t)
+		t.Cleanup(n.kill)
+	}
+	for _, n := range nodes {
+		eventually(t, 2*time.Minute, "RabbitMQ node "+n.name+" booted", n.answers)
+	}
+	for _, n := range nodes[1:] {
+		n.ctl(t, "stop_app")
+		n.ctl(t, "join_cluster", nodes[0].name)
+		n.ctl(t, "start_app")
+	}
+	if out := nodes[0].ctl(t, "cluster_status"); strings.Count(out, "@localhost") < 3 {
+		t.Fatalf("the cluster did not form:\n%s", out)
+	}
+	return nodes
+}
+
+// tcpBalancer runs haproxy in TCP mode on a port of its own in front of
+// the nodes, checking each every 500 ms, and returns its address.
+func tcpBalancer(t *testing.T, nodes []*rabbitNode) string {
+	t.Helper()
+	front := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	var b strings.Builder
+	fmt.Fprintf(&b, `global
+    log stderr format short local0 notice
+defaults
+    mode tcp
+    timeout connect 2s
+    timeout client 1m
+    timeout server 1m
+frontend amqp
+    bind %s
+    default_backend rabbits
+backend rabbits
+    balance roundrobin
+`, front)
+	for i, n := range nodes {
+		fmt.Fprintf(&b, "    server rabbit-%d 127.0.0.1:%d check inter 500ms fall 2 rise 2\n", i+1, n.port)
+	}
+	cfg := filepath.Join(t.TempDir(), "haproxy.cfg")
+	if err := os.WriteFile(cfg, []byte(b.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(haproxy(t), "-db", "-f", cfg)
+	out := started(t, cmd)
+	eventually(t, 20*time.Second, "haproxy listening", func() bool {
+		c, err := net.DialTimeout("tcp", front, time.Second)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	})
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("haproxy:\n%s", out)
+		}
+	})
+	return front
+}
+
+// leaderOf is the node (of nodes) leading the quorum queue in vhost, as
+// a live node tells it.
+func leaderOf(t *testing.T, nodes []*rabbitNode, ask *rabbitNode, vhost, queue string) *rabbitNode {
+	t.Helper()
+	for _, line := range strings.Split(ask.ctl(t, "list_queues", "-p", vhost, "name", "leader"), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 2 && f[0] == queue {
+			for _, n := range nodes {
+				if n.name == f[1] {
+					return n
+				}
+			}
+		}
+	}
+	t.Fatalf("no leader of %s in vhost %s", queue, vhost)
+	return nil
+}
+
+// Three RabbitMQ nodes in a cluster, every queue a quorum queue with
+// members on all three, behind haproxy in TCP mode; under a stream of
+// 40 webhooks a second the node leading github is SIGKILLed, then
+// another node stopped (the queues lose their quorum: nothing is
+// confirmed until it starts again): every request is answered 202, and
+// every webhook stored once.
+func TestSpoolClusterNodesLost(t *testing.T) {
+	onBothStores(t, testSpoolClusterNodesLost)
+}
+
+func testSpoolClusterNodesLost(t *testing.T) {
+	nodes := rabbitCluster(t)
+	front := tcpBalancer(t, nodes)
+	cfg := testConfig(t, "amqp://guest:guest@"+front+"/")
+	cfg.Queue.Type = "quorum"
+	cfg.Log.Level = "info"
+	d := startDaemon(t, cfg)
+	eventually(t, time.Minute, "the daemon ready", func() bool { return answersOK(d.URL + "/readyz") })
+	stop := openLoop(t, func() string { return d.URL }, 25*time.Millisecond)
+	answered := func() float64 {
+		m := scrape(t, d.URL+"/metrics")
+		return m[`switchyard_webhooks_received_total{outcome="accepted"}`] + m[`switchyard_webhooks_received_total{outcome="spooled"}`] +
+			m[`switchyard_webhooks_received_total{outcome="unavailable"}`]
+	}
+	more := func(what string, n float64) {
+		t.Helper()
+		from := answered()
+		eventually(t, 2*time.Minute, what, func() bool { return answered() >= from+n })
+	}
+	more("webhooks before the kill", 80)
+
+	leader := leaderOf(t, nodes, nodes[0], "/", queueGitHub)
+	leader.kill()
+	more("webhooks after the leader's kill", 200)
+
+	var other *rabbitNode
+	for _, n := range nodes {
+		if n != leader {
+			other = n
+			break
+		}
+	}
+	other.ctl(t, "stop_app")
+	more("webhooks while one node of three runs", 200)
+	if n := scrape(t, d.URL+"/metrics")["switchyard_spool_messages"]; n == 0 && !d.spool.Holding() {
+		t.Log("nothing waited in the spool with one node of three running")
+	}
+	other.ctl(t, "start_app")
+	more("webhooks after the node came back", 80)
+	answers := stop()
+	allSpooledOrQueued(t, answers)
+	guids := make([]string, 0, len(answers))
+	for _, a := range answers {
+		if a.code == http.StatusAccepted {
+			guids = append(guids, a.guid)
+		}
+	}
+	storedAll(t, cfg.Database, guids, 3*time.Minute)
+	db := openStoreDB(t, cfg.Database)
+	if n := queryInt(t, db, "SELECT count(*) - count(DISTINCT delivery_id) FROM github"); n != 0 {
+		t.Errorf("%d webhooks stored more than once", n)
+	}
+}
