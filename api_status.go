@@ -52,6 +52,14 @@ type Status struct {
 	// Budgets are the brokers' spending this budget month.
 	Budgets []BudgetView `json:"budgets"`
 
+	// Spool is what waits in the spool for a broker to take it; null
+	// without a spool (queue.spool_max_bytes = 0).
+	Spool *SpoolView `json:"spool"`
+	// Refused and Spooled are the webhooks of the last hour that were not
+	// published at once: refused (4xx, 5xx), and spooled, by reason.
+	Refused []ReasonCount `json:"refused_last_hour"`
+	Spooled []ReasonCount `json:"spooled_last_hour"`
+
 	// Draining is set once this node, told to stop, drains
 	// (server.drain_delay): /readyz answers 503 and a balancer sends
 	// webhooks elsewhere.
@@ -75,6 +83,17 @@ type Status struct {
 	// well: `switchyard status` exits 1 when there is one.
 	Problems []string `json:"problems"`
 }
+
+// SpoolView is the spool as the status shows it.
+type SpoolView struct {
+	SpoolState
+	MaxBytes int64 `json:"max_bytes"`
+	Full     bool  `json:"full"`
+}
+
+// spoolTooOld is how long webhooks may wait in the spool before the
+// status calls it a problem (the alert rule's threshold too).
+const spoolTooOld = 10 * time.Minute
 
 // statusGaps is the most gaps the status lists.
 const statusGaps = 100
@@ -113,8 +132,8 @@ func (st *Status) problems() []string {
 			ps = append(ps, fmt.Sprintf("broker #%d has spent its monthly_messages (%d of %d) until %s", v.Broker,
 				v.Published+v.Delivered, v.Monthly, v.MonthEnd.Format("2006-01-02")))
 		case !v.RunsOut.IsZero():
-			ps = append(ps, fmt.Sprintf("broker #%d runs out of its monthly_messages on %s at the last 24 hours' rate (projected %d of %d)",
-				v.Broker, v.RunsOut.Format("2006-01-02"), v.Projected, v.Monthly))
+			ps = append(ps, fmt.Sprintf("broker #%d runs out of its monthly_messages on %s at the last 24 hours' rate (projected %s of %d)",
+				v.Broker, v.RunsOut.Format("2006-01-02"), v.ProjectionText(), v.Monthly))
 		}
 	}
 	if p := st.Pending; p != nil && st.Now.Sub(p.RecordedAt) > pendingTooLong {
@@ -132,6 +151,19 @@ func (st *Status) problems() []string {
 			ps = append(ps, fmt.Sprintf("job %s has no node holding its lease", job))
 		case i >= 0 && !st.Leases[i].Live && st.Leases[i].Orphaned > 2*st.LeaseTTL:
 			ps = append(ps, fmt.Sprintf("job %s has had no live holder for %s (last held by node %s)", job, st.Leases[i].Orphaned, st.Leases[i].Node))
+		}
+	}
+	if sp := st.Spool; sp != nil && sp.Messages > 0 && sp.Oldest != nil && st.Now.Sub(*sp.Oldest) > spoolTooOld {
+		ps = append(ps, fmt.Sprintf("the spool has held %s since %s: no broker takes them", plural(int(sp.Messages), "webhook"),
+			sp.Oldest.Format(time.RFC3339)))
+	}
+	if sp := st.Spool; sp != nil && sp.Full {
+		ps = append(ps, fmt.Sprintf("the spool is full (%d of queue.spool_max_bytes %d): webhooks the broker does not confirm answer 503",
+			sp.Bytes, sp.MaxBytes))
+	}
+	for _, r := range st.Refused {
+		if r.Status >= 500 {
+			ps = append(ps, fmt.Sprintf("%s refused with %d in the last hour: %s (GitHub does not retry them)", plural(r.Count, "webhook"), r.Status, r.Reason))
 		}
 	}
 	if n := st.GapsTotal; n > 0 {
@@ -285,6 +317,13 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 		return st, err
 	}
 	st.Statistics, st.Database, st.Gaps, st.GapsTotal, st.Unrecoverable = db.Statistics, db.Database, db.Gaps, db.GapsTotal, db.Unrecoverable
+	st.Refused, st.Spooled = db.Refused, db.Spooled
+	if sp := a.webhook.spool; sp.On() {
+		st.Spool = &SpoolView{SpoolState: sp.State(), MaxBytes: a.cfg.Queue.SpoolMaxBytes, Full: sp.Full()}
+		if st.Spool.Brokers == nil {
+			st.Spool.Brokers = []int{}
+		}
+	}
 	if down, _, cause := a.store.Down(); down && errors.Is(cause, ErrSchemaFloor) {
 		st.Upgrade = cause.Error()
 	}
@@ -359,6 +398,7 @@ var statusTemplate = template.Must(template.New("status").Funcs(template.FuncMap
 	"lastCycle":     lastCycle,
 	"forbiddenRead": forbiddenRead,
 	"plural":        plural,
+	"plural64":      func(n int64, noun string) string { return plural(int(n), noun) },
 	"percent":       func(r float64) string { return fmt.Sprintf("%.1f %%", 100*r) },
 	"when":          pageFuncs["when"],
 	"bytes": func(n int64) string {

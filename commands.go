@@ -308,9 +308,10 @@ func writeStatus(w io.Writer, st Status) {
 			if !v.RunsOut.IsZero() {
 				out = v.RunsOut.Format("2006-01-02")
 			}
-			fmt.Fprintf(tw, "#%d\t%d\t%d\t%s\t%s\t%d\t%s\n", v.Broker, v.Published, v.Delivered, quota, used, v.Projected, out)
+			fmt.Fprintf(tw, "#%d\t%d\t%d\t%s\t%s\t%s\t%s\n", v.Broker, v.Published, v.Delivered, quota, used, v.ProjectionText(), out)
 		}
 		tw.Flush()
+		fmt.Fprintln(w, "  (a webhook is one publish and two deliveries: github and github-database; PROJECTED is the month's end at the last 24 hours' rate, once a day is counted)")
 	}
 	if len(st.Nodes) > 0 {
 		fmt.Fprintln(tw, "\nNODE\tVERSION\tSTARTED\tLAST SEEN\tLEASES")
@@ -326,6 +327,7 @@ func writeStatus(w io.Writer, st Status) {
 		}
 		tw.Flush()
 	}
+	writeSpool(w, st)
 	if f := forbiddenRead(st.Now, st.Workers); f != "" {
 		fmt.Fprintf(w, "github-forbidden: %s\n", f)
 	}
@@ -352,6 +354,38 @@ func writeStatus(w io.Writer, st Status) {
 	fmt.Fprintln(w, "\nneeds the operator:")
 	for _, p := range st.Problems {
 		fmt.Fprintf(w, "  %s\n", p)
+	}
+}
+
+// writeSpool prints the spool and the webhooks of the last hour that
+// were not published at once.
+func writeSpool(w io.Writer, st Status) {
+	switch sp := st.Spool; {
+	case sp == nil:
+		fmt.Fprintln(w, "\nspool: off (queue.spool_max_bytes = 0)")
+	case sp.Messages == 0:
+		fmt.Fprintln(w, "\nspool: empty")
+	default:
+		brokers := make([]string, len(sp.Brokers))
+		for i, b := range sp.Brokers {
+			brokers[i] = "#" + strconv.Itoa(b)
+		}
+		since := ""
+		if sp.Oldest != nil {
+			since = " since " + sp.Oldest.Format(time.RFC3339)
+		}
+		full := ""
+		if sp.Full {
+			full = " (full)"
+		}
+		fmt.Fprintf(w, "\nspool: %s (%d of %d bytes%s) waiting%s for broker %s\n", plural(int(sp.Messages), "webhook"), sp.Bytes, sp.MaxBytes,
+			full, since, strings.Join(brokers, ", "))
+	}
+	for _, r := range st.Spooled {
+		fmt.Fprintf(w, "  spooled in the last hour: %d (%s)\n", r.Count, r.Reason)
+	}
+	for _, r := range st.Refused {
+		fmt.Fprintf(w, "  refused in the last hour: %d with %d (%s)\n", r.Count, r.Status, r.Reason)
 	}
 }
 

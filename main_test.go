@@ -947,7 +947,7 @@ func testDeliveriesShow(t *testing.T) {
 	}
 	out, err := show("show", stored)
 	for _, want := range []string{"pull_request.opened on octo-org/switchyard-demo by mona", "accepted", "sent to integration 4242",
-		"worker database-service", "stored", "typed row", "github_pull_requests PR_kwDOKtN3FM5yp7Bb", "payload"} {
+		"worker service", "stored the github row", "worker database-service", "stored", "typed row", "github_pull_requests PR_kwDOKtN3FM5yp7Bb", "payload"} {
 		if err != nil || !strings.Contains(out, want) {
 			t.Errorf("show of a stored delivery lacks %q (%v):\n%s", want, err, out)
 		}

@@ -1,10 +1,13 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"fmt"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -118,4 +121,56 @@ func scanRejection(rows *sql.Rows, extra []any) (Rejection, error) {
 		r.Hook = HookID(hook.Int64)
 	}
 	return r, nil
+}
+
+// ReasonCount is how many webhooks of the last hour were answered one way
+// for one reason: refused with Status, or spooled (Status 202).
+type ReasonCount struct {
+	Status int    `json:"status"`
+	Reason string `json:"reason"`
+	Count  int    `json:"count"`
+}
+
+// reasonKind is the kind of a refusal's reason: its text up to the first
+// colon, which names the kind without the delivery it was about.
+func reasonKind(reason string) string {
+	kind, _, _ := strings.Cut(reason, ":")
+	return kind
+}
+
+// refusalsSince counts, read in q, the webhooks refused since since, by
+// status and the kind of their reason, most first.
+func refusalsSince(ctx context.Context, q queryer, since time.Time) ([]ReasonCount, error) {
+	rows, err := q.QueryContext(ctx, `SELECT status, reason FROM rejected_webhooks WHERE received_at >= $1 ORDER BY id DESC LIMIT $2`,
+		formatTime(since), rejectionsKept)
+	if err != nil {
+		return nil, fmt.Errorf("read rejected_webhooks: %w", err)
+	}
+	defer rows.Close()
+	counts := map[ReasonCount]int{}
+	for rows.Next() {
+		var k ReasonCount
+		if err := rows.Scan(&k.Status, &k.Reason); err != nil {
+			return nil, fmt.Errorf("read rejected_webhooks: %w", err)
+		}
+		k.Reason = reasonKind(k.Reason)
+		counts[k]++
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read rejected_webhooks: %w", err)
+	}
+	return sortedCounts(counts), nil
+}
+
+// sortedCounts are counts as a list, most first, then by status and reason.
+func sortedCounts(counts map[ReasonCount]int) []ReasonCount {
+	out := make([]ReasonCount, 0, len(counts))
+	for k, n := range counts {
+		k.Count = n
+		out = append(out, k)
+	}
+	slices.SortFunc(out, func(a, b ReasonCount) int {
+		return cmp.Or(cmp.Compare(b.Count, a.Count), cmp.Compare(a.Status, b.Status), strings.Compare(a.Reason, b.Reason))
+	})
+	return out
 }

@@ -28,6 +28,9 @@ type StoreStatus struct {
 	Gaps          []deliveryGap
 	GapsTotal     int
 	Unrecoverable int
+	// Refused and Spooled are the webhooks of the last hour refused, and
+	// spooled, by reason.
+	Refused, Spooled []ReasonCount
 }
 
 // Status reads the status page's part of the database in one read
@@ -49,8 +52,15 @@ func (s *Store) Status(ctx context.Context, since, now time.Time, gapLimit int) 
 		return st, err
 	}
 	if st.GapsTotal > 0 {
-		st.Unrecoverable, err = countUnrecoverableGaps(ctx, tx)
+		if st.Unrecoverable, err = countUnrecoverableGaps(ctx, tx); err != nil {
+			return st, err
+		}
 	}
+	hourAgo := now.Add(-time.Hour)
+	if st.Refused, err = refusalsSince(ctx, tx, hourAgo); err != nil {
+		return st, err
+	}
+	st.Spooled, err = spooledSince(ctx, tx, hourAgo)
 	return st, err
 }
 
