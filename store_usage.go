@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"time"
 )
@@ -41,6 +42,20 @@ func (s *Store) BrokerUsageSince(ctx context.Context, broker string, since time.
 		return 0, 0, fmt.Errorf("read broker_usage: %w", err)
 	}
 	return published, delivered, nil
+}
+
+// BrokerUsageFirst is the first hour broker's spending was counted in;
+// ok is false when none has been.
+func (s *Store) BrokerUsageFirst(ctx context.Context, broker string) (first time.Time, ok bool, err error) {
+	var hour sql.NullString
+	if err := s.r.QueryRowContext(ctx, `SELECT min(hour) FROM broker_usage WHERE broker = $1`, broker).Scan(&hour); err != nil {
+		return first, false, fmt.Errorf("read broker_usage: %w", err)
+	}
+	if !hour.Valid {
+		return first, false, nil
+	}
+	first, err = time.Parse(time.RFC3339Nano, hour.String)
+	return first, err == nil, err
 }
 
 // QueueOwnAlert queues, once, an alert of switchyard's own (a budget

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"time"
 )
 
@@ -56,10 +57,26 @@ type BudgetView struct {
 	MonthStart time.Time `json:"month_start"`
 	MonthEnd   time.Time `json:"month_end"`
 	// Projected is the month's end at the last 24 hours' rate, and RunsOut
-	// the moment the quota would be spent at that rate, when before then.
-	Projected int64     `json:"projected"`
-	RunsOut   time.Time `json:"runs_out,omitzero"`
+	// the moment the quota would be spent at that rate, when before then;
+	// both only once a whole day has been counted (ProjectedFrom), as a
+	// rate of the last hours says nothing of a day's.
+	Projected     *int64    `json:"projected"`
+	ProjectedFrom time.Time `json:"projected_from,omitzero"`
+	RunsOut       time.Time `json:"runs_out,omitzero"`
 }
+
+// ProjectionText is Projected for people: the number, or when there
+// will be one.
+func (v BudgetView) ProjectionText() string {
+	if v.Projected != nil {
+		return strconv.FormatInt(*v.Projected, 10)
+	}
+	return "too early (from " + v.ProjectedFrom.Format("2006-01-02 15:04") + ")"
+}
+
+// projectionNeeds is how long spending must have been counted before a
+// month-end projection is made from its last 24 hours.
+const projectionNeeds = 24 * time.Hour
 
 // budgetMonth is the budget month that holds now, for a quota that starts
 // anew on day (1-28) of each month, UTC.
@@ -188,14 +205,24 @@ func (b *Usage) Views(ctx context.Context, now time.Time) ([]BudgetView, error) 
 		if err != nil {
 			return nil, err
 		}
+		first, counted, err := b.store.BrokerUsageFirst(ctx, key)
+		if err != nil {
+			return nil, err
+		}
 		v := BudgetView{Broker: br.Index, Published: pub, Delivered: del, Monthly: b.cfgs[i].MonthlyMessages,
 			MonthStart: start, MonthEnd: end}
 		used := pub + del
+		if !counted {
+			first = now
+		}
 		perSecond := float64(lastPub+lastDel) / (24 * time.Hour).Seconds()
-		v.Projected = used + int64(perSecond*end.Sub(now).Seconds())
+		if v.ProjectedFrom = first.Add(projectionNeeds).UTC(); !now.Before(v.ProjectedFrom) {
+			projected := used + int64(perSecond*end.Sub(now).Seconds())
+			v.Projected = &projected
+		}
 		if v.Monthly > 0 {
 			v.UsedRatio = float64(used) / float64(v.Monthly)
-			if perSecond > 0 && used < v.Monthly {
+			if v.Projected != nil && perSecond > 0 && used < v.Monthly {
 				if out := now.Add(time.Duration(float64(v.Monthly-used) / perSecond * float64(time.Second))); out.Before(end) {
 					v.RunsOut = out.UTC()
 				}
@@ -258,7 +285,7 @@ func (b *Usage) alert(ctx context.Context, v BudgetView) error {
 		}
 		if queued {
 			b.log.Warn("broker budget", "level", level.name, "broker", br.String(), "used", v.Published+v.Delivered,
-				"monthly_messages", v.Monthly, "projected", v.Projected)
+				"monthly_messages", v.Monthly, "projected", v.ProjectionText())
 		}
 	}
 	return nil

@@ -98,6 +98,21 @@ func testBrokerUsageCounted(t *testing.T) {
 		!strings.Contains(strings.Join(st.Problems, "\n"), "has spent its monthly_messages") {
 		t.Errorf("status: %v, budgets %+v, problems %q", err, st.Budgets, st.Problems)
 	}
+	// Minutes of counting project nothing: a day of it is needed.
+	if v := st.Budgets[0]; v.Projected != nil || v.ProjectedFrom.Before(time.Now().Add(22*time.Hour)) ||
+		!strings.Contains(v.ProjectionText(), "too early") {
+		t.Errorf("a projection after minutes of counting: %+v (%s), want none before a day", v, v.ProjectionText())
+	}
+	// With a day counted (an hour of two days ago), the last 24 hours' rate.
+	wdb := openWritableDB(t, cfg.Database)
+	if _, err := wdb.Exec("INSERT INTO broker_usage (broker, hour, published, delivered) VALUES ($1, $2, 0, 0)",
+		usageKey(d.brokers.List()[0].Host, d.brokers.List()[0].Vhost), formatTime(time.Now().Add(-48*time.Hour).Truncate(time.Hour))); err != nil {
+		t.Fatal(err)
+	}
+	views, err := d.usage.Views(ctx, time.Now())
+	if err != nil || views[0].Projected == nil || *views[0].Projected < int64(pub+del) {
+		t.Errorf("a projection with a day counted: %v %+v", err, views)
+	}
 
 	// A restart keeps the month's spending.
 	d.stop(t)
