@@ -49,7 +49,7 @@ test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY) $(P
 # every test that runs on both stores (onBothStores), then the tests of
 # several nodes. Each test's own checks hold through it: every webhook
 # stored once, no attempt burned, nothing in an -error queue.
-NODE_TESTS ?= TestThreeNodesOneStore|TestBatchSendsAhead|TestNodeBelowRisingFloor|TestPausedHolderTakesNoStep|TestFleetBehindHAProxyRefusesNothing
+NODE_TESTS ?= TestThreeNodesOneStore|TestBatchSendsAhead|TestNodeBelowRisingFloor|TestPausedHolderTakesNoStep|TestFleetBehindHAProxyRefusesNothing|TestTwoNodesRolledBehindHAProxy
 test-pgbouncer: ensure-postgres $(PGBOUNCER) $(HAPROXY)
 	@dir=$$(mktemp -d /tmp/switchyard-pgbouncer.XXXXXX); port=$$((20000 + RANDOM % 20000)); \
 	printf '[databases]\n* = host=127.0.0.1 port=5432\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = %s\nunix_socket_dir =\nauth_type = trust\nauth_file = %s/users\npool_mode = transaction\nmax_client_conn = 1000\ndefault_pool_size = 40\nignore_startup_parameters = extra_float_digits\nlogfile = %s/pgbouncer.log\n' $$port $$dir $$dir > $$dir/pgbouncer.ini; \
