@@ -47,7 +47,7 @@ func BenchmarkSwitchyard(b *testing.B) {
 
 	// BENCH_ROWS picks rows by name (all by default): ingest, consume,
 	// drain, e2e, restart, switch (localhost); wan-ingest, wan-e2e, burst, wan-drain
-	// (over the WAN proxy, at each BENCH_RTT); postgres (at the first
+	// (over the WAN proxy, at each BENCH_RTT); postgres, spool (at the first
 	// BENCH_RTT); billing (at 50ms); dbsize, bigtable, rss, cpu.
 	want := func(row string) bool {
 		rows := os.Getenv("BENCH_ROWS")
@@ -134,6 +134,16 @@ func BenchmarkSwitchyard(b *testing.B) {
 				ours: fmt.Sprintf("daemon %d us", cpu[0].Microseconds()),
 				base: fmt.Sprintf("PostgreSQL %d, broker %d us", cpu[1].Microseconds(), cpu[2].Microseconds()), aim: "printed"})
 			add(fmt.Sprintf("end to end over amqps at %s: two nodes vs one, one PostgreSQL, one machine", rtt), two, pg, "webhooks/s", "printed")
+		}
+		if want("spool") {
+			rtt := benchRTTs(b)[0]
+			for _, store := range []string{"sqlite", "postgres"} {
+				r := benchSpool(b, payload, rtt, store)
+				add(fmt.Sprintf("spool on %s at %s, 64 clients: webhooks taken with the broker away (baseline: end to end with it)", store, rtt),
+					r.spooling, r.endToEnd, "webhooks/s", "ratio >= 1.0")
+				add(fmt.Sprintf("spool on %s at %s: the drain once the broker is back (baseline: end to end)", store, rtt),
+					r.draining, r.endToEnd, "webhooks/s", "printed")
+			}
 		}
 		if want("burst") {
 			p50, p99 := benchBurst(b, payload, 50*time.Millisecond)

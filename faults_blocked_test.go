@@ -106,15 +106,19 @@ func alertOnBlock(t *testing.T, cfg *Config) <-chan string {
 // A broker that refuses publishes without blocking the connection (here a
 // queue policy, overflow reject-publish: the confirm comes as a nack; LavinMQ
 // low on disk closes the channel with 406 instead) is blocked, not
-// unreachable: the webhook gets 503 naming the refusal at once, the gauge
-// and the status say so, one alert goes out, and the first confirmed
-// publish after the policy is cleared ends it.
+// unreachable: without the spool the webhook gets 503 naming the refusal
+// once publish_timeout is over (its publish sent again until then), the
+// gauge and the status say so, one alert goes out, and the first
+// confirmed publish after the policy is cleared ends it.
 func TestFaultBrokerRefuses(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.SpoolMaxBytes = 0            // the refusals without the spool (worker_spool_test.go has them with it)
-	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the refusal's, not the timeout's
+	// A nacked publish is sent again while publish_timeout lasts (a
+	// quorum queue electing its leader nacks for a moment): the 503
+	// comes at its end, naming the refusal.
+	cfg.Queue.PublishTimeout, cfg.Queue.SpoolAfter = 2*time.Second, time.Second
 	pushed := alertOnBlock(t, cfg)
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")

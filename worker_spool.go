@@ -403,7 +403,8 @@ func (s *Spool) Drain(ctx context.Context) error {
 		case ctx.Err() != nil:
 			return nil
 		case err != nil:
-			if err.Error() != lastErr {
+			if lastErr == "" {
+				// Once, not every second: the log says when it ends.
 				s.log.Warn("the spool waits: the broker did not take its oldest webhooks", "error", err)
 				lastErr = err.Error()
 			}

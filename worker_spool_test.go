@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"encoding/json"
@@ -56,8 +57,9 @@ func openLoop(t testing.TB, url func() string, every time.Duration) (stop func()
 			})
 		}
 	})
-	return func() []sent {
-		close(done)
+	var once sync.Once
+	stop = func() []sent {
+		once.Do(func() { close(done) })
 		wg.Wait()
 		mu.Lock()
 		defer mu.Unlock()
@@ -67,6 +69,8 @@ func openLoop(t testing.TB, url func() string, every time.Duration) (stop func()
 		}
 		return out
 	}
+	t.Cleanup(func() { stop() }) // a test that failed before stopping it
+	return stop
 }
 
 // orderedStream sends a signed webhook to url every every, each once the
@@ -266,6 +270,7 @@ func testSpoolFull(t *testing.T) {
 	cfg.Queue.SpoolMaxBytes = 64 << 10
 	cfg.Log.Level = "info"
 	d := startDaemon(t, cfg)
+	eventually(t, 30*time.Second, "the daemon ready", func() bool { return answersOK(d.URL + "/readyz") })
 	proxy.Close()
 	body := loadFixture(t, "issues", "opened")
 	var accepted []string
@@ -293,6 +298,38 @@ func testSpoolFull(t *testing.T) {
 	code, ready := do(t, httpRequest(t, http.MethodGet, d.URL+"/readyz", "", ""))
 	if code != http.StatusServiceUnavailable || !strings.Contains(ready, `"spool":"full"`) {
 		t.Errorf("/readyz with the spool full: %d %s, want 503 naming the spool", code, ready)
+	}
+	// The status names the spool, full, and the webhooks of the last
+	// hour spooled and refused, with why.
+	var st Status
+	eventually(t, 30*time.Second, "the refusal in the status", func() bool {
+		_, raw := do(t, mustRequestAuth(t, d.URL+"/api/v1/status"))
+		st = Status{}
+		return json.Unmarshal([]byte(raw), &st) == nil && len(st.Refused) > 0
+	})
+	if sp := st.Spool; sp == nil || !sp.Full || sp.Messages != int64(len(accepted)) || sp.Oldest == nil || len(sp.Brokers) != 1 {
+		t.Errorf("the status's spool: %+v, want %d webhooks waiting, full", sp, len(accepted))
+	}
+	// The first found the broker away; the others went in behind it.
+	spooled, why := 0, map[string]int{}
+	for _, r := range st.Spooled {
+		spooled += r.Count
+		why[r.Reason] += r.Count
+	}
+	if spooled != len(accepted) || why["broker unreachable"] == 0 || why["broker unreachable"]+why["behind earlier spooled webhooks"] != spooled ||
+		st.Refused[0].Status != http.StatusServiceUnavailable || !strings.HasPrefix(st.Refused[0].Reason, "broker unreachable") {
+		t.Errorf("the last hour in the status: spooled %+v, refused %+v", st.Spooled, st.Refused)
+	}
+	problems := strings.Join(st.Problems, "\n")
+	for _, want := range []string{"the spool is full", "refused with 503 in the last hour"} {
+		if !strings.Contains(problems, want) {
+			t.Errorf("the status's problems lack %q:\n%s", want, problems)
+		}
+	}
+	var text bytes.Buffer
+	writeStatus(&text, st)
+	if !strings.Contains(text.String(), "spool: "+plural(len(accepted), "webhook")) || !strings.Contains(text.String(), "refused in the last hour") {
+		t.Errorf("status's text does not tell the spool and the refusals:\n%s", text.String())
 	}
 	proxy.Reopen()
 	storedAll(t, cfg.Database, accepted, time.Minute)
