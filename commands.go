@@ -337,6 +337,10 @@ func writeStatus(w io.Writer, st Status) {
 	}
 	fmt.Fprintf(w, "\nevents in the last 7 days: %d\ndatabase: %s, %d bytes, %d raw rows\nopen delivery gaps: %d (%d unrecoverable)\n",
 		total, st.Database.Path, st.Database.SizeBytes, st.Database.Rows["github"], st.GapsTotal, st.Unrecoverable)
+	if at := st.Database.Unprepared; at != nil {
+		fmt.Fprintf(w, "database: a pooler in transaction mode found %s: statements run unprepared; add default_query_exec_mode=exec to database.url\n",
+			at.Format(time.RFC3339))
+	}
 	for _, g := range st.Gaps {
 		state := ""
 		if g.UnrecoverableAt != nil {

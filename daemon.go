@@ -58,6 +58,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	if err != nil {
 		return nil, err
 	}
+	store.LogTo(log)
 	fail := func(err error) (*Daemon, error) {
 		store.Close()
 		return nil, err

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"slices"
 	"strconv"
 	"strings"
@@ -81,6 +82,14 @@ func (s *Store) Down() (bool, time.Time, error) { return s.health.Down() }
 
 // WaitAnswers waits while the database is lost (dbHealth.WaitAnswers).
 func (s *Store) WaitAnswers(ctx context.Context) error { return s.health.WaitAnswers(ctx) }
+
+// LogTo has the store say to log what it finds of the database while it
+// runs (a pooler in transaction mode in front of PostgreSQL).
+func (s *Store) LogTo(log *slog.Logger) {
+	if pg, ok := s.engine.(postgresEngine); ok {
+		pg.pooler.warn = log.With("database", s.name).Warn
+	}
+}
 
 // Name says which database the store is, without secrets.
 func (s *Store) Name() string { return s.name }

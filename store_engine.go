@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"io"
+	"time"
 )
 
 // The seam between what the store does and the database it does it on:
@@ -25,8 +26,8 @@ type engine interface {
 	// see one state of the database.
 	readOptions() *sql.TxOptions
 
-	// begin opens a write transaction on w, after what beforeWrite
-	// does; end gives its connection back once it ended.
+	// begin opens a write transaction on w; end gives its connection
+	// back once it ended.
 	begin(ctx context.Context, w *sql.DB) (*txConn, error)
 	end(tc *txConn)
 	// exec and queryRow run one statement in tc now.
@@ -78,6 +79,9 @@ type engine interface {
 	backup(ctx context.Context, w *sql.DB, dest string) error
 	// close lets go of what the engine keeps (prepared statements).
 	close()
+	// unprepared is since when statements run unprepared because a
+	// pooler in transaction mode was found (PostgreSQL); nil when not.
+	unprepared() *time.Time
 }
 
 // txConn is a write transaction as an engine runs it: the transaction,

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -24,7 +25,48 @@ import (
 
 // postgresEngine is the store's engine on a PostgreSQL database: maxConns
 // is database.max_conns, the pool's idle connections while it answers.
-type postgresEngine struct{ maxConns int }
+type postgresEngine struct {
+	maxConns int
+	pooler   *poolerFound
+}
+
+// poolerFound is whether a pooler in transaction mode (PgBouncer) was
+// found in front of the database: a statement's "prepared statement ...
+// already exists" (42P05) or "does not exist" (26000) says that the
+// pooler gave the connection's server to another client, with the
+// statements prepared on it. Found, every connection dialed after it runs
+// its statements unprepared (pgx's exec mode, what the URL's
+// default_query_exec_mode=exec asks for), and the pool's idle connections
+// are dropped: a node whose URL lacks the option stores on, slower by a
+// round trip per statement, and says so.
+type poolerFound struct {
+	db       *sql.DB
+	maxConns int
+	warn     func(msg string, args ...any)
+	at       atomic.Pointer[time.Time]
+}
+
+// found records the pooler, once: the connections to come run unprepared.
+func (p *poolerFound) found(err error) {
+	now := time.Now().UTC()
+	if !p.at.CompareAndSwap(nil, &now) {
+		return
+	}
+	p.db.SetMaxIdleConns(0) // the connections that prepared go as they come back
+	p.db.SetMaxIdleConns(p.maxConns)
+	p.warn("a pooler in transaction mode is in front of the database: statements now run unprepared; "+
+		"add default_query_exec_mode=exec to database.url to start so", "error", err)
+}
+
+// since is when the pooler was found; nil before.
+func (p *poolerFound) since() *time.Time { return p.at.Load() }
+
+// preparedClash reports whether err is a prepared statement that already
+// exists or does not (42P05, 26000): a pooler in transaction mode.
+func preparedClash(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "42P05" || pgErr.Code == "26000")
+}
 
 // openPostgres opens a pool of at most cfg.MaxConns connections to the
 // PostgreSQL database at cfg.URL, and checks that it answers.
@@ -48,7 +90,14 @@ func openPostgres(ctx context.Context, cfg DatabaseConfig) (*sql.DB, postgresEng
 	d := &net.Dialer{KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 3},
 		Control: userTimeout(deadPeer)}
 	cc.DialFunc = d.DialContext
-	db := stdlib.OpenDB(*cc)
+	pooler := &poolerFound{maxConns: cfg.MaxConns, warn: func(string, ...any) {}}
+	db := stdlib.OpenDB(*cc, stdlib.OptionBeforeConnect(func(_ context.Context, c *pgx.ConnConfig) error {
+		if pooler.since() != nil {
+			c.DefaultQueryExecMode = pgx.QueryExecModeExec
+		}
+		return nil
+	}))
+	pooler.db = db
 	db.SetMaxOpenConns(cfg.MaxConns)
 	db.SetMaxIdleConns(cfg.MaxConns)
 	// A connection is closed after a while, so that a database that
@@ -60,7 +109,7 @@ func openPostgres(ctx context.Context, cfg DatabaseConfig) (*sql.DB, postgresEng
 		db.Close()
 		return nil, postgresEngine{}, fmt.Errorf("database %s: %w", redactDatabaseURL(cfg.URL), err)
 	}
-	return db, postgresEngine{maxConns: cfg.MaxConns}, nil
+	return db, postgresEngine{maxConns: cfg.MaxConns, pooler: pooler}, nil
 }
 
 // deadPeer is how long a connection to a silent database lives: the
@@ -155,7 +204,12 @@ func (postgresEngine) sendAhead(ctx context.Context, tc *txConn, stmts []pipelin
 // the database refused nor a failure of the caller's own: a node that
 // loses the database stops consuming, while a statement's error is the
 // message's own failure.
-func (postgresEngine) lost(err error) bool { return connectionLost(err) }
+func (e postgresEngine) lost(err error) bool {
+	if preparedClash(err) {
+		e.pooler.found(err)
+	}
+	return connectionLost(err)
+}
 
 // ping asks for a connection that takes writes: SELECT 1 answers on a
 // standby too.
@@ -271,3 +325,5 @@ func (postgresEngine) backup(context.Context, *sql.DB, string) error {
 }
 
 func (postgresEngine) close() {}
+
+func (e postgresEngine) unprepared() *time.Time { return e.pooler.since() }

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	_ "modernc.org/sqlite"
 )
@@ -274,6 +275,8 @@ func (e *sqliteEngine) backup(ctx context.Context, w *sql.DB, dest string) error
 	}
 	return nil
 }
+
+func (e *sqliteEngine) unprepared() *time.Time { return nil }
 
 func (e *sqliteEngine) close() {
 	e.stmts.Range(func(_, st any) bool {

@@ -13,6 +13,10 @@ type DatabaseStatus struct {
 	Path      string         `json:"path"`
 	SizeBytes int64          `json:"size_bytes"` // the file and its WAL, or the PostgreSQL database
 	Rows      map[string]int `json:"rows"`
+	// Unprepared is since when statements run unprepared, a pooler in
+	// transaction mode found in front of PostgreSQL without
+	// default_query_exec_mode=exec in database.url; null otherwise.
+	Unprepared *time.Time `json:"pooler_found_at"`
 }
 
 // statusTables are the tables whose rows the status page counts.
@@ -66,7 +70,7 @@ func (s *Store) Status(ctx context.Context, since, now time.Time, gapLimit int) 
 
 // databaseStatus reads the file sizes and, through q, the row counts.
 func (s *Store) databaseStatus(ctx context.Context, q queryer) (DatabaseStatus, error) {
-	st := DatabaseStatus{Driver: s.engine.driver(), Path: s.name, Rows: map[string]int{}}
+	st := DatabaseStatus{Driver: s.engine.driver(), Path: s.name, Rows: map[string]int{}, Unprepared: s.engine.unprepared()}
 	var err error
 	if st.SizeBytes, err = s.engine.size(ctx, q); err != nil {
 		return st, err
