@@ -84,6 +84,23 @@ type Status struct {
 	Problems []string `json:"problems"`
 }
 
+// ownLeasesNow makes what st says of this node's leases what Lease.Held
+// says now: the table says what the last renewal wrote, and a node paused
+// past its leases (a frozen VM) holds none the moment it resumes.
+func (a *API) ownLeasesNow(st *Status) {
+	held := func(job string) bool { return a.leases.Lease(job).Held() }
+	for i, l := range st.Leases {
+		if l.Node == st.Node && l.Live && !held(l.Job) {
+			st.Leases[i].Live = false
+		}
+	}
+	for i, n := range st.Nodes {
+		if n.Name == st.Node {
+			st.Nodes[i].Leases = slices.DeleteFunc(slices.Clone(n.Leases), func(job string) bool { return !held(job) })
+		}
+	}
+}
+
 // SpoolView is the spool as the status shows it.
 type SpoolView struct {
 	SpoolState
@@ -331,6 +348,7 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 	if st.Nodes, st.Leases, err = a.store.Cluster(ctx, a.cfg.Server.LeaseTTL); err != nil {
 		return st, err
 	}
+	a.ownLeasesNow(&st)
 	if a.usage != nil {
 		if st.Budgets, err = a.usage.Views(ctx, st.Now); err != nil {
 			return st, err

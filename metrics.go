@@ -31,7 +31,6 @@ type Metrics struct {
 	leftovers      *prometheus.CounterVec
 	dbWriteSeconds prometheus.Histogram
 	hcFailures     *prometheus.CounterVec
-	leases         *prometheus.GaugeVec
 	staleEvents    *prometheus.CounterVec
 	queueMessages  *prometheus.GaugeVec
 	brokerUp       *prometheus.GaugeVec
@@ -84,8 +83,6 @@ func NewMetrics(labels MetricLabels) *Metrics {
 			Help: "Messages taken by the Leftover Drain from non-active brokers, by queue."}, []string{"queue"}),
 		dbWriteSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "switchyard_database_write_seconds",
 			Help: "Duration of one SQLite write transaction, from begin to commit.", Buckets: latency}),
-		leases: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_lease_held",
-			Help: "1 while this node holds the job's lease: it runs the job, and no other node does."}, []string{"job"}),
 		hcFailures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_healthchecks_failures_total",
 			Help: "HealthChecks pings that failed, by worker."}, []string{"worker"}),
 		staleEvents: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_stale_events_total",
@@ -112,7 +109,7 @@ func NewMetrics(labels MetricLabels) *Metrics {
 			Help: "Cycles the worker failed in a row; 0 once its consumer attaches again or a cycle ends well."}, []string{"worker"}),
 	}
 	m.reg.MustRegister(m.webhooks, m.unrecorded, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
-		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures, m.leases,
+		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
 		m.staleEvents, m.queueMessages, m.brokerUp, m.blockedBrokers, m.brokerMessageCount, m.budgetUsed, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.buildInfo.WithLabelValues(labels.Version, runtime.Version()).Set(1)
@@ -289,16 +286,22 @@ func (m *Metrics) dbWrite(took time.Duration) {
 	}
 }
 
-// leaseHeld records whether this node holds job's lease.
-func (m *Metrics) leaseHeld(job string, held bool) {
+// LeaseHeld registers switchyard_lease_held for job, 1 while held says
+// this node holds the lease at the moment it is scraped: a holder paused
+// past its lease reads 0 the moment it resumes, not at its next renewal.
+// The lease's keeper, its owner, registers it.
+func (m *Metrics) LeaseHeld(job string, held func() bool) {
 	if m == nil {
 		return
 	}
-	v := 0.0
-	if held {
-		v = 1
-	}
-	m.leases.WithLabelValues(job).Set(v)
+	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "switchyard_lease_held",
+		Help:        "1 while this node holds the job's lease: it runs the job, and no other node does.",
+		ConstLabels: prometheus.Labels{"job": job}}, func() float64 {
+		if held() {
+			return 1
+		}
+		return 0
+	}))
 }
 
 func (m *Metrics) healthCheckFailed(worker string) {

@@ -482,16 +482,31 @@ func TestPausedHolderTakesNoStep(t *testing.T) {
 	if err := one.cmd.Process.Signal(syscall.SIGCONT); err != nil {
 		t.Fatal(err)
 	}
-	// Node 1 has resumed and runs its cycles: its workers' next windows
-	// come and go, and node 2 pings on.
+	// Node 1 has resumed: from its first answer on, its metrics and its
+	// status say it holds no lease (what Held says when they are read,
+	// not what its last renewal before the pause wrote).
+	var held map[string]float64
 	eventually(t, 30*time.Second, "node 1 answering after it resumed", func() bool {
-		resp, err := http.Get("http://" + one.addr + "/healthz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return true
+		held = scrapeWith(http.DefaultClient, "http://"+one.addr+"/metrics", "switchyard_lease_held")
+		return len(held) > 0
 	})
+	for job, v := range held {
+		if v != 0 {
+			t.Errorf("node 1's switchyard_lease_held{job=%q} right after it resumed: %v, want 0", job, v)
+		}
+	}
+	_, raw := do(t, mustRequestAuth(t, "http://"+one.addr+"/api/v1/status"))
+	var st Status
+	if err := json.Unmarshal([]byte(raw), &st); err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range st.Leases {
+		if l.Node == "node-1" && l.Live {
+			t.Errorf("node 1's status after it resumed: lease %s live on node 1", l.Job)
+		}
+	}
+	// It runs its cycles: its workers' next windows come and go, and
+	// node 2 pings on.
 	before := func() int { mu.Lock(); defer mu.Unlock(); return len(pings) }()
 	eventually(t, 30*time.Second, "more pings after node 1 resumed", func() bool {
 		mu.Lock()

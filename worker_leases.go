@@ -52,7 +52,6 @@ type Leases struct {
 	version string
 	started time.Time
 	ttl     time.Duration
-	metrics *Metrics
 	log     *slog.Logger
 	leases  []*Lease
 
@@ -84,14 +83,16 @@ type Lease struct {
 	lost  chan struct{} // closed when the holding ends
 }
 
-// NewLeases keeps node's leases of jobs in store, each lasting ttl.
+// NewLeases keeps node's leases of jobs in store, each lasting ttl, with
+// a switchyard_lease_held gauge for each job.
 func NewLeases(store *Store, node string, ttl time.Duration, jobs []string, metrics *Metrics, log *slog.Logger) *Leases {
-	ls := &Leases{store: store, node: node, version: version, started: time.Now().UTC(), ttl: ttl, metrics: metrics,
+	ls := &Leases{store: store, node: node, version: version, started: time.Now().UTC(), ttl: ttl,
 		log: log.With("node", node)}
 	ls.ended = sync.NewCond(&ls.mu)
 	for _, job := range jobs {
-		ls.leases = append(ls.leases, &Lease{Job: job, ls: ls, taken: make(chan struct{}), lost: make(chan struct{})})
-		metrics.leaseHeld(job, false)
+		l := &Lease{Job: job, ls: ls, taken: make(chan struct{}), lost: make(chan struct{})}
+		ls.leases = append(ls.leases, l)
+		metrics.LeaseHeld(job, l.Held)
 	}
 	return ls
 }
@@ -279,7 +280,6 @@ func (l *Lease) renewed(held bool, term int64, sent time.Time) {
 		l.held = true
 		close(l.taken)
 		l.lost = make(chan struct{})
-		l.ls.metrics.leaseHeld(l.Job, true)
 		l.ls.log.Info("lease taken", "job", l.Job)
 	}
 }
@@ -314,7 +314,6 @@ func (l *Lease) lose(reason string) {
 	l.held = false
 	close(l.lost)
 	l.taken = make(chan struct{})
-	l.ls.metrics.leaseHeld(l.Job, false)
 	if shutdown {
 		l.ls.log.Info("lease given up at shutdown", "job", l.Job)
 		return
