@@ -13,12 +13,13 @@ import (
 
 // Payloads compressed once, from the door to the disk. GitHub's payloads
 // shrink six to ten times with zstd at its fastest level (a 25 KB
-// pull_request to a few KB), at a few tens of microseconds each: the
-// endpoint compresses a webhook once, the message carries those bytes
-// (content_encoding zstd), and the raw log stores them as they came. Every
-// reader of a message also takes gzip (§14.2, what a node publishes with
-// queue.compress = "none", or an older one) and plain bodies (an outside
-// producer's), and inflates none past maxInflated.
+// pull_request to a few KB), at a few tens of microseconds each: a
+// webhook is compressed once on its way to the broker (Queues.fit), the
+// message carries those bytes (content_encoding zstd), and the raw log
+// stores them as they came. Every reader of a message also takes gzip
+// (what a node publishes over queue.compress_over with queue.compress =
+// "none", or an older node) and plain bodies (an outside producer's), and
+// inflates none past maxInflated.
 
 // maxInflated bounds what a compressed body or stored payload may inflate
 // to: the largest webhook (25 MiB) and room for the wrapped form's

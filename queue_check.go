@@ -356,9 +356,14 @@ func (c *brokerCheck) large(maxBytes int64) {
 		c.add(name, false, "%d bytes compressed: %v", len(packed), err)
 		return
 	}
-	d, ok, err := c.get(q, 2*time.Second)
+	// The message is confirmed, so in the queue; a get of ten megabytes
+	// across a distant or loaded link takes what it takes: the check
+	// waits as long as any AMQP call may (call_timeout), not a fixed time
+	// that a slow link outlasts.
+	within := max(2*time.Second, c.bc.callTimeout)
+	d, ok, err := c.get(q, within)
 	if err != nil || !ok {
-		c.add(name, false, "not taken back: %v", err)
+		c.add(name, false, "not taken back within %s: %v", within, err)
 		return
 	}
 	_ = d.Ack(false)
