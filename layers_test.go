@@ -138,24 +138,57 @@ func roomUses(t *testing.T, dir string) []roomUse {
 	return uses
 }
 
-// mutualFiles lists the pairs of files of one room that use each other,
-// one message each, naming a name each way: within a room too, files build
-// on each other one way, so that a change to one touches only those above.
-func mutualFiles(uses []roomUse) []string {
-	first := map[[2]string]string{}
-	var pairs [][2]string
+// fileLoops lists the loops among files, of any length, one message
+// each, naming one way round it: files build on each other one way, so
+// that a change to one touches only those above it. (Across rooms the
+// layers forbid loops already; within a room, and through several files,
+// only this finds them.)
+func fileLoops(uses []roomUse) []string {
+	next := map[string][]string{}
 	for _, u := range uses {
-		k := [2]string{u.file, u.declFile}
-		if _, ok := first[k]; !ok && u.from == u.to {
-			first[k] = u.name
-			pairs = append(pairs, k)
+		if u.file != u.declFile && !slices.Contains(next[u.file], u.declFile) {
+			next[u.file] = append(next[u.file], u.declFile)
 		}
 	}
+	files := make([]string, 0, len(next))
+	for f, to := range next {
+		files = append(files, f)
+		slices.Sort(to)
+	}
+	slices.Sort(files)
+	// A loop through f, found by a walk from f that comes back to it;
+	// each loop is told once, from its first file in name order.
+	told := map[string]bool{}
 	var out []string
-	for _, k := range pairs {
-		if back, ok := first[[2]string{k[1], k[0]}]; ok && k[0] < k[1] {
-			out = append(out, fmt.Sprintf("%s uses %s of %s, and %s uses %s of %s: the files of a room use each other one way only",
-				k[0], first[k], k[1], k[1], back, k[0]))
+	for _, start := range files {
+		if told[start] {
+			continue
+		}
+		path := []string{start}
+		seen := map[string]bool{start: true}
+		var walk func(f string) bool
+		walk = func(f string) bool {
+			for _, g := range next[f] {
+				if g == start {
+					return true
+				}
+				if seen[g] || g < start {
+					continue
+				}
+				seen[g] = true
+				path = append(path, g)
+				if walk(g) {
+					return true
+				}
+				path = path[:len(path)-1]
+			}
+			return false
+		}
+		if walk(start) {
+			for _, f := range path {
+				told[f] = true
+			}
+			out = append(out, "loop among files: "+strings.Join(append(path, start), " -> ")+": files use each other one way only")
 		}
 	}
 	return out
@@ -210,7 +243,7 @@ func TestLayers(t *testing.T) {
 	for _, msg := range broken(uses, rules) {
 		t.Error(msg)
 	}
-	for _, msg := range mutualFiles(uses) {
+	for _, msg := range fileLoops(uses) {
 		t.Error(msg)
 	}
 }
@@ -227,20 +260,27 @@ func TestLayersCatchAViolation(t *testing.T) {
 	}
 }
 
-// The check fails, naming both files and a name each way, on two files of
-// a room that use each other.
-func TestLayersCatchFilesUsingEachOther(t *testing.T) {
+// The check fails on two files that use each other, and on a loop of
+// three, naming the files round it; a chain that does not come back is no
+// loop.
+func TestLayersCatchFileLoops(t *testing.T) {
 	t.Parallel()
-	uses := []roomUse{
-		{file: "queue.go", declFile: "queue_conn.go", name: "brokerConn", from: "queue", to: "queue"},
-		{file: "queue_conn.go", declFile: "queue.go", name: "Queues", from: "queue", to: "queue"},
-		{file: "queue_conn.go", declFile: "queue.go", name: "cfg", from: "queue", to: "queue"},
-		{file: "queue_publish.go", declFile: "queue_conn.go", name: "brokerConn", from: "queue", to: "queue"},
+	use := func(file, decl string) roomUse {
+		return roomUse{file: file, declFile: decl, name: "x", from: roomOf(file), to: roomOf(decl)}
 	}
-	got := mutualFiles(uses)
-	want := "queue.go uses brokerConn of queue_conn.go, and queue_conn.go uses Queues of queue.go: the files of a room use each other one way only"
-	if len(got) != 1 || got[0] != want {
-		t.Errorf("got %q, want %q", got, want)
+	for _, c := range []struct {
+		uses []roomUse
+		want []string
+	}{
+		{[]roomUse{use("queue.go", "queue_conn.go"), use("queue_conn.go", "queue.go"), use("queue_publish.go", "queue_conn.go")},
+			[]string{"loop among files: queue.go -> queue_conn.go -> queue.go: files use each other one way only"}},
+		{[]roomUse{use("store.go", "store_postgres.go"), use("store_postgres.go", "store_schema.go"), use("store_schema.go", "store.go")},
+			[]string{"loop among files: store.go -> store_postgres.go -> store_schema.go -> store.go: files use each other one way only"}},
+		{[]roomUse{use("store.go", "store_postgres.go"), use("store_postgres.go", "store_schema.go"), use("store_schema.go", "store_engine.go")}, nil},
+	} {
+		if got := fileLoops(c.uses); !slices.Equal(got, c.want) {
+			t.Errorf("got %q, want %q", got, c.want)
+		}
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	_ "embed"
 	"errors"
 	"fmt"
 	"io"
@@ -327,3 +328,10 @@ func (postgresEngine) backup(context.Context, *sql.DB, string) error {
 func (postgresEngine) close() {}
 
 func (e postgresEngine) unprepared() *time.Time { return e.pooler.since() }
+
+// schemaPostgresSQL is PostgreSQL's schema, as its numbered migrations:
+// the same tables as schema.sql's, in its dialect, with a history of its
+// own.
+//
+//go:embed schema_postgres.sql
+var schemaPostgresSQL string

@@ -2,22 +2,15 @@ package main
 
 import (
 	"context"
-	_ "embed"
 	"fmt"
 	"regexp"
 	"strconv"
 	"time"
 )
 
-// The schema: schema.sql's numbered migrations for SQLite,
-// schema_postgres.sql's for PostgreSQL, and bringing a database up to
-// date.
-
-//go:embed schema.sql
-var schemaSQL string
-
-//go:embed schema_postgres.sql
-var schemaPostgresSQL string
+// Bringing a database up to date: the numbered migrations its engine
+// holds (engine.schema: schema.sql for SQLite, schema_postgres.sql for
+// PostgreSQL), each with its floor.
 
 // migration is one "-- migration N: ..." block of a schema file, and its
 // floor: the oldest schema version whose binaries work with it.

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	_ "embed"
 	"errors"
 	"fmt"
 	"io"
@@ -277,6 +278,11 @@ func (e *sqliteEngine) backup(ctx context.Context, w *sql.DB, dest string) error
 }
 
 func (e *sqliteEngine) unprepared() *time.Time { return nil }
+
+// schemaSQL is SQLite's schema, as its numbered migrations.
+//
+//go:embed schema.sql
+var schemaSQL string
 
 func (e *sqliteEngine) close() {
 	e.stmts.Range(func(_, st any) bool {
