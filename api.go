@@ -131,17 +131,17 @@ const maxAdminBody = 1 << 20
 func (a *API) bounded(h httprouter.Handle) httprouter.Handle {
 	return func(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
 		if r.ContentLength > maxAdminBody {
-			writeError(w, r, a.log, fmt.Errorf("%w: over %d bytes", ErrTooLarge, maxAdminBody))
+			writeError(w, r, a.log, errorf(CodeTooLarge, "body over %d bytes", maxAdminBody))
 			return
 		}
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxAdminBody))
 		var mbe *http.MaxBytesError
 		switch {
 		case errors.As(err, &mbe):
-			writeError(w, r, a.log, fmt.Errorf("%w: over %d bytes", ErrTooLarge, maxAdminBody))
+			writeError(w, r, a.log, errorf(CodeTooLarge, "body over %d bytes", maxAdminBody))
 			return
 		case err != nil:
-			writeError(w, r, a.log, fmt.Errorf("%w: read body: %v", ErrBadRequest, err))
+			writeError(w, r, a.log, &Error{Code: CodeInvalid, Message: "the body could not be read", Err: err})
 			return
 		}
 		r.Body = io.NopCloser(bytes.NewReader(body))

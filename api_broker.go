@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/json"
 	"errors"
-	"fmt"
 	"io"
 	"net/http"
 	"strconv"
@@ -78,7 +77,7 @@ func (a *API) getBroker(w http.ResponseWriter, r *http.Request, _ httprouter.Par
 func (a *API) switchBroker(w http.ResponseWriter, r *http.Request, ps httprouter.Params) {
 	index, err := strconv.Atoi(ps.ByName("index"))
 	if err != nil {
-		writeError(w, r, a.log, fmt.Errorf("%w: broker index %q is not an integer", ErrBadRequest, ps.ByName("index")))
+		writeError(w, r, a.log, errorf(CodeInvalid, "broker index %q is not an integer", ps.ByName("index")))
 		return
 	}
 	st, err := a.brokers.SwitchTo(r.Context(), index)
@@ -101,17 +100,17 @@ func decodeNotification(r io.Reader) (host, vhost string, at time.Time, err erro
 	var n switchNotification
 	dec := json.NewDecoder(r)
 	if err := dec.Decode(&n); err != nil {
-		return "", "", at, fmt.Errorf("%w: malformed JSON: %v", ErrBadRequest, err)
+		return "", "", at, errorf(CodeInvalid, "malformed JSON: %v", err)
 	}
 	if dec.More() {
-		return "", "", at, fmt.Errorf("%w: trailing data after the JSON object", ErrBadRequest)
+		return "", "", at, errorf(CodeInvalid, "trailing data after the JSON object")
 	}
 	if n.Host == nil || *n.Host == "" || n.Vhost == nil || n.SwitchedAt == nil {
-		return "", "", at, fmt.Errorf("%w: host, vhost and switchedAt are required", ErrBadRequest)
+		return "", "", at, errorf(CodeInvalid, "host, vhost and switchedAt are required")
 	}
 	at, err = time.Parse(time.RFC3339, *n.SwitchedAt)
 	if err != nil {
-		return "", "", at, fmt.Errorf("%w: switchedAt is not an RFC 3339 time: %q", ErrBadRequest, *n.SwitchedAt)
+		return "", "", at, errorf(CodeInvalid, "switchedAt is not an RFC 3339 time: %q", *n.SwitchedAt)
 	}
 	return *n.Host, *n.Vhost, at, nil
 }
@@ -121,8 +120,8 @@ func (a *API) notifySwitch(w http.ResponseWriter, r *http.Request, _ httprouter.
 	host, vhost, at, err := decodeNotification(r.Body)
 	if err == nil && time.Until(at) > a.cfg.API.MaxClockSkew {
 		// Accepted, it would make every real notification after it stale.
-		err = fmt.Errorf("%w: switchedAt %s is more than %s in the future (api.max_clock_skew)",
-			ErrBadRequest, at.UTC().Format(time.RFC3339Nano), a.cfg.API.MaxClockSkew)
+		err = errorf(CodeInvalid, "switchedAt %s is more than %s in the future (api.max_clock_skew)",
+			at.UTC().Format(time.RFC3339Nano), a.cfg.API.MaxClockSkew)
 	}
 	if err != nil {
 		writeError(w, r, a.log, err)

@@ -31,10 +31,10 @@ const (
 )
 
 // deliveriesQuery reads a search from the query string; a malformed field
-// is an ErrBadRequest naming it.
+// is a CodeInvalid Error naming it.
 func deliveriesQuery(q url.Values) (f DeliveryFilter, limit int, err error) {
 	bad := func(field, format string, args ...any) error {
-		return fmt.Errorf("%w: %s: %s", ErrBadRequest, field, fmt.Sprintf(format, args...))
+		return errorf(CodeInvalid, "%s: %s", field, fmt.Sprintf(format, args...))
 	}
 	name := func(field string) (string, error) {
 		v := q.Get(field)
@@ -123,7 +123,7 @@ func deliveriesQuery(q url.Values) (f DeliveryFilter, limit int, err error) {
 
 // searchPage is one page of the search r's query asks for, and the query
 // of the next page ("" for the last). A malformed field is an
-// ErrBadRequest naming it.
+// CodeInvalid Error naming it.
 func (a *API) searchPage(r *http.Request) (rows []DeliveryRow, next string, err error) {
 	f, limit, err := deliveriesQuery(r.URL.Query())
 	if err != nil {
@@ -289,7 +289,7 @@ func hookQuery(q url.Values) (int64, error) {
 	}
 	id, err := parseHookID(v)
 	if err != nil {
-		return 0, fmt.Errorf("%w: hook: want the X-GitHub-Hook-ID of a copy, up to %d digits", ErrBadRequest, maxHookIDLen)
+		return 0, errorf(CodeInvalid, "hook: want the X-GitHub-Hook-ID of a copy, up to %d digits", maxHookIDLen)
 	}
 	return id, nil
 }
@@ -389,7 +389,7 @@ func (a *API) redeliverDelivery(w http.ResponseWriter, r *http.Request, ps httpr
 		return
 	}
 	if a.hooks == nil {
-		writeError(w, r, a.log, fmt.Errorf("%w: no GitHub App is configured (github.app_id): redeliver it from GitHub's Recent Deliveries", ErrConflict))
+		writeError(w, r, a.log, errorf(CodeConflict, "no GitHub App is configured (github.app_id): redeliver it from GitHub's Recent Deliveries"))
 		return
 	}
 	done, err := a.hooks.RedeliverOne(r.Context(), guid)

@@ -12,76 +12,71 @@ import (
 // The errors of the HTTP surface and their statuses, in one place, and how
 // every handler answers: JSON.
 
-// Request errors of the webhook endpoint.
+// Request errors of the webhook endpoint, each the kind of its code or
+// made with its message where the request fails (errorf).
 var (
 	// Apart, because GitHub's Recent Deliveries shows the operator the
 	// answer: a missing signature means the hook has no secret set, a wrong
 	// one that it has another secret than switchyard (badSignature).
-	ErrNoSignature  = errors.New("missing X-Hub-Signature-256: set the hook's secret in GitHub to github.webhook_secret")
-	ErrBadSignature = errors.New("invalid X-Hub-Signature-256") // badSignature says which secret
-	ErrTooLarge     = errors.New("body too large")
-	ErrUnavailable  = errors.New("broker unavailable, retry later")
+	ErrNoSignature  = errorf(CodeUnauthorized, "missing X-Hub-Signature-256: set the hook's secret in GitHub to github.webhook_secret")
+	ErrBadSignature = errorKind(CodeUnauthorized, "invalid X-Hub-Signature-256") // badSignature says which secret
+	ErrTooLarge     = errorKind(CodeTooLarge, "body too large")
+	ErrUnavailable  = errorKind(CodeUnavailable, "broker unavailable, retry later")
+	// ErrBusy is a webhook refused for lack of room: too many body bytes
+	// are being read at once. 503 with Retry-After.
+	ErrBusy = errorf(CodeUnavailable, "too many webhook bytes in flight, retry later")
 )
 
-// ErrBusy is a webhook refused for lack of room: too many body bytes are
-// being read at once. 503 with Retry-After.
-var ErrBusy = fmt.Errorf("%w: too many webhook bytes in flight", ErrUnavailable)
-
-// Errors of the admin API and the operator's pages that map to statuses.
+// Errors of the admin API and the operator's pages.
 var (
-	ErrUnauthorized     = errors.New("missing or invalid bearer token")
-	ErrPageUnauthorized = errors.New("unauthorized: user operator, the operator token as password")
-	ErrForbidden        = errors.New("this token may not use this endpoint")
-	ErrNotOurPage       = errors.New("the request did not come from this server's page")
-	ErrStaleForm        = errors.New("missing or stale form token: load the delivery's page again")
-	ErrConflict         = errors.New("not possible in this configuration")
-	ErrNotFound         = errors.New("not found")
-	ErrMethodNotAllowed = errors.New("method not allowed")
-	ErrTooManyFailures  = errors.New("too many failed authentications from this address; retry later")
+	ErrUnauthorized     = errorf(CodeUnauthorized, "missing or invalid bearer token")
+	ErrPageUnauthorized = errorf(CodeUnauthorized, "unauthorized: user operator, the operator token as password")
+	ErrForbidden        = errorf(CodeForbidden, "this token may not use this endpoint")
+	ErrNotOurPage       = errorf(CodeForbidden, "the request did not come from this server's page")
+	ErrStaleForm        = errorf(CodeForbidden, "missing or stale form token: load the delivery's page again")
+	ErrNotFound         = errorf(CodeNotFound, "not found")
+	ErrMethodNotAllowed = errorf(CodeMethod, "method not allowed")
+	ErrTooManyFailures  = errorf(CodeTooMany, "too many failed authentications from this address; retry later")
 )
 
-// statusOf maps an error to its HTTP status, in one place.
+// codeStatus is the one table of the HTTP status each code answers.
+var codeStatus = map[ErrorCode]int{
+	CodeInvalid:      http.StatusBadRequest,
+	CodeUnauthorized: http.StatusUnauthorized,
+	CodeForbidden:    http.StatusForbidden,
+	CodeNotFound:     http.StatusNotFound,
+	CodeMethod:       http.StatusMethodNotAllowed,
+	CodeConflict:     http.StatusConflict,
+	CodeTooLarge:     http.StatusRequestEntityTooLarge,
+	CodeTooMany:      http.StatusTooManyRequests,
+	CodeUnavailable:  http.StatusServiceUnavailable,
+}
+
+// statusOf is err's HTTP status: its code's (codeStatus), or 500 for an
+// error that is no request's answer.
 func statusOf(err error) int {
-	switch {
-	case errors.Is(err, ErrNoSignature), errors.Is(err, ErrBadSignature), errors.Is(err, ErrUnauthorized),
-		errors.Is(err, ErrPageUnauthorized):
-		return http.StatusUnauthorized
-	case errors.Is(err, ErrForbidden), errors.Is(err, ErrNotOurPage), errors.Is(err, ErrStaleForm):
-		return http.StatusForbidden
-	case errors.Is(err, ErrConflict):
-		return http.StatusConflict
-	case errors.Is(err, ErrBadRequest):
-		return http.StatusBadRequest
-	case errors.Is(err, ErrTooLarge):
-		return http.StatusRequestEntityTooLarge
-	case errors.Is(err, ErrUnknownBroker), errors.Is(err, ErrUnknownDelivery), errors.Is(err, ErrNotFound):
-		return http.StatusNotFound
-	case errors.Is(err, ErrMethodNotAllowed):
-		return http.StatusMethodNotAllowed
-	case errors.Is(err, ErrTooManyFailures):
-		return http.StatusTooManyRequests
-	case errors.Is(err, ErrUnavailable):
-		return http.StatusServiceUnavailable
-	default:
-		return http.StatusInternalServerError
+	if e := errorOf(err); e != nil {
+		if status, ok := codeStatus[e.Code]; ok {
+			return status
+		}
 	}
+	return http.StatusInternalServerError
 }
 
 // publicText is the one mapping from an error to the text an answer
-// carries, for every path that writes a body: a request's own fault (4xx)
-// says what was wrong with the request; a broker's failure says only its
-// kind (brokerProblem); anything else is "internal error".
+// carries, for every path that writes a body: the message of its Error,
+// set where it was made, never the chain it was wrapped in; a broker's
+// failure says only its kind (the error's public, brokerProblem); anything
+// else is "internal error".
 func publicText(err error) string {
 	var pub interface{ public() string }
-	switch status := statusOf(err); {
-	case errors.As(err, &pub):
+	if errors.As(err, &pub) {
 		return pub.public()
-	case status >= 500 && errors.Is(err, ErrBusy):
-		return ErrBusy.Error()
-	case status >= 500:
-		return "internal error"
 	}
-	return err.Error()
+	if e := errorOf(err); e != nil && statusOf(err) != http.StatusInternalServerError {
+		return e.Message
+	}
+	return "internal error"
 }
 
 // writeError answers {"error": "..."} with the error's status and its

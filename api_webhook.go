@@ -93,9 +93,9 @@ func (a *webhookAuth) secretsOf(id string) ([][]byte, int64) {
 // reading Recent Deliveries knows which to set.
 func badSignature(hook int64) error {
 	if hook >= 0 {
-		return fmt.Errorf("%w: the secret of hook %d in GitHub is not its secret in [[github.hooks]]", ErrBadSignature, hook)
+		return errorf(CodeUnauthorized, "%s: the secret of hook %d in GitHub is not its secret in [[github.hooks]]", ErrBadSignature.Message, hook)
 	}
-	return fmt.Errorf("%w: the hook's secret in GitHub is not github.webhook_secret", ErrBadSignature)
+	return errorf(CodeUnauthorized, "%s: the hook's secret in GitHub is not github.webhook_secret", ErrBadSignature.Message)
 }
 
 // newWebhookAuth reads the config's secrets and networks; the allow list is
@@ -257,7 +257,7 @@ func (wh *Webhook) readBody(w http.ResponseWriter, r *http.Request, buf *[]byte)
 	var charged int64
 	release = func() { wh.inflight.free(charged) }
 	if r.ContentLength > maxWebhookBody {
-		return nil, release, fmt.Errorf("%w: Content-Length over %d bytes", ErrTooLarge, maxWebhookBody)
+		return nil, release, errorf(CodeTooLarge, "%s: Content-Length over %d bytes", ErrTooLarge.Message, maxWebhookBody)
 	}
 	if n := r.ContentLength; n >= 0 {
 		// One byte more than claimed, to read the end of the body.
@@ -287,9 +287,9 @@ func (wh *Webhook) readBody(w http.ResponseWriter, r *http.Request, buf *[]byte)
 		case err == io.EOF:
 			return b, release, nil
 		case errors.As(err, &mbe):
-			return nil, release, fmt.Errorf("%w: over %d bytes", ErrTooLarge, maxWebhookBody)
+			return nil, release, errorf(CodeTooLarge, "%s: over %d bytes", ErrTooLarge.Message, maxWebhookBody)
 		case err != nil:
-			return nil, release, fmt.Errorf("%w: read body: %v", ErrBadRequest, err)
+			return nil, release, &Error{Code: CodeInvalid, Message: "the body could not be read", Err: err}
 		}
 	}
 }
@@ -316,12 +316,12 @@ func (wh *Webhook) readPayload(w http.ResponseWriter, r *http.Request, buf *[]by
 	if isForm(r.Header.Get("Content-Type")) {
 		form, err := url.ParseQuery(string(body))
 		if err != nil || !form.Has("payload") {
-			return nil, release, fmt.Errorf("%w: form body without payload=", ErrBadRequest)
+			return nil, release, errorf(CodeInvalid, "form body without payload=")
 		}
 		payload = []byte(form.Get("payload"))
 	}
 	if t := bytes.TrimSpace(payload); len(t) == 0 || t[0] != '{' || !validJSON(t) {
-		return nil, release, fmt.Errorf("%w: payload is not a JSON object", ErrBadRequest)
+		return nil, release, errorf(CodeInvalid, "payload is not a JSON object")
 	}
 	return payload, release, nil
 }
@@ -476,7 +476,7 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	took, err := wh.spool.Take(r.Context(), exchange, key, msg)
 	var tooLarge *TooLargeError
 	if errors.As(err, &tooLarge) {
-		wh.reject(w, r, fmt.Errorf("%w: delivery %s not queued: %v", ErrTooLarge, msg.MessageId, tooLarge), src)
+		wh.reject(w, r, errorf(CodeTooLarge, "%s: delivery %s not queued: %v", ErrTooLarge.Message, msg.MessageId, tooLarge), src)
 		return
 	}
 	if err != nil {

@@ -15,7 +15,7 @@ import (
 
 // Sentinel errors of the broker state machine; the API maps them to statuses.
 var (
-	ErrUnknownBroker = errors.New("no configured broker matches")
+	ErrUnknownBroker = errorKind(CodeNotFound, "no configured broker matches")
 	ErrStale         = errors.New("notification is not newer than the last accepted one")
 )
 
@@ -206,7 +206,7 @@ func (bs *Brokers) List() []*Broker { return bs.list }
 // Get returns the broker at index i, or ErrUnknownBroker.
 func (bs *Brokers) Get(i int) (*Broker, error) {
 	if i < 0 || i >= len(bs.list) {
-		return nil, fmt.Errorf("%w: index %d of %d", ErrUnknownBroker, i, len(bs.list))
+		return nil, errorf(CodeNotFound, "%s: index %d of %d", ErrUnknownBroker.Message, i, len(bs.list))
 	}
 	return bs.list[i], nil
 }
@@ -224,7 +224,7 @@ func (bs *Brokers) Match(host, vhost string) (*Broker, error) {
 			return b, nil
 		}
 	}
-	return nil, fmt.Errorf("%w: host %q vhost %q", ErrUnknownBroker, host, vhost)
+	return nil, errorf(CodeNotFound, "%s: host %q vhost %q", ErrUnknownBroker.Message, host, vhost)
 }
 
 // Watch returns a channel closed at the next change of state. Take it before

@@ -20,8 +20,6 @@ import (
 // maxWebhookBody is GitHub's own cap on a webhook payload.
 const maxWebhookBody = 25 << 20
 
-// ErrBadRequest is a delivery whose headers or body break GitHub's rules.
-var ErrBadRequest = errors.New("bad request")
 
 // validSignature checks an X-Hub-Signature-256 header against every
 // accepted secret, in constant time per secret.
@@ -112,23 +110,23 @@ func eventName(s string) bool {
 func checkHeaders(h http.Header) error {
 	delivery, event := h.Get("X-GitHub-Delivery"), h.Get("X-GitHub-Event")
 	if event == "" || delivery == "" {
-		return fmt.Errorf("%w: X-GitHub-Event and X-GitHub-Delivery are required", ErrBadRequest)
+		return errorf(CodeInvalid, "X-GitHub-Event and X-GitHub-Delivery are required")
 	}
 	if !validDeliveryID(delivery) {
-		return fmt.Errorf("%w: X-GitHub-Delivery: want 1 to %d bytes of printable ASCII without spaces", ErrBadRequest, maxDeliveryLen)
+		return errorf(CodeInvalid, "X-GitHub-Delivery: want 1 to %d bytes of printable ASCII without spaces", maxDeliveryLen)
 	}
 	// Not [a-z_] alone: GitHub's own event names have digits too
 	// (projects_v2_item), and refusing them would lose real deliveries.
 	if !eventName(event) {
-		return fmt.Errorf("%w: X-GitHub-Event: want 1 to %d bytes of a-z, 0-9 and _", ErrBadRequest, maxEventLen)
+		return errorf(CodeInvalid, "X-GitHub-Event: want 1 to %d bytes of a-z, 0-9 and _", maxEventLen)
 	}
 	if _, err := parseHookID(h.Get("X-GitHub-Hook-ID")); err != nil || len(h.Values("X-GitHub-Hook-ID")) > 1 {
-		return fmt.Errorf("%w: %v", ErrBadRequest, cmp.Or(err, errors.New("X-GitHub-Hook-ID: one value only")))
+		return errorf(CodeInvalid, "%v", cmp.Or(err, errors.New("X-GitHub-Hook-ID: one value only")))
 	}
 	for _, k := range []string{"X-GitHub-Hook-Installation-Target-ID", "X-GitHub-Hook-Installation-Target-Type"} {
 		for _, v := range h.Values(k) {
 			if len(v) > maxHeaderLen {
-				return fmt.Errorf("%w: %s: longer than %d bytes", ErrBadRequest, k, maxHeaderLen)
+				return errorf(CodeInvalid, "%s: longer than %d bytes", k, maxHeaderLen)
 			}
 		}
 	}

@@ -128,7 +128,7 @@ type StoryAlert struct {
 }
 
 // ErrUnknownDelivery is a GUID the database has no record of.
-var ErrUnknownDelivery = errors.New("no delivery with this GUID is known")
+var ErrUnknownDelivery = errorKind(CodeNotFound, "no delivery with this GUID is known")
 
 // newStory is an empty story of guid, its lists empty rather than null.
 func newStory(guid string) *DeliveryStory {
@@ -161,7 +161,7 @@ func (st *DeliveryStory) Narrow(hook int64) error {
 		}
 	}
 	if len(st.Copies) == 0 && len(st.Rejected) == 0 {
-		return fmt.Errorf("%w: %s for hook %d", ErrUnknownDelivery, st.GUID, hook)
+		return errorf(CodeNotFound, "%s: %s for hook %d", ErrUnknownDelivery.Message, st.GUID, hook)
 	}
 	return nil
 }
@@ -346,7 +346,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		return nil, err
 	}
 	if len(st.Copies) == 0 && st.Hooks == nil && st.Gap == nil && len(st.GitHub) == 0 && len(st.Rejected) == 0 && len(st.Spooled) == 0 {
-		return nil, fmt.Errorf("%w: %s", ErrUnknownDelivery, guid)
+		return nil, errorf(CodeNotFound, "%s: %s", ErrUnknownDelivery.Message, guid)
 	}
 	return st, nil
 }
