@@ -114,7 +114,7 @@ func TestFaultBrokerRefuses(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
-	cfg.Queue.SpoolMaxBytes = 0            // the refusals without the spool (worker_spool_test.go has them with it)
+	cfg.Queue.SpoolMaxBytes = 0 // the refusals without the spool (worker_spool_test.go has them with it)
 	// A nacked publish is sent again while publish_timeout lasts (a
 	// quorum queue electing its leader nacks for a moment): the 503
 	// comes at its end, naming the refusal.

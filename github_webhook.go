@@ -20,7 +20,6 @@ import (
 // maxWebhookBody is GitHub's own cap on a webhook payload.
 const maxWebhookBody = 25 << 20
 
-
 // validSignature checks an X-Hub-Signature-256 header against every
 // accepted secret, in constant time per secret.
 func validSignature(secrets [][]byte, body []byte, header string) bool {
