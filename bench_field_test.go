@@ -305,10 +305,10 @@ func sustainedOn(b testing.TB, nodes []*benchProcess, payload []byte, clients in
 // WAN proxy, against 64 goroutines publishing the same message with a
 // confirm each over one amqps connection through the same proxy. Rounds
 // alternate, on purged queues.
-func benchWANIngest(b *testing.B, payload []byte, rtt time.Duration) (ours, base float64) {
+func benchWANIngest(b *testing.B, payload []byte, rtt time.Duration, mbit float64) (ours, base float64) {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
-	proxy := newWANProxy(b, testBrokerAddr(), rtt)
+	proxy := newWANLink(b, testBrokerAddr(), rtt, mbit)
 	cfg := testConfig(b, proxy.URL(vhost))
 	cfg.Queue.DeclareTopology = false
 	return ingestRounds(b, cfg, vhost, proxy.URL(vhost), payload, 64, 4, 1000)
@@ -336,10 +336,10 @@ type wanEndToEnd struct {
 // a user gets without switchyard), and moving the same payloads
 // zstd-compressed at the fastest level (what the broker allows for the
 // bytes switchyard moves).
-func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration) (r wanEndToEnd) {
+func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration, mbit float64) (r wanEndToEnd) {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
-	proxy := newWANProxy(b, testBrokerAddr(), rtt)
+	proxy := newWANLink(b, testBrokerAddr(), rtt, mbit)
 	brokerCPU := brokerCPU(b)
 	// The baselines first, on the same vhost and proxy: its queues are
 	// empty again when each returns.

@@ -976,8 +976,11 @@ type tcpProxy struct {
 	tls            *tls.Config // set: the proxy ends TLS (newTLSProxy)
 	caFile         string
 	delay          time.Duration // set: each direction is this late (newWANProxy)
-	frames         *frameCounts  // set: the AMQP methods a plan's quota counts, counted as they pass
-	trips          *atomic.Int64 // set: a PostgreSQL client's round trips, counted as they pass
+	// links, when set, are the link's two directions, from the client
+	// and to it, of a bandwidth (newWANLink).
+	links  [2]*wanLink
+	frames *frameCounts  // set: the AMQP methods a plan's quota counts, counted as they pass
+	trips  *atomic.Int64 // set: a PostgreSQL client's round trips, counted as they pass
 	// dropOver, when set, drops a connection once its client has sent
 	// more than this many bytes: a broker that closes the connection on a
 	// message over its size limit.
@@ -1181,7 +1184,7 @@ func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
 	dropOver := p.dropOver
 	p.mu.Unlock()
 	if p.delay > 0 {
-		p.delayedPipe(dst, src, scan)
+		p.delayedPipe(dst, src, scan, p.links[map[bool]int{true: 0, false: 1}[fromClient]])
 		return
 	}
 	buf := make([]byte, 32<<10)
@@ -1211,13 +1214,13 @@ func (p *tcpProxy) pipe(dst, src net.Conn, fromClient bool) {
 	src.Close()
 }
 
-// delayedPipe forwards src to dst, each chunk delay after it arrived, in
-// order, with no limit on bandwidth: a WAN link's latency, one way. scan,
+// delayedPipe forwards src to dst, each chunk delay after it left link
+// (at once without a bandwidth), in order: a WAN link, one way. scan,
 // when set, counts the billable methods as they arrive. The
 // chunks that are due together go out in one write, and read buffers are
 // reused: the proxy stands in for the internet, which takes none of the
 // machine's two cores, so it should take as little of them as it can.
-func (p *tcpProxy) delayedPipe(dst, src net.Conn, scan interface{ feed([]byte) }) {
+func (p *tcpProxy) delayedPipe(dst, src net.Conn, scan interface{ feed([]byte) }, link *wanLink) {
 	type chunk struct {
 		buf *[]byte
 		n   int
@@ -1234,7 +1237,7 @@ func (p *tcpProxy) delayedPipe(dst, src net.Conn, scan interface{ feed([]byte) }
 			}
 			p.moved.Add(int64(n))
 			if n > 0 {
-				q <- chunk{buf, n, time.Now().Add(p.delay)}
+				q <- chunk{buf, n, link.departs(n, time.Now()).Add(p.delay)}
 			} else {
 				proxyBuffers.Put(buf)
 			}
