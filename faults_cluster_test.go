@@ -219,6 +219,7 @@ func leaderOf(t *testing.T, nodes []*rabbitNode, ask *rabbitNode, vhost, queue s
 // confirmed until it starts again): every request is answered 202, and
 // every webhook stored once.
 func TestSpoolClusterNodesLost(t *testing.T) {
+	t.Parallel()
 	onBothStores(t, testSpoolClusterNodesLost)
 }
 

@@ -188,6 +188,7 @@ func storedInOrder(t testing.TB, db DatabaseConfig, answers []sent) {
 // sent, the spooled ones' stories telling when they were spooled and
 // published.
 func TestSpoolBrokerLinkCut(t *testing.T) {
+	t.Parallel()
 	onBothStores(t, testSpoolBrokerLinkCut)
 }
 
@@ -260,6 +261,7 @@ func testSpoolBrokerLinkCut(t *testing.T) {
 // webhook it cannot take is answered 503 naming the spool, and every one
 // answered 202 before is stored once the broker is back.
 func TestSpoolFull(t *testing.T) {
+	t.Parallel()
 	onBothStores(t, testSpoolFull)
 }
 
@@ -343,6 +345,7 @@ func testSpoolFull(t *testing.T) {
 // serve SIGKILLed while it spools, the broker away: once the broker is
 // back and serve runs again, every webhook answered 202 is stored once.
 func TestSpoolSurvivesSIGKILL(t *testing.T) {
+	t.Parallel()
 	onBothStores(t, testSpoolSurvivesSIGKILL)
 }
 
@@ -396,6 +399,7 @@ func testSpoolSurvivesSIGKILL(t *testing.T) {
 // answered 202 queued, not 503, even without the spool, and the copy that
 // had landed is a duplicate, stored once.
 func TestPublishSentAgainWhenConfirmLost(t *testing.T) {
+	t.Parallel()
 	vhost := newVhost(t)
 	proxy := newTCPProxy(t, testBrokerAddr())
 	frames := proxy.countFrames()
@@ -436,6 +440,7 @@ func errText(err error) string {
 // their times, not their messages, and PruneSpool deletes them past
 // spoolKeptFor.
 func TestSpoolRowsPublishedAndPruned(t *testing.T) {
+	t.Parallel()
 	onBothStores(t, func(t *testing.T) {
 		db := testStore(t)
 		store := migratedStoreOf(t, db)
