@@ -49,8 +49,8 @@ func BenchmarkSwitchyard(b *testing.B) {
 	// drain, e2e, restart, switch (localhost); wan-ingest, wan-e2e, burst, wan-drain
 	// (over the WAN proxy, at each BENCH_RTT; wan-ingest and wan-e2e also
 	// at each bandwidth of BENCH_BW, Mbit/s, 0 for none, by default none);
-	// postgres, spool (at the first BENCH_RTT); billing (at 50ms); dbsize,
-	// bigtable, rss, cpu.
+	// postgres, spool, open-loop (at the first BENCH_RTT; open-loop at
+	// each bandwidth too); billing (at 50ms); dbsize, bigtable, rss, cpu.
 	want := func(row string) bool {
 		rows := os.Getenv("BENCH_ROWS")
 		return rows == "" || strings.Contains(","+rows+",", ","+row+",")
@@ -146,6 +146,24 @@ func BenchmarkSwitchyard(b *testing.B) {
 						ours: fmt.Sprintf("%.0f", r.bytes),
 						base: fmt.Sprintf("%.0f raw, %.0f raw compressed", r.rawBytes, r.rawPackedBytes), aim: "printed"})
 				}
+			}
+		}
+		if want("open-loop") {
+			rtt := benchRTTs(b)[0]
+			for _, bw := range benchLinks(b) {
+				link := linkName(rtt, bw)
+				r := benchOpenLoop(b, payload, rtt, bw)
+				aim := "printed"
+				if bw > 0 {
+					aim = "ratio >= 3.0"
+				}
+				add(fmt.Sprintf("open loop over amqps at %s: the sustained rate, stepped by a quarter until p99 > 1 s or a refusal (baseline: raw pipeline, payloads as they are)", link),
+					r.ours.rate, r.raw.rate, "webhooks/s", aim)
+				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: the step past it", link),
+					ours: fmt.Sprintf("%.0f/s: p99 %.0f ms, %d of %d refused", r.oursBroke.rate, ms(r.oursBroke.p99), r.oursBroke.refused, r.oursBroke.sent),
+					base: fmt.Sprintf("%.0f/s: p99 %.0f ms, %d refused", r.rawBroke.rate, ms(r.rawBroke.p99), r.rawBroke.refused), aim: "none refused"})
+				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: p99 at half the sustained rate", link),
+					ours: fmt.Sprintf("%.0f ms", ms(r.halfRateP99)), aim: fmt.Sprintf("< 2 RTT + 50 ms = %.0f ms", ms(2*rtt+50*time.Millisecond))})
 			}
 		}
 		if want("postgres") {
@@ -929,3 +947,6 @@ func BenchmarkBatchWrite(b *testing.B) {
 	}
 	b.ReportMetric(float64(cpu.Microseconds())/float64(n), "cpu-us/msg")
 }
+
+// ms is d in milliseconds.
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }

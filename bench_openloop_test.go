@@ -1,0 +1,176 @@
+package main
+
+import (
+	"fmt"
+	"net/http"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Open-loop load, as GitHub sends: webhooks due at a fixed arrival rate,
+// each sent at its time whatever the earlier ones take, its latency
+// counted from the moment it was due (a closed loop of clients waiting
+// for their answers would send less when answers slow, and hide the
+// queueing a slow answer causes). The rate is stepped up by a quarter
+// until the p99 of the answers passes a second or one is refused: the
+// last rate held is the sustained rate.
+
+// openLoopStep is one rate held for d.
+type openLoopStep struct {
+	rate    float64
+	p50     time.Duration
+	p99     time.Duration
+	refused int
+	sent    int
+}
+
+// held reports whether the step kept its answers within a second and
+// refused none.
+func (s openLoopStep) held() bool { return s.refused == 0 && s.p99 <= time.Second }
+
+// openLoopAt sends one request a 1/rate apart for d through send, each in
+// its own goroutine at its due time, and waits for every answer (send
+// returns once it has one, its error for a refusal).
+func openLoopAt(rate float64, d time.Duration, send func(i int) error) openLoopStep {
+	n := int(rate * d.Seconds())
+	lat := make([]time.Duration, n)
+	var refused atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := range n {
+		due := start.Add(time.Duration(float64(i) / rate * float64(time.Second)))
+		if wait := time.Until(due); wait > 0 {
+			time.Sleep(wait)
+		}
+		wg.Go(func() {
+			if err := send(i); err != nil {
+				refused.Add(1)
+			}
+			lat[i] = time.Since(due)
+		})
+	}
+	wg.Wait()
+	slices.Sort(lat)
+	step := openLoopStep{rate: rate, refused: int(refused.Load()), sent: n}
+	if n > 0 {
+		step.p50, step.p99 = lat[n/2], lat[n*99/100]
+	}
+	return step
+}
+
+// sustainedOpenLoop steps the rate up from from by a quarter, 8 s a step,
+// until a step does not hold; it returns the last step held (a zero step
+// when the first did not) and the first that did not.
+func sustainedOpenLoop(from float64, send func(i int) error) (held, broke openLoopStep) {
+	offset := 0
+	for rate := from; ; rate *= 1.25 {
+		step := openLoopAt(rate, 8*time.Second, func(i int) error { return send(offset + i) })
+		offset += step.sent
+		if !step.held() {
+			return held, step
+		}
+		held = step
+	}
+}
+
+// openLoopRates are switchyard's sustained rate end to end (the 202s) and
+// the raw pipeline's (its confirms) over the same link, and the p99 of
+// switchyard's answers at half its sustained rate.
+type openLoopRates struct {
+	ours, raw   openLoopStep
+	oursBroke   openLoopStep
+	rawBroke    openLoopStep
+	halfRateP99 time.Duration
+}
+
+// benchOpenLoop: switchyard with the default config over amqps at rtt
+// (a bandwidth of mbit Mbit/s, 0 for none), and then the raw pipeline
+// publishing the payloads as they are, each stepped up from 100
+// webhooks/s.
+func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64) (r openLoopRates) {
+	vhost := newVhost(b)
+	declareTestTopology(b, vhost, 10*time.Minute)
+	proxy := newWANLink(b, testBrokerAddr(), rtt, mbit)
+	p := startBenchProcess(b, proxy.URL(vhost), "")
+	body := newBotBody(b, payload)
+	client := newLoadClient(p.url, 512)
+	prefix := "open-" + randHex(3) + "-"
+	post := func(i int) error {
+		_, err := botPost(client, fmt.Sprintf("%s%d", prefix, i), body)
+		return err
+	}
+	sustained(b, p, payload, 64, time.Second) // warm, as benchWANEndToEnd
+	r.ours, r.oursBroke = sustainedOpenLoop(100, post)
+	if r.ours.rate > 0 {
+		half := openLoopAt(r.ours.rate/2, 8*time.Second, func(i int) error { return post(1_000_000 + i) })
+		r.halfRateP99 = half.p99
+	}
+	p.stop(b)
+	r.raw, r.rawBroke = rawOpenLoop(b, proxy.URL(vhost), payload)
+	return r
+}
+
+// rawOpenLoop is the raw pipeline of rawPipeline in an open loop: each
+// webhook's message published through github-exchange as it is due, on
+// one of 64 confirm channels of one amqps connection, answered when its
+// confirm comes; a consumer on each of the fanout's queues (prefetch 200,
+// acks in batches of 100) keeps the queues from growing.
+func rawOpenLoop(b testing.TB, url string, payload []byte) (held, broke openLoopStep) {
+	pub, err := amqp.Dial(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer pub.Close()
+	cons, err := amqp.Dial(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer cons.Close()
+	for _, q := range []string{queueGitHub, queueDatabase} {
+		ch, err := cons.Channel()
+		if err != nil {
+			b.Fatal(err)
+		}
+		_ = ch.Qos(200, 0, false)
+		ds, err := ch.Consume(q, "", false, false, false, false, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		go func() {
+			n := 0
+			for d := range ds {
+				if n++; n%100 == 0 {
+					_ = d.Ack(true)
+				}
+			}
+		}()
+	}
+	chans := make([]*amqp.Channel, 64)
+	for i := range chans {
+		if chans[i], err = pub.Channel(); err != nil {
+			b.Fatal(err)
+		}
+		_ = chans[i].Confirm(false)
+	}
+	h := http.Header{}
+	h.Set("X-GitHub-Event", "pull_request")
+	h.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
+	return sustainedOpenLoop(100, func(i int) error {
+		h := h.Clone()
+		h.Set("X-GitHub-Delivery", fmt.Sprintf("raw-open-%d", i))
+		msg := newPublishing(h, payload, "127.0.0.1", time.Now())
+		dc, err := chans[i%len(chans)].PublishWithDeferredConfirm(exchangeName, "", true, false, msg)
+		if err != nil {
+			return err
+		}
+		if !dc.Wait() {
+			return fmt.Errorf("nacked")
+		}
+		return nil
+	})
+}
