@@ -525,3 +525,27 @@ func TestSpoolWhileBlocked(t *testing.T) {
 	restore()
 	storedAll(t, cfg.Database, spooled, time.Minute)
 }
+
+// The broker away and the store taking no write (the SQLite file locked
+// by another process past busy_timeout): the webhook is answered 503
+// naming both, not 202, and once the lock is gone it is spooled again.
+func TestSpoolRefusedByTheStore(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, testBrokerAddr())
+	cfg := testConfig(t, proxy.URL(vhost))
+	cfg.Database.BusyTimeout = 300 * time.Millisecond
+	d := startDaemon(t, cfg)
+	eventually(t, 30*time.Second, "the daemon ready", func() bool { return answersOK(d.URL + "/readyz") })
+	proxy.Close()
+	unlock := lockDatabase(t, cfg.Database.Path)
+	body := loadFixture(t, "issues", "opened")
+	code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
+	if code != http.StatusServiceUnavailable || !strings.Contains(answer, "broker unreachable, and the spool did not take it") {
+		t.Errorf("a webhook with the broker away and the store locked: %d %s, want 503 naming both", code, answer)
+	}
+	unlock()
+	if code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body)); code != http.StatusAccepted || !strings.Contains(answer, `"spooled"`) {
+		t.Errorf("a webhook once the lock is gone: %d %s, want 202 spooled", code, answer)
+	}
+}
