@@ -336,11 +336,17 @@ func (bs *Brokers) read(ctx context.Context, settings func(context.Context, ...s
 // change runs fn over the current state inside one write transaction, then
 // publishes the result. fn returns the new state and whether it changed.
 func (bs *Brokers) change(ctx context.Context, fn func(tx *Tx, st SwitchState, now time.Time) (SwitchState, bool, error)) (SwitchState, error) {
+	return bs.changeUnder(ctx, nil, fn)
+}
+
+// changeUnder is change made under fence, when it is set (a once-only
+// job's: Store.WriteTxUnder).
+func (bs *Brokers) changeUnder(ctx context.Context, fence *Fence, fn func(tx *Tx, st SwitchState, now time.Time) (SwitchState, bool, error)) (SwitchState, error) {
 	bs.changes.Lock()
 	defer bs.changes.Unlock()
 	var out SwitchState
 	var changed bool
-	err := bs.store.WriteTx(ctx, func(tx *Tx) error {
+	err := bs.store.writeTx(ctx, fence, func(tx *Tx) error {
 		// Nodes sharing the database change it one at a time: each reads
 		// the state the last change committed.
 		if err := tx.Lock(ctx, "broker switch"); err != nil {
@@ -402,12 +408,18 @@ func (bs *Brokers) SwitchTo(ctx context.Context, index int) (SwitchState, error)
 // when the target is already the active broker (any Pending Switch cleared), or
 // ErrStale when switchedAt is not newer than the watermark, changing nothing.
 func (bs *Brokers) Notify(ctx context.Context, host, vhost string, switchedAt time.Time) (string, SwitchState, error) {
+	return bs.NotifyUnder(ctx, nil, host, vhost, switchedAt)
+}
+
+// NotifyUnder is Notify made under fence, when it is set: the rotation's,
+// which a once-only job records as a producer's notification.
+func (bs *Brokers) NotifyUnder(ctx context.Context, fence *Fence, host, vhost string, switchedAt time.Time) (string, SwitchState, error) {
 	target, err := bs.Match(host, vhost)
 	if err != nil {
 		return "", SwitchState{}, err
 	}
 	var result string
-	st, err := bs.change(ctx, func(tx *Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
+	st, err := bs.changeUnder(ctx, fence, func(tx *Tx, st SwitchState, now time.Time) (SwitchState, bool, error) {
 		if !switchedAt.After(st.Watermark) {
 			return st, false, ErrStale
 		}

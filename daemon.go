@@ -44,9 +44,10 @@ type Daemon struct {
 	refused   *RejectLog
 	spool     *Spool
 	workers   []*Worker
-	// hooks is the hooks worker, which runs under its lease; nil without
-	// the GitHub App.
-	hooks *Worker
+	// hooks is the hooks worker, which runs under its lease, and
+	// hooksWork what it does; nil without the GitHub App.
+	hooks     *Worker
+	hooksWork *Hooks
 }
 
 // NewDaemon opens and migrates the database and wires everything; nothing runs
@@ -98,13 +99,13 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		spool: spool}
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
-	d.keepalive = NewKeepalive(cfg.Queue, brokers.List(), queues, leases.Lease(jobKeepalive), metrics, log)
+	d.keepalive = NewKeepalive(cfg.Queue, brokers.List(), queues, metrics, log)
 	store.RegisterMetrics(metrics)
-	var rotate func(ctx context.Context, views []BudgetView, now time.Time) error
+	var rotate func(ctx context.Context, h Holding, views []BudgetView, now time.Time) error
 	if r := NewRotation(cfg, brokers, queues, store, d.alerter, log); r != nil {
 		rotate = r.Check
 	}
-	d.usage = NewUsage(cfg, brokers, queues, store, d.alerter, metrics, log, leases.Lease(jobBudget), rotate)
+	d.usage = NewUsage(cfg, brokers, queues, store, d.alerter, metrics, log, rotate)
 	d.retention = NewRetention(store, cfg, log.With("worker", "cleanup"))
 	var hooks *Hooks
 	if cfg.GitHub.AppID > 0 {
@@ -117,9 +118,9 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	}
 	ws := workerParts{cfg: cfg, store: store, brokers: brokers, queues: queues, metrics: metrics, alerter: alerter,
 		usage: d.usage, leases: leases, log: log}
-	d.workers = []*Worker{ws.service(), ws.databaseService(), ws.cleanup(d.retention)}
+	d.workers = []*Worker{ws.service(), ws.databaseService(), ws.cleanup()}
 	if hooks != nil {
-		d.hooks = ws.hooks(hooks)
+		d.hooks, d.hooksWork = ws.hooks(hooks), hooks
 		d.workers = append(d.workers, d.hooks)
 	}
 	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.usage, hooks, leases, log)
@@ -160,21 +161,23 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 	work, wctx := errgroup.WithContext(workCtx)
 	for _, w := range d.workers {
 		if w == d.hooks {
-			work.Go(func() error { return d.leases.Lease(jobHooks).Run(wctx, w.Run) })
+			work.Go(func() error { return d.leases.Lease(jobHooks).Run(wctx, d.hooksWork.Under(w)) })
 			continue
 		}
 		work.Go(func() error { return w.Run(wctx) })
 	}
 	work.Go(func() error { return d.leases.Run(wctx) })
 	work.Go(func() error { return d.leases.Lease(jobAlerts).Run(wctx, d.alerts.Run) })
-	work.Go(func() error { return d.leases.Lease(jobRetention).Run(wctx, d.retention.Compress) })
+	work.Go(func() error { return d.leases.Lease(jobRetention).Run(wctx, d.retention.Run) })
 	work.Go(func() error { return d.keepalive.Run(wctx) })
+	work.Go(func() error { return d.leases.Lease(jobKeepalive).Run(wctx, d.keepalive.Keep) })
 	work.Go(func() error { return d.refused.Run(wctx) })
 	if d.spool.On() {
 		work.Go(func() error { return d.spool.Watch(wctx) })
 		work.Go(func() error { return d.leases.Lease(jobSpool).Run(wctx, d.spool.Drain) })
 	}
 	work.Go(func() error { return d.usage.Run(wctx) })
+	work.Go(func() error { return d.leases.Lease(jobBudget).Run(wctx, d.usage.Budget) })
 	if d.store.Shared() {
 		work.Go(func() error { return d.brokers.Follow(wctx, followEvery) })
 	}

@@ -50,20 +50,11 @@ func (p workerParts) databaseService() *Worker {
 		EventOptions{Handle: databaseHandler(bot), Decode: databaseDecode(bot), Record: databaseRecord(p.metrics)})
 }
 
-// cleanup stores github-forbidden's Events once every cleanup_every, and
-// prunes the raw log under the retention lease.
-func (p workerParts) cleanup(retention *Retention) *Worker {
+// cleanup stores github-forbidden's Events once every cleanup_every.
+func (p workerParts) cleanup() *Worker {
 	w := p.cfg.Workers
 	o := p.options("cleanup", queueForbidden, p.cfg.HealthChecks.Cleanup)
 	o.Window, o.Every, o.PollEvery = w.CleanupWindow, w.CleanupEvery, w.CleanupEvery
-	lease := p.leases.Lease(jobRetention)
-	o.Poll = func(ctx context.Context) error {
-		if !lease.Held() {
-			return nil // another node's job
-		}
-		_, _, err := retention.Prune(lease.Fenced(ctx))
-		return err
-	}
 	return p.events(o, EventOptions{Handle: serviceHandler(p.alerter, p.cfg.GitHub.AppID, true)})
 }
 

@@ -61,7 +61,7 @@ func TestFaultBrokerBlocked(t *testing.T) {
 	// One alert for the block, however often the budget checks while it holds.
 	db := openStoreDB(t, cfg.Database)
 	for range 3 {
-		if err := d.usage.Flush(context.Background()); err != nil {
+		if err := d.usage.flushAndCheck(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -146,7 +146,7 @@ func TestFaultBrokerRefuses(t *testing.T) {
 		t.Errorf("the status while refusing: %v %+v, want broker #0 blocked by the refusal", err, st.Brokers)
 	}
 	for range 3 {
-		if err := d.usage.Flush(context.Background()); err != nil {
+		if err := d.usage.flushAndCheck(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -274,7 +274,7 @@ func TestRefusalRotates(t *testing.T) {
 	})
 	var m map[string]any
 	eventually(t, 10*time.Second, "a pending switch to broker 1 once the refusal outlasts blocked_rotate_after", func() bool {
-		if err := d.usage.Flush(context.Background()); err != nil {
+		if err := d.usage.flushAndCheck(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 		_, m = apiCall(t, "GET", d.URL+"/api/v1/broker", "operator-token-for-tests", "")

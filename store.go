@@ -154,6 +154,19 @@ func (t *Tx) Changed() int64 { return t.changed }
 // A failure of the connection to PostgreSQL (connectionLost) is
 // ErrDatabaseLost: the store is lost until it answers again (Lost).
 func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
+	return s.writeTx(ctx, nil, fn)
+}
+
+// WriteTxUnder is WriteTx for a once-only job's write, made under f: it
+// fails with ErrStaleLease, changing nothing, unless f's node holds f's
+// lease in f's term when the transaction begins. A job has its Fence from
+// its lease's holding (Lease.Run), never from its context.
+func (s *Store) WriteTxUnder(ctx context.Context, f Fence, fn func(tx *Tx) error) error {
+	return s.writeTx(ctx, &f, fn)
+}
+
+// writeTx runs fn in one write transaction, under fence when it is set.
+func (s *Store) writeTx(ctx context.Context, fence *Fence, fn func(tx *Tx) error) error {
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
 	savepoints := false
@@ -162,7 +175,7 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 		if err != nil {
 			return s.health.observe(fmt.Errorf("begin: %w", err))
 		}
-		err = t.fence(ctx)
+		err = t.fence(ctx, fence)
 		if err == nil {
 			err = fn(t)
 		}
@@ -185,29 +198,20 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 }
 
 // Fence is the holding of a lease that a once-only job's writes are made
-// under: a write transaction whose context carries one (WithFence) fails
-// with ErrStaleLease, changing nothing, unless node holds job's lease in
-// that term when it begins; on PostgreSQL the lease's row is locked
-// shared until it ends, so that a takeover waits for it.
+// under (WriteTxUnder): node holds job's lease in that term, or the write
+// changes nothing; on PostgreSQL the lease's row is locked shared until
+// the transaction ends, so that a takeover waits for it.
 type Fence struct {
 	Job, Node string
 	Term      int64
 }
 
-type fenceKey struct{}
-
-// WithFence has the write transactions of ctx made under f.
-func WithFence(ctx context.Context, f Fence) context.Context {
-	return context.WithValue(ctx, fenceKey{}, f)
-}
-
 // ErrStaleLease is a write of a job whose lease another node took since.
 var ErrStaleLease = errors.New("the lease was taken by another node")
 
-// fence checks ctx's Fence, if any, in t.
-func (t *Tx) fence(ctx context.Context) error {
-	f, ok := ctx.Value(fenceKey{}).(Fence)
-	if !ok {
+// fence checks f, when set, in t.
+func (t *Tx) fence(ctx context.Context, f *Fence) error {
+	if f == nil {
 		return nil
 	}
 	var term int64

@@ -56,10 +56,12 @@ const compressBatch = 200
 
 // CompressOlderPayloads compresses the payloads of at most compressBatch
 // rows stored as text, with ids above after, in id order: read, then
-// compressed outside any transaction, then written in one short one. It
-// returns the last id it looked at and how many it compressed; none left
-// is (after, 0). A row pruned meanwhile is left as it is.
-func (s *Store) CompressOlderPayloads(ctx context.Context, after int64) (last int64, n int, err error) {
+// compressed outside any transaction, then written in one short one that
+// write opens (WriteTx, or a leased job's). It returns the last id it
+// looked at and how many it compressed; none left is (after, 0). A row
+// pruned meanwhile is left as it is.
+func (s *Store) CompressOlderPayloads(ctx context.Context, after int64,
+	write func(ctx context.Context, fn func(tx *Tx) error) error) (last int64, n int, err error) {
 	rows, err := s.r.QueryContext(ctx, `SELECT id, payload FROM github WHERE id > $1 AND payload_zstd IS NULL
 		AND payload_pruned_at IS NULL ORDER BY id LIMIT $2`, after, compressBatch)
 	if err != nil {
@@ -85,7 +87,8 @@ func (s *Store) CompressOlderPayloads(ctx context.Context, after int64) (last in
 	if err := rows.Err(); err != nil || len(batch) == 0 {
 		return after, 0, err
 	}
-	err = s.WriteTx(ctx, func(tx *Tx) error {
+	err = write(ctx, func(tx *Tx) error {
+		n = 0
 		for _, r := range batch {
 			res, err := tx.write(ctx, atOnce, `UPDATE github SET payload = '', payload_zstd = $1
 				WHERE id = $2 AND payload_zstd IS NULL AND payload_pruned_at IS NULL`, r.compressed, r.id)

@@ -179,7 +179,7 @@ func TestLeaseTermsFenceStaleWrites(t *testing.T) {
 			t.Fatal("node 1 took a lease node 2 holds")
 		}
 		write := func(f Fence, value string) error {
-			return store.WriteTx(WithFence(ctx, f), func(tx *Tx) error {
+			return store.WriteTxUnder(ctx, f, func(tx *Tx) error {
 				return tx.SetSetting(ctx, "fenced", value, time.Now())
 			})
 		}

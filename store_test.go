@@ -869,7 +869,7 @@ func testPayloadsGivenBackExactly(t *testing.T) {
 	}
 	check("stored")
 	for after := int64(0); ; {
-		last, _, err := store.CompressOlderPayloads(ctx, after)
+		last, _, err := store.CompressOlderPayloads(ctx, after, store.WriteTx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -950,7 +950,7 @@ func testCompressionLooksOnlyAtNewRows(t *testing.T) {
 	r.every, r.compressPause = 20*time.Millisecond, time.Millisecond
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
-	go func() { _ = r.Compress(ctx); close(done) }()
+	go func() { _ = r.Run(ctx, Holding{}); close(done) }()
 	defer func() { cancel(); <-done }()
 	db := openStoreDB(t, cfg.Database)
 	text := func(id int) bool {

@@ -30,15 +30,16 @@ func NewAlertSender(store *Store, alerter *Alerter, log *slog.Logger) *AlertSend
 // alertSendTimeout bounds one send; the channels' clients have their own.
 const alertSendTimeout = 30 * time.Second
 
-// Run sends due alerts on every channel until ctx ends.
-func (s *AlertSender) Run(ctx context.Context) error {
+// Run sends due alerts on every channel until ctx ends, under h (the
+// alerts lease's holding).
+func (s *AlertSender) Run(ctx context.Context, h Holding) error {
 	var wg sync.WaitGroup
 	for _, channel := range []string{"email", "push"} {
 		wg.Go(func() {
 			t := time.NewTicker(s.every)
 			defer t.Stop()
 			for {
-				s.sendDue(ctx, channel)
+				s.sendDue(ctx, h, channel)
 				select {
 				case <-ctx.Done():
 					return
@@ -53,7 +54,7 @@ func (s *AlertSender) Run(ctx context.Context) error {
 
 // sendDue sends channel's due alerts, oldest first. A failure ends the pass:
 // the channel is likely down, and the rest would fail the same way.
-func (s *AlertSender) sendDue(ctx context.Context, channel string) {
+func (s *AlertSender) sendDue(ctx context.Context, h Holding, channel string) {
 	due, err := s.store.DueAlerts(ctx, channel, time.Now(), 50)
 	if err != nil {
 		if ctx.Err() == nil {
@@ -63,6 +64,9 @@ func (s *AlertSender) sendDue(ctx context.Context, channel string) {
 	}
 	for _, a := range due {
 		log := s.log.With("channel", channel, "delivery_id", a.Event.DeliveryID, "event", a.Event.Name)
+		if !h.Held() {
+			return // another node sends it now
+		}
 		sctx, cancel := context.WithTimeout(ctx, alertSendTimeout)
 		sendErr := s.alerter.Send(sctx, channel, a.Event, a.Forbidden)
 		cancel()
@@ -73,13 +77,13 @@ func (s *AlertSender) sendDue(ctx context.Context, channel string) {
 			backoff := min(s.minBackoff<<min(a.Attempts, 20), s.maxBackoff)
 			backoff = backoff/2 + rand.N(backoff/2+1)
 			// Logged once recorded: the line says the retry is due.
-			if err := s.store.WriteTx(ctx, func(tx *Tx) error { return tx.AlertFailed(ctx, a.ID, sendErr, time.Now().Add(backoff)) }); err != nil {
+			if err := h.WriteTx(ctx, s.store, func(tx *Tx) error { return tx.AlertFailed(ctx, a.ID, sendErr, time.Now().Add(backoff)) }); err != nil {
 				log.Warn("cannot record the failed alert", "error", err)
 			}
 			log.Warn("alert not sent, will retry", "attempt", a.Attempts+1, "retry_in", backoff.Round(time.Millisecond), "error", sendErr)
 			return
 		}
-		if err := s.store.WriteTx(ctx, func(tx *Tx) error { return tx.AlertSent(ctx, a.ID, a.Event.DeliveryID) }); err != nil {
+		if err := h.WriteTx(ctx, s.store, func(tx *Tx) error { return tx.AlertSent(ctx, a.ID, a.Event.DeliveryID) }); err != nil {
 			// Sent, but not recorded: it goes out again (at least once).
 			log.Warn("alert sent but not recorded", "error", err)
 			return

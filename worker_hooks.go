@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"sync/atomic"
 	"time"
 )
 
@@ -34,6 +35,29 @@ type Hooks struct {
 	// pollTimeout bounds one poll; zero is ledgerTimeout.
 	pollTimeout time.Duration
 	log         *slog.Logger
+	// holding is the hooks lease's, while its job runs (Under): every
+	// write of the worker is made under it.
+	holding atomic.Pointer[Holding]
+}
+
+// Under runs the hooks worker w as the hooks lease's job, holding h: its
+// writes are fenced by h's term.
+func (h *Hooks) Under(w *Worker) func(ctx context.Context, held Holding) error {
+	return func(ctx context.Context, held Holding) error {
+		h.holding.Store(&held)
+		defer h.holding.Store(nil)
+		return w.Run(ctx)
+	}
+}
+
+// write runs fn in a write transaction under the hooks lease's holding
+// (none outside its job: a test's, a command's).
+func (h *Hooks) write(ctx context.Context, fn func(tx *Tx) error) error {
+	held := Holding{}
+	if p := h.holding.Load(); p != nil {
+		held = *p
+	}
+	return held.WriteTx(ctx, h.store, fn)
 }
 
 // NewHooks is the hooks worker's work for cfg, through app.
@@ -214,14 +238,14 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 	}
 	if h.store.MayHaveOpenGaps() {
 		var n int64
-		if err := h.store.WriteTx(ctx, func(tx *Tx) (err error) { n, err = tx.ResolveStoredGaps(ctx, h.app.ID()); return err }); err != nil {
+		if err := h.write(ctx, func(tx *Tx) (err error) { n, err = tx.ResolveStoredGaps(ctx, h.app.ID()); return err }); err != nil {
 			return queued, err
 		}
 		if n > 0 {
 			h.log.Info("delivery gaps resolved: stored now", "gaps", n)
 		}
 	}
-	err = h.store.WriteTx(ctx, func(tx *Tx) error { return tx.SetSetting(ctx, keyHooksCheckpoint, formatTime(checkpoint), time.Now()) })
+	err = h.write(ctx, func(tx *Tx) error { return tx.SetSetting(ctx, keyHooksCheckpoint, formatTime(checkpoint), time.Now()) })
 	return queued, err
 }
 
@@ -248,7 +272,7 @@ func (h *Hooks) recordAttempts(ctx context.Context, entries []*ledgerEntry, now 
 			attempts = append(attempts, e.Attempts...)
 		}
 	}
-	return h.store.WriteTx(ctx, func(tx *Tx) error { return tx.RecordAttempts(ctx, attempts, now.Add(-githubRedeliveryWindow)) })
+	return h.write(ctx, func(tx *Tx) error { return tx.RecordAttempts(ctx, attempts, now.Add(-githubRedeliveryWindow)) })
 }
 
 // gap records a gap the first time a poll finds it, with its alert.
@@ -326,7 +350,7 @@ func (h *Hooks) redeliverGaps(ctx context.Context) error {
 			continue
 		}
 		h.log.Info("asked GitHub to redeliver a gap", "delivery_id", g.GUID, "github_delivery", g.DeliveryID)
-		if err := h.store.WriteTx(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, g.GUID, time.Now()) }); err != nil {
+		if err := h.write(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, g.GUID, time.Now()) }); err != nil {
 			return err
 		}
 	}
@@ -343,13 +367,13 @@ func (h *Hooks) queue(ctx context.Context, d hookDelivery) error {
 		return fmt.Errorf("queue redelivery of %s: %w", d.GUID, err)
 	}
 	h.log.Info("queued a failed delivery for redelivery", "delivery_id", d.GUID, "event", d.Event, "github_delivery", d.ID)
-	return h.store.WriteTx(ctx, func(tx *Tx) error { return tx.HookQueued(ctx, d.GUID, d.ID, d.Event) })
+	return h.write(ctx, func(tx *Tx) error { return tx.HookQueued(ctx, d.GUID, d.ID, d.Event) })
 }
 
 // recordGap records gap g, with its alert on the channels intent's rules
 // name; recorded is false when the gap was known.
 func (h *Hooks) recordGap(ctx context.Context, g deliveryGap, intent AlertIntent) (recorded bool, err error) {
-	err = h.store.WriteTx(ctx, func(tx *Tx) (err error) {
+	err = h.write(ctx, func(tx *Tx) (err error) {
 		recorded, err = tx.RecordGap(ctx, g, h.alerter.ChannelsFor(intent))
 		return err
 	})
@@ -359,7 +383,7 @@ func (h *Hooks) recordGap(ctx context.Context, g deliveryGap, intent AlertIntent
 // gapRefused counts GitHub's refusal (why) of guid's redelivery; gaveUp
 // reports that it made the gap unrecoverable, its alert queued.
 func (h *Hooks) gapRefused(ctx context.Context, guid string, why error) (gaveUp bool, err error) {
-	err = h.store.WriteTx(ctx, func(tx *Tx) (err error) {
+	err = h.write(ctx, func(tx *Tx) (err error) {
 		gaveUp, err = tx.GapRefused(ctx, guid, why.Error(), maxRefusals, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"}))
 		return err
 	})
@@ -429,7 +453,7 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 	if err != nil {
 		return fmt.Errorf("republish %s: %w", d.GUID, err)
 	}
-	return h.store.WriteTx(ctx, func(tx *Tx) error {
+	return h.write(ctx, func(tx *Tx) error {
 		_, err := tx.MarkDelivery(ctx, "hooks", DeliveryKey{GUID: m.GUID}, func(tx *Tx) (string, error) {
 			return "", tx.hookRepublished(ctx, m.GUID)
 		})
@@ -476,7 +500,7 @@ func (h *Hooks) RedeliverOne(ctx context.Context, guid string) (string, error) {
 	}
 	// A gap keeps when it was asked; a failed delivery GitHub was asked to
 	// send again is asked once more only by a new press.
-	if err := h.store.WriteTx(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, guid, time.Now()) }); err != nil {
+	if err := h.write(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, guid, time.Now()) }); err != nil {
 		return "", err
 	}
 	return redeliverAsked, nil

@@ -24,33 +24,45 @@ type Keepalive struct {
 	declare   bool
 	every     time.Duration // depth refresh
 	keepalive time.Duration
-	// lease is the keepalive job's: the depths are every node's gauges,
-	// the keepalive itself its holder's.
-	lease *Lease
-	log   *slog.Logger
+	log       *slog.Logger
 }
 
-// NewKeepalive watches brokers through queues, refreshing the depths every
-// depthEvery (or every keepalive, when that is shorter).
-// The keepalive itself runs while lease is held (nil: always).
-func NewKeepalive(cfg QueueConfig, brokers []*Broker, queues *Queues, lease *Lease, metrics *Metrics, log *slog.Logger) *Keepalive {
-	return &Keepalive{brokers: brokers, queues: queues, lease: lease, metrics: metrics, declare: cfg.DeclareTopology,
+// NewKeepalive watches brokers through queues: the depths every
+// depthEvery (or every keepalive, when that is shorter) on every node
+// (Run), the keepalive itself under its lease (Keep).
+func NewKeepalive(cfg QueueConfig, brokers []*Broker, queues *Queues, metrics *Metrics, log *slog.Logger) *Keepalive {
+	return &Keepalive{brokers: brokers, queues: queues, metrics: metrics, declare: cfg.DeclareTopology,
 		every: min(depthEvery, cfg.KeepaliveEvery), keepalive: cfg.KeepaliveEvery, log: log.With("worker", "keepalive")}
 }
 
-// Run refreshes and keeps alive until ctx ends; the first pass runs at once.
+// Run refreshes the depths until ctx ends; the first pass runs at once.
 func (f *Keepalive) Run(ctx context.Context) error {
-	t := time.NewTicker(f.every)
-	defer t.Stop()
-	var lastKeepalive time.Time
-	for {
-		keepalive := time.Since(lastKeepalive) >= f.keepalive && f.lease.Held()
-		if keepalive {
-			lastKeepalive = time.Now()
-		}
+	return repeat(ctx, f.every, func() {
 		for _, b := range f.brokers {
-			f.look(ctx, b, keepalive)
+			f.look(ctx, b, false)
 		}
+	})
+}
+
+// Keep is the keepalive lease's job: every keepalive until ctx ends, the
+// first at once, each broker's queues checked and, with declare_topology,
+// declared again, while h is held.
+func (f *Keepalive) Keep(ctx context.Context, h Holding) error {
+	return repeat(ctx, f.keepalive, func() {
+		for _, b := range f.brokers {
+			if h.Held() {
+				f.look(ctx, b, true)
+			}
+		}
+	})
+}
+
+// repeat runs step at once and then every d until ctx ends.
+func repeat(ctx context.Context, d time.Duration, step func()) error {
+	t := time.NewTicker(d)
+	defer t.Stop()
+	for {
+		step()
 		select {
 		case <-ctx.Done():
 			return nil

@@ -21,6 +21,7 @@ const (
 	jobRetention    = "retention"
 	jobKeepalive    = "keepalive"
 	jobBudget       = "budget"
+	jobSpool        = "spool" // the spool's drain (worker_spool.go)
 )
 
 // leaseJobs are the jobs of cfg: the hooks worker's only with the App.
@@ -336,17 +337,45 @@ func (l *Lease) Held() bool {
 	return l.held && time.Now().Before(l.until)
 }
 
-// Fenced is ctx with this node's holding of the lease as the Fence of its
-// write transactions (WithFence): a write made under it changes nothing
-// once another node has taken the lease. A nil *Lease fences nothing.
-func (l *Lease) Fenced(ctx context.Context) context.Context {
-	if l == nil {
-		return ctx
+// Holding is this node's holding of a lease in one term, as Lease.Run
+// hands it to its job: the one way a job acts under its lease. Its writes
+// go through WriteTx, fenced by the term (a stale holding's change
+// nothing), and a step that acts outside the process asks Held right
+// before it acts. The zero Holding, a job kept under no lease, is always
+// held and fences nothing.
+type Holding struct {
+	lease *Lease
+	term  int64
+}
+
+// Held reports whether this node holds the lease now, in the holding's
+// term, on its monotonic clock.
+func (h Holding) Held() bool {
+	if h.lease == nil {
+		return true
 	}
-	l.mu.Lock()
-	term := l.term
-	l.mu.Unlock()
-	return WithFence(ctx, Fence{Job: l.Job, Node: l.ls.node, Term: term})
+	h.lease.mu.Lock()
+	term := h.lease.term
+	h.lease.mu.Unlock()
+	return term == h.term && h.lease.Held()
+}
+
+// WriteTx runs fn in a write transaction of store made under the holding
+// (Store.WriteTxUnder).
+func (h Holding) WriteTx(ctx context.Context, store *Store, fn func(tx *Tx) error) error {
+	if h.lease == nil {
+		return store.WriteTx(ctx, fn)
+	}
+	return store.WriteTxUnder(ctx, *h.fence(), fn)
+}
+
+// fence is the holding as the Fence of a write; nil for the zero
+// Holding.
+func (h Holding) fence() *Fence {
+	if h.lease == nil {
+		return nil
+	}
+	return &Fence{Job: h.lease.Job, Node: h.lease.ls.node, Term: h.term}
 }
 
 // leaseContext is a job's context under its lease: besides ending when
@@ -374,12 +403,13 @@ func (c *leaseContext) Err() error {
 	return c.Context.Err()
 }
 
-// Run runs job whenever this node holds the lease, with a context that
-// ends when the holding does, until ctx ends. job returns once its context
-// has ended.
-func (l *Lease) Run(ctx context.Context, job func(ctx context.Context) error) error {
+// Run runs job whenever this node holds the lease, handing it the
+// holding it acts through and a context that ends when the holding does,
+// until ctx ends. job returns once its context has ended. A nil *Lease (a
+// job kept under no lease) runs job at once, with the zero Holding.
+func (l *Lease) Run(ctx context.Context, job func(ctx context.Context, h Holding) error) error {
 	if l == nil {
-		return job(ctx)
+		return job(ctx, Holding{})
 	}
 	for {
 		l.mu.Lock()
@@ -402,11 +432,14 @@ func (l *Lease) Run(ctx context.Context, job func(ctx context.Context) error) er
 		if !l.ls.starting() {
 			return nil
 		}
+		l.mu.Lock()
+		h := Holding{lease: l, term: l.term}
+		l.mu.Unlock()
 		jctx, stop := whileOpen(ctx, lost)
 		lctx, end := context.WithCancel(jctx)
 		// Its writes are made under this holding: a stale one's change
 		// nothing.
-		err := job(l.Fenced(&leaseContext{Context: lctx, l: l, stop: end}))
+		err := job(&leaseContext{Context: lctx, l: l, stop: end}, h)
 		end()
 		stop()
 		l.ls.ending()

@@ -49,7 +49,7 @@ func (r *Rotation) spent(v BudgetView, now time.Time) bool {
 // Pending Switch already waiting is left alone: the producer's word and
 // the operator's hand win. With no broker left it stays, and alerts once a
 // budget month.
-func (r *Rotation) Check(ctx context.Context, views []BudgetView, now time.Time) error {
+func (r *Rotation) Check(ctx context.Context, h Holding, views []BudgetView, now time.Time) error {
 	st := r.bs.Cached()
 	if st.Pending != nil || !r.spent(views[st.Active], now) {
 		return nil
@@ -60,7 +60,10 @@ func (r *Rotation) Check(ctx context.Context, views []BudgetView, now time.Time)
 		if r.spent(views[to.Index], now) || r.queues.Reachable(ctx, to) != nil {
 			continue
 		}
-		result, _, err := r.bs.Notify(ctx, to.Host, to.Vhost, now)
+		if !h.Held() {
+			return nil // another node's step now
+		}
+		result, _, err := r.bs.NotifyUnder(ctx, h.fence(), to.Host, to.Vhost, now)
 		if err != nil {
 			return fmt.Errorf("record a pending switch from %s to %s: %w", from, to, err)
 		}
@@ -69,7 +72,7 @@ func (r *Rotation) Check(ctx context.Context, views []BudgetView, now time.Time)
 		return nil
 	}
 	id := fmt.Sprintf("budget:every broker:%s:none", views[st.Active].MonthStart.Format("2006-01-02"))
-	queued, err := queueOwnAlert(ctx, r.store, r.alerter, id, AlertIntent{Name: "budget", Action: "none"})
+	queued, err := queueOwnAlert(ctx, h, r.store, r.alerter, id, AlertIntent{Name: "budget", Action: "none"})
 	if queued {
 		r.log.Error("broker budget spent, and no broker is left under queue.rotate_at that answers: publishing stays", "broker", from.String())
 	}

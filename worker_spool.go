@@ -22,9 +22,6 @@ import (
 // with confirms, to where the endpoint would publish; once it is empty
 // the endpoint publishes directly again.
 
-// jobSpool is the spool drain's lease.
-const jobSpool = "spool"
-
 // ErrSpoolFull is a webhook the spool cannot take: it holds
 // queue.spool_max_bytes already.
 var ErrSpoolFull = errors.New("the spool is full (queue.spool_max_bytes)")
@@ -381,9 +378,10 @@ func (s *Spool) refresh(ctx context.Context) {
 }
 
 // Drain publishes the spool, oldest first, to the publish target, until
-// ctx ends; it runs under the spool job's lease (on SQLite, the node's).
+// ctx ends; it runs under the spool job's lease (on SQLite, the node's),
+// publishing only while h is held and marking what it published under it.
 // A broker that takes nothing is tried again every spoolEvery.
-func (s *Spool) Drain(ctx context.Context) error {
+func (s *Spool) Drain(ctx context.Context, h Holding) error {
 	if !s.On() {
 		<-ctx.Done()
 		return nil
@@ -398,7 +396,7 @@ func (s *Spool) Drain(ctx context.Context) error {
 		if lastErr != "" {
 			limit = 1
 		}
-		n, err := s.drainBatch(ctx, limit)
+		n, err := s.drainBatch(ctx, h, limit)
 		switch {
 		case ctx.Err() != nil:
 			return nil
@@ -418,7 +416,7 @@ func (s *Spool) Drain(ctx context.Context) error {
 			s.refresh(ctx)
 			if time.Since(lastPrune) > time.Hour {
 				lastPrune = time.Now()
-				s.prune(ctx)
+				s.prune(ctx, h)
 			}
 		}
 		select {
@@ -442,9 +440,9 @@ func (s *Spool) Drain(ctx context.Context) error {
 // drainBatch publishes the spool's oldest webhooks, up to limit, in
 // order on one channel, and marks those confirmed published. It returns
 // how many it published.
-func (s *Spool) drainBatch(ctx context.Context, limit int) (int, error) {
+func (s *Spool) drainBatch(ctx context.Context, h Holding, limit int) (int, error) {
 	rows, err := s.store.SpoolHead(ctx, limit)
-	if err != nil || len(rows) == 0 {
+	if err != nil || len(rows) == 0 || !h.Held() {
 		return 0, err
 	}
 	b, err := s.queues.Target(s.brokers)
@@ -471,7 +469,7 @@ func (s *Spool) drainBatch(ctx context.Context, limit int) (int, error) {
 	for i := range ids {
 		ids[i] = rows[i].ID
 	}
-	err = s.store.WriteTx(ctx, func(tx *Tx) error {
+	err = h.WriteTx(ctx, s.store, func(tx *Tx) error {
 		if err := tx.SpoolPublished(ctx, ids, b.Index, time.Now()); err != nil || !givenUp {
 			return err
 		}
@@ -491,10 +489,10 @@ func (s *Spool) drainBatch(ctx context.Context, limit int) (int, error) {
 }
 
 // prune deletes the published rows past spoolKeptFor, a batch at a time.
-func (s *Spool) prune(ctx context.Context) {
+func (s *Spool) prune(ctx context.Context, h Holding) {
 	for ctx.Err() == nil {
 		var n int64
-		err := s.store.WriteTx(ctx, func(tx *Tx) error {
+		err := h.WriteTx(ctx, s.store, func(tx *Tx) error {
 			var err error
 			n, err = tx.PruneSpool(ctx, time.Now())
 			return err

@@ -31,20 +31,19 @@ type Usage struct {
 	alerter *Alerter
 	metrics *Metrics
 	log     *slog.Logger
-	// then is run on every check with the brokers' spending: the daemon's
-	// Rotation, with queue.rotate_on_budget; nil for none.
-	then func(ctx context.Context, views []BudgetView, now time.Time) error
-	// lease is the budget job's: every node writes what it counted and
-	// sets its gauges; the alerts and the rotation are its holder's.
-	lease *Lease
+	// then is run on every check with the brokers' spending, under the
+	// budget lease's holding: the daemon's Rotation, with
+	// queue.rotate_on_budget; nil for none.
+	then func(ctx context.Context, h Holding, views []BudgetView, now time.Time) error
 }
 
-// NewUsage keeps the budgets of cfg's brokers.
-// The alerts and then run while lease is held (nil: always).
+// NewUsage keeps the budgets of cfg's brokers: every node writes what it
+// counted and sets its gauges (Run); the alerts and then are the budget
+// lease's job (Budget).
 func NewUsage(cfg *Config, bs *Brokers, queues *Queues, store *Store, alerter *Alerter, metrics *Metrics, log *slog.Logger,
-	lease *Lease, then func(ctx context.Context, views []BudgetView, now time.Time) error) *Usage {
+	then func(ctx context.Context, h Holding, views []BudgetView, now time.Time) error) *Usage {
 	return &Usage{bs: bs, brokers: bs.List(), cfgs: cfg.Brokers, warnAt: cfg.Queue.BudgetWarnAt, queues: queues, store: store,
-		alerter: alerter, metrics: metrics, log: log.With("worker", "usage"), lease: lease, then: then}
+		alerter: alerter, metrics: metrics, log: log.With("worker", "usage"), then: then}
 }
 
 // BudgetView is one broker's spending this budget month, for the status.
@@ -89,8 +88,9 @@ func budgetMonth(now time.Time, day int) (start, end time.Time) {
 	return start, start.AddDate(0, 1, 0)
 }
 
-// Run writes and checks every budgetEvery until ctx ends; the daemon
-// writes what is left once the workers have stopped.
+// Run writes what the brokers cost and sets the gauges every budgetEvery
+// until ctx ends (every node counts its own); the daemon writes what is
+// left once the workers have stopped.
 func (b *Usage) Run(ctx context.Context) error {
 	t := time.NewTicker(budgetEvery)
 	defer t.Stop()
@@ -107,19 +107,11 @@ func (b *Usage) Run(ctx context.Context) error {
 }
 
 // Flush writes the messages counted since the last flush, then sets the
-// gauges and queues the alerts the budgets call for.
+// gauges.
 func (b *Usage) Flush(ctx context.Context) error {
 	now := time.Now()
 	if err := WriteUsage(ctx, b.store, b.queues, now); err != nil {
 		return err
-	}
-	held := b.lease.Held()
-	// The budget job's own writes are made under its lease's holding.
-	jctx := b.lease.Fenced(ctx)
-	if held {
-		if err := b.alertBlocks(jctx); err != nil {
-			return err
-		}
 	}
 	views, err := b.Views(ctx, now)
 	if err != nil {
@@ -127,14 +119,49 @@ func (b *Usage) Flush(ctx context.Context) error {
 	}
 	for _, v := range views {
 		b.metrics.brokerMessages(v.Broker, v.Published, v.Delivered, v.UsedRatio)
-		if v.Monthly > 0 && held {
-			if err := b.alert(jctx, v); err != nil {
+	}
+	return nil
+}
+
+// Budget is the budget lease's job: every budgetEvery until ctx ends, the
+// alerts the blocks and the budgets call for and the rotation (Check),
+// under h.
+func (b *Usage) Budget(ctx context.Context, h Holding) error {
+	t := time.NewTicker(budgetEvery)
+	defer t.Stop()
+	for {
+		if err := b.Check(ctx, h); err != nil && ctx.Err() == nil {
+			b.log.Warn("broker budgets not checked; trying again", "error", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// Check queues the alerts the blocks and the budgets call for, and
+// rotates when the budget says so, under h: a stale holding's change
+// nothing.
+func (b *Usage) Check(ctx context.Context, h Holding) error {
+	now := time.Now()
+	if err := b.alertBlocks(ctx, h); err != nil {
+		return err
+	}
+	views, err := b.Views(ctx, now)
+	if err != nil {
+		return err
+	}
+	for _, v := range views {
+		if v.Monthly > 0 {
+			if err := b.alert(ctx, h, v); err != nil {
 				return err
 			}
 		}
 	}
-	if b.then != nil && held {
-		return b.then(jctx, views, now)
+	if b.then != nil {
+		return b.then(ctx, h, views, now)
 	}
 	return nil
 }
@@ -237,14 +264,14 @@ func (b *Usage) Views(ctx context.Context, now time.Time) ([]BudgetView, error) 
 // announced (connection.blocked) that still holds at a check, every
 // budgetEvery: a block lifted within seconds pages nobody. The queue logs
 // each block as it begins and ends.
-func (b *Usage) alertBlocks(ctx context.Context) error {
+func (b *Usage) alertBlocks(ctx context.Context, h Holding) error {
 	for _, br := range b.brokers {
 		blk, blocked := b.queues.Blocked(br)
 		if !blocked {
 			continue
 		}
 		id := blockedAlertID(usageKey(br.Host, br.Vhost), blk.Since, blk.Reason)
-		if _, err := queueOwnAlert(ctx, b.store, b.alerter, id, AlertIntent{Name: "blocked"}); err != nil {
+		if _, err := queueOwnAlert(ctx, h, b.store, b.alerter, id, AlertIntent{Name: "blocked"}); err != nil {
 			return err
 		}
 	}
@@ -254,8 +281,8 @@ func (b *Usage) alertBlocks(ctx context.Context) error {
 // queueOwnAlert queues, once, switchyard's own alert named id (a budget
 // or a block, not an Event's) on the channels intent's rules name; queued
 // reports whether it was new.
-func queueOwnAlert(ctx context.Context, store *Store, alerter *Alerter, id string, intent AlertIntent) (queued bool, err error) {
-	err = store.WriteTx(ctx, func(tx *Tx) (err error) {
+func queueOwnAlert(ctx context.Context, h Holding, store *Store, alerter *Alerter, id string, intent AlertIntent) (queued bool, err error) {
+	err = h.WriteTx(ctx, store, func(tx *Tx) (err error) {
 		queued, err = tx.QueueOwnAlert(ctx, id, alerter.ChannelsFor(intent))
 		return err
 	})
@@ -269,7 +296,7 @@ func blockedAlertID(broker string, since time.Time, reason string) string {
 
 // alert queues the budget alerts v's spending calls for, each once per
 // broker and budget month.
-func (b *Usage) alert(ctx context.Context, v BudgetView) error {
+func (b *Usage) alert(ctx context.Context, h Holding, v BudgetView) error {
 	br := b.brokers[v.Broker]
 	for _, level := range []struct {
 		name string
@@ -279,7 +306,7 @@ func (b *Usage) alert(ctx context.Context, v BudgetView) error {
 			continue
 		}
 		id := fmt.Sprintf("budget:%s:%s:%s", usageKey(br.Host, br.Vhost), v.MonthStart.Format("2006-01-02"), level.name)
-		queued, err := queueOwnAlert(ctx, b.store, b.alerter, id, AlertIntent{Name: "budget", Action: level.name})
+		queued, err := queueOwnAlert(ctx, h, b.store, b.alerter, id, AlertIntent{Name: "budget", Action: level.name})
 		if err != nil {
 			return err
 		}
