@@ -452,17 +452,25 @@ func addrText(a netip.Addr) string {
 // broker, or committed to the spool.
 func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	buf := wh.bodies.Get().(*[]byte)
-	defer func() {
-		// Publish has written the body to the connection by the time it
-		// returns, whatever the outcome: nothing holds buf after this.
-		if cap(*buf) <= maxPooledBody {
-			*buf = (*buf)[:0]
-			wh.bodies.Put(buf)
-		}
-	}()
 	src := wh.sourceIP(r)
 	payload, release, err := wh.readPayload(w, r, buf)
-	defer release()
+	// The body's buffer and its share of server.max_inflight_bytes go
+	// back once nothing refers to the body: when the webhook has been
+	// compressed for the broker (Spool.Take), so that webhooks waiting for
+	// a broker's confirm, or for the spool, hold their compressed bytes
+	// only; else when the request ends. Publish has written the body to
+	// the connection by the time it returns, whatever the outcome.
+	var once sync.Once
+	bodyDone := func() {
+		once.Do(func() {
+			release()
+			if cap(*buf) <= maxPooledBody {
+				*buf = (*buf)[:0]
+				wh.bodies.Put(buf)
+			}
+		})
+	}
+	defer bodyDone()
 	if err != nil {
 		wh.reject(w, r, err, src)
 		return
@@ -473,7 +481,7 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	msg := newPublishing(r.Header, payload, addrText(src), time.Now())
 
-	took, err := wh.spool.Take(r.Context(), exchange, key, msg)
+	took, err := wh.spool.Take(r.Context(), exchange, key, msg, bodyDone)
 	var tooLarge *TooLargeError
 	if errors.As(err, &tooLarge) {
 		wh.reject(w, r, errorf(CodeTooLarge, "%s: delivery %s not queued: %v", ErrTooLarge.Message, msg.MessageId, tooLarge), src)

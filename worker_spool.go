@@ -154,12 +154,17 @@ type Accepted struct {
 // it: the error then joins both causes. A webhook the spool cannot take
 // behind others tries the broker, out of their order, rather than be
 // refused. Without a spool it publishes as before, waiting publish_timeout
-// for the confirm.
-func (s *Spool) Take(ctx context.Context, exchange, key string, msg amqp.Publishing) (Accepted, error) {
+// for the confirm. bodyDone is called once msg no longer refers to the
+// request's body (compressed into bytes of its own).
+func (s *Spool) Take(ctx context.Context, exchange, key string, msg amqp.Publishing, bodyDone func()) (Accepted, error) {
+	encoded := msg.ContentEncoding
 	b, msg, err := s.queues.Prepare(s.brokers, msg)
 	var tooLarge *TooLargeError
 	if err != nil && (errors.As(err, &tooLarge) || b == nil) {
 		return Accepted{Broker: b}, err
+	}
+	if msg.ContentEncoding != encoded {
+		bodyDone() // compressed into bytes of its own: the request's body is free
 	}
 	if !s.On() {
 		pctx, cancel := context.WithTimeout(ctx, s.timeout)
