@@ -494,34 +494,7 @@ func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishe
 	var acked [2]atomic.Int64
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
-	for i, q := range []string{queueGitHub, queueDatabase} {
-		ch, err := cons.Channel()
-		if err != nil {
-			b.Fatal(err)
-		}
-		_ = ch.Qos(200, 0, false)
-		ds, err := ch.Consume(q, "", false, false, false, false, nil)
-		if err != nil {
-			b.Fatal(err)
-		}
-		wg.Go(func() {
-			n := 0
-			for {
-				select {
-				case <-stop:
-					return
-				case d, ok := <-ds:
-					if !ok {
-						return
-					}
-					if n++; n%100 == 0 {
-						_ = d.Ack(true)
-						acked[i].Add(100)
-					}
-				}
-			}
-		})
-	}
+	rawConsumers(b, cons, &acked, stop, &wg)
 	h := http.Header{}
 	h.Set("X-GitHub-Event", "pull_request")
 	h.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
@@ -572,6 +545,40 @@ func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishe
 		}
 	}
 	return rate, int(total), confirm
+}
+
+// rawConsumers consume the fanout's two queues on cons, as the raw
+// pipeline's (prefetch 200, acks in batches of 100, counted in acked),
+// until stop is closed or cons closes; wg waits for them.
+func rawConsumers(b testing.TB, cons *amqp.Connection, acked *[2]atomic.Int64, stop <-chan struct{}, wg *sync.WaitGroup) {
+	for i, q := range []string{queueGitHub, queueDatabase} {
+		ch, err := cons.Channel()
+		if err != nil {
+			b.Fatal(err)
+		}
+		_ = ch.Qos(200, 0, false)
+		ds, err := ch.Consume(q, "", false, false, false, false, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		wg.Go(func() {
+			n := 0
+			for {
+				select {
+				case <-stop:
+					return
+				case d, ok := <-ds:
+					if !ok {
+						return
+					}
+					if n++; n%100 == 0 {
+						_ = d.Ack(true)
+						acked[i].Add(100)
+					}
+				}
+			}
+		})
+	}
 }
 
 // benchBurst: 2,000 webhooks at once from 200 connections, through a daemon

@@ -136,26 +136,13 @@ func rawOpenLoop(b testing.TB, url string, payload []byte) (held, broke openLoop
 	if err != nil {
 		b.Fatal(err)
 	}
+	var acked [2]atomic.Int64
+	stop := make(chan struct{})
+	var consumers sync.WaitGroup
+	rawConsumers(b, cons, &acked, stop, &consumers)
+	defer consumers.Wait()
+	defer close(stop)
 	defer cons.Close()
-	for _, q := range []string{queueGitHub, queueDatabase} {
-		ch, err := cons.Channel()
-		if err != nil {
-			b.Fatal(err)
-		}
-		_ = ch.Qos(200, 0, false)
-		ds, err := ch.Consume(q, "", false, false, false, false, nil)
-		if err != nil {
-			b.Fatal(err)
-		}
-		go func() {
-			n := 0
-			for d := range ds {
-				if n++; n%100 == 0 {
-					_ = d.Ack(true)
-				}
-			}
-		}()
-	}
 	chans := make([]*amqp.Channel, 64)
 	for i := range chans {
 		if chans[i], err = pub.Channel(); err != nil {

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -97,15 +98,15 @@ func (n *rabbitNode) answers() bool {
 	return err == nil
 }
 
-// freePort is a loopback port nothing listens on now.
+// freePort is a loopback port nothing listens on now (freeAddr's).
 func freePort(t testing.TB) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	_, port, _ := net.SplitHostPort(freeAddr(t))
+	n, err := strconv.Atoi(port)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	return n
 }
 
 // rabbitCluster starts three nodes, joins the second and third to the

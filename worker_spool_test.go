@@ -31,6 +31,19 @@ type sent struct {
 // earlier ones take, as GitHub does, until stop is called; stop waits for
 // every answer and returns them in the order sent.
 func openLoop(t testing.TB, url func() string, every time.Duration) (stop func() []sent) {
+	return webhooksEvery(t, url, every, false)
+}
+
+// orderedStream sends a signed webhook to url every every, each once the
+// one before it was answered (so that the order they were sent in is the
+// order they arrived in), until stop is called; stop returns every answer
+// in the order sent.
+func orderedStream(t testing.TB, url string, every time.Duration) (stop func() []sent) {
+	return webhooksEvery(t, func() string { return url }, every, true)
+}
+
+// webhooksEvery is openLoop, or orderedStream when inOrder.
+func webhooksEvery(t testing.TB, url func() string, every time.Duration, inOrder bool) (stop func() []sent) {
 	body := loadFixture(t, "issues", "opened")
 	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
 	var mu sync.Mutex
@@ -48,13 +61,17 @@ func openLoop(t testing.TB, url func() string, every time.Duration) (stop func()
 			}
 			s := sent{seq: seq, guid: newGUID()}
 			req := webhookRequest(t, url(), "issues", s.guid, body)
-			wg.Go(func() {
-				code, answer, err := doQuiet(client, req)
-				s.code, s.body, s.err = code, answer, err
+			send := func() {
+				s.code, s.body, s.err = doQuiet(client, req)
 				mu.Lock()
 				got = append(got, s)
 				mu.Unlock()
-			})
+			}
+			if inOrder {
+				send()
+			} else {
+				wg.Go(send)
+			}
 		}
 	})
 	var once sync.Once
@@ -71,37 +88,6 @@ func openLoop(t testing.TB, url func() string, every time.Duration) (stop func()
 	}
 	t.Cleanup(func() { stop() }) // a test that failed before stopping it
 	return stop
-}
-
-// orderedStream sends a signed webhook to url every every, each once the
-// one before it was answered (so that the order they were sent in is the
-// order they arrived in), until stop is called; stop returns every answer
-// in the order sent.
-func orderedStream(t testing.TB, url string, every time.Duration) (stop func() []sent) {
-	body := loadFixture(t, "issues", "opened")
-	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-	var got []sent
-	done := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		tick := time.NewTicker(every)
-		defer tick.Stop()
-		for seq := 0; ; seq++ {
-			select {
-			case <-done:
-				return
-			case <-tick.C:
-			}
-			s := sent{seq: seq, guid: newGUID()}
-			s.code, s.body, s.err = doQuiet(client, webhookRequest(t, url, "issues", s.guid, body))
-			got = append(got, s)
-		}
-	})
-	return func() []sent {
-		close(done)
-		wg.Wait()
-		return got
-	}
 }
 
 // doQuiet sends req and reads its answer, without failing the test.
