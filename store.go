@@ -157,10 +157,8 @@ func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 	return s.writeTx(ctx, nil, fn)
 }
 
-// WriteTxUnder is WriteTx for a once-only job's write, made under f: it
-// fails with ErrStaleLease, changing nothing, unless f's node holds f's
-// lease in f's term when the transaction begins. A job has its Fence from
-// its lease's holding (Lease.Run), never from its context.
+// WriteTxUnder is WriteTx for a once-only job's write, made under f (its
+// lease's holding, from Lease.Run: never from its context).
 func (s *Store) WriteTxUnder(ctx context.Context, f Fence, fn func(tx *Tx) error) error {
 	return s.writeTx(ctx, &f, fn)
 }
@@ -197,10 +195,10 @@ func (s *Store) writeTx(ctx context.Context, fence *Fence, fn func(tx *Tx) error
 	}
 }
 
-// Fence is the holding of a lease that a once-only job's writes are made
-// under (WriteTxUnder): node holds job's lease in that term, or the write
-// changes nothing; on PostgreSQL the lease's row is locked shared until
-// the transaction ends, so that a takeover waits for it.
+// Fence is the holding of a lease a once-only job's writes are made under
+// (WriteTxUnder): unless node holds job's lease in that term when the
+// transaction begins, it fails with ErrStaleLease, changing nothing; on
+// PostgreSQL the lease's row stays locked shared, so a takeover waits.
 type Fence struct {
 	Job, Node string
 	Term      int64

@@ -363,7 +363,9 @@ func testSpoolSurvivesSIGKILL(t *testing.T) {
 			accepted = append(accepted, a.guid)
 		}
 	}
-	if len(accepted) < 50 {
+	// Those spooled were answered as the kill came, or not (an answer the
+	// kill cut is no 202): the bound is loose.
+	if len(accepted) < 25 {
 		t.Fatalf("%d webhooks answered 202 before the kill:\n%s", len(accepted), out)
 	}
 	proxy.Reopen()
