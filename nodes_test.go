@@ -459,6 +459,11 @@ func TestPausedHolderTakesNoStep(t *testing.T) {
 	one := start("node-1")
 	eventually(t, 20*time.Second, "node 1 holding the leases", func() bool { return holds(one) })
 	two := start("node-2")
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("node 1:\n%s\nnode 2:\n%s", one.out, two.out)
+		}
+	})
 	eventually(t, 20*time.Second, "node 1 pinging", func() bool {
 		mu.Lock()
 		defer mu.Unlock()

@@ -117,12 +117,10 @@ func (s *Store) Close() error {
 	return err
 }
 
-// Tx is one write transaction on the writer connection. Every write is a
-// method of Tx, and Store.WriteTx is the one way to open one: the caller says
-// what commits together. Nothing else reaches the writer. It is a value passed along, never carried in a context, so that a
-// callee writes inside a transaction only when its caller hands it one. No
-// network I/O may happen while one is open. It writes one way (write) and
-// reads one way (read); raw is for migrations and copy-db.
+// Tx is one write transaction: every write is a method of Tx, opened by
+// WriteTx (or WriteTxUnder), and passed along as a value, never in a
+// context. No network I/O while one is open. It writes one way (write)
+// and reads one way (read); raw is for migrations and copy-db.
 type Tx struct {
 	s  *Store
 	tc *txConn
@@ -143,16 +141,11 @@ type Tx struct {
 // one that did.
 func (t *Tx) Changed() int64 { return t.changed }
 
-// WriteTx runs fn in one write transaction and commits once, or rolls back when fn
-// fails. One fsync then covers every message fn handles, which
-// synchronous=FULL makes the costliest part of a message. Messages stay in
-// order: fn handles them one after the other, each in a Savepoint.
-//
+// WriteTx runs fn in one write transaction and commits once, or rolls back
+// when fn fails: one fsync covers every message fn handles, in order.
 // Statements fn queued ahead (Pipeline) are sent before the commit; one
-// answered otherwise runs fn again, with savepoints.
-//
-// A failure of the connection to PostgreSQL (connectionLost) is
-// ErrDatabaseLost: the store is lost until it answers again (Lost).
+// answered otherwise runs fn again, with savepoints. A failure of the
+// connection to PostgreSQL is ErrDatabaseLost (Lost).
 func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 	return s.writeTx(ctx, nil, fn)
 }
@@ -202,6 +195,10 @@ func (s *Store) writeTx(ctx context.Context, fence *Fence, fn func(tx *Tx) error
 type Fence struct {
 	Job, Node string
 	Term      int64
+	// Hold bounds how long the lock may wait on a holder paused inside
+	// the transaction (a frozen VM): past it the database ends the
+	// transaction, so that a takeover is not held back (engine.holdFor).
+	Hold time.Duration
 }
 
 // ErrStaleLease is a write of a job whose lease another node took since.
@@ -211,6 +208,9 @@ var ErrStaleLease = errors.New("the lease was taken by another node")
 func (t *Tx) fence(ctx context.Context, f *Fence) error {
 	if f == nil {
 		return nil
+	}
+	if err := t.s.engine.holdFor(ctx, t.tc, f.Hold); err != nil {
+		return err
 	}
 	var term int64
 	err := t.read(ctx, "SELECT term FROM leases WHERE job = $1 AND node = $2 AND term = $3"+t.s.engine.lockShared(),

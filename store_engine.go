@@ -48,6 +48,10 @@ type engine interface {
 	// lock serializes, among the nodes, transactions that read and then
 	// write key.
 	lock(ctx context.Context, tc *txConn, key string) error
+	// holdFor has the database end tc's transaction should it wait idle
+	// for longer than d (a client paused inside it), so that the locks it
+	// holds do not hold others back for ever; 0: no bound.
+	holdFor(ctx context.Context, tc *txConn, d time.Duration) error
 	// lockShared is what a SELECT ends with to lock its rows shared until
 	// the transaction ends ("" where writers are serial anyway).
 	lockShared() string

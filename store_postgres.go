@@ -276,6 +276,17 @@ func (e postgresEngine) lock(ctx context.Context, tc *txConn, key string) error 
 
 func (postgresEngine) lockShared() string { return " FOR SHARE" }
 
+// holdFor sets idle_in_transaction_session_timeout for the transaction
+// alone: a node paused inside it (SIGSTOP, a frozen VM) has its session
+// ended past d, its locks with it, and another node takes its lease.
+func (e postgresEngine) holdFor(ctx context.Context, tc *txConn, d time.Duration) error {
+	if d <= 0 {
+		return nil
+	}
+	_, err := e.exec(ctx, tc, fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", max(d.Milliseconds(), 1)), nil)
+	return err
+}
+
 func (postgresEngine) clock(ms string) string {
 	return `to_char((clock_timestamp() + CAST(` + ms + ` AS BIGINT) * interval '1 millisecond') AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`
 }

@@ -183,7 +183,11 @@ func (e *sqliteEngine) idle(*sql.DB, bool)                        {}
 
 // lock: SQLite's write transactions are serial already (BEGIN IMMEDIATE).
 func (e *sqliteEngine) lock(context.Context, *txConn, string) error { return nil }
-func (e *sqliteEngine) lockShared() string                          { return "" }
+
+// holdFor: one process holds an SQLite file; nothing waits on another.
+func (e *sqliteEngine) holdFor(context.Context, *txConn, time.Duration) error { return nil }
+
+func (e *sqliteEngine) lockShared() string { return "" }
 
 func (e *sqliteEngine) clock(ms string) string {
 	// %f is seconds with three fraction digits; timeFormat has six.

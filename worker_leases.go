@@ -375,7 +375,9 @@ func (h Holding) fence() *Fence {
 	if h.lease == nil {
 		return nil
 	}
-	return &Fence{Job: h.lease.Job, Node: h.lease.ls.node, Term: h.term}
+	// A third of lease_ttl: what a paused holder's transaction may keep
+	// locked, well before another node may take the lease.
+	return &Fence{Job: h.lease.Job, Node: h.lease.ls.node, Term: h.term, Hold: h.lease.ls.ttl / 3}
 }
 
 // leaseContext is a job's context under its lease: besides ending when
