@@ -15,8 +15,9 @@ type Error struct {
 	Code    ErrorCode
 	Message string
 	Err     error
-	// kind marks an error that stands for its whole code (ErrBadRequest):
-	// errors.Is matches every Error of that code to it.
+	// kind marks an error that stands for its kind (ErrUnknownDelivery):
+	// errors.Is matches to it every Error of its code whose message
+	// begins with its own.
 	kind bool
 }
 
@@ -61,9 +62,6 @@ func errorf(code ErrorCode, format string, args ...any) *Error {
 func errorKind(code ErrorCode, message string) *Error {
 	return &Error{Code: code, Message: message, kind: true}
 }
-
-// ErrBadRequest is the kind of every malformed request.
-var ErrBadRequest = errorKind(CodeInvalid, "bad request")
 
 // errorOf is err's Error, the outermost of its chain; nil when it has none.
 func errorOf(err error) *Error {

@@ -258,7 +258,7 @@ func testSpoolClusterNodesLost(t *testing.T) {
 	}
 	other.ctl(t, "stop_app")
 	more("webhooks while one node of three runs", 200)
-	if n := scrape(t, d.URL+"/metrics")["switchyard_spool_messages"]; n == 0 && !d.spool.Holding() {
+	if n := scrape(t, d.URL+"/metrics")["switchyard_spool_messages"]; n == 0 && !d.spool.Spooling() {
 		t.Log("nothing waited in the spool with one node of three running")
 	}
 	other.ctl(t, "start_app")

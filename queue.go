@@ -227,14 +227,6 @@ func (q *Queues) PublishInOrder(ctx context.Context, b *Broker, msgs []Outgoing)
 	return n, err
 }
 
-// Broker is broker index i of the configured ones.
-func (q *Queues) Broker(i int) (*Broker, bool) {
-	if i < 0 || i >= len(q.conns) {
-		return nil, false
-	}
-	return q.conns[i].broker, true
-}
-
 // Consume reads the queue o names on broker b until the window ends, stop
 // is closed, or ctx is done, handling each message with o.Handle. A queue
 // that does not exist is treated as empty for the window. The message in

@@ -130,8 +130,8 @@ func (s *Spool) Full() bool {
 	return s.fullBy > 0 && s.state.Bytes+s.added+s.fullBy > s.maxBytes
 }
 
-// Holding reports whether new webhooks go to the spool now.
-func (s *Spool) Holding() bool {
+// Spooling reports whether new webhooks go to the spool now.
+func (s *Spool) Spooling() bool {
 	if !s.On() {
 		return false
 	}
@@ -177,7 +177,7 @@ func (s *Spool) Take(ctx context.Context, exchange, key string, msg amqp.Publish
 		return s.queues.PublishConfirmed(pctx, b, exchange, key, msg)
 	}
 	err = errBehindSpool
-	if !s.Holding() {
+	if !s.Spooling() {
 		if err = publish(); err == nil {
 			return Accepted{Broker: b}, nil
 		}

@@ -210,7 +210,7 @@ func testSpoolBrokerLinkCut(t *testing.T) {
 	eventually(t, time.Minute, "the spool drained", func() bool {
 		m := scrape(t, d.URL+"/metrics")
 		return m["switchyard_spool_messages"] == 0 && m[`switchyard_webhooks_received_total{outcome="accepted"}`] > 0 &&
-			!d.spool.Holding()
+			!d.spool.Spooling()
 	})
 	before := scrape(t, d.URL+"/metrics")[`switchyard_webhooks_received_total{outcome="accepted"}`]
 	eventually(t, 30*time.Second, "webhooks published directly again", func() bool {
@@ -321,7 +321,7 @@ func testSpoolFull(t *testing.T) {
 	}
 	proxy.Reopen()
 	storedAll(t, cfg.Database, accepted, time.Minute)
-	eventually(t, 30*time.Second, "the spool drained", func() bool { return !d.spool.Holding() })
+	eventually(t, 30*time.Second, "the spool drained", func() bool { return !d.spool.Spooling() })
 	if code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body)); code != http.StatusAccepted ||
 		!strings.Contains(answer, `"queued"`) {
 		t.Errorf("a webhook once the spool drained: %d %s, want 202 queued", code, answer)
