@@ -120,32 +120,36 @@ func (s *Store) Close() error {
 // Tx is one write transaction: every write is a method of Tx, opened by
 // WriteTx (or WriteTxUnder), and passed along as a value, never in a
 // context. No network I/O while one is open. It writes one way (write)
-// and reads one way (read); raw is for migrations and copy-db.
+// and reads as a dbReader (row, rows); raw is for migrations and copy-db.
 type Tx struct {
 	s  *Store
 	tc *txConn
-	// savepoints: Savepoint opens real ones. A transaction first runs
-	// without them (see Savepoint).
-	savepoints bool
 	// changed counts the rows its statements changed (Changed).
 	changed int64
 	// pipelined: statements whose answers can wait are queued in ahead,
 	// to send together (Pipeline).
 	pipelined bool
-	ahead     []aheadStmt
-	aheadErr  error // the failure of a flush: every later one's
+	// guesses: a guessed statement is sent as if its guess were its
+	// answer (a Batch's first run).
+	guesses  bool
+	ahead    []aheadStmt
+	aheadErr error // the failure of a flush: every later one's
 }
 
 // Changed is how many rows tx's statements have inserted, updated or
-// deleted so far: reprocess tells a delivery that changed nothing from
-// one that did.
-func (t *Tx) Changed() int64 { return t.changed }
+// deleted so far, what was queued ahead sent first: reprocess tells a
+// delivery that changed nothing from one that did.
+func (t *Tx) Changed(ctx context.Context) (int64, error) {
+	err := t.flush(ctx)
+	return t.changed, err
+}
 
-// WriteTx runs fn in one write transaction and commits once, or rolls back
-// when fn fails: one fsync covers every message fn handles, in order.
+// WriteTx runs fn once in one write transaction and commits, or rolls
+// back when fn fails: one fsync covers every message fn handles, in order.
 // Statements fn queued ahead (Pipeline) are sent before the commit; one
-// answered otherwise runs fn again, with savepoints. A failure of the
-// connection to PostgreSQL is ErrDatabaseLost (Lost).
+// answered otherwise fails the transaction. A batch of parts is
+// WriteBatch's. A failure of the connection to PostgreSQL is
+// ErrDatabaseLost (Lost).
 func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 	return s.writeTx(ctx, nil, fn)
 }
@@ -160,32 +164,25 @@ func (s *Store) WriteTxUnder(ctx context.Context, f Fence, fn func(tx *Tx) error
 func (s *Store) writeTx(ctx context.Context, fence *Fence, fn func(tx *Tx) error) error {
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
-	savepoints := false
-	for {
-		t, err := s.begin(ctx, savepoints)
-		if err != nil {
-			return s.health.observe(fmt.Errorf("begin: %w", err))
-		}
-		err = t.fence(ctx, fence)
-		if err == nil {
-			err = fn(t)
-		}
-		if err == nil {
-			err = t.flush(ctx)
-		}
-		if err != nil {
-			t.end(t.tc.tx.Rollback())
-			if errors.Is(err, ErrNeedSavepoints) && !savepoints && !errors.Is(err, ErrDatabaseLost) {
-				savepoints = true // once more, each part in its savepoint
-				continue
-			}
-			return s.health.observe(err)
-		}
-		if err := t.end(t.tc.tx.Commit()); err != nil {
-			return s.health.observe(fmt.Errorf("commit: %w", err))
-		}
-		return nil
+	t, err := s.begin(ctx)
+	if err != nil {
+		return s.health.observe(fmt.Errorf("begin: %w", err))
 	}
+	err = t.fence(ctx, fence)
+	if err == nil {
+		err = fn(t)
+	}
+	if err == nil {
+		err = t.flush(ctx)
+	}
+	if err != nil {
+		t.end(t.tc.tx.Rollback())
+		return s.health.observe(err)
+	}
+	if err := t.end(t.tc.tx.Commit()); err != nil {
+		return s.health.observe(fmt.Errorf("commit: %w", err))
+	}
+	return nil
 }
 
 // Fence is the holding of a lease a once-only job's writes are made under
@@ -213,7 +210,7 @@ func (t *Tx) fence(ctx context.Context, f *Fence) error {
 		return err
 	}
 	var term int64
-	err := t.read(ctx, "SELECT term FROM leases WHERE job = $1 AND node = $2 AND term = $3"+t.s.engine.lockShared(),
+	err := t.row(ctx, "SELECT term FROM leases WHERE job = $1 AND node = $2 AND term = $3"+t.s.engine.lockShared(),
 		f.Job, f.Node, f.Term).Scan(&term)
 	if errors.Is(err, sql.ErrNoRows) {
 		return fmt.Errorf("%w: job %s, term %d of node %s", ErrStaleLease, f.Job, f.Term, f.Node)
@@ -222,12 +219,12 @@ func (t *Tx) fence(ctx context.Context, f *Fence) error {
 }
 
 // begin opens a write transaction (engine.begin).
-func (s *Store) begin(ctx context.Context, savepoints bool) (*Tx, error) {
+func (s *Store) begin(ctx context.Context) (*Tx, error) {
 	tc, err := s.engine.begin(ctx, s.w)
 	if err != nil {
 		return nil, err
 	}
-	return &Tx{s: s, tc: tc, savepoints: savepoints}, nil
+	return &Tx{s: s, tc: tc}, nil
 }
 
 // end gives t's connection back to the pool once its transaction has
@@ -240,18 +237,6 @@ func (t *Tx) end(err error) error {
 // raw is t's transaction itself, for migrations and copy-db: no statement
 // cache, nothing queued ahead sent first, no rows counted.
 func (t *Tx) raw() *sql.Tx { return t.tc.tx }
-
-// ErrNeedSavepoints is a part of a transaction that failed without a
-// savepoint to undo it alone: the transaction's function returns it (as a
-// *NeedSavepoints), and WriteTx runs the transaction again with
-// savepoints.
-var ErrNeedSavepoints = errors.New("a part failed: run again with savepoints")
-
-// NeedSavepoints is ErrNeedSavepoints with the failed part's own error.
-type NeedSavepoints struct{ Err error }
-
-func (e *NeedSavepoints) Error() string   { return ErrNeedSavepoints.Error() + ": " + e.Err.Error() }
-func (e *NeedSavepoints) Unwrap() []error { return []error{ErrNeedSavepoints, e.Err} }
 
 // sqlArgs are args as both drivers take them: a bool is 1 or 0, as the
 // tables keep flags (SQLite has no boolean; PostgreSQL's driver does not
@@ -286,12 +271,6 @@ func boolInt(b bool) int64 {
 	return 0
 }
 
-// readTx begins a read-only transaction whose queries see one state of
-// the database (engine.readOptions).
-func (s *Store) readTx(ctx context.Context) (*sql.Tx, error) {
-	return s.r.BeginTx(ctx, s.engine.readOptions())
-}
-
 // expect is what a write's caller knows of its answer before it reads
 // it: nothing (atOnce: the statement is sent now), or, in a pipelined
 // transaction (Pipeline), that it can wait: the rows it changes known
@@ -312,9 +291,10 @@ var atOnce = expect{}
 func ahead(rows int64) expect { return expect{ahead: true, rows: rows} }
 
 // guessed is ahead for a statement that changes one row nearly always,
-// which g guesses: while g is not resting (aheadGuess), the statements
-// after it are sent with it, as if its answer were known, and a miss runs
-// the transaction again.
+// which g guesses: in a Batch's first run, while g is not resting
+// (aheadGuess), the statements after it are sent with it, as if its
+// answer were known, and a miss writes the batch again (WriteBatch).
+// Elsewhere its answer is read when asked for (anyRows).
 func guessed(g *aheadGuess) expect { return expect{ahead: true, rows: g.rows(), guess: g} }
 
 // write is the one way a transaction writes: one statement, sent now
@@ -323,6 +303,9 @@ func guessed(g *aheadGuess) expect { return expect{ahead: true, rows: g.rows(), 
 // PostgreSQL with its context (engine.exec).
 func (t *Tx) write(ctx context.Context, e expect, query string, args ...any) (sql.Result, error) {
 	if e.ahead && t.pipelined {
+		if e.guess != nil && !t.guesses {
+			e.rows = anyRows
+		}
 		return t.queueAhead(ctx, e, query, args)
 	}
 	if err := ctx.Err(); err != nil {
@@ -356,23 +339,6 @@ func changes(query string) bool {
 	return false
 }
 
-// read is the one way a transaction reads: one row, which sees what the
-// statements queued before it wrote.
-func (t *Tx) read(ctx context.Context, query string, args ...any) scanner {
-	if err := t.flush(ctx); err != nil {
-		return failedRow{err}
-	}
-	return t.s.engine.queryRow(ctx, t.tc, query, sqlArgs(args))
-}
-
-// scanner is a row read: *sql.Row, or failedRow.
-type scanner interface{ Scan(dest ...any) error }
-
-// failedRow is a read that failed before it was sent.
-type failedRow struct{ err error }
-
-func (r failedRow) Scan(...any) error { return r.err }
-
 // Pipeline has t send the statements written ahead of their answers
 // (ahead, guessed) together, on PostgreSQL: they are queued, and go to the database in one
 // round trip when t needs an answer (a result read, another statement, a
@@ -380,10 +346,9 @@ func (r failedRow) Scan(...any) error { return r.err }
 // costs both sides a write and a read on the socket, more than most of
 // them cost to run. A consumer's batch writes four statements a message,
 // whose answers are known or guessed: sent so, the whole batch takes a
-// round trip or two. It is for a transaction that runs without
-// savepoints; on SQLite, where a statement is a function call, it changes
-// nothing.
-func (t *Tx) Pipeline() { t.pipelined = t.s.engine.pipelines() && !t.savepoints }
+// round trip or two (WriteBatch pipelines its first run). On SQLite,
+// where a statement is a function call, it changes nothing.
+func (t *Tx) Pipeline() { t.pipelined = t.s.engine.pipelines() }
 
 // anyRows is ahead's rows for a statement whose result says how many
 // rows it changed when it is read (which sends it), rather than being
@@ -422,11 +387,10 @@ func (r *aheadResult) LastInsertId() (int64, error) {
 }
 
 // errAheadMissed is a statement sent ahead that failed, or changed other
-// rows than its caller knew or guessed it would (a duplicate delivery): what
-// the transaction did after it assumed otherwise, so it is run again, one
-// statement at a time and each part in its savepoint (WriteTx), as when a
-// part fails.
-var errAheadMissed = fmt.Errorf("%w: a statement sent ahead was answered otherwise than expected", ErrNeedSavepoints)
+// rows than its caller knew or guessed it would (a duplicate delivery):
+// what the transaction did after it assumed otherwise, so it fails (and a
+// Batch's first run is written again: WriteBatch).
+var errAheadMissed = errors.New("a statement sent ahead was answered otherwise than expected")
 
 func (t *Tx) queueAhead(ctx context.Context, e expect, query string, args []any) (sql.Result, error) {
 	if err := ctx.Err(); err != nil {
@@ -501,50 +465,6 @@ func (t *Tx) flush(ctx context.Context) error {
 		t.aheadErr = fmt.Errorf("%w: %w", errAheadMissed, err)
 	}
 	return t.aheadErr
-}
-
-// Savepoint runs fn inside one savepoint of tx: a failure rolls back fn's
-// writes only, so one message of a batch that fails leaves the others.
-// Savepoints are released before the next begins, so one name serves them
-// all, and its three statements are prepared once.
-//
-// A savepoint costs each message two statements more (on PostgreSQL two
-// round trips), and every page it changes a copy in SQLite's sub-journal,
-// while a message seldom fails: a transaction first runs fn without them,
-// and only when one fails does WriteTx roll the whole back and run it
-// again, each fn in its savepoint (fn must be one that may run again: it
-// writes only through tx).
-func (t *Tx) Savepoint(ctx context.Context, fn func() error) error {
-	if !t.savepoints {
-		if err := fn(); err != nil {
-			if errors.Is(err, errAheadMissed) {
-				return err // not fn's failure: an earlier part's, or none
-			}
-			if t.s.engine.lost(err) {
-				return t.s.health.observe(err) // the database's, not fn's
-			}
-			return &NeedSavepoints{Err: err}
-		}
-		return nil
-	}
-	if _, err := t.write(ctx, atOnce, "SAVEPOINT msg"); err != nil {
-		return fmt.Errorf("savepoint: %w", err)
-	}
-	if err := fn(); err != nil {
-		if t.s.engine.lost(err) {
-			return t.s.health.observe(err) // the transaction is gone with it
-		}
-		ctx := context.WithoutCancel(ctx) // undo the message even when its time is up
-		if _, rerr := t.write(ctx, atOnce, "ROLLBACK TO msg"); rerr != nil {
-			return errors.Join(err, fmt.Errorf("rollback to savepoint: %w", rerr))
-		}
-		_, _ = t.write(ctx, atOnce, "RELEASE msg")
-		return err
-	}
-	if _, err := t.write(ctx, atOnce, "RELEASE msg"); err != nil {
-		return fmt.Errorf("release savepoint: %w", err)
-	}
-	return nil
 }
 
 // Writable proves the database takes a write (a lock on SQLite; on

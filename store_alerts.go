@@ -34,7 +34,7 @@ type outboxAlert struct {
 // "unrecoverable", with the reason as its payload; a broker's budget and
 // block alerts as "budget" and "blocked", their id telling the rest.
 func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, limit int) ([]outboxAlert, error) {
-	rows, err := s.r.QueryContext(ctx, `SELECT o.id, o.attempts, coalesce(g.forbidden, 0),
+	rows, err := s.pool().rows(ctx, `SELECT o.id, o.attempts, coalesce(g.forbidden, 0),
 			coalesce(g.delivery_id, dg.guid, o.delivery_id),
 			coalesce(g.event, CASE WHEN o.delivery_id LIKE 'gap:%' THEN 'gap' WHEN o.delivery_id LIKE 'budget:%' THEN 'budget'
 				WHEN o.delivery_id LIKE 'blocked:%' THEN 'blocked' ELSE 'unrecoverable' END),
@@ -109,7 +109,7 @@ func (tx *Tx) AlertFailed(ctx context.Context, id int64, cause error, next time.
 // AlertsPending counts the alerts not sent yet, for the metric.
 func (s *Store) AlertsPending(ctx context.Context) (int, error) {
 	var n int
-	if err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM alert_outbox WHERE sent_at IS NULL").Scan(&n); err != nil {
+	if err := s.pool().row(ctx, "SELECT count(*) FROM alert_outbox WHERE sent_at IS NULL").Scan(&n); err != nil {
 		return 0, fmt.Errorf("count pending alerts: %w", err)
 	}
 	return n, nil

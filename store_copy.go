@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"slices"
 	"strings"
@@ -27,9 +26,9 @@ type TableCopy struct {
 var ErrTargetNotEmpty = fmt.Errorf("the target database holds rows: copy-db fills an empty database only")
 
 // tables are the store's tables, in name order.
-func (s *Store) tables(ctx context.Context, q queryer) ([]string, error) {
+func (s *Store) tables(ctx context.Context, q dbReader) ([]string, error) {
 	query := s.engine.tablesQuery()
-	rows, err := q.QueryContext(ctx, query)
+	rows, err := q.rows(ctx, query)
 	if err != nil {
 		return nil, fmt.Errorf("list tables: %w", err)
 	}
@@ -48,13 +47,13 @@ func (s *Store) tables(ctx context.Context, q queryer) ([]string, error) {
 // CheckEmpty reports ErrTargetNotEmpty, naming the table, when any table
 // of the database holds a row.
 func (s *Store) CheckEmpty(ctx context.Context) error {
-	tables, err := s.tables(ctx, s.r)
+	tables, err := s.tables(ctx, s.pool())
 	if err != nil {
 		return err
 	}
 	for _, t := range tables {
 		var n int64
-		if err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM "+t).Scan(&n); err != nil {
+		if err := s.pool().row(ctx, "SELECT count(*) FROM "+t).Scan(&n); err != nil {
 			return fmt.Errorf("count %s: %w", t, err)
 		}
 		if n > 0 {
@@ -84,11 +83,11 @@ func (s *Store) CopyTo(ctx context.Context, dst *Store, progress func(table stri
 	if from != to {
 		return nil, fmt.Errorf("the source database is at schema version %d, the target at %d: migrate both with this binary first", from, to)
 	}
-	src, err := s.readTx(ctx)
+	src, err := s.snapshot(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("read the source: %w", err)
 	}
-	defer src.Rollback() //nolint:errcheck // read only
+	defer src.done()
 	tables, err := s.tables(ctx, src)
 	if err != nil {
 		return nil, err
@@ -112,8 +111,8 @@ func (s *Store) CopyTo(ctx context.Context, dst *Store, progress func(table stri
 
 // copyTable copies one table's rows from src into tx, several rows an
 // insert, by column name.
-func copyTable(ctx context.Context, src *sql.Tx, tx *Tx, table string, progress func(string, int64)) (int64, error) {
-	rows, err := src.QueryContext(ctx, "SELECT * FROM "+table)
+func copyTable(ctx context.Context, src snapshot, tx *Tx, table string, progress func(string, int64)) (int64, error) {
+	rows, err := src.rows(ctx, "SELECT * FROM "+table)
 	if err != nil {
 		return 0, err
 	}

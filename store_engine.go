@@ -66,12 +66,12 @@ type engine interface {
 	// kept.
 	schema() string
 	tracked() string
-	legacyVersion(ctx context.Context, q queryer) (int, error)
+	legacyVersion(ctx context.Context, q dbReader) (int, error)
 	migrated(ctx context.Context, tx *sql.Tx, version int) error
 	// tablesQuery lists the store's tables, in name order.
 	tablesQuery() string
 	// size is the database's size in bytes.
-	size(ctx context.Context, q queryer) (int64, error)
+	size(ctx context.Context, q dbReader) (int64, error)
 
 	// claim takes the database for this process's serve (nil: nothing
 	// to take); its Close lets it go.
@@ -95,12 +95,6 @@ type txConn struct {
 	tx    *sql.Tx
 	conn  *sql.Conn
 	stmts map[string]*sql.Stmt
-}
-
-// queryer is what reads need: a pool or a transaction.
-type queryer interface {
-	QueryRowContext(context.Context, string, ...any) *sql.Row
-	QueryContext(context.Context, string, ...any) (*sql.Rows, error)
 }
 
 // pipelined is a statement sent ahead of its answer: its text and

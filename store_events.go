@@ -85,7 +85,7 @@ func (tx *Tx) MarkDelivery(ctx context.Context, worker string, key DeliveryKey, 
 // Finished reports whether worker finished the delivery (MarkDelivery).
 func (s *Store) Finished(ctx context.Context, worker string, key DeliveryKey) (bool, error) {
 	var n int
-	err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM worker_deliveries WHERE worker = $1 AND delivery_id = $2 AND hook_id = $3",
+	err := s.pool().row(ctx, "SELECT count(*) FROM worker_deliveries WHERE worker = $1 AND delivery_id = $2 AND hook_id = $3",
 		worker, key.GUID, key.Hook).Scan(&n)
 	if err != nil {
 		return false, fmt.Errorf("read worker_deliveries: %w", err)

@@ -63,7 +63,7 @@ func (s *Store) LedgerLookup(ctx context.Context, appID int64, guids []string) (
 }
 
 func (s *Store) collect(ctx context.Context, query string, args []any, into map[string]bool) error {
-	rows, err := s.r.QueryContext(ctx, query, args...)
+	rows, err := s.pool().rows(ctx, query, args...)
 	if err != nil {
 		return err
 	}
@@ -131,7 +131,7 @@ func (tx *Tx) RecordGap(ctx context.Context, g deliveryGap, channels []string) (
 // queued on each of channels, in the same transaction; gaveUp reports it.
 func (tx *Tx) GapRefused(ctx context.Context, guid, reason string, limit int, channels []string) (gaveUp bool, err error) {
 	var refusals int
-	err = tx.read(ctx, `UPDATE delivery_gaps SET refusals = refusals + 1, last_error = $1
+	err = tx.row(ctx, `UPDATE delivery_gaps SET refusals = refusals + 1, last_error = $1
 		WHERE guid = $2 AND unrecoverable_at IS NULL RETURNING refusals`, reason, guid).Scan(&refusals)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
@@ -187,7 +187,7 @@ func (tx *Tx) ResolveStoredGaps(ctx context.Context, appID int64) (int64, error)
 	}
 	n, _ := res.RowsAffected()
 	var open int
-	if err := tx.read(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&open); err != nil {
+	if err := tx.row(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&open); err != nil {
 		return 0, err
 	}
 	tx.s.gapsOpen.Store(open > 0)
@@ -197,7 +197,7 @@ func (tx *Tx) ResolveStoredGaps(ctx context.Context, appID int64) (int64, error)
 // NoteOpenGaps reads again whether any gap is open: another node (the hooks
 // job's) may have recorded one, which storing its App copy here resolves.
 func (s *Store) NoteOpenGaps(ctx context.Context) error {
-	n, err := countOpenGaps(ctx, s.r)
+	n, err := countOpenGaps(ctx, s.pool())
 	if err != nil {
 		return err
 	}
@@ -214,11 +214,11 @@ func (s *Store) MayHaveOpenGaps() bool { return s.gapsOpen.Load() }
 // first, and counts them all: a database with a hundred thousand gaps must
 // not make a page or an answer of their size.
 func (s *Store) OpenGaps(ctx context.Context, limit int) (gaps []deliveryGap, total int, err error) {
-	return openGaps(ctx, s.r, limit)
+	return openGaps(ctx, s.pool(), limit)
 }
 
 // openGaps is OpenGaps through q.
-func openGaps(ctx context.Context, q queryer, limit int) (gaps []deliveryGap, total int, err error) {
+func openGaps(ctx context.Context, q dbReader, limit int) (gaps []deliveryGap, total int, err error) {
 	if total, err = countOpenGaps(ctx, q); err != nil || total == 0 {
 		return []deliveryGap{}, total, err
 	}
@@ -228,12 +228,12 @@ func openGaps(ctx context.Context, q queryer, limit int) (gaps []deliveryGap, to
 
 // gaps reads the delivery_gaps rows the clause selects.
 func (s *Store) gaps(ctx context.Context, clause string, args ...any) ([]deliveryGap, error) {
-	return readGaps(ctx, s.r, clause, args...)
+	return readGaps(ctx, s.pool(), clause, args...)
 }
 
 // readGaps reads the delivery_gaps rows the clause selects, through q.
-func readGaps(ctx context.Context, q queryer, clause string, args ...any) ([]deliveryGap, error) {
-	rows, err := q.QueryContext(ctx, `SELECT guid, delivery_id, event, delivered_at, found_at, redelivered_at,
+func readGaps(ctx context.Context, q dbReader, clause string, args ...any) ([]deliveryGap, error) {
+	rows, err := q.rows(ctx, `SELECT guid, delivery_id, event, delivered_at, found_at, redelivered_at,
 		refusals, unrecoverable_at, last_error, resolved_at FROM delivery_gaps `+clause, args...)
 	if err != nil {
 		return nil, fmt.Errorf("read gaps: %w", err)
@@ -269,13 +269,13 @@ func parseTimePtr(s sql.NullString) *time.Time {
 
 // UnrecoverableGapCount counts the open gaps given up on.
 func (s *Store) UnrecoverableGapCount(ctx context.Context) (int, error) {
-	return countUnrecoverableGaps(ctx, s.r)
+	return countUnrecoverableGaps(ctx, s.pool())
 }
 
 // countUnrecoverableGaps is UnrecoverableGapCount through q.
-func countUnrecoverableGaps(ctx context.Context, q queryer) (int, error) {
+func countUnrecoverableGaps(ctx context.Context, q dbReader) (int, error) {
 	var n int
-	if err := q.QueryRowContext(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL AND unrecoverable_at IS NOT NULL").Scan(&n); err != nil {
+	if err := q.row(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL AND unrecoverable_at IS NOT NULL").Scan(&n); err != nil {
 		return 0, fmt.Errorf("count unrecoverable gaps: %w", err)
 	}
 	return n, nil
@@ -283,13 +283,13 @@ func countUnrecoverableGaps(ctx context.Context, q queryer) (int, error) {
 
 // OpenGapCount counts the open gaps, for the metric.
 func (s *Store) OpenGapCount(ctx context.Context) (int, error) {
-	return countOpenGaps(ctx, s.r)
+	return countOpenGaps(ctx, s.pool())
 }
 
 // countOpenGaps is OpenGapCount through q.
-func countOpenGaps(ctx context.Context, q queryer) (int, error) {
+func countOpenGaps(ctx context.Context, q dbReader) (int, error) {
 	var n int
-	if err := q.QueryRowContext(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&n); err != nil {
+	if err := q.row(ctx, "SELECT count(*) FROM delivery_gaps WHERE resolved_at IS NULL").Scan(&n); err != nil {
 		return 0, fmt.Errorf("count open gaps: %w", err)
 	}
 	return n, nil
@@ -300,14 +300,14 @@ func countOpenGaps(ctx context.Context, q queryer) (int, error) {
 // when switchyard last asked GitHub to redeliver it.
 func (s *Store) GitHubAttempt(ctx context.Context, guid string) (id int64, asked *time.Time, err error) {
 	var redelivered sql.NullString
-	err = s.r.QueryRowContext(ctx, "SELECT delivery_id, redelivered_at FROM delivery_gaps WHERE guid = $1", guid).Scan(&id, &redelivered)
+	err = s.pool().row(ctx, "SELECT delivery_id, redelivered_at FROM delivery_gaps WHERE guid = $1", guid).Scan(&id, &redelivered)
 	if err == nil {
 		return id, parseTimePtr(redelivered), nil
 	}
 	if !errors.Is(err, sql.ErrNoRows) {
 		return 0, nil, fmt.Errorf("read delivery_gaps: %w", err)
 	}
-	err = s.r.QueryRowContext(ctx, "SELECT delivery_id FROM hook_redeliveries WHERE guid = $1", guid).Scan(&id)
+	err = s.pool().row(ctx, "SELECT delivery_id FROM hook_redeliveries WHERE guid = $1", guid).Scan(&id)
 	if errors.Is(err, sql.ErrNoRows) {
 		return 0, nil, nil
 	}

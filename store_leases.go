@@ -22,7 +22,7 @@ import (
 // term, raised when another node held it before.
 func (tx *Tx) TakeLease(ctx context.Context, job, node string, ttl time.Duration) (held bool, term int64, err error) {
 	d := tx.s.engine
-	err = tx.read(ctx, `INSERT INTO leases (job, node, expires_at, taken_at, term) VALUES ($1, $2, `+d.clock("$3")+`, `+d.clock("0")+`, 1)
+	err = tx.row(ctx, `INSERT INTO leases (job, node, expires_at, taken_at, term) VALUES ($1, $2, `+d.clock("$3")+`, `+d.clock("0")+`, 1)
 		ON CONFLICT (job) DO UPDATE SET node = excluded.node, expires_at = excluded.expires_at,
 			taken_at = CASE WHEN leases.node = excluded.node THEN leases.taken_at ELSE excluded.taken_at END,
 			term = CASE WHEN leases.node = excluded.node THEN leases.term ELSE leases.term + 1 END
@@ -73,7 +73,7 @@ const readsZstd = "zstd "
 // messages (nodes.reads names the start of the process that wrote it).
 func (tx *Tx) ZstdReaders(ctx context.Context, gone time.Duration) (bool, error) {
 	var n int
-	err := tx.read(ctx, `SELECT count(*) FROM nodes WHERE reads != ($1 || started_at) AND seen_at >= `+tx.s.engine.clock("$2"),
+	err := tx.row(ctx, `SELECT count(*) FROM nodes WHERE reads != ($1 || started_at) AND seen_at >= `+tx.s.engine.clock("$2"),
 		readsZstd, -gone.Milliseconds()).Scan(&n)
 	if err != nil {
 		return false, fmt.Errorf("read what the nodes read: %w", err)
@@ -110,18 +110,18 @@ type LeaseView struct {
 // Cluster is the nodes and the leases, read in one read transaction, with
 // the database's clock: a node is gone when not seen for 3 x ttl.
 func (s *Store) Cluster(ctx context.Context, ttl time.Duration) (nodes []NodeView, leases []LeaseView, err error) {
-	tx, err := s.readTx(ctx)
+	tx, err := s.snapshot(ctx)
 	if err != nil {
 		return nil, nil, fmt.Errorf("read the nodes: %w", err)
 	}
-	defer tx.Rollback() //nolint:errcheck // read only
+	defer tx.done()
 	var now string
-	if err := tx.QueryRowContext(ctx, "SELECT "+s.engine.clock("0")).Scan(&now); err != nil {
+	if err := tx.row(ctx, "SELECT "+s.engine.clock("0")).Scan(&now); err != nil {
 		return nil, nil, fmt.Errorf("read the database's clock: %w", err)
 	}
 	dbNow, _ := time.Parse(timeFormat, now)
 	goneBefore := formatTime(dbNow.Add(-3 * ttl))
-	rows, err := tx.QueryContext(ctx, `SELECT name, version, started_at, seen_at, seen_at < $1 FROM nodes ORDER BY name`, goneBefore)
+	rows, err := tx.rows(ctx, `SELECT name, version, started_at, seen_at, seen_at < $1 FROM nodes ORDER BY name`, goneBefore)
 	if err != nil {
 		return nil, nil, fmt.Errorf("read the nodes: %w", err)
 	}
@@ -142,7 +142,7 @@ func (s *Store) Cluster(ctx context.Context, ttl time.Duration) (nodes []NodeVie
 	if err := rows.Err(); err != nil {
 		return nil, nil, err
 	}
-	lrows, err := tx.QueryContext(ctx, `SELECT job, node, expires_at, taken_at FROM leases ORDER BY job`)
+	lrows, err := tx.rows(ctx, `SELECT job, node, expires_at, taken_at FROM leases ORDER BY job`)
 	if err != nil {
 		return nil, nil, fmt.Errorf("read the leases: %w", err)
 	}
@@ -180,7 +180,7 @@ func (tx *Tx) VoteDrained(ctx context.Context, node, key string) error {
 // key drained: only then may the switch complete.
 func (tx *Tx) AllDrained(ctx context.Context, key string, gone time.Duration) (bool, error) {
 	var n int
-	err := tx.read(ctx, `SELECT count(*) FROM nodes WHERE drained != $1 AND seen_at >= `+tx.s.engine.clock("$2"),
+	err := tx.row(ctx, `SELECT count(*) FROM nodes WHERE drained != $1 AND seen_at >= `+tx.s.engine.clock("$2"),
 		key, -gone.Milliseconds()).Scan(&n)
 	if err != nil {
 		return false, fmt.Errorf("read the nodes' drain checks: %w", err)

@@ -296,16 +296,16 @@ func (postgresEngine) tracked() string { return "SELECT to_regclass('schema_migr
 
 // legacyVersion: a PostgreSQL database kept schema_migrations from its
 // first migration; without it, it has none.
-func (postgresEngine) legacyVersion(context.Context, queryer) (int, error) { return 0, nil }
-func (postgresEngine) migrated(context.Context, *sql.Tx, int) error        { return nil }
+func (postgresEngine) legacyVersion(context.Context, dbReader) (int, error) { return 0, nil }
+func (postgresEngine) migrated(context.Context, *sql.Tx, int) error         { return nil }
 
 func (postgresEngine) tablesQuery() string {
 	return "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() AND table_type = 'BASE TABLE' ORDER BY table_name"
 }
 
-func (postgresEngine) size(ctx context.Context, q queryer) (int64, error) {
+func (postgresEngine) size(ctx context.Context, q dbReader) (int64, error) {
 	var n int64
-	if err := q.QueryRowContext(ctx, "SELECT pg_database_size(current_database())").Scan(&n); err != nil {
+	if err := q.row(ctx, "SELECT pg_database_size(current_database())").Scan(&n); err != nil {
 		return 0, fmt.Errorf("database size: %w", err)
 	}
 	return n, nil

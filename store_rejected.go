@@ -88,8 +88,8 @@ func (tx *Tx) PruneRejections(ctx context.Context, now time.Time) error {
 const maxStoryRejections = 50
 
 // rejectionsOf are guid's refusals, oldest first, read in q.
-func rejectionsOf(ctx context.Context, q queryer, guid string) ([]Rejection, error) {
-	rows, err := q.QueryContext(ctx, `SELECT received_at, source_ip, event, delivery_id, hook_id, status, reason
+func rejectionsOf(ctx context.Context, q dbReader, guid string) ([]Rejection, error) {
+	rows, err := q.rows(ctx, `SELECT received_at, source_ip, event, delivery_id, hook_id, status, reason
 		FROM rejected_webhooks WHERE delivery_id = $1 ORDER BY received_at, id LIMIT $2`, guid, maxStoryRejections)
 	if err != nil {
 		return nil, fmt.Errorf("read rejected_webhooks: %w", err)
@@ -140,8 +140,8 @@ func reasonKind(reason string) string {
 
 // refusalsSince counts, read in q, the webhooks refused since since, by
 // status and the kind of their reason, most first.
-func refusalsSince(ctx context.Context, q queryer, since time.Time) ([]ReasonCount, error) {
-	rows, err := q.QueryContext(ctx, `SELECT status, reason FROM rejected_webhooks WHERE received_at >= $1 ORDER BY id DESC LIMIT $2`,
+func refusalsSince(ctx context.Context, q dbReader, since time.Time) ([]ReasonCount, error) {
+	rows, err := q.rows(ctx, `SELECT status, reason FROM rejected_webhooks WHERE received_at >= $1 ORDER BY id DESC LIMIT $2`,
 		formatTime(since), rejectionsKept)
 	if err != nil {
 		return nil, fmt.Errorf("read rejected_webhooks: %w", err)

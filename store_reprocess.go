@@ -51,7 +51,7 @@ func (f RawFilter) where() (string, []any) {
 func (s *Store) CountRaw(ctx context.Context, f RawFilter) (int64, error) {
 	cond, args := f.where()
 	var n int64
-	if err := s.r.QueryRowContext(ctx, numberParams("SELECT count(*) FROM github WHERE "+cond), args...).Scan(&n); err != nil {
+	if err := s.pool().row(ctx, numberParams("SELECT count(*) FROM github WHERE "+cond), args...).Scan(&n); err != nil {
 		return 0, fmt.Errorf("count the raw log: %w", err)
 	}
 	return n, nil
@@ -68,7 +68,7 @@ func (s *Store) RawCopies(ctx context.Context, f RawFilter, after *RawCopy, limi
 		args = append(args, after.receivedText, after.receivedText, after.ID)
 	}
 	args = append(args, limit)
-	rows, err := s.r.QueryContext(ctx, numberParams(`SELECT id, delivery_id, event, hook_id, target_type, target_id, source_ip,
+	rows, err := s.pool().rows(ctx, numberParams(`SELECT id, delivery_id, event, hook_id, target_type, target_id, source_ip,
 		forbidden, received_at, payload, payload_zstd, payload_pruned_at IS NOT NULL
 		FROM github WHERE `+cond+` ORDER BY received_at, id LIMIT ?`), args...)
 	if err != nil {

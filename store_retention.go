@@ -62,7 +62,7 @@ const compressBatch = 200
 // pruned meanwhile is left as it is.
 func (s *Store) CompressOlderPayloads(ctx context.Context, after int64,
 	write func(ctx context.Context, fn func(tx *Tx) error) error) (last int64, n int, err error) {
-	rows, err := s.r.QueryContext(ctx, `SELECT id, payload FROM github WHERE id > $1 AND payload_zstd IS NULL
+	rows, err := s.pool().rows(ctx, `SELECT id, payload FROM github WHERE id > $1 AND payload_zstd IS NULL
 		AND payload_pruned_at IS NULL ORDER BY id LIMIT $2`, after, compressBatch)
 	if err != nil {
 		return after, 0, fmt.Errorf("read payloads to compress: %w", err)
@@ -110,7 +110,7 @@ func (s *Store) CompressOlderPayloads(ctx context.Context, after int64,
 // look at the end of its primary key.
 func (s *Store) LastStoredID(ctx context.Context) (int64, error) {
 	var id int64
-	err := s.r.QueryRowContext(ctx, "SELECT coalesce(max(id), 0) FROM github").Scan(&id)
+	err := s.pool().row(ctx, "SELECT coalesce(max(id), 0) FROM github").Scan(&id)
 	if err != nil {
 		return 0, fmt.Errorf("read the last github id: %w", err)
 	}
@@ -120,6 +120,6 @@ func (s *Store) LastStoredID(ctx context.Context) (int64, error) {
 // UncompressedPayloads counts the rows whose payload is stored as text.
 func (s *Store) UncompressedPayloads(ctx context.Context) (int, error) {
 	var n int
-	err := s.r.QueryRowContext(ctx, "SELECT count(*) FROM github WHERE payload_zstd IS NULL AND payload_pruned_at IS NULL AND payload != ''").Scan(&n)
+	err := s.pool().row(ctx, "SELECT count(*) FROM github WHERE payload_zstd IS NULL AND payload_pruned_at IS NULL AND payload != ''").Scan(&n)
 	return n, err
 }

@@ -73,7 +73,7 @@ func (s *Store) Version() int {
 // binaries work with it.
 func (s *Store) SchemaFloor(ctx context.Context) (int, error) {
 	var f int
-	if err := s.w.QueryRowContext(ctx, "SELECT coalesce(max(coalesce(floor, version)), 0) FROM schema_migrations").Scan(&f); err != nil {
+	if err := (poolReader{s.w}).row(ctx, "SELECT coalesce(max(coalesce(floor, version)), 0) FROM schema_migrations").Scan(&f); err != nil {
 		return 0, fmt.Errorf("read the schema floor: %w", err)
 	}
 	return f, nil
@@ -120,19 +120,19 @@ const firstTracked = 15
 
 // SchemaVersion is the database's version: the greatest migration it has.
 func (s *Store) SchemaVersion(ctx context.Context) (int, error) {
-	return s.schemaVersion(ctx, s.r)
+	return s.schemaVersion(ctx, s.pool())
 }
 
 // schemaVersion reads the version through q.
-func (s *Store) schemaVersion(ctx context.Context, q queryer) (int, error) {
+func (s *Store) schemaVersion(ctx context.Context, q dbReader) (int, error) {
 	var tracked bool
-	if err := q.QueryRowContext(ctx, s.engine.tracked()).Scan(&tracked); err != nil {
+	if err := q.row(ctx, s.engine.tracked()).Scan(&tracked); err != nil {
 		return 0, fmt.Errorf("read schema version: %w", err)
 	}
 	var v int
 	var err error
 	if tracked {
-		err = q.QueryRowContext(ctx, "SELECT coalesce(max(version), 0) FROM schema_migrations").Scan(&v)
+		err = q.row(ctx, "SELECT coalesce(max(version), 0) FROM schema_migrations").Scan(&v)
 	} else {
 		v, err = s.engine.legacyVersion(ctx, q)
 	}
@@ -173,7 +173,7 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 	if err != nil {
 		return 0, 0, err
 	}
-	if from, err = s.schemaVersion(ctx, s.w); err != nil {
+	if from, err = s.schemaVersion(ctx, poolReader{s.w}); err != nil {
 		return 0, 0, err
 	}
 	last := ms[len(ms)-1].version
@@ -192,7 +192,7 @@ func (s *Store) Migrate(ctx context.Context) (from, to int, err error) {
 			if err := tx.Lock(ctx, "migrate"); err != nil {
 				return err
 			}
-			if v, err := s.schemaVersion(ctx, tx.raw()); err != nil || v >= m.version {
+			if v, err := s.schemaVersion(ctx, tx); err != nil || v >= m.version {
 				return err // another node applied it
 			}
 			if _, err := tx.raw().ExecContext(ctx, m.sql); err != nil {

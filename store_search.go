@@ -59,7 +59,7 @@ func (s *Store) SearchDeliveries(ctx context.Context, f DeliveryFilter, limit in
 	if f.Outcome == "rejected" {
 		q, args = rejectedQuery(f, limit)
 	}
-	res, err := s.r.QueryContext(ctx, q, args...)
+	res, err := s.pool().rows(ctx, q, args...)
 	if err != nil {
 		return nil, false, fmt.Errorf("search deliveries: %w", err)
 	}

@@ -12,38 +12,34 @@ import (
 // The settings table: the broker state and the marks the jobs keep, a
 // key and its value each.
 
-// Setting reads one settings row from a reader; a missing row reads as "".
+// Setting reads one settings row from the read pool; a missing row reads
+// as "".
 func (s *Store) Setting(ctx context.Context, key string) (string, error) {
-	return getSetting(ctx, s.r, key)
+	return getSetting(ctx, s.pool(), key)
 }
 
 // Setting reads one settings row inside tx.
 func (t *Tx) Setting(ctx context.Context, key string) (string, error) {
-	return scanSetting(t.read(ctx, settingQuery, key), key)
+	return getSetting(ctx, t, key)
 }
 
-// Settings reads the settings rows of keys in one query; a missing row
-// reads as "".
+// Settings reads the settings rows of keys from the read pool in one
+// query; a missing row reads as "".
 func (s *Store) Settings(ctx context.Context, keys ...string) (map[string]string, error) {
-	return getSettings(ctx, s.r, keys)
+	return getSettings(ctx, s.pool(), keys)
 }
 
-// Settings reads the settings rows of keys inside tx, in one query that
-// sees what tx queued before it: the one read of several rows a Tx makes
-// (read is of one), so it runs on the transaction itself.
+// Settings reads the settings rows of keys inside tx, in one query.
 func (t *Tx) Settings(ctx context.Context, keys ...string) (map[string]string, error) {
-	if err := t.flush(ctx); err != nil {
-		return nil, err
-	}
-	return getSettings(ctx, t.raw(), keys)
+	return getSettings(ctx, t, keys)
 }
 
-func getSettings(ctx context.Context, q queryer, keys []string) (map[string]string, error) {
+func getSettings(ctx context.Context, q dbReader, keys []string) (map[string]string, error) {
 	args := make([]any, len(keys))
 	for i, k := range keys {
 		args[i] = k
 	}
-	rows, err := q.QueryContext(ctx, numberParams("SELECT key, value FROM settings WHERE key IN (?"+strings.Repeat(", ?", len(keys)-1)+")"), args...)
+	rows, err := q.rows(ctx, numberParams("SELECT key, value FROM settings WHERE key IN (?"+strings.Repeat(", ?", len(keys)-1)+")"), args...)
 	if err != nil {
 		return nil, fmt.Errorf("read settings: %w", err)
 	}
@@ -61,8 +57,8 @@ func getSettings(ctx context.Context, q queryer, keys []string) (map[string]stri
 
 const settingQuery = "SELECT value FROM settings WHERE key = $1"
 
-func getSetting(ctx context.Context, q queryer, key string) (string, error) {
-	return scanSetting(q.QueryRowContext(ctx, settingQuery, key), key)
+func getSetting(ctx context.Context, q dbReader, key string) (string, error) {
+	return scanSetting(q.row(ctx, settingQuery, key), key)
 }
 
 // scanSetting reads one settings row's value; a missing row reads as "".

@@ -116,7 +116,7 @@ func (tx *Tx) PruneSpool(ctx context.Context, now time.Time) (int64, error) {
 // SpoolHead reads the oldest limit webhooks waiting in the spool, oldest
 // first (received at the door, then spooled).
 func (s *Store) SpoolHead(ctx context.Context, limit int) ([]SpooledWebhook, error) {
-	rows, err := s.r.QueryContext(ctx, `SELECT id, delivery_id, hook_id, event, received_at, spooled_at, node, broker, reason,
+	rows, err := s.pool().rows(ctx, `SELECT id, delivery_id, hook_id, event, received_at, spooled_at, node, broker, reason,
 			exchange, routing_key, headers, content_encoding, body
 		FROM spooled_webhooks WHERE published_at IS NULL ORDER BY received_at, id LIMIT $1`, limit)
 	if err != nil {
@@ -157,7 +157,7 @@ type SpoolState struct {
 // SpoolState reads what the spool holds.
 func (s *Store) SpoolState(ctx context.Context) (SpoolState, error) {
 	var st SpoolState
-	rows, err := s.r.QueryContext(ctx, `SELECT broker, count(*), coalesce(sum(bytes), 0), min(spooled_at)
+	rows, err := s.pool().rows(ctx, `SELECT broker, count(*), coalesce(sum(bytes), 0), min(spooled_at)
 		FROM spooled_webhooks WHERE published_at IS NULL GROUP BY broker ORDER BY broker`)
 	if err != nil {
 		return st, fmt.Errorf("read the spool: %w", s.health.observe(err))
@@ -194,8 +194,8 @@ type SpoolStory struct {
 const maxStorySpoolings = 20
 
 // spoolingsOf are guid's spoolings, oldest first, read in q.
-func spoolingsOf(ctx context.Context, q queryer, guid string) ([]SpoolStory, error) {
-	rows, err := q.QueryContext(ctx, `SELECT hook_id, node, reason, spooled_at, published_at, coalesce(published_to, broker)
+func spoolingsOf(ctx context.Context, q dbReader, guid string) ([]SpoolStory, error) {
+	rows, err := q.rows(ctx, `SELECT hook_id, node, reason, spooled_at, published_at, coalesce(published_to, broker)
 		FROM spooled_webhooks WHERE delivery_id = $1 ORDER BY spooled_at, id LIMIT $2`, guid, maxStorySpoolings)
 	if err != nil {
 		return nil, fmt.Errorf("read spooled_webhooks: %w", err)
@@ -226,8 +226,8 @@ func spoolingsOf(ctx context.Context, q queryer, guid string) ([]SpoolStory, err
 
 // spooledSince counts, read in q, the webhooks spooled since since, by
 // why (status 202: they were answered so).
-func spooledSince(ctx context.Context, q queryer, since time.Time) ([]ReasonCount, error) {
-	rows, err := q.QueryContext(ctx, `SELECT reason, count(*) FROM spooled_webhooks WHERE spooled_at >= $1 GROUP BY reason`, formatTime(since))
+func spooledSince(ctx context.Context, q dbReader, since time.Time) ([]ReasonCount, error) {
+	rows, err := q.rows(ctx, `SELECT reason, count(*) FROM spooled_webhooks WHERE spooled_at >= $1 GROUP BY reason`, formatTime(since))
 	if err != nil {
 		return nil, fmt.Errorf("read spooled_webhooks: %w", err)
 	}

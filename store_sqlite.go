@@ -201,9 +201,9 @@ func (e *sqliteEngine) tracked() string {
 
 // legacyVersion: SQLite kept the version in PRAGMA user_version before
 // schema_migrations, and still does.
-func (e *sqliteEngine) legacyVersion(ctx context.Context, q queryer) (int, error) {
+func (e *sqliteEngine) legacyVersion(ctx context.Context, q dbReader) (int, error) {
 	var v int
-	err := q.QueryRowContext(ctx, "PRAGMA user_version").Scan(&v)
+	err := q.row(ctx, "PRAGMA user_version").Scan(&v)
 	return v, err
 }
 
@@ -217,7 +217,7 @@ func (e *sqliteEngine) tablesQuery() string {
 }
 
 // size is the file and its WAL.
-func (e *sqliteEngine) size(context.Context, queryer) (int64, error) {
+func (e *sqliteEngine) size(context.Context, dbReader) (int64, error) {
 	var n int64
 	for _, p := range []string{e.path, e.path + "-wal"} {
 		if fi, err := os.Stat(p); err == nil {

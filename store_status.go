@@ -41,11 +41,11 @@ type StoreStatus struct {
 // transaction, so that its counts agree with each other: the statistics
 // from since to now, the row counts, and at most gapLimit open gaps.
 func (s *Store) Status(ctx context.Context, since, now time.Time, gapLimit int) (st StoreStatus, err error) {
-	tx, err := s.readTx(ctx)
+	tx, err := s.snapshot(ctx)
 	if err != nil {
 		return st, fmt.Errorf("read the status: %w", err)
 	}
-	defer tx.Rollback() //nolint:errcheck // read only: nothing to keep
+	defer tx.done()
 	if st.Statistics, err = statistics(ctx, tx, since, now); err != nil {
 		return st, err
 	}
@@ -69,7 +69,7 @@ func (s *Store) Status(ctx context.Context, since, now time.Time, gapLimit int) 
 }
 
 // databaseStatus reads the file sizes and, through q, the row counts.
-func (s *Store) databaseStatus(ctx context.Context, q queryer) (DatabaseStatus, error) {
+func (s *Store) databaseStatus(ctx context.Context, q dbReader) (DatabaseStatus, error) {
 	st := DatabaseStatus{Driver: s.engine.driver(), Path: s.name, Rows: map[string]int{}, Unprepared: s.engine.unprepared()}
 	var err error
 	if st.SizeBytes, err = s.engine.size(ctx, q); err != nil {
@@ -77,7 +77,7 @@ func (s *Store) databaseStatus(ctx context.Context, q queryer) (DatabaseStatus, 
 	}
 	for _, t := range statusTables {
 		var n int
-		if err := q.QueryRowContext(ctx, "SELECT count(*) FROM "+t).Scan(&n); err != nil {
+		if err := q.row(ctx, "SELECT count(*) FROM "+t).Scan(&n); err != nil {
 			return st, fmt.Errorf("count %s: %w", t, err)
 		}
 		st.Rows[t] = n
@@ -93,8 +93,8 @@ type StatisticsBucket struct {
 
 // statistics returns, through q, the 6-hour buckets from since on, oldest
 // first, with the empty ones filled in.
-func statistics(ctx context.Context, q queryer, since, now time.Time) ([]StatisticsBucket, error) {
-	rows, err := q.QueryContext(ctx, `SELECT bucket, sum(count) FROM github_statistics_6h
+func statistics(ctx context.Context, q dbReader, since, now time.Time) ([]StatisticsBucket, error) {
+	rows, err := q.rows(ctx, `SELECT bucket, sum(count) FROM github_statistics_6h
 		WHERE bucket >= $1 GROUP BY bucket`, statisticsBucket(since))
 	if err != nil {
 		return nil, fmt.Errorf("read statistics: %w", err)

@@ -195,14 +195,14 @@ var storyTables = []struct {
 // Story reads everything the database knows of guid's deliveries, in one
 // read transaction so that its parts agree with each other.
 func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) {
-	tx, err := s.readTx(ctx)
+	tx, err := s.snapshot(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("read a story: %w", err)
 	}
-	defer tx.Rollback() //nolint:errcheck // read only: nothing to keep
+	defer tx.done()
 	st := newStory(guid)
 	each := func(what, query string, scan func(*sql.Rows) error, args ...any) error {
-		rows, err := tx.QueryContext(ctx, query, args...)
+		rows, err := tx.rows(ctx, query, args...)
 		if err != nil {
 			return fmt.Errorf("read %s: %w", what, err)
 		}
@@ -316,7 +316,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	}
 	var queued string
 	var republished sql.NullString
-	err = tx.QueryRowContext(ctx, "SELECT queued_at, republished_at FROM hook_redeliveries WHERE guid = $1", guid).Scan(&queued, &republished)
+	err = tx.row(ctx, "SELECT queued_at, republished_at FROM hook_redeliveries WHERE guid = $1", guid).Scan(&queued, &republished)
 	if err == nil {
 		h := &StoryHooks{RepublishedAt: parseTimePtr(republished)}
 		h.QueuedAt, _ = time.Parse(time.RFC3339Nano, queued)

@@ -150,7 +150,7 @@ func (tx *Tx) writeWorkflowRun(ctx context.Context, m rowMeta, r *workflowRunRow
 		tag = r.HeadBranch
 	} else if r.HeadBranch != "" {
 		var t string
-		err := tx.read(ctx, `SELECT tag_name FROM github_releases WHERE repository = $1 AND tag_name = $2 LIMIT 1`,
+		err := tx.row(ctx, `SELECT tag_name FROM github_releases WHERE repository = $1 AND tag_name = $2 LIMIT 1`,
 			r.Repository, r.HeadBranch).Scan(&t)
 		if err != nil && !errors.Is(err, sql.ErrNoRows) {
 			return err
@@ -253,7 +253,7 @@ func (tx *Tx) writeIssue(ctx context.Context, m rowMeta, r *issueRow) (stale boo
 		return false, nil
 	}
 	var updated sql.NullString
-	err = tx.read(ctx, "SELECT github_updated_at FROM "+table+" WHERE node_id = $1", r.NodeID).Scan(&updated)
+	err = tx.row(ctx, "SELECT github_updated_at FROM "+table+" WHERE node_id = $1", r.NodeID).Scan(&updated)
 	if err != nil {
 		return false, err
 	}

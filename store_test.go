@@ -688,7 +688,7 @@ func TestSchemaSameOnBothDialects(t *testing.T) {
 		if _, _, err := store.Migrate(ctx); err != nil {
 			t.Fatal(err)
 		}
-		tables, err := store.tables(ctx, store.r)
+		tables, err := store.tables(ctx, store.pool())
 		if err != nil {
 			t.Fatal(err)
 		}

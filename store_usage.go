@@ -36,7 +36,7 @@ func (tx *Tx) AddBrokerUsage(ctx context.Context, at time.Time, rows []usageRow)
 
 // BrokerUsageSince sums what broker cost in the hours from since on.
 func (s *Store) BrokerUsageSince(ctx context.Context, broker string, since time.Time) (published, delivered int64, err error) {
-	err = s.r.QueryRowContext(ctx, `SELECT coalesce(sum(published), 0), coalesce(sum(delivered), 0) FROM broker_usage
+	err = s.pool().row(ctx, `SELECT coalesce(sum(published), 0), coalesce(sum(delivered), 0) FROM broker_usage
 		WHERE broker = $1 AND hour >= $2`, broker, formatTime(since.UTC().Truncate(time.Hour))).Scan(&published, &delivered)
 	if err != nil {
 		return 0, 0, fmt.Errorf("read broker_usage: %w", err)
@@ -48,7 +48,7 @@ func (s *Store) BrokerUsageSince(ctx context.Context, broker string, since time.
 // ok is false when none has been.
 func (s *Store) BrokerUsageFirst(ctx context.Context, broker string) (first time.Time, ok bool, err error) {
 	var hour sql.NullString
-	if err := s.r.QueryRowContext(ctx, `SELECT min(hour) FROM broker_usage WHERE broker = $1`, broker).Scan(&hour); err != nil {
+	if err := s.pool().row(ctx, `SELECT min(hour) FROM broker_usage WHERE broker = $1`, broker).Scan(&hour); err != nil {
 		return first, false, fmt.Errorf("read broker_usage: %w", err)
 	}
 	if !hour.Valid {
@@ -63,7 +63,7 @@ func (s *Store) BrokerUsageFirst(ctx context.Context, broker string) (first time
 // with the same id changes nothing. It reports whether it was new.
 func (tx *Tx) QueueOwnAlert(ctx context.Context, id string, channels []string) (queued bool, err error) {
 	var n int
-	if err := tx.read(ctx, "SELECT count(*) FROM alert_outbox WHERE delivery_id = $1", id).Scan(&n); err != nil {
+	if err := tx.row(ctx, "SELECT count(*) FROM alert_outbox WHERE delivery_id = $1", id).Scan(&n); err != nil {
 		return false, err
 	}
 	if n > 0 {

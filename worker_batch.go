@@ -9,19 +9,20 @@ import (
 )
 
 // The worker side of consuming: the queue hands over plain messages and
-// takes back one verdict each; here they become Events, are handled in one
-// store transaction with a savepoint each, and GitHub's decode errors
-// become the queue's verdicts.
+// takes back one verdict each; here they become Events, are handled as
+// the parts of one Batch of the store, and GitHub's decode errors become
+// the queue's verdicts.
 
 // Handler processes one decoded message. It returns what it found (for
 // the worker's Record, once the transaction committed) and nil when done,
 // ErrDuplicate when the worker already finished this delivery, a
 // permanent verdict or a MalformedError when no retry can help, and any
-// other error for a transient failure. tx is the message's transaction,
-// which it is acked after: the batch's, inside a savepoint of the
-// message's own, or one for a lone message. It is nil only for a worker
-// with no Batcher, whose handler writes nothing. A handler must not touch
-// the network.
+// other error for a transient failure, which undoes what it wrote of the
+// message. tx is the transaction of the message's Batch, which it is acked
+// after; a Batch may run a handler again, in a second transaction, when
+// another part failed (Batch). It is nil only for a worker with no
+// Batcher, whose handler writes nothing. A handler must not touch the
+// network.
 type Handler func(ctx context.Context, tx *Tx, d Decoded) (Found, error)
 
 // Found is what a handler found of a message besides its verdict, which
@@ -38,7 +39,7 @@ type Found struct {
 // one (Store.WriteTx). Lost and WaitAnswers tell when the database is lost
 // (a connection to it failed) and when it answers again.
 type Batcher interface {
-	WriteTx(ctx context.Context, fn func(tx *Tx) error) error
+	WriteBatch(ctx context.Context, b Batch) ([]error, error)
 	Lost() <-chan struct{}
 	WaitAnswers(ctx context.Context) error
 }
@@ -69,10 +70,9 @@ func (o EventOptions) options() ConsumeOptions {
 }
 
 // handleBatch decodes msgs ahead of the transaction, on a goroutine of its
-// own, and handles them in order: in one transaction with a savepoint each
-// (a failure undoes that message only) when o batches, else each on its
-// own, a lone message in a transaction of its own. It returns the
-// verdicts, and the transaction's failure. A database lost under them is
+// own, and handles them in order: as one Batch of the store (a failure
+// undoes that message only) when o batches, else each on its own. It
+// returns the verdicts, and the transaction's failure. A database lost under them is
 // no failure of the messages: they are handed back (ErrHandedBack).
 func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error, error) {
 	verdicts, err := o.handle(ctx, msgs)
@@ -84,49 +84,42 @@ func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error,
 	return verdicts, err
 }
 
-// handle is handleBatch's work.
+// handle is handleBatch's work: with a Batcher, msgs are one Batch of
+// the store, whose parts are the messages; the brokers' counts are taken
+// once and written in the batch's transaction (Last), or given back when
+// it does not commit.
 func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
 	found := make([]Found, len(msgs))
 	next, decoded := decodeAhead(msgs, o.Decode, o.Log)
 	defer decoded()
-	switch {
-	case o.Batch == nil:
+	if o.Batch == nil {
 		for i := range msgs {
 			found[i], verdicts[i] = next(i).handle(ctx, nil, o.Handle)
 		}
 		o.record(next, found)
 		return verdicts, nil
-	case len(msgs) == 1:
-		found[0], verdicts[0] = next(0).handleAlone(ctx, o.Batch, o.Handle, o.Usage)
-		o.record(next, found)
-		return verdicts, nil
 	}
-	// A message that failed in a pass without savepoints keeps its verdict
-	// when the batch runs again with them: its handler runs once.
-	failed := map[int]error{}
-	err := batchWithUsage(ctx, o.Batch, o.Usage, func(tx *Tx) error {
-		for i := range msgs {
-			if v, ok := failed[i]; ok {
-				verdicts[i] = v
-				continue
-			}
-			found[i], verdicts[i] = next(i).handle(ctx, tx, o.Handle)
-			if errors.Is(verdicts[i], ErrNeedSavepoints) {
-				// This message's failure, or a statement sent
-				// ahead that was answered otherwise (no one's).
-				if ns := (*NeedSavepoints)(nil); errors.As(verdicts[i], &ns) {
-					failed[i] = verdict(ns.Err)
-				}
-				return verdicts[i]
-			}
-		}
-		return ctx.Err()
+	counted := o.Usage.take()
+	failed, err := o.Batch.WriteBatch(ctx, Batch{
+		Parts: len(msgs),
+		Part: func(ctx context.Context, tx *Tx, i int) (err error) {
+			found[i], verdicts[i], err = next(i).handlePart(ctx, tx, o.Handle)
+			return err
+		},
+		Last: func(ctx context.Context, tx *Tx) error { return o.Usage.write(ctx, tx, counted) },
 	})
-	if err == nil {
-		o.record(next, found)
+	if err != nil {
+		o.Usage.giveBack(counted)
+		return verdicts, err
 	}
-	return verdicts, err
+	for i, f := range failed {
+		if f != nil {
+			found[i], verdicts[i] = Found{}, verdict(f)
+		}
+	}
+	o.record(next, found)
+	return verdicts, nil
 }
 
 // record hands what the handlers found to Record, once: after the commit
@@ -197,40 +190,33 @@ func decodeAhead(msgs []Message, decode func(Delivery) (Decoded, error), log *sl
 	}, wg.Wait
 }
 
-// handle runs h on a decoded message, in tx when one is given (inside a
-// savepoint, so a failure undoes this message only), and returns its
-// verdict in the queue's words.
+// handle runs h on a decoded message with no transaction (a worker that
+// writes nothing), and returns its verdict in the queue's words.
 func (m decoded) handle(ctx context.Context, tx *Tx, h Handler) (Found, error) {
 	if m.err != nil {
 		return Found{}, verdict(m.err)
 	}
-	if tx == nil {
-		f, err := h(ctx, nil, m.d)
-		return f, verdict(err)
+	f, err := h(ctx, tx, m.d)
+	return f, verdict(err)
+}
+
+// handlePart runs h on a decoded message as a part of a Batch: it returns
+// what h found and the verdict when the part is written, or the part's
+// failure, which undoes what h wrote of it. A duplicate keeps what its
+// handler wrote of it (the receipt's count); a message that is no Event
+// writes nothing.
+func (m decoded) handlePart(ctx context.Context, tx *Tx, h Handler) (Found, error, error) {
+	if m.err != nil {
+		return Found{}, verdict(m.err), nil
 	}
-	// A duplicate keeps what its handler wrote of it (the receipt's count):
-	// only a failure undoes the savepoint, and what it found with it.
-	duplicate := false
-	var found Found
-	err := tx.Savepoint(ctx, func() error {
-		f, err := h(ctx, tx, m.d)
-		if errors.Is(err, ErrDuplicate) {
-			duplicate = true
-			return nil
-		}
-		found = f
-		return err
-	})
-	if errors.Is(err, ErrNeedSavepoints) {
-		return Found{}, err // not a verdict: the batch runs again (Store.WriteTx)
+	f, err := h(ctx, tx, m.d)
+	switch {
+	case errors.Is(err, ErrDuplicate):
+		return Found{}, ErrDuplicate, nil
+	case err != nil:
+		return Found{}, nil, err
 	}
-	if err != nil {
-		return Found{}, verdict(err)
-	}
-	if duplicate {
-		return Found{}, ErrDuplicate
-	}
-	return found, nil
+	return f, nil, nil
 }
 
 // verdict maps a handler's error to the queue's verdict: GitHub's decode
@@ -239,60 +225,6 @@ func verdict(err error) error {
 	var mal *MalformedError
 	if errors.As(err, &mal) {
 		return permanent("%s", mal.Reason)
-	}
-	return err
-}
-
-// handleAlone runs h on a lone decoded message in a transaction of its own,
-// without a savepoint: a failure rolls it back, a duplicate commits what
-// its handler wrote of it (the receipt's count), with the brokers' counts
-// (usage) when it commits.
-func (m decoded) handleAlone(ctx context.Context, b Batcher, h Handler, usage *Usage) (Found, error) {
-	if m.err != nil {
-		return Found{}, verdict(m.err)
-	}
-	var handled error
-	var found Found
-	err := batchWithUsage(ctx, b, usage, func(tx *Tx) error {
-		found, handled = h(ctx, tx, m.d)
-		if errors.Is(handled, ErrDuplicate) {
-			return nil
-		}
-		return handled
-	})
-	if err != nil {
-		return Found{}, verdict(err)
-	}
-	if handled != nil {
-		return Found{}, verdict(handled)
-	}
-	return found, nil
-}
-
-// batchWithUsage runs fn in one transaction of batcher and, when fn
-// succeeds, adds to the same transaction what usage's queues counted since
-// it was last taken:
-// a message's delivery is counted with the commit of what it did, and a
-// daemon at work writes no transaction of its own for its counts. Counts a
-// transaction did not commit go back. A nil usage runs fn alone. The
-// transaction's statements go ahead of their answers (Tx.Pipeline).
-func batchWithUsage(ctx context.Context, batcher Batcher, usage *Usage, fn func(tx *Tx) error) error {
-	undo := func() {}
-	err := batcher.WriteTx(ctx, func(tx *Tx) error {
-		// A run again (with savepoints) counts anew: what an earlier run
-		// took goes back first.
-		undo()
-		undo = func() {}
-		tx.Pipeline()
-		if err := fn(tx); err != nil || usage == nil {
-			return err
-		}
-		var err error
-		undo, err = usage.addUsageIn(ctx, tx)
-		return err
-	})
-	if err != nil {
-		undo()
 	}
 	return err
 }

@@ -153,42 +153,45 @@ func reprocessEvent(c *RawCopy, botAppID int64) (*Event, *tableRows, string) {
 // errDryRun rolls a dry run's batch back.
 var errDryRun = errors.New("dry run: rolled back")
 
-// writeReprocessed writes the typed rows of events in one transaction,
-// each in a savepoint: one that fails is counted, and logged, and the
-// others are written.
+// writeReprocessed writes the typed rows of events as one Batch: one
+// that fails is counted, and logged, and the others are written.
 func writeReprocessed(ctx context.Context, store *Store, events []reprocessed, dryRun bool, log *slog.Logger) (written, unchanged, failed int64, err error) {
-	err = store.WriteTx(ctx, func(tx *Tx) error {
-		written, unchanged, failed = 0, 0, 0 // a second run of fn, with savepoints, counts anew
-		for _, e := range events {
-			ev := e.ev
-			before := tx.Changed()
-			err := tx.Savepoint(ctx, func() error {
-				_, err := tx.writeTableRows(ctx, newRowMeta(ev), e.rows)
-				return err
-			})
-			switch {
-			case errors.Is(err, ErrNeedSavepoints):
-				return err
-			case err != nil:
-				failed++
-				log.Warn("reprocess: a delivery's typed rows could not be written", "delivery_id", ev.DeliveryID,
-					"hook_id", ev.HookID, "event", ev.Name, "error", err)
-			case tx.Changed() > before:
-				written++
-			default:
-				unchanged++
+	changed := make([]bool, len(events))
+	fails, err := store.WriteBatch(ctx, Batch{
+		Parts: len(events),
+		Part: func(ctx context.Context, tx *Tx, i int) error {
+			before, err := tx.Changed(ctx)
+			if err == nil {
+				_, err = tx.writeTableRows(ctx, newRowMeta(events[i].ev), events[i].rows)
 			}
-		}
-		if dryRun {
-			return errDryRun
-		}
-		return nil
+			after, cerr := tx.Changed(ctx)
+			changed[i] = after > before
+			return errors.Join(err, cerr)
+		},
+		Last: func(context.Context, *Tx) error {
+			if dryRun {
+				return errDryRun
+			}
+			return nil
+		},
 	})
 	if errors.Is(err, errDryRun) {
 		err = nil
 	}
 	if err != nil {
 		return 0, 0, 0, fmt.Errorf("reprocess: write a batch: %w", err)
+	}
+	for i, e := range events {
+		switch {
+		case fails[i] != nil:
+			failed++
+			log.Warn("reprocess: a delivery's typed rows could not be written", "delivery_id", e.ev.DeliveryID,
+				"hook_id", e.ev.HookID, "event", e.ev.Name, "error", fails[i])
+		case changed[i]:
+			written++
+		default:
+			unchanged++
+		}
 	}
 	return written, unchanged, failed, nil
 }

@@ -183,20 +183,31 @@ func WriteUsage(ctx context.Context, store *Store, queues *Queues, now time.Time
 	return err
 }
 
-// addUsageIn adds what the queues counted since it was last taken to
-// broker_usage in tx, the transaction a batch of consumed messages commits
-// in (batchWithUsage); undo gives the counts back, for a transaction that
-// does not commit.
-func (b *Usage) addUsageIn(ctx context.Context, tx *Tx) (undo func(), err error) {
-	usage := b.queues.TakeUsage()
-	if !spentAny(usage) {
-		return func() {}, nil
+// take takes what b's queues counted since it was last taken, for a batch
+// of consumed messages to write in its transaction (write): a daemon at
+// work writes no transaction of its own for its counts. A nil b counts
+// nothing.
+func (b *Usage) take() []BrokerUsage {
+	if b == nil {
+		return nil
 	}
-	if err := tx.AddBrokerUsage(ctx, time.Now(), usageRows(usage)); err != nil {
-		b.queues.ReturnUsage(usage)
-		return func() {}, err
+	return b.queues.TakeUsage()
+}
+
+// write adds counted (take) to broker_usage in tx.
+func (b *Usage) write(ctx context.Context, tx *Tx, counted []BrokerUsage) error {
+	if !spentAny(counted) {
+		return nil
 	}
-	return func() { b.queues.ReturnUsage(usage) }, nil
+	return tx.AddBrokerUsage(ctx, time.Now(), usageRows(counted))
+}
+
+// giveBack gives counted back to the counts, from a transaction that did
+// not commit.
+func (b *Usage) giveBack(counted []BrokerUsage) {
+	if b != nil && counted != nil {
+		b.queues.ReturnUsage(counted)
+	}
 }
 
 // usageRows are usage as broker_usage keeps it.
