@@ -680,3 +680,22 @@ CREATE TABLE spooled_webhooks (
 CREATE INDEX spooled_webhooks_unpublished ON spooled_webhooks (received_at, id) WHERE published_at IS NULL;
 CREATE INDEX spooled_webhooks_delivery ON spooled_webhooks (delivery_id);
 CREATE INDEX spooled_webhooks_published ON spooled_webhooks (published_at) WHERE published_at IS NOT NULL;
+-- migration 23: certificates in the store
+-- tls_files: what serving HTTPS by ACME keeps (certmagic's storage): the
+-- ACME account, each certificate, its private key and its metadata, by
+-- certmagic's key (a path such as "certificates/<ca>/<domain>/<domain>.crt"):
+-- on one VPS in the database file, so a backup carries them; on
+-- PostgreSQL shared by every node, which all serve the one certificate.
+-- tls_locks: certmagic's locks (ordering a certificate is one node's at a
+-- time), each held by a node until expires_at, renewed while held.
+-- Additive: the floor stays.
+CREATE TABLE tls_files (
+    key         TEXT PRIMARY KEY,
+    value       BLOB NOT NULL,
+    modified_at TEXT NOT NULL
+) STRICT;
+CREATE TABLE tls_locks (
+    name       TEXT PRIMARY KEY,
+    node       TEXT NOT NULL,
+    expires_at TEXT NOT NULL
+) STRICT;

@@ -430,3 +430,14 @@ CREATE TABLE spooled_webhooks (
 CREATE INDEX spooled_webhooks_unpublished ON spooled_webhooks (received_at, id) WHERE published_at IS NULL;
 CREATE INDEX spooled_webhooks_delivery ON spooled_webhooks (delivery_id);
 CREATE INDEX spooled_webhooks_published ON spooled_webhooks (published_at) WHERE published_at IS NOT NULL;
+-- migration 23: certificates in the store (schema.sql's migration 23)
+CREATE TABLE tls_files (
+    key         TEXT COLLATE "C" PRIMARY KEY,
+    value       BYTEA NOT NULL,
+    modified_at TEXT COLLATE "C" NOT NULL
+);
+CREATE TABLE tls_locks (
+    name       TEXT COLLATE "C" PRIMARY KEY,
+    node       TEXT COLLATE "C" NOT NULL,
+    expires_at TEXT COLLATE "C" NOT NULL
+);
