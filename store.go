@@ -328,6 +328,24 @@ func (t *Tx) write(ctx context.Context, e expect, query string, args ...any) (sq
 	return res, err
 }
 
+// row reads one row in t, which sees what the statements queued before
+// it wrote.
+func (t *Tx) row(ctx context.Context, query string, args ...any) scanner {
+	if err := t.flush(ctx); err != nil {
+		return failedRow{err}
+	}
+	return t.s.engine.queryRow(ctx, t.tc, query, sqlArgs(args))
+}
+
+// rows reads every row of query in t, what was queued before it sent
+// first.
+func (t *Tx) rows(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
+	if err := t.flush(ctx); err != nil {
+		return nil, err
+	}
+	return t.tc.tx.QueryContext(ctx, query, sqlArgs(args)...)
+}
+
 // changes reports whether query is one whose rows affected count: SQLite
 // reports, after a SAVEPOINT or a RELEASE, the last INSERT's count again.
 func changes(query string) bool {

@@ -103,3 +103,24 @@ type pipelined struct {
 	query string
 	args  []any
 }
+
+// The one way the store reads: a dbReader, which says where it reads by
+// what gives it. Store.pool reads the read pool (what is committed),
+// Store.snapshot a read-only transaction (one state of the database for
+// several queries), and a Tx its own transaction (what it wrote so far,
+// what it queued ahead sent first). Each takes arguments as both drivers
+// take them (sqlArgs).
+type dbReader interface {
+	// row reads one row.
+	row(ctx context.Context, query string, args ...any) scanner
+	// rows reads every row; the caller closes them.
+	rows(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}
+
+// scanner is a row read: *sql.Row, or failedRow.
+type scanner interface{ Scan(dest ...any) error }
+
+// failedRow is a read that failed before it was sent.
+type failedRow struct{ err error }
+
+func (r failedRow) Scan(...any) error { return r.err }

@@ -5,26 +5,8 @@ import (
 	"database/sql"
 )
 
-// The one way the store reads: a dbReader, which says where it reads by
-// what gives it. Store.pool reads the read pool (what is committed),
-// Store.snapshot a read-only transaction (one state of the database for
-// several queries), and a Tx its own transaction (what it wrote so far,
-// what it queued ahead sent first). Each takes arguments as both drivers
-// take them (sqlArgs).
-type dbReader interface {
-	// row reads one row.
-	row(ctx context.Context, query string, args ...any) scanner
-	// rows reads every row; the caller closes them.
-	rows(ctx context.Context, query string, args ...any) (*sql.Rows, error)
-}
-
-// scanner is a row read: *sql.Row, or failedRow.
-type scanner interface{ Scan(dest ...any) error }
-
-// failedRow is a read that failed before it was sent.
-type failedRow struct{ err error }
-
-func (r failedRow) Scan(...any) error { return r.err }
+// The readers of dbReader (store_engine.go) besides a Tx (store.go): the
+// read pool and a snapshot.
 
 // poolReader reads a pool of connections, each query on whichever is free.
 type poolReader struct{ db *sql.DB }
@@ -60,21 +42,3 @@ func (r snapshot) rows(ctx context.Context, query string, args ...any) (*sql.Row
 
 // done ends the snapshot: it changed nothing to keep.
 func (r snapshot) done() { _ = r.tx.Rollback() }
-
-// row reads one row in t, which sees what the statements queued before
-// it wrote.
-func (t *Tx) row(ctx context.Context, query string, args ...any) scanner {
-	if err := t.flush(ctx); err != nil {
-		return failedRow{err}
-	}
-	return t.s.engine.queryRow(ctx, t.tc, query, sqlArgs(args))
-}
-
-// rows reads every row of query in t, what was queued before it sent
-// first.
-func (t *Tx) rows(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
-	if err := t.flush(ctx); err != nil {
-		return nil, err
-	}
-	return t.tc.tx.QueryContext(ctx, query, sqlArgs(args)...)
-}
