@@ -23,6 +23,7 @@ TOOLS    := .tools
 PROMTOOL := $(TOOLS)/promtool
 HAPROXY  := $(TOOLS)/haproxy
 PGBOUNCER := $(TOOLS)/pgbouncer
+PEBBLE   := $(TOOLS)/pebble $(TOOLS)/pebble-challtestsrv
 SUDO     := $(if $(filter 0,$(shell id -u)),,sudo)
 NFPM     := github.com/goreleaser/nfpm/v2/cmd/nfpm@v2.45.2
 
@@ -39,8 +40,8 @@ run: build ensure-rabbitmq
 # databases); -parallel 4 keeps both cores busy while tests wait on
 # brokers and timers. Then the PostgreSQL half once more through a pooler
 # (test-pgbouncer).
-test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY) $(PGBOUNCER)
-	PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) PGBOUNCER=$(CURDIR)/$(PGBOUNCER) CGO_ENABLED=1 $(GO) test -race -count=1 -parallel 4 -timeout 15m ./...
+test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY) $(PGBOUNCER) $(PEBBLE)
+	PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) PGBOUNCER=$(CURDIR)/$(PGBOUNCER) PEBBLE_DIR=$(CURDIR)/$(TOOLS) CGO_ENABLED=1 $(GO) test -race -count=1 -parallel 4 -timeout 15m ./...
 	$(MAKE) --no-print-directory test-pgbouncer
 
 # The PostgreSQL store and node tests once more, through pgbouncer in
@@ -96,7 +97,9 @@ install:
 	@test -f $(BINARY) || { echo "make install: no $(BINARY) to install; run 'make build' first (as your user)"; exit 1; }
 	install -D -m 0755 $(BINARY) $(DESTDIR)$(PREFIX)/bin/switchyard
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
-	for u in switchyard.service switchyard.socket; do \
+	@# switchyard-https.socket and switchyard-http.socket are installed, not
+	@# enabled: they replace switchyard.socket when switchyard serves HTTPS.
+	for u in switchyard.service switchyard.socket switchyard-https.socket switchyard-http.socket; do \
 		sed 's|/usr/local/bin/switchyard|$(PREFIX)/bin/switchyard|g; s|/usr/local/share/doc|$(PREFIX)/share/doc|g' deploy/$$u > $(DESTDIR)$(UNITDIR)/$$u && \
 		chmod 0644 $(DESTDIR)$(UNITDIR)/$$u || exit 1; done
 	@# Enabled, not started: the config needs its secrets first. Enabling is
@@ -107,6 +110,7 @@ install:
 		if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi; fi
 	install -D -m 0640 config.example.toml $(DESTDIR)/etc/switchyard/switchyard.toml.example
 	install -D -m 0644 README.md $(DESTDIR)$(PREFIX)/share/doc/switchyard/README.md
+	install -D -m 0644 deploy/switchyard-https.conf $(DESTDIR)$(PREFIX)/share/switchyard/switchyard-https.conf
 
 # The Debian package: binary, unit, config (a conffile), rules and README;
 # postinst creates the switchyard user and /var/lib/switchyard.
@@ -116,7 +120,8 @@ deb: build
 	{ echo "# switchyard under systemd, from the Debian package (its postinst created the user)."; \
 	  sed '/^# switchyard under systemd/,/^\[Unit\]/{/^#/d}; s|/usr/local/bin/switchyard|/usr/bin/switchyard|g; s|/usr/local/share/doc|/usr/share/doc|g' deploy/switchyard.service; \
 	} > dist/deb/switchyard.service
-	sed 's|/usr/local/share/doc|/usr/share/doc|g' deploy/switchyard.socket > dist/deb/switchyard.socket
+	for u in switchyard.socket switchyard-https.socket switchyard-http.socket; do \
+		sed 's|/usr/local/share/doc|/usr/share/doc|g' deploy/$$u > dist/deb/$$u || exit 1; done
 	SWITCHYARD_DEB_VERSION=$(VERSION) $(GO) run $(NFPM) package -f deploy/nfpm.yaml -p deb -t dist/
 	@ls dist/*.deb
 
@@ -158,6 +163,12 @@ $(HAPROXY):
 	dpkg-deb -x $(TOOLS)/haproxy.d/haproxy_*.deb $(TOOLS)/haproxy.d/root
 	cp $(TOOLS)/haproxy.d/root/usr/sbin/haproxy $(HAPROXY)
 	rm -rf $(TOOLS)/haproxy.d
+
+# Pebble, Let's Encrypt's ACME test server, and its challenge test server
+# (which answers DNS for the tests' domain), for the HTTPS tests: built from
+# tools/pebble, a module of its own, so that the daemon's go.mod stays small.
+$(PEBBLE): tools/pebble/go.mod tools/pebble/go.sum
+	cd tools/pebble && $(GO) build -o $(CURDIR)/$@ github.com/letsencrypt/pebble/v2/cmd/$(notdir $@)
 
 # pgbouncer, built from Debian 13's source package (the orig tarball of
 # deb.debian.org's pool, checked against the SHA-256 of trixie's Sources):

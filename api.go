@@ -46,6 +46,8 @@ type API struct {
 	// request that started them (a stalled broker answers after the page
 	// gave up on it); Close waits for them.
 	inspections sync.WaitGroup
+	// certificates are the ones served with server.tls (ShowCertificates).
+	certificates func() []CertificateView
 }
 
 // Close waits for the broker inspections still running for a status
@@ -264,3 +266,15 @@ func (a *API) guarded(h httprouter.Handle) httprouter.Handle {
 func (a *API) authFailed(r *http.Request) {
 	a.auth.failed(a.webhook.sourceIP(r), r.URL.Path, time.Now())
 }
+
+// CertificateView is a certificate the endpoint serves: the names it is
+// for, its issuer, when it expires, and whether ACME renews it.
+type CertificateView struct {
+	Names    []string  `json:"names"`
+	Issuer   string    `json:"issuer"`
+	NotAfter time.Time `json:"not_after"`
+	ACME     bool      `json:"acme"`
+}
+
+// ShowCertificates has the status show what certs says.
+func (a *API) ShowCertificates(certs func() []CertificateView) { a.certificates = certs }

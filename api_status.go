@@ -60,6 +60,10 @@ type Status struct {
 	Refused []ReasonCount `json:"refused_last_hour"`
 	Spooled []ReasonCount `json:"spooled_last_hour"`
 
+	// Certificates are the certificates this node serves HTTPS with
+	// (server.tls), absent without.
+	Certificates []CertificateView `json:"certificates,omitempty"`
+
 	// Draining is set once this node, told to stop, drains
 	// (server.drain_delay): /readyz answers 503 and a balancer sends
 	// webhooks elsewhere.
@@ -100,6 +104,10 @@ func (a *API) ownLeasesNow(st *Status) {
 		}
 	}
 }
+
+// certExpiresSoon is how close to its expiry a certificate is a problem:
+// ACME renews at a third of its life left (30 days of Let's Encrypt's 90).
+const certExpiresSoon = 14 * 24 * time.Hour
 
 // SpoolView is the spool as the status shows it.
 type SpoolView struct {
@@ -173,6 +181,12 @@ func (st *Status) problems() []string {
 	if sp := st.Spool; sp != nil && sp.Messages > 0 && sp.Oldest != nil && st.Now.Sub(*sp.Oldest) > spoolTooOld {
 		ps = append(ps, fmt.Sprintf("the spool has held %s since %s: no broker takes them", plural(int(sp.Messages), "webhook"),
 			sp.Oldest.Format(time.RFC3339)))
+	}
+	for _, c := range st.Certificates {
+		if left := c.NotAfter.Sub(st.Now); left < certExpiresSoon {
+			ps = append(ps, fmt.Sprintf("the certificate for %s expires %s (in %s) and has not been renewed", strings.Join(c.Names, ", "),
+				c.NotAfter.Format(time.RFC3339), left.Round(time.Minute)))
+		}
 	}
 	if sp := st.Spool; sp != nil && sp.Full {
 		ps = append(ps, fmt.Sprintf("the spool is full (%d of queue.spool_max_bytes %d): webhooks the broker does not confirm answer 503",
@@ -340,6 +354,9 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 		if st.Spool.Brokers == nil {
 			st.Spool.Brokers = []int{}
 		}
+	}
+	if a.certificates != nil {
+		st.Certificates = a.certificates()
 	}
 	if down, _, cause := a.store.Down(); down && errors.Is(cause, ErrSchemaFloor) {
 		st.Upgrade = cause.Error()

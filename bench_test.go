@@ -832,7 +832,7 @@ func benchSwitch(b *testing.B) (time.Duration, time.Duration) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	go func() { _ = d.Run(ctx, ln, nil); d.Close(); close(done) }()
+	go func() { _ = d.Run(ctx, Listeners{API: ln}, nil); d.Close(); close(done) }()
 	defer func() { cancel(); <-done }()
 	time.Sleep(time.Second)
 	if _, _, err := d.brokers.Notify(ctx, "127.0.0.1", c, time.Now()); err != nil {

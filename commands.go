@@ -328,6 +328,13 @@ func writeStatus(w io.Writer, st Status) {
 		tw.Flush()
 	}
 	writeSpool(w, st)
+	for _, c := range st.Certificates {
+		renewed := "files (server.tls.cert_file)"
+		if c.ACME {
+			renewed = "renewed by ACME"
+		}
+		fmt.Fprintf(w, "certificate: %s, by %s, expires %s (%s)\n", strings.Join(c.Names, " "), c.Issuer, c.NotAfter.Format(time.RFC3339), renewed)
+	}
 	if f := forbiddenRead(st.Now, st.Workers); f != "" {
 		fmt.Fprintf(w, "github-forbidden: %s\n", f)
 	}

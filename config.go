@@ -9,7 +9,9 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"net"
 	"net/netip"
+	"net/url"
 	"os"
 	"reflect"
 	"regexp"
@@ -75,6 +77,8 @@ type ServerConfig struct {
 	// Pprof serves Go's net/http/pprof on the metrics listener, so that
 	// an operator can profile the daemon where it runs.
 	Pprof bool `toml:"pprof"`
+	// TLS has the endpoint serve HTTPS itself (config_tls.go).
+	TLS TLSConfig `toml:"tls"`
 }
 
 // metricsOnAPI reports whether /metrics is served on the API listener: only
@@ -286,7 +290,7 @@ type LogConfig struct {
 func DefaultConfig() *Config {
 	return &Config{
 		Server: ServerConfig{Listen: "127.0.0.1:8080", MetricsListen: "127.0.0.1:9185", ShutdownTimeout: 25 * time.Second, MaxInflightBytes: 64 << 20,
-			MemoryLimit: 48 << 20, NodeName: hostName(), LeaseTTL: 30 * time.Second},
+			MemoryLimit: 48 << 20, NodeName: hostName(), LeaseTTL: 30 * time.Second, TLS: TLSConfig{ACMECA: letsEncrypt}},
 		Database: DatabaseConfig{Driver: "sqlite", MaxConns: 10, Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
 			RawRetention: Duration(90 * 24 * time.Hour), DeliveryRetention: Duration(30 * 24 * time.Hour)},
 		API: APIConfig{MaxClockSkew: 5 * time.Minute},
@@ -547,4 +551,13 @@ func parsePrefix(s string) (netip.Prefix, error) {
 	}
 	a = a.Unmap()
 	return netip.PrefixFrom(a, a.BitLen()), nil
+}
+
+// redactAMQPURL prints a broker URL as amqps://user:***@host/vhost.
+func redactAMQPURL(raw string) string {
+	u, err := amqp.ParseURI(raw)
+	if err != nil {
+		return "(unparseable URL)"
+	}
+	return u.Scheme + "://" + u.Username + ":***@" + net.JoinHostPort(u.Host, fmt.Sprint(u.Port)) + "/" + url.PathEscape(u.Vhost)
 }

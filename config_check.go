@@ -20,8 +20,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 // LoadConfig reads path over the defaults and validates the result. A key the
@@ -96,6 +94,10 @@ func (c *Config) Validate() error {
 	}
 	if c.Server.LeaseTTL < minLeaseTTL {
 		bad("server.lease_ttl", "at least %s, got %s", minLeaseTTL, c.Server.LeaseTTL)
+	}
+	errs = append(errs, c.Server.TLS.problems()...)
+	if err := checkListen(c.Server.TLS.HTTPListen); c.Server.TLS.HTTPListen != "" && err != nil {
+		bad("server.tls.http_listen", "%v", err)
 	}
 
 	switch c.Database.Driver {
@@ -407,7 +409,7 @@ var exampleConfig string
 // config: short tokens, secrets still as config.example.toml has them, and a
 // file that others can read. path is the file's path, "" to skip its mode.
 func (c *Config) Warnings(path string) []string {
-	var ws []string
+	ws := c.Server.TLS.warnings(c.Server.Listen)
 	example, _ := DecodeConfig(strings.NewReader(exampleConfig))
 	for _, s := range []struct {
 		field, value, placeholder string
@@ -534,7 +536,7 @@ func maskURL(s string) string {
 // Summary writes the configuration for check-config, every secret masked.
 func (c *Config) Summary(w io.Writer) {
 	p := func(format string, args ...any) { fmt.Fprintf(w, format+"\n", args...) }
-	p("server.listen = %q", c.Server.Listen)
+	p("server.listen = %q%s", c.Server.Listen, c.Server.TLS.summary())
 	p("server.trusted_proxies = %q", c.Server.TrustedProxies)
 	p("server.metrics_listen = %q", c.Server.MetricsListen)
 	if c.Database.Driver == "postgres" {
@@ -588,13 +590,4 @@ func (c *Config) Summary(w io.Writer) {
 		maskURL(c.HealthChecks.Service), maskURL(c.HealthChecks.DatabaseService),
 		maskURL(c.HealthChecks.Hooks), maskURL(c.HealthChecks.Cleanup))
 	p("log.level = %q, log.format = %q", c.Log.Level, c.Log.Format)
-}
-
-// redactAMQPURL prints a broker URL as amqps://user:***@host/vhost.
-func redactAMQPURL(raw string) string {
-	u, err := amqp.ParseURI(raw)
-	if err != nil {
-		return "(unparseable URL)"
-	}
-	return u.Scheme + "://" + u.Username + ":***@" + net.JoinHostPort(u.Host, fmt.Sprint(u.Port)) + "/" + url.PathEscape(u.Vhost)
 }

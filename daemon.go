@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -48,6 +49,8 @@ type Daemon struct {
 	// hooksWork what it does; nil without the GitHub App.
 	hooks     *Worker
 	hooksWork *Hooks
+	// tls serves HTTPS (server.tls); nil for plain HTTP.
+	tls *serverTLS
 }
 
 // NewDaemon opens and migrates the database and wires everything; nothing runs
@@ -124,6 +127,15 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		d.workers = append(d.workers, d.hooks)
 	}
 	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.usage, hooks, leases, log)
+	if cfg.Server.TLS.On() {
+		if d.tls, err = newServerTLS(cfg.Server.TLS, store, cfg.Server.NodeName, log); err != nil {
+			queues.Close()
+			return fail(err)
+		}
+		metrics.GaugesFunc("switchyard_tls_certificate_expiry_timestamp_seconds",
+			"When the certificate served for the name expires, Unix seconds.", "name", d.tls.expiries)
+		d.api.ShowCertificates(d.tls.Certificates)
+	}
 	return d, nil
 }
 
@@ -132,6 +144,9 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 // goroutines they own), then the database. Call it once Run has returned.
 func (d *Daemon) Close() error {
 	d.api.Close()
+	if d.tls != nil {
+		d.tls.stop()
+	}
 	return errors.Join(d.queues.Close(), d.store.Close())
 }
 
@@ -140,13 +155,14 @@ func (d *Daemon) Close() error {
 // taking webhooks, then stop the workers, each of which finishes and acks the
 // message in hand. ready, if set, is called once the listener accepts. The
 // Daemon stays open: Close closes it.
-func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
+func (d *Daemon) Run(ctx context.Context, ls Listeners, ready func()) error {
+	ln := ls.API
 	var gate *gatedListener
 	if tcp, ok := ln.(*net.TCPListener); ok {
 		gate = newGatedListener(tcp)
 		ln = gate
 	}
-	servers, listeners, err := d.httpServers(ln)
+	servers, listeners, err := d.httpServers(ln, ls.HTTP)
 	if err != nil {
 		return err
 	}
@@ -206,8 +222,17 @@ func (d *Daemon) Run(ctx context.Context, ln net.Listener, ready func()) error {
 			}
 		})
 	}
+	if d.tls != nil {
+		plain := ""
+		if ls.HTTP != nil {
+			plain = ls.HTTP.Addr().String()
+		}
+		if err := d.tls.start(ctx, ln.Addr().String(), plain); err != nil {
+			d.log.Error("HTTPS: certificates not managed", "error", err)
+		}
+	}
 	d.log.Info("switchyard serving", "version", version, "node", d.cfg.Server.NodeName, "listen", ln.Addr().String(),
-		"database", d.store.Name(), "brokers", len(d.brokers.List()))
+		"https", d.tls != nil, "database", d.store.Name(), "brokers", len(d.brokers.List()))
 	if ready != nil {
 		ready()
 	}
@@ -291,9 +316,10 @@ func (d *Daemon) shutdown(servers []*http.Server, gate *gatedListener, stopWork 
 // state that another node may have changed.
 const followEvery = time.Second
 
-// httpServers are the API server on ln and, with server.metrics_listen,
+// httpServers are the API server on ln (HTTPS with server.tls), the plain
+// HTTP server on plain when it is set, and, with server.metrics_listen,
 // the metrics server on its own listener.
-func (d *Daemon) httpServers(ln net.Listener) ([]*http.Server, []net.Listener, error) {
+func (d *Daemon) httpServers(ln, plain net.Listener) ([]*http.Server, []net.Listener, error) {
 	servers := []*http.Server{{
 		Handler:           d.api.Handler(),
 		ReadHeaderTimeout: 10 * time.Second,
@@ -302,6 +328,16 @@ func (d *Daemon) httpServers(ln net.Listener) ([]*http.Server, []net.Listener, e
 		ErrorLog:          slog.NewLogLogger(d.log.Handler(), slog.LevelWarn),
 	}}
 	listeners := []net.Listener{ln}
+	if d.tls != nil {
+		servers[0].TLSConfig = d.tls.config
+		listeners[0] = tls.NewListener(ln, d.tls.config)
+	}
+	if plain != nil {
+		_, port, _ := net.SplitHostPort(ln.Addr().String())
+		servers = append(servers, &http.Server{Handler: d.tls.plainHandler(port), ReadHeaderTimeout: 10 * time.Second,
+			ReadTimeout: 10 * time.Second, ErrorLog: servers[0].ErrorLog})
+		listeners = append(listeners, plain)
+	}
 	if addr := d.cfg.Server.MetricsListen; !d.cfg.Server.metricsOnAPI() {
 		mln, err := net.Listen("tcp", addr)
 		if err != nil {
@@ -380,13 +416,13 @@ func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, 
 	// The listener first: an address in use fails before a database is
 	// created or migrated. A socket systemd passed takes connections into
 	// its queue already; they are accepted once the daemon can answer them.
-	ln, err := apiListener(cfg.Server, log)
+	ls, err := listen(cfg.Server, log)
 	if err != nil {
 		return err
 	}
 	d, err := NewDaemon(ctx, cfg, log)
 	if err != nil {
-		ln.Close()
+		ls.Close()
 		return err
 	}
 	hup := make(chan os.Signal, 1)
@@ -405,7 +441,7 @@ func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, 
 			}
 		}
 	}()
-	err = d.Run(ctx, ln, ready)
+	err = d.Run(ctx, ls, ready)
 	close(reloads)
 	<-reloaded
 	err = errors.Join(err, d.Close())
@@ -438,6 +474,11 @@ func (d *Daemon) ReloadFile(path string, level *slog.LevelVar) {
 	}
 	level.Set(parseLevel(cfg.Log.Level))
 	d.alerter.Reload(cfg.Alerts)
+	if d.tls != nil {
+		if err := d.tls.Reload(); err != nil {
+			d.log.Error("the certificate files did not load; the certificate served stays", "error", err)
+		}
+	}
 	urls := map[string]string{"service": cfg.HealthChecks.Service, "database-service": cfg.HealthChecks.DatabaseService,
 		"hooks": cfg.HealthChecks.Hooks, "cleanup": cfg.HealthChecks.Cleanup}
 	for _, w := range d.workers {

@@ -1,15 +1,17 @@
-// The API's listener: the socket systemd passes (socket activation), or
-// one serve binds itself.
+// The API's listeners: the sockets systemd passes (socket activation), or
+// ones serve binds itself.
 
 package main
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -17,73 +19,122 @@ import (
 	"github.com/coreos/go-systemd/v22/activation"
 )
 
-// listenFDName is the name switchyard.socket gives its socket
-// (FileDescriptorName=).
-const listenFDName = "listen"
+// The names systemd's socket units give their sockets
+// (FileDescriptorName=): switchyard.socket's serves the API in plain HTTP;
+// with server.tls, switchyard-https.socket's serves it in HTTPS and
+// switchyard-http.socket's the plain listener (server.tls.http_listen).
+const (
+	listenFDName = "listen"
+	httpsFDName  = "https"
+	httpFDName   = "http"
+)
 
-// apiListener is the API's listener: the socket of LISTEN_FDS named
-// "listen" (or the only one) that systemd passed, else one bound to
-// server.listen. Closing a passed listener closes this process's copy of
-// systemd's socket, which stays open: connections that arrive once the
-// server stopped accepting wait in its queue for the next process.
-func apiListener(cfg ServerConfig, log *slog.Logger) (net.Listener, error) {
-	ln, err := passedListener(activation.Files(true))
-	if err != nil {
-		return nil, fmt.Errorf("the socket systemd passed (LISTEN_FDS): %w", err)
-	}
-	if ln == nil {
-		ln, err := net.Listen("tcp", cfg.Listen)
-		if err != nil {
-			return nil, fmt.Errorf("listen %s (server.listen): %w", cfg.Listen, err)
+// Listeners are what serve listens on: the API's listener and, with
+// server.tls, the plain HTTP one (ACME's HTTP-01 and a redirect), if any.
+type Listeners struct{ API, HTTP net.Listener }
+
+// Close closes both.
+func (ls Listeners) Close() {
+	for _, ln := range []net.Listener{ls.API, ls.HTTP} {
+		if ln != nil {
+			ln.Close()
 		}
-		return ln, nil
 	}
-	log.Info("listening on the socket systemd passed", "address", ln.Addr().String())
-	if !sameAddr(ln.Addr().String(), cfg.Listen) {
-		log.Warn("the socket systemd passed is not server.listen; serving on the passed socket",
-			"socket", ln.Addr().String(), "server.listen", cfg.Listen)
-	}
-	return ln, nil
 }
 
-// passedListener is the one TCP listener among files (systemd's sockets):
-// the one named listenFDName, or the only one; nil without any. Every
-// file is closed but the listener's own copy.
-func passedListener(files []*os.File) (*net.TCPListener, error) {
+// listen opens the listeners: the sockets systemd passed (LISTEN_FDS),
+// by name, else ones bound to server.listen and server.tls.http_listen.
+// Closing a passed listener closes this process's copy of systemd's
+// socket, which stays open: connections that arrive once the server
+// stopped accepting wait in its queue for the next process.
+func listen(cfg ServerConfig, log *slog.Logger) (Listeners, error) {
+	names := []string{listenFDName}
+	if cfg.TLS.On() {
+		names = []string{httpsFDName, httpFDName}
+	}
+	passed, err := passedListeners(activation.Files(true), names...)
+	if err != nil {
+		return Listeners{}, fmt.Errorf("the sockets systemd passed (LISTEN_FDS): %w", err)
+	}
+	var ls Listeners
+	if ln := passed[names[0]]; ln != nil {
+		ls.API = ln
+		log.Info("listening on the socket systemd passed", "address", ln.Addr().String(), "name", names[0])
+		if !sameAddr(ln.Addr().String(), cfg.Listen) {
+			log.Warn("the socket systemd passed is not server.listen; serving on the passed socket",
+				"socket", ln.Addr().String(), "server.listen", cfg.Listen)
+		}
+	} else if ls.API, err = net.Listen("tcp", cfg.Listen); err != nil {
+		return Listeners{}, fmt.Errorf("listen %s (server.listen): %w", cfg.Listen, err)
+	}
+	if !cfg.TLS.On() {
+		return ls, nil
+	}
+	if ln := passed[httpFDName]; ln != nil {
+		ls.HTTP = ln
+		log.Info("listening on the socket systemd passed", "address", ln.Addr().String(), "name", httpFDName)
+	} else if cfg.TLS.HTTPListen != "" {
+		if ls.HTTP, err = net.Listen("tcp", cfg.TLS.HTTPListen); err != nil {
+			ls.Close()
+			return Listeners{}, fmt.Errorf("listen %s (server.tls.http_listen): %w", cfg.TLS.HTTPListen, err)
+		}
+	}
+	return ls, nil
+}
+
+// passedListeners are the TCP listeners among files (systemd's sockets) by
+// the names given, the first name's also the only socket's whatever its
+// name, and required when any is passed; none without any. Every file is closed but the listeners' own
+// copies.
+func passedListeners(files []*os.File, names ...string) (map[string]*net.TCPListener, error) {
 	defer func() {
 		for _, f := range files {
 			f.Close()
 		}
 	}()
-	if len(files) == 0 {
-		return nil, nil
-	}
-	pick := -1
-	var names []string
-	for i, f := range files {
-		names = append(names, f.Name())
-		if f.Name() == listenFDName {
-			if pick >= 0 {
-				return nil, fmt.Errorf("two sockets are named %q", listenFDName)
-			}
-			pick = i
+	out := map[string]*net.TCPListener{}
+	fail := func(err error) (map[string]*net.TCPListener, error) {
+		for _, ln := range out {
+			ln.Close()
 		}
+		return nil, err
 	}
-	if pick < 0 {
-		if len(files) > 1 {
-			return nil, fmt.Errorf("%d sockets (%s) and none named %q: set FileDescriptorName=%s on the one to serve",
-				len(files), strings.Join(names, ", "), listenFDName, listenFDName)
+	var all []string
+	for _, f := range files {
+		name := f.Name()
+		all = append(all, name)
+		if len(files) == 1 && !slices.Contains(names, name) {
+			name = names[0]
 		}
-		pick = 0
+		if !slices.Contains(names, name) {
+			continue // another unit's: not served here
+		}
+		if out[name] != nil {
+			return fail(fmt.Errorf("two sockets are named %q", name))
+		}
+		ln, err := tcpListener(f)
+		if err != nil {
+			return fail(err)
+		}
+		out[name] = ln
 	}
-	ln, err := net.FileListener(files[pick])
+	if len(files) > 0 && out[names[0]] == nil {
+		return fail(fmt.Errorf("%d sockets (%s) and none named %q: set FileDescriptorName=%s on the one to serve",
+			len(files), strings.Join(all, ", "), names[0], names[0]))
+	}
+	return out, nil
+}
+
+// tcpListener is the listening TCP socket f.
+func tcpListener(f *os.File) (*net.TCPListener, error) {
+	ln, err := net.FileListener(f)
 	if err != nil {
-		return nil, fmt.Errorf("socket %s is not a listening stream socket: %w", names[pick], err)
+		return nil, fmt.Errorf("socket %s is not a listening stream socket: %w", f.Name(), err)
 	}
 	tcp, ok := ln.(*net.TCPListener)
 	if !ok {
 		ln.Close()
-		return nil, fmt.Errorf("socket %s is not a TCP listener (%s %s)", names[pick], ln.Addr().Network(), ln.Addr())
+		return nil, fmt.Errorf("socket %s is not a TCP listener (%s %s)", f.Name(), ln.Addr().Network(), ln.Addr())
 	}
 	return tcp, nil
 }
@@ -182,6 +233,9 @@ func (l *gatedListener) Pause() {
 func (l *gatedListener) ConnState(c net.Conn, st http.ConnState) {
 	if st != http.StateClosed && st != http.StateHijacked {
 		return
+	}
+	if tc, ok := c.(*tls.Conn); ok {
+		c = tc.NetConn() // HTTPS: the connection the gate took
 	}
 	l.mu.Lock()
 	delete(l.open, c)

@@ -177,7 +177,7 @@ func TestPassedSocketRefused(t *testing.T) {
 	defer udp.Close()
 	uf, _ := udp.(*net.UDPConn).File()
 	defer uf.Close()
-	if _, err := passedListener([]*os.File{named(t, uf.Fd(), "listen")}); err == nil || !strings.Contains(err.Error(), "not a listening stream socket") {
+	if _, err := passedListeners([]*os.File{named(t, uf.Fd(), "listen")}, listenFDName); err == nil || !strings.Contains(err.Error(), "not a listening stream socket") {
 		t.Errorf("a UDP socket: %v", err)
 	}
 	var files []*os.File
@@ -192,7 +192,7 @@ func TestPassedSocketRefused(t *testing.T) {
 		files = append(files, f)
 	}
 	two := []*os.File{named(t, files[0].Fd(), "LISTEN_FD_3"), named(t, files[1].Fd(), "metrics")}
-	if _, err := passedListener(two); err == nil || !strings.Contains(err.Error(), `none named "listen"`) {
+	if _, err := passedListeners(two, listenFDName); err == nil || !strings.Contains(err.Error(), `none named "listen"`) {
 		t.Errorf("two sockets without a listen name: %v", err)
 	}
 	// The one named listen among two, or the only one, is taken.
@@ -200,10 +200,11 @@ func TestPassedSocketRefused(t *testing.T) {
 		{named(t, files[0].Fd(), "metrics"), named(t, files[1].Fd(), "listen")},
 		{named(t, files[1].Fd(), "LISTEN_FD_3")},
 	} {
-		ln, err := passedListener(fs)
+		passed, err := passedListeners(fs, listenFDName)
 		if err != nil {
 			t.Fatal(err)
 		}
+		ln := passed[listenFDName]
 		want, _ := net.FileListener(files[1])
 		if ln.Addr().String() != want.Addr().String() {
 			t.Errorf("took %s, want %s", ln.Addr(), want.Addr())

@@ -393,7 +393,7 @@ func startDaemon(t *testing.T, cfg *Config) *testDaemon {
 		t.Fatal(err)
 	}
 	td := &testDaemon{Daemon: d, URL: "http://" + ln.Addr().String(), logs: sink, cancel: cancel, done: make(chan error, 1)}
-	go func() { td.done <- errors.Join(d.Run(ctx, ln, nil), d.Close()) }()
+	go func() { td.done <- errors.Join(d.Run(ctx, Listeners{API: ln}, nil), d.Close()) }()
 	t.Cleanup(func() { td.stop(t) })
 	return td
 }
@@ -1109,33 +1109,11 @@ func newTCPProxy(t testing.TB, target string) *tcpProxy {
 }
 
 // newTLSProxy is a proxy that ends TLS in front of target, as a broker with
-// an amqps listener would: its certificate, for 127.0.0.1, is self-signed and
-// written to a CA file that URL names (amqp091-go's cacertfile).
+// an amqps listener would, with localCert's certificate, whose CA file
+// URL names (amqp091-go's cacertfile).
 func newTLSProxy(t testing.TB, target string) *tcpProxy {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "switchyard test broker"},
-		IPAddresses:           []net.IP{net.ParseIP("127.0.0.1")},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	caFile := filepath.Join(t.TempDir(), "ca.pem")
-	if err := os.WriteFile(caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	der, key, caFile := localCert(t)
 	p := newTCPProxy(t, target)
 	p.mu.Lock()
 	p.tls = &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}}}
@@ -1298,6 +1276,35 @@ func (p *tcpProxy) delayedPipe(dst, src net.Conn, scan interface{ feed([]byte) }
 
 // proxyBuffers are delayedPipe's read buffers.
 var proxyBuffers = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
+// localCert is a certificate for 127.0.0.1, self-signed, its key, and a
+// CA file of it (PEM) for a client to trust.
+func localCert(t testing.TB) (der []byte, key *ecdsa.PrivateKey, caFile string) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "switchyard test server"},
+		IPAddresses:           []net.IP{net.ParseIP("127.0.0.1")},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(time.Hour),
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	if der, err = x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key); err != nil {
+		t.Fatal(err)
+	}
+	caFile = filepath.Join(t.TempDir(), "ca.pem")
+	if err := os.WriteFile(caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return der, key, caFile
+}
 
 // newWANProxy is a broker across a WAN link: TLS ended at the proxy (the
 // client dials amqps and trusts the proxy's CA) and each direction delayed

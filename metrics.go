@@ -310,6 +310,27 @@ func (m *Metrics) healthCheckFailed(worker string) {
 	}
 }
 
+// GaugesFunc registers a gauge of one label whose series read gives at
+// each scrape, a value by the label's value. The owner of what is
+// measured registers it.
+func (m *Metrics) GaugesFunc(name, help, label string, read func() map[string]float64) {
+	m.reg.MustRegister(gaugesFunc{desc: prometheus.NewDesc(name, help, []string{label}, nil), read: read})
+}
+
+// gaugesFunc is GaugesFunc's collector.
+type gaugesFunc struct {
+	desc *prometheus.Desc
+	read func() map[string]float64
+}
+
+func (g gaugesFunc) Describe(ch chan<- *prometheus.Desc) { ch <- g.desc }
+
+func (g gaugesFunc) Collect(ch chan<- prometheus.Metric) {
+	for k, v := range g.read() {
+		ch <- prometheus.MustNewConstMetric(g.desc, prometheus.GaugeValue, v, k)
+	}
+}
+
 // GaugeFunc registers a gauge that count reads at each scrape (NaN when it
 // cannot). The owner of what is counted registers it: metrics only receive.
 func (m *Metrics) GaugeFunc(name, help string, count func(ctx context.Context) (int, error)) {

@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -82,8 +83,8 @@ func leaseHolders(t *testing.T, nodes []*testNode, stop <-chan struct{}) (report
 	}
 }
 
-// scrapeWith reads one metric's samples by their job label, leaving out a
-// node that does not answer.
+// scrapeWith reads one metric's samples by the value of their one label,
+// leaving out a node that does not answer.
 func scrapeWith(client *http.Client, url, metric string) map[string]float64 {
 	out := map[string]float64{}
 	resp, err := client.Get(url)
@@ -104,10 +105,12 @@ func scrapeWith(client *http.Client, url, metric string) map[string]float64 {
 		if !strings.HasPrefix(line, metric+"{") {
 			continue
 		}
-		var job string
-		var v float64
-		if _, err := fmt.Sscanf(line[len(metric):], "{job=%q} %g", &job, &v); err == nil {
-			out[job] = v
+		label, value, _ := strings.Cut(line[len(metric)+1:], "} ")
+		_, quoted, _ := strings.Cut(label, "=")
+		key, err := strconv.Unquote(quoted)
+		v, verr := strconv.ParseFloat(value, 64)
+		if err == nil && verr == nil {
+			out[key] = v
 		}
 	}
 	return out
