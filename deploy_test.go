@@ -55,11 +55,41 @@ func TestSystemdUnitVerifies(t *testing.T) {
 	if !strings.Contains(string(socket), "ListenStream="+DefaultConfig().Server.Listen+"\n") {
 		t.Errorf("socket unit's ListenStream is not the default server.listen %s", DefaultConfig().Server.Listen)
 	}
+	// Serving HTTPS itself: a socket for 443 named https, one for 80 named
+	// http, each a unit of its own (a unit names all its sockets alike).
+	units := []string{"switchyard.socket"}
+	for name, want := range map[string][]string{
+		"switchyard-https.socket": {"ListenStream=443", "FileDescriptorName=" + httpsFDName, "Service=switchyard.service", "WantedBy=sockets.target"},
+		"switchyard-http.socket":  {"ListenStream=80", "FileDescriptorName=" + httpFDName, "Service=switchyard.service", "WantedBy=sockets.target"},
+	} {
+		b, err := os.ReadFile("deploy/" + name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, w := range want {
+			if !strings.Contains(string(b), w+"\n") {
+				t.Errorf("%s lacks %q", name, w)
+			}
+		}
+		if m := regexp.MustCompile(`(?m)^Backlog=(\d+)$`).FindSubmatch(b); m == nil || len(m[1]) < 4 {
+			t.Errorf("%s's Backlog= not at least 1024: %q", name, m)
+		}
+		units = append(units, name)
+	}
 	dir := t.TempDir()
 	p := filepath.Join(dir, "switchyard.service")
 	os.WriteFile(p, []byte(strings.ReplaceAll(string(unit), "/usr/local/bin/switchyard", builtBinary(t))), 0o644)
-	os.WriteFile(filepath.Join(dir, "switchyard.socket"), socket, 0o644)
-	out, err := exec.Command("systemd-analyze", "verify", p, filepath.Join(dir, "switchyard.socket")).CombinedOutput()
+	args := []string{"verify", p}
+	for _, u := range units {
+		b, _ := os.ReadFile("deploy/" + u)
+		os.WriteFile(filepath.Join(dir, u), b, 0o644)
+		args = append(args, filepath.Join(dir, u))
+	}
+	// The drop-in, as the README installs it, verified with the service.
+	os.MkdirAll(filepath.Join(dir, "switchyard.service.d"), 0o755)
+	dropIn, _ := os.ReadFile("deploy/switchyard-https.conf")
+	os.WriteFile(filepath.Join(dir, "switchyard.service.d", "https.conf"), dropIn, 0o644)
+	out, err := exec.Command("systemd-analyze", args...).CombinedOutput()
 	if err != nil || len(strings.TrimSpace(string(out))) > 0 {
 		t.Errorf("systemd-analyze verify: %v\n%s", err, out)
 	}
@@ -248,6 +278,7 @@ func TestDebPackage(t *testing.T) {
 	}
 	for _, want := range []string{"-rwxr-xr-x root/root .* ./usr/bin/switchyard$", "-rw-r----- root/root .* ./etc/switchyard/switchyard.toml$",
 		" ./lib/systemd/system/switchyard.service$", " ./lib/systemd/system/switchyard.socket$", " ./usr/share/switchyard/switchyard.rules.yml$",
+		" ./lib/systemd/system/switchyard-https.socket$", " ./lib/systemd/system/switchyard-http.socket$", " ./usr/share/switchyard/switchyard-https.conf$",
 		" ./usr/share/switchyard/haproxy.cfg$",
 		" ./usr/share/doc/switchyard/README.md$"} {
 		if !regexp.MustCompile("(?m)" + want).Match(contents) {
