@@ -194,7 +194,7 @@ func (c *brokerCheck) get(queue string, within time.Duration) (amqp.Delivery, bo
 		if err := c.open(); err != nil {
 			return amqp.Delivery{}, false, err
 		}
-		d, ok, err := c.bc.get(c.conn, c.ch, queue)
+		d, ok, err := c.bc.getWithin(c.conn, c.ch, queue, max(c.bc.callTimeout, within))
 		if ok {
 			c.spent++
 		}
@@ -357,10 +357,11 @@ func (c *brokerCheck) large(maxBytes int64) {
 		return
 	}
 	// The message is confirmed, so in the queue; a get of ten megabytes
-	// across a distant or loaded link takes what it takes: the check
-	// waits as long as any AMQP call may (call_timeout), not a fixed time
-	// that a slow link outlasts.
-	within := max(2*time.Second, c.bc.callTimeout)
+	// across a distant, slow or loaded link takes what it takes: the check
+	// waits as long as any AMQP call may (call_timeout), and the time the
+	// message takes at 1 MiB/s (a slow link's rate, or a loaded broker's),
+	// not a fixed time that a slow link outlasts.
+	within := c.bc.callTimeout + time.Duration(len(packed))*time.Second/(1<<20)
 	d, ok, err := c.get(q, within)
 	if err != nil || !ok {
 		c.add(name, false, "not taken back within %s: %v", within, err)

@@ -280,6 +280,12 @@ func redactDialError(err error) error {
 // connection is closed, which fails every call waiting on it; the next use
 // dials anew.
 func call[T any](bc *brokerConn, conn *amqp.Connection, what string, fn func() (T, error)) (T, error) {
+	return callWithin(bc, conn, what, bc.callTimeout, fn)
+}
+
+// callWithin is call with a timeout of its own: a call that moves a large
+// message takes longer than one that moves a method.
+func callWithin[T any](bc *brokerConn, conn *amqp.Connection, what string, timeout time.Duration, fn func() (T, error)) (T, error) {
 	type result struct {
 		v   T
 		err error
@@ -289,7 +295,7 @@ func call[T any](bc *brokerConn, conn *amqp.Connection, what string, fn func() (
 		v, err := fn()
 		done <- result{v, err}
 	}()
-	t := time.NewTimer(bc.callTimeout)
+	t := time.NewTimer(timeout)
 	defer t.Stop()
 	select {
 	case r := <-done:
@@ -297,7 +303,7 @@ func call[T any](bc *brokerConn, conn *amqp.Connection, what string, fn func() (
 	case <-t.C:
 		go func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }()
 		var zero T
-		return zero, fmt.Errorf("%s: %w after %s", what, ErrCallTimeout, bc.callTimeout)
+		return zero, fmt.Errorf("%s: %w after %s", what, ErrCallTimeout, timeout)
 	}
 }
 
@@ -327,11 +333,16 @@ func (bc *brokerConn) closeChannel(conn *amqp.Connection, ch *amqp.Channel) {
 // get is one basic_get with call_timeout; ok is false when the queue is
 // empty. A basic.get-ok counts as a delivery.
 func (bc *brokerConn) get(conn *amqp.Connection, ch *amqp.Channel, queue string) (amqp.Delivery, bool, error) {
+	return bc.getWithin(conn, ch, queue, bc.callTimeout)
+}
+
+// getWithin is get, its call given timeout.
+func (bc *brokerConn) getWithin(conn *amqp.Connection, ch *amqp.Channel, queue string, timeout time.Duration) (amqp.Delivery, bool, error) {
 	type got struct {
 		d  amqp.Delivery
 		ok bool
 	}
-	g, err := call(bc, conn, "get "+queue, func() (got, error) {
+	g, err := callWithin(bc, conn, "get "+queue, timeout, func() (got, error) {
 		d, ok, err := ch.Get(queue, false)
 		return got{d, ok}, err
 	})
