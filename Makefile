@@ -16,7 +16,7 @@ export CGO_ENABLED = 0
 BINARY  ?= switchyard
 UNITDIR ?= /etc/systemd/system
 
-.PHONY: build run test test-pgbouncer lint fuzz bench install deb screenshot clean ensure-rabbitmq ensure-postgres ensure-chromium
+.PHONY: build run test test-tracing test-pgbouncer lint fuzz bench install deb screenshot clean ensure-rabbitmq ensure-postgres ensure-chromium
 
 # Tools the tests need that Go does not bring, fetched here when missing.
 TOOLS    := .tools
@@ -24,6 +24,10 @@ PROMTOOL := $(TOOLS)/promtool
 HAPROXY  := $(TOOLS)/haproxy
 PGBOUNCER := $(TOOLS)/pgbouncer
 PEBBLE   := $(TOOLS)/pebble $(TOOLS)/pebble-challtestsrv
+JAEGER   := $(TOOLS)/jaeger-1.75.0
+# The trace test needs Jaeger, whose cold build takes longer than the rest
+# of the suite: test-tracing runs it, and .ci/run calls that after test.
+TRACE_TESTS ?= TestOneTracePerDelivery
 SUDO     := $(if $(filter 0,$(shell id -u)),,sudo)
 NFPM     := github.com/goreleaser/nfpm/v2/cmd/nfpm@v2.45.2
 
@@ -41,7 +45,7 @@ run: build ensure-rabbitmq
 # brokers and timers. Then the PostgreSQL half once more through a pooler
 # (test-pgbouncer).
 test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY) $(PGBOUNCER) $(PEBBLE)
-	PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) PGBOUNCER=$(CURDIR)/$(PGBOUNCER) PEBBLE_DIR=$(CURDIR)/$(TOOLS) CGO_ENABLED=1 $(GO) test -race -count=1 -parallel 4 -timeout 15m ./...
+	PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) PGBOUNCER=$(CURDIR)/$(PGBOUNCER) PEBBLE_DIR=$(CURDIR)/$(TOOLS) CGO_ENABLED=1 $(GO) test -race -count=1 -parallel 4 -timeout 15m -skip '^($(TRACE_TESTS))$$' ./...
 	$(MAKE) --no-print-directory test-pgbouncer
 
 # The PostgreSQL store and node tests once more, through pgbouncer in
@@ -163,6 +167,16 @@ $(HAPROXY):
 	dpkg-deb -x $(TOOLS)/haproxy.d/haproxy_*.deb $(TOOLS)/haproxy.d/root
 	cp $(TOOLS)/haproxy.d/root/usr/sbin/haproxy $(HAPROXY)
 	rm -rf $(TOOLS)/haproxy.d
+
+# One trace per delivery, in a real collector: Jaeger's all-in-one, built
+# once into .tools/ (keyed by its version) from tools/jaeger, a module of
+# its own.
+test-tracing: ensure-rabbitmq ensure-postgres $(JAEGER)
+	JAEGER=$(CURDIR)/$(JAEGER) CGO_ENABLED=1 $(GO) test -race -count=1 -run '^($(TRACE_TESTS))$$' -timeout 10m .
+
+$(JAEGER): tools/jaeger/go.mod tools/jaeger/go.sum
+	@echo "building Jaeger v1.75.0 (a long build, once)"
+	cd tools/jaeger && $(GO) build -o $(CURDIR)/$@ github.com/jaegertracing/jaeger/cmd/jaeger
 
 # Pebble, Let's Encrypt's ACME test server, and its challenge test server
 # (which answers DNS for the tests' domain), for the HTTPS tests: built from

@@ -179,6 +179,9 @@ func (a *API) deliveryPage(w http.ResponseWriter, r *http.Request, ps httprouter
 	if err == nil && hook >= 0 {
 		err = st.Narrow(hook)
 	}
+	if err == nil {
+		st.LinkTraces(a.cfg.Tracing.UIURL)
+	}
 	if errors.Is(err, ErrUnknownDelivery) {
 		// Not stored: it may still wait in an -error queue, so the page
 		// offers the replay.
@@ -245,6 +248,9 @@ func (a *API) getDelivery(w http.ResponseWriter, r *http.Request, ps httprouter.
 	st, err := a.store.Story(r.Context(), ps.ByName("guid"))
 	if err == nil && hook >= 0 {
 		err = st.Narrow(hook)
+	}
+	if err == nil {
+		st.LinkTraces(a.cfg.Tracing.UIURL)
 	}
 	if err != nil {
 		writeError(w, r, a.log, err)

@@ -480,6 +480,7 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		exchange, key = "", queueForbidden
 	}
 	msg := newPublishing(r.Header, payload, addrText(src), time.Now())
+	traceWebhook(r.Context(), &msg, r.Header.Get(hdrHookID))
 
 	took, err := wh.spool.Take(r.Context(), exchange, key, msg, bodyDone)
 	var tooLarge *TooLargeError

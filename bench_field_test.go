@@ -91,7 +91,7 @@ func startBenchProcess(b testing.TB, brokerURL, dbPath string, extra ...string) 
 		sections[section] = append(sections[section], line)
 	}
 	var text strings.Builder
-	for _, s := range []string{"server", "database", "api", "github", "queue", "workers", "log"} {
+	for _, s := range []string{"server", "database", "api", "github", "queue", "workers", "log", "tracing"} {
 		fmt.Fprintf(&text, "[%s]\n%s\n", s, strings.Join(sections[s], "\n"))
 	}
 	fmt.Fprintf(&text, "[[brokers]]\nurl = %q\n", brokerURL)

@@ -49,7 +49,7 @@ func BenchmarkSwitchyard(b *testing.B) {
 	// drain, e2e, restart, switch (localhost); wan-ingest, wan-e2e, burst, wan-drain
 	// (over the WAN proxy, at each BENCH_RTT; wan-ingest and wan-e2e also
 	// at each bandwidth of BENCH_BW, Mbit/s, 0 for none, by default none);
-	// postgres, spool, open-loop (at the first BENCH_RTT; open-loop at
+	// postgres, spool, tracing, open-loop (at the first BENCH_RTT; open-loop at
 	// each bandwidth too); billing (at 50ms); dbsize, bigtable, rss, cpu.
 	want := func(row string) bool {
 		rows := os.Getenv("BENCH_ROWS")
@@ -174,6 +174,12 @@ func BenchmarkSwitchyard(b *testing.B) {
 				ours: fmt.Sprintf("daemon %d us", cpu[0].Microseconds()),
 				base: fmt.Sprintf("PostgreSQL %d, broker %d us", cpu[1].Microseconds(), cpu[2].Microseconds()), aim: "printed"})
 			add(fmt.Sprintf("end to end over amqps at %s: two nodes vs one, one PostgreSQL, one machine", rtt), two, pg, "webhooks/s", "printed")
+		}
+		if want("tracing") {
+			rtt := benchRTTs(b)[0]
+			off, on, bytes := benchTracing(b, payload, rtt)
+			add(fmt.Sprintf("end to end over amqps at %s, default config: tracing on (ratio 1, OTLP/HTTP, %.0f span bytes a webhook) vs off", rtt, bytes),
+				on, off, "webhooks/s", "ratio >= 0.9")
 		}
 		if want("spool") {
 			rtt := benchRTTs(b)[0]

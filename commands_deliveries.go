@@ -74,6 +74,9 @@ func showDelivery(ctx context.Context, cfg *Config, guid string, hook int64, pay
 	}
 	defer store.Close()
 	st, err := store.Story(ctx, guid)
+	if err == nil {
+		st.LinkTraces(cfg.Tracing.UIURL)
+	}
 	waiting := errorWaits(ctx, cfg, store, guid)
 	if errors.Is(err, ErrUnknownDelivery) && len(waiting) > 0 {
 		st, err = newStory(guid), nil

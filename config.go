@@ -41,6 +41,7 @@ type Config struct {
 	Alerts       AlertsConfig       `toml:"alerts"`
 	HealthChecks HealthChecksConfig `toml:"healthchecks"`
 	Log          LogConfig          `toml:"log"`
+	Tracing      TracingConfig      `toml:"tracing"`
 
 	// set are the keys the file set ("database.path"), for the warnings
 	// about keys that do not apply.
@@ -293,7 +294,7 @@ func DefaultConfig() *Config {
 			MemoryLimit: 48 << 20, NodeName: hostName(), LeaseTTL: 30 * time.Second, TLS: TLSConfig{ACMECA: letsEncrypt}},
 		Database: DatabaseConfig{Driver: "sqlite", MaxConns: 10, Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
 			RawRetention: Duration(90 * 24 * time.Hour), DeliveryRetention: Duration(30 * 24 * time.Hour)},
-		API: APIConfig{MaxClockSkew: 5 * time.Minute},
+		API: APIConfig{MaxClockSkew: 5 * time.Minute}, Tracing: TracingConfig{SampleRatio: 1},
 		GitHub: GitHubConfig{APIURL: "https://api.github.com", ReconcileGrace: 2 * time.Hour, RedeliverGaps: true,
 			MaxPagesPerPoll: 100, RedeliverPerMinute: 30},
 		Queue: QueueConfig{
@@ -371,6 +372,7 @@ func DecodeConfig(r io.Reader) (*Config, error) {
 	for _, k := range md.Keys() {
 		cfg.set[k.String()] = true
 	}
+	cfg.Tracing = tracingFromEnv(cfg.Tracing, md.IsDefined("tracing"))
 	for _, k := range md.Undecoded() {
 		// Keys under a table already reported unknown, or under a value
 		// that failed to decode, are not news.

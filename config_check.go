@@ -96,6 +96,7 @@ func (c *Config) Validate() error {
 		bad("server.lease_ttl", "at least %s, got %s", minLeaseTTL, c.Server.LeaseTTL)
 	}
 	errs = append(errs, c.Server.TLS.problems()...)
+	errs = append(errs, c.Tracing.problems()...)
 	if err := checkListen(c.Server.TLS.HTTPListen); c.Server.TLS.HTTPListen != "" && err != nil {
 		bad("server.tls.http_listen", "%v", err)
 	}
@@ -590,4 +591,5 @@ func (c *Config) Summary(w io.Writer) {
 		maskURL(c.HealthChecks.Service), maskURL(c.HealthChecks.DatabaseService),
 		maskURL(c.HealthChecks.Hooks), maskURL(c.HealthChecks.Cleanup))
 	p("log.level = %q, log.format = %q", c.Log.Level, c.Log.Format)
+	p("%s", c.Tracing.summary())
 }

@@ -51,6 +51,8 @@ type Daemon struct {
 	hooksWork *Hooks
 	// tls serves HTTPS (server.tls); nil for plain HTTP.
 	tls *serverTLS
+	// stopTracing exports the spans that wait and stops ([tracing]).
+	stopTracing func(context.Context) error
 }
 
 // NewDaemon opens and migrates the database and wires everything; nothing runs
@@ -58,6 +60,11 @@ type Daemon struct {
 func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, error) {
 	metrics := NewMetrics(MetricLabels{Version: version, Queues: logicalQueues, Tables: orderSafeTables,
 		Outcomes: outcomes})
+	// Tracing first: the store's PostgreSQL connections take its hook.
+	stopTracing, err := NewTracing(cfg.Tracing, cfg.Server.NodeName, metrics.SpanDropped, log)
+	if err != nil {
+		return nil, err
+	}
 	store, err := OpenStore(ctx, cfg.Database, metrics)
 	if err != nil {
 		return nil, err
@@ -99,7 +106,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		return fail(err)
 	}
 	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics, leases: leases, refused: refused,
-		spool: spool}
+		spool: spool, stopTracing: stopTracing}
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
 	d.keepalive = NewKeepalive(cfg.Queue, brokers.List(), queues, metrics, log)
@@ -309,6 +316,11 @@ func (d *Daemon) shutdown(servers []*http.Server, gate *gatedListener, stopWork 
 	if err := d.usage.Flush(fctx); err != nil {
 		d.log.Warn("broker usage since the last write not written at shutdown", "error", err)
 	}
+	// 4. The spans that wait for the collector, within what is left: one
+	// that is down or slow holds the exit no longer.
+	if err := d.stopTracing(fctx); err != nil {
+		d.log.Warn("tracing: spans not exported at shutdown", "error", err)
+	}
 	return errs
 }
 
@@ -320,8 +332,12 @@ const followEvery = time.Second
 // HTTP server on plain when it is set, and, with server.metrics_listen,
 // the metrics server on its own listener.
 func (d *Daemon) httpServers(ln, plain net.Listener) ([]*http.Server, []net.Listener, error) {
+	handler := d.api.Handler()
+	if d.cfg.Tracing.On() {
+		handler = traceRequests(handler)
+	}
 	servers := []*http.Server{{
-		Handler:           d.api.Handler(),
+		Handler:           handler,
 		ReadHeaderTimeout: 10 * time.Second,
 		ReadTimeout:       2 * time.Minute,
 		IdleTimeout:       2 * time.Minute,

@@ -88,6 +88,7 @@ func readEvent(d Delivery) (*Event, decodedPayload, error) {
 		Sender:     login(env.Sender),
 		Payload:    body,
 		ReceivedAt: d.Timestamp,
+		TraceID:    traceIDOf(d.Header("traceparent")),
 	}
 	if !wrapped {
 		ev.PayloadZstd = d.Zstd // the body as it came

@@ -32,6 +32,20 @@ type Event struct {
 	// Broker is the broker ("host/vhost") the delivery came through to
 	// the worker; empty when not known.
 	Broker string
+	// TraceID is the ID of the trace its message carried (traceparent),
+	// "" when none.
+	TraceID string
+}
+
+// traceIDOf is the trace ID of a W3C traceparent header
+// (version-traceid-spanid-flags), "" when it is none.
+func traceIDOf(traceparent string) string {
+	parts := strings.Split(traceparent, "-")
+	if len(parts) != 4 || len(parts[1]) != 32 || strings.Trim(parts[1], "0") == "" ||
+		strings.Trim(parts[1], "0123456789abcdef") != "" {
+		return ""
+	}
+	return parts[1]
 }
 
 // DeliveryKey is a delivery's identity: the hook its copy of the event was

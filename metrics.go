@@ -31,6 +31,7 @@ type Metrics struct {
 	leftovers      *prometheus.CounterVec
 	dbWriteSeconds prometheus.Histogram
 	hcFailures     *prometheus.CounterVec
+	spansDropped   prometheus.Counter
 	staleEvents    *prometheus.CounterVec
 	queueMessages  *prometheus.GaugeVec
 	brokerUp       *prometheus.GaugeVec
@@ -83,6 +84,8 @@ func NewMetrics(labels MetricLabels) *Metrics {
 			Help: "Messages taken by the Leftover Drain from non-active brokers, by queue."}, []string{"queue"}),
 		dbWriteSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "switchyard_database_write_seconds",
 			Help: "Duration of one SQLite write transaction, from begin to commit.", Buckets: latency}),
+		spansDropped: prometheus.NewCounter(prometheus.CounterOpts{Name: "switchyard_tracing_spans_dropped_total",
+			Help: "Spans dropped, not exported: the collector is down or slow, and the bounded queue of spans waiting for it was full."}),
 		hcFailures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_healthchecks_failures_total",
 			Help: "HealthChecks pings that failed, by worker."}, []string{"worker"}),
 		staleEvents: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_stale_events_total",
@@ -108,6 +111,7 @@ func NewMetrics(labels MetricLabels) *Metrics {
 		workerFailures: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "switchyard_worker_failures",
 			Help: "Cycles the worker failed in a row; 0 once its consumer attaches again or a cycle ends well."}, []string{"worker"}),
 	}
+	m.reg.MustRegister(m.spansDropped)
 	m.reg.MustRegister(m.webhooks, m.unrecorded, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
 		m.staleEvents, m.queueMessages, m.brokerUp, m.blockedBrokers, m.brokerMessageCount, m.budgetUsed, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
@@ -189,9 +193,17 @@ func (m *Metrics) staleEvent(table string) {
 	}
 }
 
-// Handler serves the registry in the Prometheus text format.
+// Handler serves the registry in the Prometheus text format, or in
+// OpenMetrics (which carries the exemplars) to a scraper that asks for it.
 func (m *Metrics) Handler() http.Handler {
-	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{})
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{EnableOpenMetrics: true})
+}
+
+// SpanDropped counts a span the tracing queue dropped.
+func (m *Metrics) SpanDropped() {
+	if m != nil {
+		m.spansDropped.Inc()
+	}
 }
 
 func (m *Metrics) webhook(outcome string) {
@@ -206,15 +218,21 @@ func (m *Metrics) rejectionsUnrecorded(n int64) {
 	}
 }
 
-func (m *Metrics) publish(broker int, err error, took time.Duration) {
+// publish counts a publish to broker, and observes how long its confirm
+// took, with the trace ID of its delivery's trace (when traced) as the
+// observation's exemplar.
+func (m *Metrics) publish(broker int, traceID string, err error, took time.Duration) {
 	if m == nil {
 		return
 	}
 	b := strconv.Itoa(broker)
 	outcome := "confirmed"
-	if err != nil {
+	switch {
+	case err != nil:
 		outcome = "failed"
-	} else {
+	case traceID != "":
+		m.publishSeconds.WithLabelValues(b).(prometheus.ExemplarObserver).ObserveWithExemplar(took.Seconds(), prometheus.Labels{"trace_id": traceID})
+	default:
 		m.publishSeconds.WithLabelValues(b).Observe(took.Seconds())
 	}
 	m.publishes.WithLabelValues(b, outcome).Inc()

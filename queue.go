@@ -222,7 +222,7 @@ func (q *Queues) PublishInOrder(ctx context.Context, b *Broker, msgs []Outgoing)
 		if i >= n {
 			e = err
 		}
-		p.metrics.publish(b.Index, e, time.Since(start))
+		p.metrics.publish(b.Index, traceID(traceOf(ctx, msgs[i].Msg.Headers)), e, time.Since(start))
 	}
 	return n, err
 }

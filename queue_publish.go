@@ -9,6 +9,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Errors a publish ends with, besides those of the connection.
@@ -262,7 +264,7 @@ drain:
 // broker) is an error, never a silent success.
 func (p *publisher) Publish(ctx context.Context, exchange, key string, msg amqp.Publishing) (err error) {
 	start := time.Now()
-	defer func() { p.metrics.publish(p.bc.broker.Index, err, time.Since(start)) }()
+	defer func() { p.metrics.publish(p.bc.broker.Index, traceID(ctx), err, time.Since(start)) }()
 	sent, err := p.publishAll(ctx, []Outgoing{{exchange, key, msg}})
 	if sent == 1 {
 		return nil
@@ -311,6 +313,8 @@ func (p *publisher) publishAll(ctx context.Context, msgs []Outgoing) (confirmed 
 		return 0, fmt.Errorf("publish to %s: %w: %w", b, errConfirmLost, err)
 	}
 	dcs := make([]*amqp.DeferredConfirmation, 0, len(msgs))
+	spans := startPublishes(ctx, msgs)
+	defer func() { endPublishes(spans, confirmed, err) }()
 	for _, m := range msgs {
 		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, m.Exchange, m.Key, true, false, m.Msg)
 		if err != nil {
@@ -426,5 +430,30 @@ func (p *publisher) PublishConfirmed(ctx context.Context, exchange, key string, 
 		case <-time.After(pause):
 		}
 		pause = min(2*pause, resendPauseMax)
+	}
+}
+
+// startPublishes begins the producer spans of msgs (startPublish), none
+// while tracing is off.
+func startPublishes(ctx context.Context, msgs []Outgoing) []trace.Span {
+	if !tracingOn.Load() {
+		return nil
+	}
+	spans := make([]trace.Span, len(msgs))
+	for i := range msgs {
+		_, spans[i] = startPublish(ctx, msgs[i].Exchange, msgs[i].Key, &msgs[i].Msg)
+	}
+	return spans
+}
+
+// endPublishes ends spans, the first confirmed of them confirmed, the rest
+// failed with err.
+func endPublishes(spans []trace.Span, confirmed int, err error) {
+	for i, s := range spans {
+		if i >= confirmed && err != nil {
+			s.RecordError(err)
+			s.SetStatus(codes.Error, "not confirmed")
+		}
+		s.End()
 	}
 }

@@ -699,3 +699,8 @@ CREATE TABLE tls_locks (
     node       TEXT NOT NULL,
     expires_at TEXT NOT NULL
 ) STRICT;
+-- migration 24: each delivery's trace
+-- github.trace_id: the trace (OpenTelemetry, [tracing]) the delivery's
+-- message carried, which its story names; NULL untraced. Additive: the
+-- floor stays.
+ALTER TABLE github ADD COLUMN trace_id TEXT;

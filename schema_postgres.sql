@@ -441,3 +441,5 @@ CREATE TABLE tls_locks (
     node       TEXT COLLATE "C" NOT NULL,
     expires_at TEXT COLLATE "C" NOT NULL
 );
+-- migration 24: each delivery's trace (schema.sql's migration 24)
+ALTER TABLE github ADD COLUMN trace_id TEXT COLLATE "C";

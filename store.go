@@ -164,6 +164,18 @@ func (s *Store) WriteTxUnder(ctx context.Context, f Fence, fn func(tx *Tx) error
 func (s *Store) writeTx(ctx context.Context, fence *Fence, fn func(tx *Tx) error) error {
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
+	system := "sqlite"
+	if s.engine.driver() == "postgres" {
+		system = "postgresql"
+	}
+	ctx, span := startTransaction(ctx, system)
+	err := s.runTx(ctx, fence, fn)
+	endSpan(span, err)
+	return err
+}
+
+// runTx is writeTx's transaction.
+func (s *Store) runTx(ctx context.Context, fence *Fence, fn func(tx *Tx) error) error {
 	t, err := s.begin(ctx)
 	if err != nil {
 		return s.health.observe(fmt.Errorf("begin: %w", err))
@@ -521,6 +533,14 @@ func numberParams(q string) string {
 func statisticsBucket(t time.Time) string {
 	t = t.UTC()
 	return time.Date(t.Year(), t.Month(), t.Day(), t.Hour()/6*6, 0, 0, 0, time.UTC).Format(time.RFC3339)
+}
+
+// nullText stores "" as NULL.
+func nullText(v string) any {
+	if v == "" {
+		return nil
+	}
+	return v
 }
 
 // nullInt stores 0 as NULL: GitHub ids are never 0, so 0 means "not given".

@@ -23,7 +23,7 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 	// two nodes store two copies at once.
 	args := []any{ev.DeliveryID, ev.Name, ev.Action, ev.HookID, ev.TargetType, nullInt(ev.TargetID),
 		nullInt(ev.InstallationID), ev.Repository, ev.Sender, ev.SourceIP, forbidden,
-		packedPayload(ev), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker}
+		packedPayload(ev), formatTime(ev.ReceivedAt), formatTime(time.Now()), ev.Broker, nullText(ev.TraceID)}
 	res, err := tx.write(ctx, guessed(&tx.s.guesses.firstCopy), insertGitHub+"1) ON CONFLICT DO NOTHING", args...)
 	if err != nil {
 		return false, fmt.Errorf("insert github: %w", err)
@@ -55,8 +55,8 @@ func (tx *Tx) InsertEvent(ctx context.Context, ev *Event, forbidden bool, channe
 // insertGitHub is the insert of a github row but for its first_copy value
 // and what follows.
 const insertGitHub = `INSERT INTO github (delivery_id, event, action, hook_id, target_type,
-	target_id, installation_id, repository, sender, source_ip, forbidden, payload, payload_zstd, received_at, processed_at, broker, first_copy)
-	VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, '', $12, $13, $14, $15, `
+	target_id, installation_id, repository, sender, source_ip, forbidden, payload, payload_zstd, received_at, processed_at, broker, trace_id, first_copy)
+	VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, '', $12, $13, $14, $15, $16, `
 
 // MarkDelivery runs fn and records that worker finished the delivery, in tx,
 // with the outcome fn returns ("" is done). It reports false, without

@@ -91,6 +91,9 @@ func openPostgres(ctx context.Context, cfg DatabaseConfig) (*sql.DB, postgresEng
 	d := &net.Dialer{KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 3},
 		Control: userTimeout(deadPeer)}
 	cc.DialFunc = d.DialContext
+	if tracingOn.Load() {
+		cc.Tracer = pgxTracer{}
+	}
 	pooler := &poolerFound{maxConns: cfg.MaxConns, warn: func(string, ...any) {}}
 	db := stdlib.OpenDB(*cc, stdlib.OptionBeforeConnect(func(_ context.Context, c *pgx.ConnConfig) error {
 		if pooler.since() != nil {

@@ -87,7 +87,11 @@ type StoryReceipt struct {
 	TargetID   int64  `json:"target_id,omitempty"`
 	// Broker is the broker ("host/vhost") it came through to the worker
 	// that stored it.
-	Broker       string     `json:"broker,omitempty"`
+	Broker string `json:"broker,omitempty"`
+	// TraceID is the trace of its delivery (tracing), and TraceURL its
+	// page when [tracing] ui_url names one.
+	TraceID      string     `json:"trace_id,omitempty"`
+	TraceURL     string     `json:"trace_url,omitempty"`
 	ReceivedAt   time.Time  `json:"received_at"`
 	StoredAt     time.Time  `json:"stored_at"`
 	PayloadBytes int        `json:"payload_bytes"`
@@ -144,6 +148,16 @@ func (st *DeliveryStory) copyOf(hook int64) *StoryCopy {
 	}
 	st.Copies = append(st.Copies, StoryCopy{Hook: hook, Workers: []StoryWorker{}, Rows: []StoryRow{}})
 	return &st.Copies[len(st.Copies)-1]
+}
+
+// LinkTraces gives each copy's trace its page: ui is [tracing] ui_url, a
+// template with {trace_id} in it ("" for none).
+func (st *DeliveryStory) LinkTraces(ui string) {
+	for _, c := range st.Copies {
+		if r := c.Received; ui != "" && r != nil && r.TraceID != "" {
+			r.TraceURL = strings.ReplaceAll(ui, "{trace_id}", r.TraceID)
+		}
+	}
 }
 
 // Narrow keeps only hook's copy, its refusals, and the messages of it
@@ -218,7 +232,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		return nil
 	}
 	err = each("github", `SELECT hook_id, event, action, repository, sender, source_ip, forbidden, target_type, target_id,
-		received_at, processed_at, payload, payload_zstd, payload_pruned_at, duplicates, last_duplicate_at, broker
+		received_at, processed_at, payload, payload_zstd, payload_pruned_at, duplicates, last_duplicate_at, broker, coalesce(trace_id, '')
 		FROM github WHERE delivery_id = $1 ORDER BY id LIMIT $2`, func(rows *sql.Rows) error {
 		var r StoryReceipt
 		var hook int64
@@ -227,7 +241,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		var targetID sql.NullInt64
 		var pruned, lastDup sql.NullString
 		if err := rows.Scan(&hook, &r.Event, &r.Action, &r.Repository, &r.Sender, &r.SourceIP, &r.Forbidden, &r.TargetType, &targetID,
-			&received, &stored, &text, &compressed, &pruned, &r.Duplicates, &lastDup, &r.Broker); err != nil {
+			&received, &stored, &text, &compressed, &pruned, &r.Duplicates, &lastDup, &r.Broker, &r.TraceID); err != nil {
 			return err
 		}
 		payload, err := rowPayload(text, compressed)
@@ -424,6 +438,9 @@ func (st *DeliveryStory) Lines() []StoryLine {
 				add("broker", "came through %s vhost %s", host, vhost)
 			}
 			add("stored", "%s", when(r.StoredAt))
+			if r.TraceID != "" {
+				add("trace", "%s", cmp.Or(r.TraceURL, r.TraceID))
+			}
 			// The raw row is the service worker's record (the cleanup
 			// worker's for github-forbidden); the others keep their own.
 			writer := "service"

@@ -91,17 +91,20 @@ func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error,
 func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
 	found := make([]Found, len(msgs))
-	next, decoded := decodeAhead(msgs, o.Decode, o.Log)
+	spans := startConsumes(ctx, o.Queue, msgs)
+	next, decoded := decodeAhead(msgs, o.Decode, o.Log, spans.logFields)
 	defer decoded()
 	if o.Batch == nil {
 		for i := range msgs {
-			found[i], verdicts[i] = next(i).handle(ctx, nil, o.Handle)
+			found[i], verdicts[i] = next(i).handle(spans.context(ctx, i), nil, o.Handle)
 		}
+		spans.end(verdicts, nil)
 		o.record(next, found)
 		return verdicts, nil
 	}
 	counted := o.Usage.take()
-	failed, err := o.Batch.WriteBatch(ctx, Batch{
+	bctx, commit := spans.startCommit(ctx, o.Queue)
+	failed, err := o.Batch.WriteBatch(bctx, Batch{
 		Parts: len(msgs),
 		Part: func(ctx context.Context, tx *Tx, i int) (err error) {
 			found[i], verdicts[i], err = next(i).handlePart(ctx, tx, o.Handle)
@@ -109,8 +112,10 @@ func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, erro
 		},
 		Last: func(ctx context.Context, tx *Tx) error { return o.Usage.write(ctx, tx, counted) },
 	})
+	endSpan(commit, err)
 	if err != nil {
 		o.Usage.giveBack(counted)
+		spans.end(verdicts, err)
 		return verdicts, err
 	}
 	for i, f := range failed {
@@ -118,6 +123,7 @@ func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, erro
 			found[i], verdicts[i] = Found{}, verdict(f)
 		}
 	}
+	spans.end(verdicts, nil)
 	o.record(next, found)
 	return verdicts, nil
 }
@@ -171,13 +177,16 @@ func decodeMessage(m *Message, decode func(Delivery) (Decoded, error), log *slog
 // consumer keeps two cores busy instead of one. next waits for message i
 // (ask for them in order); wait waits for the goroutine to end, which the
 // caller does before it returns, whether or not it asked for every message.
-func decodeAhead(msgs []Message, decode func(Delivery) (Decoded, error), log *slog.Logger) (next func(i int) decoded, wait func()) {
+func decodeAhead(msgs []Message, decode func(Delivery) (Decoded, error), log *slog.Logger, fields func(i int) []any) (next func(i int) decoded, wait func()) {
 	out := make([]decoded, len(msgs))
 	ready := make(chan struct{}, len(msgs)) // never blocks: the goroutine ends even if nobody waits
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		for i := range msgs {
 			out[i] = decodeMessage(&msgs[i], decode, log)
+			if f := fields(i); f != nil {
+				out[i].log = out[i].log.With(f...)
+			}
 			ready <- struct{}{}
 		}
 	})

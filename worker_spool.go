@@ -10,6 +10,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // The spool: a webhook the broker has not confirmed within
@@ -185,7 +187,7 @@ func (s *Spool) Take(ctx context.Context, exchange, key string, msg amqp.Publish
 			return Accepted{Broker: b}, err // the client left, or waiting changes nothing
 		}
 	}
-	serr := s.write(ctx, spooledRow(s.node, b, exchange, key, msg, err))
+	serr := s.writeTraced(ctx, spooledRow(s.node, b, exchange, key, msg, err))
 	if serr == nil {
 		return Accepted{Broker: b, Spooled: true}, nil
 	}
@@ -200,6 +202,19 @@ func (s *Spool) Take(ctx context.Context, exchange, key string, msg amqp.Publish
 		serr = fmt.Errorf("%w: %w", errSpoolRefused, serr)
 	}
 	return Accepted{Broker: b}, errors.Join(err, serr)
+}
+
+// writeTraced is write in a span of the delivery's trace: the spool's
+// write, its producer's part until the drain publishes it.
+func (s *Spool) writeTraced(ctx context.Context, row SpooledWebhook) error {
+	if !tracingOn.Load() {
+		return s.write(ctx, row)
+	}
+	ctx, span := tracer.Start(ctx, "spool "+row.Exchange, trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(attribute.String("messaging.message.id", row.GUID), attribute.String("switchyard.spool.reason", row.Reason)))
+	err := s.write(ctx, row)
+	endSpan(span, err)
+	return err
 }
 
 // spoolable reports whether a webhook the broker did not take for err

@@ -1,0 +1,350 @@
+// One trace per delivery ([tracing]): OpenTelemetry spans from the door to
+// the commit, the W3C trace context carried in each message's headers, so
+// that the publish, the spool, and every consumer of every node join the
+// trace the webhook's request began.
+
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// tracer makes switchyard's spans: through the global provider, which
+// NewTracing sets when [tracing] is on; off, it makes no span.
+var tracer = otel.Tracer("switchyard")
+
+// propagator carries the trace context in messages' headers and requests'
+// (W3C traceparent and tracestate), whether tracing is on or not: a
+// message passes an outside producer's trace on unchanged.
+var propagator = propagation.TraceContext{}
+
+// tracingOn is set while spans are made (NewTracing): off, the data path
+// does not even look for a trace.
+var tracingOn atomic.Bool
+
+// spanQueue bounds the spans that wait for the exporter: past it a span
+// is dropped and counted, so that a collector that is down or slow costs
+// memory it bounds and nothing else.
+const spanQueue = 4096
+
+// NewTracing starts sending spans as cfg says, and sets the global
+// provider; off, it returns a shutdown that does nothing. dropped counts
+// the spans the bounded queue dropped.
+func NewTracing(cfg TracingConfig, node string, dropped func(), log *slog.Logger) (shutdown func(context.Context) error, err error) {
+	otel.SetTextMapPropagator(propagator)
+	if !cfg.On() {
+		return func(context.Context) error { return nil }, nil
+	}
+	exp, err := newExporter(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("tracing: %w", err)
+	}
+	// The exporter's errors (a collector down) are logged once a minute at
+	// most: the spans they lost are counted.
+	otel.SetErrorHandler(otel.ErrorHandlerFunc(rateLimited(time.Minute, func(err error) {
+		log.Warn("tracing: spans not exported", "endpoint", cfg.Endpoint, "error", err)
+	})))
+	opts := []sdktrace.TracerProviderOption{
+		sdktrace.WithSpanProcessor(newBoundedProcessor(exp, dropped)),
+		sdktrace.WithResource(resource.NewSchemaless(attribute.String("service.name", "switchyard"),
+			attribute.String("service.version", version), attribute.String("service.instance.id", node))),
+	}
+	if cfg.Endpoint != "" {
+		opts = append(opts, sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.TraceIDRatioBased(cfg.SampleRatio))))
+	}
+	tp := sdktrace.NewTracerProvider(opts...)
+	otel.SetTracerProvider(tp)
+	tracingOn.Store(true)
+	return tp.Shutdown, nil
+}
+
+// newExporter is the OTLP exporter of cfg.Endpoint's protocol, or of the
+// OTEL_* variables when it is empty (the SDK reads them).
+func newExporter(cfg TracingConfig) (*otlptrace.Exporter, error) {
+	ctx := context.Background()
+	if cfg.Endpoint == "" {
+		if p := strings.ToLower(envOr("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")); p == "grpc" {
+			return otlptracegrpc.New(ctx)
+		}
+		return otlptracehttp.New(ctx)
+	}
+	u, err := url.Parse(cfg.Endpoint)
+	if err != nil {
+		return nil, err
+	}
+	switch u.Scheme {
+	case "grpc", "grpcs":
+		opts := []otlptracegrpc.Option{otlptracegrpc.WithEndpoint(u.Host), otlptracegrpc.WithHeaders(cfg.Headers)}
+		if u.Scheme == "grpc" {
+			opts = append(opts, otlptracegrpc.WithInsecure())
+		}
+		return otlptracegrpc.New(ctx, opts...)
+	}
+	// A bare http://host:port is the collector's root: OTLP/HTTP posts
+	// traces to /v1/traces (a collector answers 404 at /).
+	if u.Path == "" || u.Path == "/" {
+		u.Path = "/v1/traces"
+	}
+	return otlptracehttp.New(ctx, otlptracehttp.WithEndpointURL(u.String()), otlptracehttp.WithHeaders(cfg.Headers))
+}
+
+// envOr is the first of the variables that is set.
+func envOr(names ...string) string {
+	for _, n := range names {
+		if v := strings.TrimSpace(os.Getenv(n)); v != "" {
+			return v
+		}
+	}
+	return ""
+}
+
+// boundedProcessor hands ended spans to a batch processor through a
+// queue of spanQueue: a span that finds it full is dropped and counted,
+// never waited for, so no request waits on the collector.
+type boundedProcessor struct {
+	next    sdktrace.SpanProcessor
+	queue   chan sdktrace.ReadOnlySpan
+	dropped func()
+	done    chan struct{}
+	once    sync.Once
+}
+
+func newBoundedProcessor(exp sdktrace.SpanExporter, dropped func()) *boundedProcessor {
+	p := &boundedProcessor{next: sdktrace.NewBatchSpanProcessor(exp, sdktrace.WithBlocking()),
+		queue: make(chan sdktrace.ReadOnlySpan, spanQueue), dropped: dropped, done: make(chan struct{})}
+	go func() {
+		defer close(p.done)
+		for s := range p.queue {
+			p.next.OnEnd(s)
+		}
+	}()
+	return p
+}
+
+func (p *boundedProcessor) OnStart(context.Context, sdktrace.ReadWriteSpan) {}
+
+func (p *boundedProcessor) OnEnd(s sdktrace.ReadOnlySpan) {
+	select {
+	case p.queue <- s:
+	default:
+		p.dropped()
+	}
+}
+
+// Shutdown exports what waits, within ctx (what is left of the
+// shutdown's time), and stops.
+func (p *boundedProcessor) Shutdown(ctx context.Context) error {
+	p.once.Do(func() { close(p.queue) })
+	select {
+	case <-p.done:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return p.next.Shutdown(ctx)
+}
+
+func (p *boundedProcessor) ForceFlush(ctx context.Context) error { return p.next.ForceFlush(ctx) }
+
+// headerCarrier is a message's headers as the propagator reads and writes
+// them.
+type headerCarrier amqp.Table
+
+func (c headerCarrier) Get(key string) string {
+	v, _ := c[key].(string)
+	return v
+}
+
+func (c headerCarrier) Set(key, value string) { c[key] = value }
+
+func (c headerCarrier) Keys() []string {
+	keys := make([]string, 0, len(c))
+	for k := range c {
+		keys = append(keys, k)
+	}
+	return keys
+}
+
+// traceOf is ctx with the trace context that headers carry, when they
+// carry one (a message of switchyard's, or of an outside producer), else
+// ctx.
+func traceOf(ctx context.Context, headers amqp.Table) context.Context {
+	if headers == nil || !tracingOn.Load() {
+		return ctx
+	}
+	return propagator.Extract(ctx, headerCarrier(headers))
+}
+
+// startPublish begins the producer span of a message sent to exchange with
+// key, under the trace its headers carry (or ctx's), and writes the span's
+// context into the headers for its consumers.
+func startPublish(ctx context.Context, exchange, key string, msg *amqp.Publishing) (context.Context, trace.Span) {
+	ctx, span := tracer.Start(traceOf(ctx, msg.Headers), "publish "+exchange, trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(attribute.String("messaging.system", "rabbitmq"), attribute.String("messaging.operation.type", "send"),
+			attribute.String("messaging.destination.name", exchange), attribute.String("messaging.rabbitmq.destination.routing_key", key),
+			attribute.String("messaging.message.id", msg.MessageId), attribute.Int("messaging.message.body.size", len(msg.Body))))
+	if span.IsRecording() {
+		if msg.Headers == nil {
+			msg.Headers = amqp.Table{}
+		}
+		propagator.Inject(ctx, headerCarrier(msg.Headers))
+	}
+	return ctx, span
+}
+
+// traceRequests wraps the API's handler in the HTTP server spans of
+// otelhttp, which honour a trace an outside producer's request carries.
+func traceRequests(h http.Handler) http.Handler {
+	return otelhttp.NewHandler(h, "switchyard", otelhttp.WithSpanNameFormatter(func(_ string, r *http.Request) string {
+		if r.URL.Path == "/webhooks/github" {
+			return r.Method + " /webhooks/github"
+		}
+		return r.Method
+	}))
+}
+
+// traceWebhook names the delivery on the request's span (the endpoint's
+// server span, under an outside producer's trace when its request carried
+// one) and writes the span's context into the message's headers, which the
+// spool keeps too.
+func traceWebhook(ctx context.Context, msg *amqp.Publishing, hookID string) {
+	span := trace.SpanFromContext(ctx)
+	if !span.IsRecording() {
+		return
+	}
+	span.SetAttributes(attribute.String("github.delivery", msg.MessageId), attribute.String("github.event", msg.Type),
+		attribute.String("github.hook_id", hookID))
+	propagator.Inject(ctx, headerCarrier(msg.Headers))
+}
+
+// startCommit begins the span of the transaction that commits a batch:
+// in the trace of its first message, linked to every message's span, each
+// of which links back to it, so that one commit holding many deliveries is
+// found from each.
+func startCommit(queue string, msgs []trace.Span, first context.Context) (context.Context, trace.Span) {
+	links := make([]trace.Link, len(msgs))
+	for i, s := range msgs {
+		links[i] = trace.Link{SpanContext: s.SpanContext()}
+	}
+	ctx, span := tracer.Start(first, "commit "+queue, trace.WithLinks(links...))
+	for _, s := range msgs {
+		s.AddLink(trace.Link{SpanContext: span.SpanContext()})
+	}
+	return ctx, span
+}
+
+// startConsume begins a consumer's span of a message taken from queue,
+// under the trace its headers carry, attempt its try (1 for the first).
+func startConsume(ctx context.Context, queue, id string, headers amqp.Table, size, attempt int) (context.Context, trace.Span) {
+	return tracer.Start(traceOf(ctx, headers), "process "+queue, trace.WithSpanKind(trace.SpanKindConsumer),
+		trace.WithAttributes(attribute.String("messaging.system", "rabbitmq"), attribute.String("messaging.operation.type", "process"),
+			attribute.String("messaging.destination.name", queue), attribute.String("messaging.message.id", id),
+			attribute.Int("messaging.message.body.size", size), attribute.Int("switchyard.attempt", attempt)))
+}
+
+// traceID is the ID of ctx's trace when it is sampled, else "".
+func traceID(ctx context.Context) string {
+	if sc := trace.SpanContextFromContext(ctx); sc.IsSampled() {
+		return sc.TraceID().String()
+	}
+	return ""
+}
+
+// traceFields are the log fields of ctx's span, none without one.
+func traceFields(ctx context.Context) []any {
+	sc := trace.SpanContextFromContext(ctx)
+	if !sc.IsValid() {
+		return nil
+	}
+	return []any{"trace_id", sc.TraceID().String(), "span_id", sc.SpanID().String()}
+}
+
+// rateLimited calls fn at most once each every.
+func rateLimited(every time.Duration, fn func(error)) func(error) {
+	var mu sync.Mutex
+	var last time.Time
+	return func(err error) {
+		mu.Lock()
+		due := time.Since(last) >= every
+		if due {
+			last = time.Now()
+		}
+		mu.Unlock()
+		if due {
+			fn(err)
+		}
+	}
+}
+
+// endSpan ends span, failed with err when set; a nil span is none.
+func endSpan(span trace.Span, err error) {
+	if span == nil {
+		return
+	}
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
+}
+
+// pgxTracer is pgx's tracer hook: a span of each statement PostgreSQL
+// runs for a traced transaction (one whose context holds a span).
+type pgxTracer struct{}
+
+// pgxSpan marks a context whose statement span pgxTracer began.
+type pgxSpan struct{}
+
+func (pgxTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		return ctx
+	}
+	verb, _, _ := strings.Cut(strings.TrimSpace(data.SQL), " ")
+	ctx, _ = tracer.Start(ctx, "postgresql "+strings.ToUpper(verb), trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(attribute.String("db.system.name", "postgresql"), attribute.String("db.query.text", data.SQL)))
+	return context.WithValue(ctx, pgxSpan{}, true)
+}
+
+func (pgxTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
+	if ctx.Value(pgxSpan{}) != nil {
+		endSpan(trace.SpanFromContext(ctx), data.Err)
+	}
+}
+
+// startTransaction begins the span of a database transaction, when
+// tracing is on and ctx is traced (a message's batch); a nil span else.
+func startTransaction(ctx context.Context, system string) (context.Context, trace.Span) {
+	if !tracingOn.Load() || !trace.SpanContextFromContext(ctx).IsValid() {
+		return ctx, nil
+	}
+	return tracer.Start(ctx, system+" transaction", trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(attribute.String("db.system.name", system)))
+}
+
+// contextIn is ctx (its deadline, its cancellation, its values) with the
+// span of traced as its current span.
+func contextIn(ctx, traced context.Context) context.Context {
+	return trace.ContextWithSpan(ctx, trace.SpanFromContext(traced))
+}
