@@ -2,14 +2,11 @@ package main
 
 import (
 	"fmt"
-	"net/http"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
-
-	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 // Open-loop load, as GitHub sends: webhooks due at a fixed arrival rate,
@@ -119,51 +116,4 @@ func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64
 	p.stop(b)
 	r.raw, r.rawBroke = rawOpenLoop(b, proxy.URL(vhost), payload)
 	return r
-}
-
-// rawOpenLoop is the raw pipeline of rawPipeline in an open loop: each
-// webhook's message published through github-exchange as it is due, on
-// one of 64 confirm channels of one amqps connection, answered when its
-// confirm comes; a consumer on each of the fanout's queues (prefetch 200,
-// acks in batches of 100) keeps the queues from growing.
-func rawOpenLoop(b testing.TB, url string, payload []byte) (held, broke openLoopStep) {
-	pub, err := amqp.Dial(url)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer pub.Close()
-	cons, err := amqp.Dial(url)
-	if err != nil {
-		b.Fatal(err)
-	}
-	var acked [2]atomic.Int64
-	stop := make(chan struct{})
-	var consumers sync.WaitGroup
-	rawConsumers(b, cons, &acked, stop, &consumers)
-	defer consumers.Wait()
-	defer close(stop)
-	defer cons.Close()
-	chans := make([]*amqp.Channel, 64)
-	for i := range chans {
-		if chans[i], err = pub.Channel(); err != nil {
-			b.Fatal(err)
-		}
-		_ = chans[i].Confirm(false)
-	}
-	h := http.Header{}
-	h.Set("X-GitHub-Event", "pull_request")
-	h.Set("X-GitHub-Hook-Installation-Target-Type", "integration")
-	return sustainedOpenLoop(100, func(i int) error {
-		h := h.Clone()
-		h.Set("X-GitHub-Delivery", fmt.Sprintf("raw-open-%d", i))
-		msg := newPublishing(h, payload, "127.0.0.1", time.Now())
-		dc, err := chans[i%len(chans)].PublishWithDeferredConfirm(exchangeName, "", true, false, msg)
-		if err != nil {
-			return err
-		}
-		if !dc.Wait() {
-			return fmt.Errorf("nacked")
-		}
-		return nil
-	})
 }

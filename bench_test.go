@@ -1,10 +1,7 @@
 package main
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -392,140 +389,6 @@ func ingestRounds(b *testing.B, cfg *Config, vhost, rawURL string, payload []byt
 	return n / oursTime.Seconds(), n / baseTime.Seconds()
 }
 
-// loadClient is the load generator: HTTP/1.1 POSTs over keep-alive
-// connections, each request one write (its header and body pieces in a
-// writev), each answer read on the caller's goroutine. GitHub's servers are
-// not on the VPS, so the load generator should take as little as it can of
-// the two cores the daemon and RabbitMQ share, and add no waits of its own:
-// net/http's client passed every request and answer through two goroutines
-// of its own per connection, and took 27 µs more CPU per 25 KB POST than
-// this one (against a bare server, 81 against 55 µs for both ends).
-type loadClient struct {
-	addr string // host:port
-	idle chan *loadConn
-}
-
-type loadConn struct {
-	c net.Conn
-	r *bufio.Reader
-}
-
-// newLoadClient posts to base ("http://host:port"), keeping up to conns
-// connections open between requests.
-func newLoadClient(base string, conns int) *loadClient {
-	return &loadClient{addr: strings.TrimPrefix(base, "http://"), idle: make(chan *loadConn, conns)}
-}
-
-// post sends body (its pieces, in order) to path with header's fields and
-// returns the answer's status. A failed exchange closes its connection and
-// is not retried: a POST sent twice would be a second webhook.
-func (lc *loadClient) post(path string, header http.Header, body ...[]byte) (int, error) {
-	var c *loadConn
-	select {
-	case c = <-lc.idle:
-	default:
-		conn, err := net.Dial("tcp", lc.addr)
-		if err != nil {
-			return 0, err
-		}
-		c = &loadConn{c: conn, r: bufio.NewReader(conn)}
-	}
-	n := 0
-	for _, p := range body {
-		n += len(p)
-	}
-	var head bytes.Buffer
-	fmt.Fprintf(&head, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n", path, lc.addr, n)
-	_ = header.Write(&head)
-	head.WriteString("\r\n")
-	bufs := append(net.Buffers{head.Bytes()}, body...)
-	if _, err := bufs.WriteTo(c.c); err != nil {
-		c.c.Close()
-		return 0, err
-	}
-	status, keep, err := c.answer()
-	if err != nil || !keep {
-		c.c.Close()
-		return status, err
-	}
-	select {
-	case lc.idle <- c:
-	default:
-		c.c.Close()
-	}
-	return status, nil
-}
-
-// answer reads one response: its status, whether the connection stays open,
-// and its body (discarded, by Content-Length; the daemon's answers have one).
-func (c *loadConn) answer() (status int, keep bool, err error) {
-	line, err := c.r.ReadSlice('\n')
-	if err != nil {
-		return 0, false, err
-	}
-	if len(line) < 12 || !bytes.HasPrefix(line, []byte("HTTP/1.1 ")) {
-		return 0, false, fmt.Errorf("bad status line %q", line)
-	}
-	if status, err = strconv.Atoi(string(line[9:12])); err != nil {
-		return 0, false, fmt.Errorf("bad status line %q", line)
-	}
-	length, keep := -1, true
-	for {
-		line, err := c.r.ReadSlice('\n')
-		if err != nil {
-			return status, false, err
-		}
-		field := bytes.TrimRight(line, "\r\n")
-		if len(field) == 0 {
-			break
-		}
-		k, v, _ := bytes.Cut(field, []byte(":"))
-		v = bytes.TrimSpace(v)
-		switch strings.ToLower(string(k)) {
-		case "content-length":
-			if length, err = strconv.Atoi(string(v)); err != nil {
-				return status, false, fmt.Errorf("bad Content-Length %q", v)
-			}
-		case "connection":
-			keep = !bytes.EqualFold(v, []byte("close"))
-		}
-	}
-	if length < 0 {
-		return status, false, errors.New("answer without Content-Length")
-	}
-	_, err = c.r.Discard(length)
-	return status, keep && err == nil, err
-}
-
-// parallelRate runs fn n times from `workers` goroutines and returns calls/s;
-// the first error stops the benchmark.
-func parallelRate(b testing.TB, workers, n int, fn func(i int) error) float64 {
-	var next atomic.Int64
-	var wg sync.WaitGroup
-	var first atomic.Value
-	start := time.Now()
-	for w := 0; w < workers; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				i := int(next.Add(1))
-				if i > n || first.Load() != nil {
-					return
-				}
-				if err := fn(i); err != nil {
-					first.CompareAndSwap(nil, err)
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	if err := first.Load(); err != nil {
-		b.Fatal(err)
-	}
-	return float64(n) / time.Since(start).Seconds()
-}
-
 // fillQueue publishes n bot pull_request messages straight into queue.
 func fillQueue(b testing.TB, vhost, queue string, payload []byte, n int) {
 	ch := amqpChannel(b, vhost)
@@ -570,23 +433,6 @@ func benchStore(b testing.TB) (*Store, *Config) {
 		b.Fatal(err)
 	}
 	return store, cfg
-}
-
-// rawInsert is the baseline's work per message: one row, one transaction,
-// the same pragmas. value is what the row holds: a few bytes where
-// switchyard writes a small typed row, the whole body where it stores the
-// payload.
-func rawInsert(b testing.TB, db *sql.DB, id string, value []byte) {
-	tx, err := db.Begin()
-	if err != nil {
-		b.Fatal(err)
-	}
-	if _, err := tx.Exec("INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('raw', $1, $2)", id, string(value)); err != nil {
-		b.Fatal(err)
-	}
-	if err := tx.Commit(); err != nil {
-		b.Fatal(err)
-	}
 }
 
 // consumeResult is the consume row: each side's rate, and the CPU per
