@@ -5,6 +5,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"os/exec"
@@ -536,4 +537,56 @@ func TestSpoolRefusedByTheStore(t *testing.T) {
 	if code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body)); code != http.StatusAccepted || !strings.Contains(answer, `"spooled"`) {
 		t.Errorf("a webhook once the lock is gone: %d %s, want 202 spooled", code, answer)
 	}
+}
+
+// Overload costs latency, not refusals: bursts past what the broker's link
+// carries (5 Mbit/s at 20 ms: some 40 webhooks of 25 KB a second), twice
+// that for 2 s then a quarter over it for 8 s, sent as GitHub sends (each
+// at its time, whatever the answers before it take, each giving up after
+// GitHub's 10 s), are answered 202 in full, spooled where the broker did not
+// confirm in time, and each stored once.
+func TestBurstAnsweredInFull(t *testing.T) {
+	t.Parallel()
+	link := newWANLink(t, testBrokerAddr(), 20*time.Millisecond, 5)
+	dir := t.TempDir()
+	addr := freeAddr(t)
+	dbPath := filepath.Join(dir, "switchyard.db")
+	// The least server.max_inflight_bytes, as the default is to a fast
+	// link: a webhook waiting for its confirm holds its compressed bytes,
+	// not its body's (Spool.Take), or the burst would be refused with
+	// "too many webhook bytes in flight".
+	config := writeConfigWith(t, dir, addr, fmt.Sprintf("path = %q", dbPath), "max_inflight_bytes = 1048576", link.URL(newVhost(t)))
+	cmd, out := startProcess(t, config, addr)
+	payload := paddedPayload(t, 25<<10)
+	github := &http.Client{Timeout: 10 * time.Second}
+	var mu sync.Mutex
+	var answers []sent
+	send := func(i int) error {
+		guid := newGUID()
+		code, body, err := doQuiet(github, webhookRequest(t, "http://"+addr, "pull_request", guid, payload))
+		mu.Lock()
+		answers = append(answers, sent{seq: len(answers), guid: guid, code: code, body: body, err: err})
+		mu.Unlock()
+		if code != http.StatusAccepted {
+			return fmt.Errorf("%d %v", code, err)
+		}
+		return nil
+	}
+	for _, burst := range []struct {
+		rate float64
+		d    time.Duration
+	}{{80, 2 * time.Second}, {50, 8 * time.Second}} {
+		step := openLoopAt(burst.rate, burst.d, send)
+		t.Logf("%.0f webhooks/s for %s: %d sent, %d not 202, p50 %s, p99 %s", burst.rate, burst.d, step.sent, step.refused, step.p50, step.p99)
+	}
+	spooled := allSpooledOrQueued(t, answers)
+	db := openDB(t, dbPath)
+	eventually(t, 2*time.Minute, "every webhook answered 202 stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github") >= len(answers)
+	})
+	if n, distinct := queryInt(t, db, "SELECT count(*) FROM github"), queryInt(t, db, "SELECT count(DISTINCT delivery_id) FROM github"); n != len(answers) || distinct != n {
+		t.Errorf("github holds %d rows of %d deliveries, want each of the %d once", n, distinct, len(answers))
+	}
+	t.Logf("%d webhooks, %d of them spooled", len(answers), spooled)
+	stopProcess(t, cmd, out, 30*time.Second)
 }
