@@ -50,7 +50,7 @@ func TestTracingCollectorSlow(t *testing.T) {
 	addr := freeAddr(t)
 	dbPath := filepath.Join(dir, "switchyard.db")
 	config := writeConfigWith(t, dir, addr, fmt.Sprintf("path = %q", dbPath), `shutdown_timeout = "5s"`, amqpURL(newVhost(t)))
-	appendConfig(t, config, fmt.Sprintf("[tracing]\nendpoint = \"http://%s\"\n", silent.Addr()))
+	appendFile(t, config, fmt.Sprintf("[tracing]\nendpoint = \"http://%s\"\n", silent.Addr()))
 	cmd, out := startProcess(t, config, addr)
 	body := loadFixture(t, "issues", "opened")
 	guids := make([]string, 100)
@@ -68,19 +68,6 @@ func TestTracingCollectorSlow(t *testing.T) {
 		t.Error("no switchyard_tracing_spans_dropped_total")
 	}
 	stopProcess(t, cmd, out, 5*time.Second+2*time.Second)
-}
-
-// appendConfig adds text to the config file at path.
-func appendConfig(t *testing.T, path, text string) {
-	t.Helper()
-	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if _, err := f.WriteString(text); err != nil {
-		t.Fatal(err)
-	}
 }
 
 // jaeger is Jaeger v1.75.0's all-in-one (JAEGER, or .tools/jaeger-1.75.0,
@@ -233,7 +220,7 @@ func TestOneTracePerDelivery(t *testing.T) {
 		addr := freeAddr(t)
 		config := writeConfigWith(t, dir, addr, fmt.Sprintf("driver = \"postgres\"\nurl = %q", dbURL),
 			fmt.Sprintf("node_name = \"node-%d\"\nlease_ttl = \"3s\"", i+1), amqpURL(vhost))
-		appendConfig(t, config, fmt.Sprintf("[tracing]\nendpoint = \"http://%s\"\nsample_ratio = 1\n", otlp))
+		appendFile(t, config, fmt.Sprintf("[tracing]\nendpoint = \"http://%s\"\nsample_ratio = 1\n", otlp))
 		_, out := startProcess(t, config, addr)
 		addrs, outs = append(addrs, addr), append(outs, out)
 	}
