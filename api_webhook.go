@@ -501,8 +501,8 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	wh.metrics.webhook(outcome)
 	if wh.log.Enabled(r.Context(), slog.LevelDebug) {
-		wh.log.Debug("webhook "+status, "delivery_id", msg.MessageId, "event", msg.Type, "source_ip", addrText(src),
-			"broker", took.Broker.String(), "forbidden", key != "")
+		wh.log.With(traceFields(r.Context())...).Debug("webhook "+status, "delivery_id", msg.MessageId, "event", msg.Type,
+			"source_ip", addrText(src), "broker", took.Broker.String(), "forbidden", key != "")
 	}
 	writeJSON(w, http.StatusAccepted, queued{Status: status, DeliveryID: msg.MessageId, Queue: key})
 }

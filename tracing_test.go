@@ -70,6 +70,18 @@ func TestTracingCollectorSlow(t *testing.T) {
 	stopProcess(t, cmd, out, 5*time.Second+2*time.Second)
 }
 
+// debugLog sets the config file at path to log at debug.
+func debugLog(t *testing.T, path string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte(strings.Replace(string(b), `level = "info"`, `level = "debug"`, 1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // jaeger is Jaeger v1.75.0's all-in-one (JAEGER, or .tools/jaeger-1.75.0,
 // which make test-tracing builds from tools/jaeger: a long build); without
 // it the test skips, except under CI=true, where it is built.
@@ -221,6 +233,7 @@ func TestOneTracePerDelivery(t *testing.T) {
 		config := writeConfigWith(t, dir, addr, fmt.Sprintf("driver = \"postgres\"\nurl = %q", dbURL),
 			fmt.Sprintf("node_name = \"node-%d\"\nlease_ttl = \"3s\"", i+1), amqpURL(vhost))
 		appendFile(t, config, fmt.Sprintf("[tracing]\nendpoint = \"http://%s\"\nsample_ratio = 1\n", otlp))
+		debugLog(t, config)
 		_, out := startProcess(t, config, addr)
 		addrs, outs = append(addrs, addr), append(outs, out)
 	}
@@ -256,6 +269,12 @@ func TestOneTracePerDelivery(t *testing.T) {
 	}
 	if got := nodes["POST /webhooks/github"]; !slices.Equal(got, []string{"node-1"}) {
 		t.Errorf("the door's span came from %v, want node-1, which took the webhook", got)
+	}
+	// A log line about the delivery names its trace and its span: the
+	// door's, at debug.
+	logged := strings.Contains(outs[0].String(), "msg=\"webhook queued\" trace_id="+found.TraceID+" span_id=")
+	if !logged {
+		t.Errorf("no log line carries trace_id=%s and a span_id", found.TraceID)
 	}
 	// The delivery's story names its trace.
 	req := httpRequest(t, http.MethodGet, "http://"+addrs[1]+"/api/v1/deliveries/"+guid, "", "operator-token-for-tests")
