@@ -333,6 +333,29 @@ func (pgxTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceQ
 	}
 }
 
+// TraceBatchStart begins the span of the statements a transaction sends
+// ahead together (one round trip), each an event of it.
+func (pgxTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		return ctx
+	}
+	ctx, _ = tracer.Start(ctx, "postgresql pipeline", trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(attribute.String("db.system.name", "postgresql"), attribute.Int("db.operation.batch.size", data.Batch.Len())))
+	return context.WithValue(ctx, pgxSpan{}, true)
+}
+
+func (pgxTracer) TraceBatchQuery(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
+	if ctx.Value(pgxSpan{}) != nil {
+		trace.SpanFromContext(ctx).AddEvent("statement", trace.WithAttributes(attribute.String("db.query.text", data.SQL)))
+	}
+}
+
+func (pgxTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchEndData) {
+	if ctx.Value(pgxSpan{}) != nil {
+		endSpan(trace.SpanFromContext(ctx), data.Err)
+	}
+}
+
 // startTransaction begins the span of a database transaction, when
 // tracing is on and ctx is traced (a message's batch); a nil span else.
 func startTransaction(ctx context.Context, system string) (context.Context, trace.Span) {

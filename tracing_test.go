@@ -276,6 +276,39 @@ func TestOneTracePerDelivery(t *testing.T) {
 	if !logged {
 		t.Errorf("no log line carries trace_id=%s and a span_id", found.TraceID)
 	}
+	// Through the retry cycle: the database refuses the delivery's raw
+	// row a few times (a trigger of the test's: a sequence counts, past a
+	// rollback), and each attempt is a span of its trace.
+	retried := newGUID()
+	db := openWritableDB(t, DatabaseConfig{Driver: "postgres", URL: dbURL})
+	for _, q := range []string{"CREATE SEQUENCE refusals",
+		`CREATE FUNCTION refuse_twice() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+			IF NEW.delivery_id = '` + retried + `' AND nextval('refusals') <= 4 THEN RAISE EXCEPTION 'refused by the test'; END IF;
+			RETURN NEW; END $$`,
+		"CREATE TRIGGER refuse_twice BEFORE INSERT ON github FOR EACH ROW EXECUTE FUNCTION refuse_twice()"} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if code := postWebhook(t, "http://"+addrs[1], "issues", retried, loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
+		t.Fatalf("webhook: %d", code)
+	}
+	eventually(t, 60*time.Second, "each attempt of the retry cycle in the trace", func() bool {
+		traces := tracesOf(t, query, retried)
+		if len(traces) != 1 {
+			return false
+		}
+		attempts := map[string]bool{}
+		for _, s := range traces[0].Spans {
+			for _, tag := range s.Tags {
+				if s.OperationName == "process github" && tag.Key == "switchyard.attempt" {
+					attempts[fmt.Sprint(tag.Value)] = true
+				}
+			}
+		}
+		return len(attempts) >= 3 // refused at least twice (once or twice an attempt), then stored
+	})
+
 	// The delivery's story names its trace.
 	req := httpRequest(t, http.MethodGet, "http://"+addrs[1]+"/api/v1/deliveries/"+guid, "", "operator-token-for-tests")
 	if code, story := do(t, req); code != http.StatusOK || !strings.Contains(story, `"trace_id":"`+found.TraceID+`"`) {
