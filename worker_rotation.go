@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -64,6 +65,9 @@ func (r *Rotation) Check(ctx context.Context, h Holding, views []BudgetView, now
 			return nil // another node's step now
 		}
 		result, _, err := r.bs.NotifyUnder(ctx, h.fence(), to.Host, to.Vhost, now)
+		if errors.Is(err, ErrStale) {
+			return nil // a switch of this moment or later was recorded meanwhile (a check beside this one)
+		}
 		if err != nil {
 			return fmt.Errorf("record a pending switch from %s to %s: %w", from, to, err)
 		}
