@@ -242,9 +242,14 @@ func TestOneTracePerDelivery(t *testing.T) {
 			t.Logf("node 1:\n%s\nnode 2:\n%s\njaeger:\n%s", outs[0], outs[1], jout)
 		}
 	})
+	// The webhook comes with an outside producer's trace context (a proxy
+	// that traces, say): the delivery's trace is that one.
+	const outside = "4bf92f3577b34da6a3ce929d0e0e4736"
 	guid := newGUID()
-	if code := postWebhook(t, "http://"+addrs[0], "issues", guid, loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
-		t.Fatalf("webhook: %d", code)
+	req := webhookRequest(t, "http://"+addrs[0], "issues", guid, loadFixture(t, "issues", "opened"))
+	req.Header.Set("traceparent", "00-"+outside+"-00f067aa0ba902b7-01")
+	if code, body := do(t, req); code != http.StatusAccepted {
+		t.Fatalf("webhook: %d %s", code, body)
 	}
 	want := []string{"POST /webhooks/github", "publish github-exchange", "process github", "process github-database", "commit github", "commit github-database"}
 	var found jaegerTrace
@@ -269,6 +274,16 @@ func TestOneTracePerDelivery(t *testing.T) {
 	}
 	if got := nodes["POST /webhooks/github"]; !slices.Equal(got, []string{"node-1"}) {
 		t.Errorf("the door's span came from %v, want node-1, which took the webhook", got)
+	}
+	if found.TraceID != outside {
+		t.Errorf("the delivery's trace is %s, want the caller's %s", found.TraceID, outside)
+	}
+	// The publish histogram carries the trace as an exemplar, in the
+	// OpenMetrics exposition.
+	mreq, _ := http.NewRequest(http.MethodGet, "http://"+addrs[0]+"/metrics", nil)
+	mreq.Header.Set("Accept", "application/openmetrics-text; version=1.0.0")
+	if _, metrics := do(t, mreq); !strings.Contains(metrics, `# {trace_id="`+outside+`"}`) {
+		t.Errorf("no exemplar of trace %s in the OpenMetrics exposition", outside)
 	}
 	// A log line about the delivery names its trace and its span: the
 	// door's, at debug.
@@ -310,7 +325,7 @@ func TestOneTracePerDelivery(t *testing.T) {
 	})
 
 	// The delivery's story names its trace.
-	req := httpRequest(t, http.MethodGet, "http://"+addrs[1]+"/api/v1/deliveries/"+guid, "", "operator-token-for-tests")
+	req = httpRequest(t, http.MethodGet, "http://"+addrs[1]+"/api/v1/deliveries/"+guid, "", "operator-token-for-tests")
 	if code, story := do(t, req); code != http.StatusOK || !strings.Contains(story, `"trace_id":"`+found.TraceID+`"`) {
 		t.Errorf("the story: %d %s, want trace_id %s", code, story, found.TraceID)
 	}
