@@ -33,15 +33,9 @@ func rawPipeline(b testing.TB, url string, payload []byte, packed bool, publishe
 	if packed {
 		body, encoding = compressZstd(payload), encodingZstd
 	}
-	pub, err := amqp.Dial(url)
-	if err != nil {
-		b.Fatal(err)
-	}
+	pub := dialRaw(b, url)
 	defer pub.Close()
-	cons, err := amqp.Dial(url)
-	if err != nil {
-		b.Fatal(err)
-	}
+	cons := dialRaw(b, url)
 	defer cons.Close()
 	var acked [2]atomic.Int64
 	stop := make(chan struct{})
@@ -203,15 +197,9 @@ func rawInsert(b testing.TB, db *sql.DB, id string, value []byte) {
 // confirm comes; a consumer on each of the fanout's queues (prefetch 200,
 // acks in batches of 100) keeps the queues from growing.
 func rawOpenLoop(b testing.TB, url string, payload []byte) (held, broke openLoopStep) {
-	pub, err := amqp.Dial(url)
-	if err != nil {
-		b.Fatal(err)
-	}
+	pub := dialRaw(b, url)
 	defer pub.Close()
-	cons, err := amqp.Dial(url)
-	if err != nil {
-		b.Fatal(err)
-	}
+	cons := dialRaw(b, url)
 	var acked [2]atomic.Int64
 	stop := make(chan struct{})
 	var consumers sync.WaitGroup
@@ -221,6 +209,7 @@ func rawOpenLoop(b testing.TB, url string, payload []byte) (held, broke openLoop
 	defer cons.Close()
 	chans := make([]*amqp.Channel, 64)
 	for i := range chans {
+		var err error
 		if chans[i], err = pub.Channel(); err != nil {
 			b.Fatal(err)
 		}
@@ -242,4 +231,14 @@ func rawOpenLoop(b testing.TB, url string, payload []byte) (held, broke openLoop
 		}
 		return nil
 	})
+}
+
+// dialRaw is a baseline's connection to url.
+func dialRaw(b testing.TB, url string) *amqp.Connection {
+	b.Helper()
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return conn
 }

@@ -175,12 +175,10 @@ func (t *serverTLS) serves(host string) bool {
 // it expires.
 func (t *serverTLS) Certificates() []CertificateView {
 	var leaves []*x509.Certificate
-	if t.cache == nil {
-		if pair := t.pair.Load(); pair != nil && pair.Leaf != nil {
-			leaves = append(leaves, pair.Leaf)
-		}
+	if pair := t.pair.Load(); t.cache == nil && pair != nil && pair.Leaf != nil {
+		leaves = append(leaves, pair.Leaf)
 	}
-	for _, d := range t.cfg.ACMEDomains {
+	for _, d := range t.cfg.ACMEDomains { // none with files: no cache to ask
 		for _, c := range t.cache.AllMatchingCertificates(d) {
 			if c.Leaf != nil && !slices.ContainsFunc(leaves, c.Leaf.Equal) {
 				leaves = append(leaves, c.Leaf)

@@ -164,11 +164,7 @@ func (s *Store) WriteTxUnder(ctx context.Context, f Fence, fn func(tx *Tx) error
 func (s *Store) writeTx(ctx context.Context, fence *Fence, fn func(tx *Tx) error) error {
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
-	system := "sqlite"
-	if s.engine.driver() == "postgres" {
-		system = "postgresql"
-	}
-	ctx, span := startTransaction(ctx, system)
+	ctx, span := startTransaction(ctx, s.engine.driver())
 	err := s.runTx(ctx, fence, fn)
 	endSpan(span, err)
 	return err

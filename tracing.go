@@ -356,11 +356,16 @@ func (pgxTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceB
 	}
 }
 
-// startTransaction begins the span of a database transaction, when
-// tracing is on and ctx is traced (a message's batch); a nil span else.
-func startTransaction(ctx context.Context, system string) (context.Context, trace.Span) {
+// startTransaction begins the span of a database transaction on driver
+// (database.driver), when tracing is on and ctx is traced (a message's
+// batch); a nil span else.
+func startTransaction(ctx context.Context, driver string) (context.Context, trace.Span) {
 	if !tracingOn.Load() || !trace.SpanContextFromContext(ctx).IsValid() {
 		return ctx, nil
+	}
+	system := driver // sqlite
+	if driver == "postgres" {
+		system = "postgresql"
 	}
 	return tracer.Start(ctx, system+" transaction", trace.WithSpanKind(trace.SpanKindClient),
 		trace.WithAttributes(attribute.String("db.system.name", system)))
