@@ -568,10 +568,8 @@ func benchEndToEnd(b *testing.B, payload []byte) e2eResult {
 	addr := freeAddr(b)
 	dbPath := filepath.Join(dir, "e2e.db")
 	config := writeConfig(b, dir, addr, dbPath, amqpURL(vhost))
-	cfgText, _ := os.ReadFile(config)
-	cfgText = []byte(strings.Replace(string(cfgText), "[github]\n", fmt.Sprintf("[github]\nbot_app_id = %d\n", testBotAppID), 1))
-	cfgText = []byte(strings.Replace(string(cfgText), `retry_ttl = "200ms"`, "retry_ttl = \"200ms\"\nprefetch = "+strconv.Itoa(benchPrefetch), 1))
-	os.WriteFile(config, cfgText, 0o600)
+	editConfig(b, config, "[github]\n", fmt.Sprintf("[github]\nbot_app_id = %d\n", testBotAppID))
+	editConfig(b, config, `retry_ttl = "200ms"`, "retry_ttl = \"200ms\"\nprefetch = "+strconv.Itoa(benchPrefetch))
 	cmd := exec.Command(builtBinary(b), "serve", "-config", config)
 	if err := cmd.Start(); err != nil {
 		b.Fatal(err)

@@ -73,6 +73,22 @@ level = "info"
 	return p
 }
 
+// editConfig replaces old, which the config file at path holds, with new
+// once.
+func editConfig(t testing.TB, path, old, new string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(b), old) {
+		t.Fatalf("%s does not hold %q", path, old)
+	}
+	if err := os.WriteFile(path, []byte(strings.Replace(string(b), old, new, 1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestMain removes what was made once for every test: the built binary
 // and the vhosts not deleted yet.
 func TestMain(m *testing.M) {

@@ -73,13 +73,7 @@ func TestTracingCollectorSlow(t *testing.T) {
 // debugLog sets the config file at path to log at debug.
 func debugLog(t *testing.T, path string) {
 	t.Helper()
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(path, []byte(strings.Replace(string(b), `level = "info"`, `level = "debug"`, 1)), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	editConfig(t, path, `level = "info"`, `level = "debug"`)
 }
 
 // jaeger is Jaeger v1.75.0's all-in-one (JAEGER, or .tools/jaeger-1.75.0,
