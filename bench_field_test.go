@@ -63,6 +63,12 @@ type benchProcess struct {
 // the bench's own setting of the same key.
 func startBenchProcess(b testing.TB, brokerURL, dbPath string, extra ...string) *benchProcess {
 	b.Helper()
+	return startBenchBinary(b, builtBinary(b), brokerURL, dbPath, extra...)
+}
+
+// startBenchBinary is startBenchProcess with the daemon of the binary bin.
+func startBenchBinary(b testing.TB, bin, brokerURL, dbPath string, extra ...string) *benchProcess {
+	b.Helper()
 	dir := b.TempDir()
 	if dbPath == "" {
 		dbPath = filepath.Join(dir, "bench.db")
@@ -86,14 +92,16 @@ func startBenchProcess(b testing.TB, brokerURL, dbPath string, extra ...string) 
 	}
 	var text strings.Builder
 	for _, s := range []string{"server", "database", "api", "github", "queue", "workers", "log", "tracing"} {
-		fmt.Fprintf(&text, "[%s]\n%s\n", s, strings.Join(sections[s], "\n"))
+		if len(sections[s]) > 0 { // no empty section: a binary of before it knew the section refuses it
+			fmt.Fprintf(&text, "[%s]\n%s\n", s, strings.Join(sections[s], "\n"))
+		}
 	}
 	fmt.Fprintf(&text, "[[brokers]]\nurl = %q\n", brokerURL)
 	config := filepath.Join(dir, "bench.toml")
 	if err := os.WriteFile(config, []byte(text.String()), 0o600); err != nil {
 		b.Fatal(err)
 	}
-	cmd := exec.Command(builtBinary(b), "serve", "-config", config)
+	cmd := exec.Command(bin, "serve", "-config", config)
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
 		b.Fatal(err)

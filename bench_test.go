@@ -174,9 +174,11 @@ func BenchmarkSwitchyard(b *testing.B) {
 		}
 		if want("tracing") {
 			rtt := benchRTTs(b)[0]
-			off, on, bytes := benchTracing(b, payload, rtt)
+			before, off, on, bytes := benchTracing(b, payload, rtt)
 			add(fmt.Sprintf("end to end over amqps at %s, default config: tracing on (ratio 1, OTLP/HTTP, %.0f span bytes a webhook) vs off", rtt, bytes),
 				on, off, "webhooks/s", "ratio >= 0.9")
+			add(fmt.Sprintf("end to end over amqps at %s, default config: tracing off vs the binary before tracing (%s)", rtt, beforeTracing),
+				off, before, "webhooks/s", "1 within the rows' spread")
 		}
 		if want("spool") {
 			rtt := benchRTTs(b)[0]
