@@ -14,8 +14,12 @@ import (
 // counted from the moment it was due (a closed loop of clients waiting
 // for their answers would send less when answers slow, and hide the
 // queueing a slow answer causes). The rate is stepped up by a quarter
-// until the p99 of the answers passes a second or one is refused: the
-// last rate held is the sustained rate.
+// until the p99 of the answers passes a second, one is refused, or what
+// was answered is not through end to end (stored, or taken by the raw
+// pipeline's consumers) within 2 s of the step's last answer: the last
+// rate held is the sustained rate. An answer alone is not enough: a
+// pipeline that confirms faster than its consumers take is not keeping
+// up, only filling its queues.
 
 // openLoopStep is one rate held for d.
 type openLoopStep struct {
@@ -24,11 +28,20 @@ type openLoopStep struct {
 	p99     time.Duration
 	refused int
 	sent    int
+	// lag is how long after the step's last answer every webhook it sent
+	// was through end to end, up to a little past openLoopLag.
+	lag time.Duration
 }
 
-// held reports whether the step kept its answers within a second and
-// refused none.
-func (s openLoopStep) held() bool { return s.refused == 0 && s.p99 <= time.Second }
+// openLoopLag is how far behind its answers a step's end-to-end work may
+// fall and the step still hold.
+const openLoopLag = 2 * time.Second
+
+// held reports whether the step kept its answers within a second, refused
+// none, and kept its end-to-end work within openLoopLag of them.
+func (s openLoopStep) held() bool {
+	return s.refused == 0 && s.p99 <= time.Second && s.lag <= openLoopLag
+}
 
 // openLoopAt sends one request a 1/rate apart for d through send, each in
 // its own goroutine at its due time, and waits for every answer (send
@@ -62,17 +75,29 @@ func openLoopAt(rate float64, d time.Duration, send func(i int) error) openLoopS
 
 // sustainedOpenLoop steps the rate up from from by a quarter, 8 s a step,
 // until a step does not hold; it returns the last step held (a zero step
-// when the first did not) and the first that did not.
-func sustainedOpenLoop(from float64, send func(i int) error) (held, broke openLoopStep) {
+// when the first did not) and the first that did not. through is how many
+// of the webhooks sent so far are through end to end.
+func sustainedOpenLoop(from float64, send func(i int) error, through func() int) (held, broke openLoopStep) {
 	offset := 0
 	for rate := from; ; rate *= 1.25 {
 		step := openLoopAt(rate, 8*time.Second, func(i int) error { return send(offset + i) })
 		offset += step.sent
+		step.lag = lagBehind(offset, through)
 		if !step.held() {
 			return held, step
 		}
 		held = step
 	}
+}
+
+// lagBehind is how long through took to reach want, looked at every 20 ms
+// up to a little past openLoopLag.
+func lagBehind(want int, through func() int) time.Duration {
+	start := time.Now()
+	for through() < want && time.Since(start) <= openLoopLag {
+		time.Sleep(20 * time.Millisecond)
+	}
+	return time.Since(start)
 }
 
 // openLoopRates are switchyard's sustained rate end to end (the 202s) and
@@ -102,7 +127,12 @@ func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64
 		return err
 	}
 	sustained(b, p, payload, 64, time.Second) // warm, as benchWANEndToEnd
-	r.ours, r.oursBroke = sustainedOpenLoop(100, post)
+	db := openStoreDB(b, p.database)
+	stored := func() int {
+		return min(queryInt(b, db, "SELECT count(*) FROM github WHERE delivery_id LIKE $1", prefix+"%"),
+			queryInt(b, db, "SELECT count(*) FROM github_pull_requests WHERE delivery_id LIKE $1", prefix+"%"))
+	}
+	r.ours, r.oursBroke = sustainedOpenLoop(100, post, stored)
 	// What the step past it left (a spool, a backlog) is gone before the
 	// half rate is measured.
 	eventually(b, 5*time.Minute, "the spool empty after the steps", func() bool {
