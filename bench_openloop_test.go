@@ -108,6 +108,10 @@ type openLoopRates struct {
 	oursBroke   openLoopStep
 	rawBroke    openLoopStep
 	halfRateP99 time.Duration
+	// The CPU a webhook cost at the sustained rate, held 20 s: the
+	// daemon's, the broker's and the bench's (the load's generator and
+	// the link's proxy), where the two cores' time goes.
+	daemon, broker, bench time.Duration
 }
 
 // benchOpenLoop: switchyard with the default config over amqps at rtt
@@ -118,7 +122,9 @@ func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANLink(b, testBrokerAddr(), rtt, mbit)
-	p := startBenchProcess(b, proxy.URL(vhost), "")
+	prof := newBenchProfile(b, fmt.Sprintf("open-loop-%s", linkName(rtt, mbit)))
+	p := startBenchProcess(b, proxy.URL(vhost), "", prof.config...)
+	brokerCPU := brokerCPU(b)
 	body := newBotBody(b, payload)
 	client := newLoadClient(p.url, 512)
 	prefix := "open-" + randHex(3) + "-"
@@ -142,6 +148,14 @@ func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64
 	if r.ours.rate > 0 {
 		half := openLoopAt(r.ours.rate/2, 8*time.Second, func(i int) error { return post(1_000_000 + i) })
 		r.halfRateP99 = half.p99
+		// Where the time goes at the sustained rate: each process's CPU
+		// a webhook (and, with BENCH_PROFILE, the daemon's profile).
+		profiled := prof.take(b)
+		d0, b0, s0 := p.cpu(b), brokerCPU(), selfCPU()
+		at := openLoopAt(r.ours.rate, 25*time.Second, func(i int) error { return post(2_000_000 + i) })
+		per := func(d time.Duration) time.Duration { return d / time.Duration(max(at.sent, 1)) }
+		r.daemon, r.broker, r.bench = per(p.cpu(b)-d0), per(brokerCPU()-b0), per(selfCPU()-s0)
+		profiled()
 	}
 	p.stop(b)
 	r.raw, r.rawBroke = rawOpenLoop(b, proxy.URL(vhost), payload)
