@@ -25,9 +25,9 @@ HAPROXY  := $(TOOLS)/haproxy
 PGBOUNCER := $(TOOLS)/pgbouncer
 PEBBLE   := $(TOOLS)/pebble $(TOOLS)/pebble-challtestsrv
 JAEGER   := $(TOOLS)/jaeger-1.75.0
-# The trace test needs Jaeger, whose cold build takes longer than the rest
-# of the suite: test-tracing runs it, and .ci/run calls that after test.
-TRACE_TESTS ?= TestOneTracePerDelivery
+# The trace tests need Jaeger, whose cold build takes longer than the rest
+# of the suite: test-tracing runs them, and .ci/run calls that after test.
+TRACE_TESTS ?= TestOneTracePerDelivery|TestTraceOfLeftoverDrainAndRepublish
 # The RabbitMQ cluster of the test's own (three nodes) runs after the rest,
 # not beside it: starved of the two cores by the tests around it, a node's
 # answers, not switchyard's, made a webhook wait past its client's 10 s.

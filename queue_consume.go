@@ -334,6 +334,7 @@ const drainIdle = 100 * time.Millisecond
 // puts every message not yet acked back in the queue, in order.
 func (r *reader) drain(ctx context.Context, o ConsumeOptions, limit int, unchanged func() bool) (int, error) {
 	queue, batch := o.Queue, o.Batch
+	o.leftover = true
 	if limit <= 0 {
 		return 0, nil
 	}

@@ -45,6 +45,9 @@ type Message struct {
 	Attempts int64
 	// Broker is the broker it came from.
 	Broker *Broker
+	// Leftover says it came through a Leftover Drain: Broker is not the
+	// active one.
+	Leftover bool
 }
 
 // Header reads one header as text, whatever AMQP type carried it.
@@ -132,6 +135,8 @@ type ConsumeOptions struct {
 	// handling ends at once, and they are left unacknowledged, for
 	// another consumer, with no attempt burned.
 	HandBack <-chan struct{}
+	// leftover marks the messages of a Leftover Drain (Message.Leftover).
+	leftover bool
 }
 
 // settler ends the messages of one broker by their verdicts: it acks them,
@@ -320,7 +325,7 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) (held int64,
 		}
 		held += int64(len(body))
 		m := Message{ID: d.MessageId, Type: d.Type, Headers: d.Headers, Body: body, Broker: s.bc.broker,
-			Timestamp: d.Timestamp, Attempts: attempts}
+			Timestamp: d.Timestamp, Attempts: attempts, Leftover: o.leftover}
 		if d.ContentEncoding == encodingZstd {
 			m.Zstd = d.Body
 		}

@@ -239,6 +239,15 @@ func traceWebhook(ctx context.Context, msg *amqp.Publishing, hookID string) {
 	propagator.Inject(ctx, headerCarrier(msg.Headers))
 }
 
+// nameDelivery names the delivery ctx's span is about (github.delivery), so
+// that its trace is found by the GUID where no door's span names it: a
+// delivery republished from GitHub's record.
+func nameDelivery(ctx context.Context, guid string) {
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		span.SetAttributes(attribute.String("github.delivery", guid))
+	}
+}
+
 // startCommit begins the span of the transaction that commits a batch:
 // in the trace of its first message, linked to every message's span, each
 // of which links back to it, so that one commit holding many deliveries is

@@ -396,11 +396,15 @@ func (h *Hooks) gapRefused(ctx context.Context, guid string, why error) (gaveUp 
 // github-exchange, so that both the raw log and the typed tables get the
 // Event. It talks to GitHub and the broker, so it never batches: it opens a
 // transaction of its own once the network is done with.
+// Each message is a consumer span, under which the republish is traced:
+// the republished delivery's trace begins at the hooks worker.
 func (h *Hooks) HandleMessages(ctx context.Context, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
+	spans := startConsumes(ctx, queueHooks, msgs)
 	for i := range msgs {
-		verdicts[i] = h.handle(ctx, &msgs[i])
+		verdicts[i] = h.handle(spans.context(ctx, i), &msgs[i])
 	}
+	spans.end(verdicts, nil)
 	return verdicts, nil
 }
 
@@ -410,6 +414,7 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 	if err := json.Unmarshal(msg.Body, &m); err != nil || m.DeliveryID == 0 || m.GUID == "" {
 		return permanent("github-hooks message without delivery_id or guid")
 	}
+	nameDelivery(ctx, m.GUID)
 	if done, err := h.store.Finished(ctx, "hooks", DeliveryKey{GUID: m.GUID}); err != nil || done {
 		return cmp.Or(err, ErrDuplicate)
 	}

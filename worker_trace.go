@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 )
@@ -25,6 +26,13 @@ func startConsumes(ctx context.Context, queue string, msgs []Message) consumeSpa
 	for i := range msgs {
 		m := &msgs[i]
 		spans[i].ctx, spans[i].span = startConsume(ctx, queue, m.ID, m.Headers, len(m.Body), int(m.Attempts)+1)
+		if m.Broker != nil {
+			spans[i].span.SetAttributes(attribute.String("server.address", m.Broker.Host), attribute.Int("server.port", m.Broker.Port),
+				attribute.String("switchyard.broker", m.Broker.String()))
+		}
+		if m.Leftover {
+			spans[i].span.SetAttributes(attribute.Bool("switchyard.leftover_drain", true))
+		}
 	}
 	return spans
 }
