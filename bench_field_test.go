@@ -271,6 +271,15 @@ func newBenchProfile(b testing.TB, name string) *benchProfile {
 	}
 }
 
+// metrics is the URL of p's /metrics: on the main listener, or on the
+// profile's own.
+func (bp *benchProfile) metrics(p *benchProcess) string {
+	if bp.addr != "" {
+		return "http://" + bp.addr + "/metrics"
+	}
+	return p.url + "/metrics"
+}
+
 // take starts the profile 5 s into the stream about to begin; wait
 // returns once it is written.
 func (bp *benchProfile) take(b testing.TB) (wait func()) {

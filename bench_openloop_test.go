@@ -142,7 +142,7 @@ func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64
 	// What the step past it left (a spool, a backlog) is gone before the
 	// half rate is measured.
 	eventually(b, 5*time.Minute, "the spool empty after the steps", func() bool {
-		return scrape(b, p.url+"/metrics")["switchyard_spool_messages"] == 0
+		return scrape(b, prof.metrics(p))["switchyard_spool_messages"] == 0
 	})
 	sustained(b, p, payload, 64, time.Second) // and every webhook stored
 	if r.ours.rate > 0 {
