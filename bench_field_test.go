@@ -241,7 +241,7 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration, mbit floa
 	// Counted, that cost the row about 2 % at 50 ms (four pairs, cold
 	// 966-1,074, warm 1,026-1,078 webhooks/s).
 	sustained(b, p, payload, 64, time.Second)
-	profiled := prof.take(b)
+	profiled := prof.take(b, 5*time.Second, 20*time.Second)
 	d0, b0, s0, m0 := p.cpu(b), brokerCPU(), selfCPU(), proxy.moved.Load()
 	r.rate, n = sustained(b, p, payload, 64, 30*time.Second)
 	profiled()
@@ -251,8 +251,8 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration, mbit floa
 	return r
 }
 
-// benchProfile is BENCH_PROFILE=DIR: a CPU profile of a daemon over 20 s
-// of a row's stream, written to DIR/NAME.pprof through server.pprof.
+// benchProfile is BENCH_PROFILE=DIR: a CPU profile of a daemon over a
+// row's stream, written to DIR/NAME.pprof through server.pprof.
 type benchProfile struct {
 	config []string // the daemon's config for it; none without BENCH_PROFILE
 	addr   string   // its metrics listener
@@ -280,17 +280,17 @@ func (bp *benchProfile) metrics(p *benchProcess) string {
 	return p.url + "/metrics"
 }
 
-// take starts the profile 5 s into the stream about to begin; wait
+// take starts a profile of d after into the stream about to begin; wait
 // returns once it is written.
-func (bp *benchProfile) take(b testing.TB) (wait func()) {
+func (bp *benchProfile) take(b testing.TB, after, d time.Duration) (wait func()) {
 	if bp.path == "" {
 		return func() {}
 	}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		time.Sleep(5 * time.Second)
-		resp, err := http.Get("http://" + bp.addr + "/debug/pprof/profile?seconds=20")
+		time.Sleep(after)
+		resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", bp.addr, int(d.Seconds())))
 		if err != nil {
 			b.Errorf("profile: %v", err)
 			return
@@ -332,7 +332,7 @@ func benchPostgres(b *testing.B, payload []byte, rtt time.Duration) (sqlite, pg,
 	// node, PostgreSQL and the broker.
 	run := func(prof *benchProfile, nodes ...*benchProcess) (float64, [3]time.Duration) {
 		sustainedOn(b, nodes, payload, 64, time.Second) // warm, as benchWANEndToEnd
-		profiled := prof.take(b)
+		profiled := prof.take(b, 5*time.Second, 20*time.Second)
 		d0, p0, b0 := nodes[0].cpu(b), commCPU("postgres"), brokerCPU()
 		rate, n := sustainedOn(b, nodes, payload, 64, 30*time.Second)
 		per := func(d time.Duration) time.Duration { return d / time.Duration(max(n, 1)) }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -108,10 +109,12 @@ type openLoopRates struct {
 	oursBroke   openLoopStep
 	rawBroke    openLoopStep
 	halfRateP99 time.Duration
-	// The CPU a webhook cost at the sustained rate, held 20 s: the
-	// daemon's, the broker's and the bench's (the load's generator and
-	// the link's proxy), where the two cores' time goes.
+	// The CPU a webhook cost at the sustained rate, held for a step until
+	// every webhook was stored: the daemon's, the broker's and the
+	// bench's (the load's generator and the link's proxy), where the
+	// two cores' time goes, and how busy that kept them.
 	daemon, broker, bench time.Duration
+	busy                  float64
 }
 
 // benchOpenLoop: switchyard with the default config over amqps at rtt
@@ -156,14 +159,16 @@ func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64
 		r.halfRateP99 = half.p99
 		caughtUp()
 		// Where the time goes at the sustained rate: each process's CPU
-		// a webhook, until every one is stored (and, with BENCH_PROFILE,
-		// the daemon's profile).
-		profiled := prof.take(b)
-		d0, b0, s0 := p.cpu(b), brokerCPU(), selfCPU()
-		at := openLoopAt(r.ours.rate, 25*time.Second, func(i int) error { return post(2_000_000 + i) })
+		// a webhook over a step, until every one is stored (and, with
+		// BENCH_PROFILE, the daemon's profile of 6 s of it).
+		profiled := prof.take(b, time.Second, 6*time.Second)
+		start, d0, b0, s0 := time.Now(), p.cpu(b), brokerCPU(), selfCPU()
+		at := openLoopAt(r.ours.rate, 8*time.Second, func(i int) error { return post(2_000_000 + i) })
 		caughtUp()
+		d, br, s := p.cpu(b)-d0, brokerCPU()-b0, selfCPU()-s0
 		per := func(d time.Duration) time.Duration { return d / time.Duration(max(at.sent, 1)) }
-		r.daemon, r.broker, r.bench = per(p.cpu(b)-d0), per(brokerCPU()-b0), per(selfCPU()-s0)
+		r.daemon, r.broker, r.bench = per(d), per(br), per(s)
+		r.busy = (d + br + s).Seconds() / time.Since(start).Seconds() / float64(runtime.NumCPU())
 		profiled()
 	}
 	p.stop(b)

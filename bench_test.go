@@ -13,7 +13,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"sort"
 	"strconv"
 	"strings"
@@ -162,10 +161,9 @@ func BenchmarkSwitchyard(b *testing.B) {
 					base: fmt.Sprintf("%.0f/s: p99 %.0f ms, %d refused, taken %.1f s after", r.rawBroke.rate, ms(r.rawBroke.p99), r.rawBroke.refused, r.rawBroke.lag.Seconds()), aim: "none refused"})
 				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: p99 at half the sustained rate", link),
 					ours: fmt.Sprintf("%.0f ms", ms(r.halfRateP99)), aim: fmt.Sprintf("< 2 RTT + 50 ms = %.0f ms", ms(2*rtt+50*time.Millisecond))})
-				busy := (r.daemon + r.broker + r.bench).Seconds() * r.ours.rate / float64(runtime.NumCPU())
 				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: CPU per webhook at the sustained rate", link),
 					ours: fmt.Sprintf("daemon %d us", r.daemon.Microseconds()),
-					base: fmt.Sprintf("broker %d, bench (load, proxy) %d us: the cores %.0f %% busy", r.broker.Microseconds(), r.bench.Microseconds(), 100*busy), aim: "printed"})
+					base: fmt.Sprintf("broker %d, bench (load, proxy) %d us: the cores %.0f %% busy", r.broker.Microseconds(), r.bench.Microseconds(), 100*r.busy), aim: "printed"})
 			}
 		}
 		if want("postgres") {
