@@ -43,14 +43,23 @@ build:
 run: build ensure-rabbitmq
 	./switchyard serve -config $(CONFIG)
 
+# The race-built test binary, vetted as go test vets, and linked once for
+# every pass below rather than once each; it runs in this directory, as go
+# test runs it.
+TESTBIN := switchyard.test
+
+$(TESTBIN): $(wildcard *.go) go.mod go.sum
+	$(GO) vet .
+	CGO_ENABLED=1 $(GO) test -c -race -o $@ .
+
 # -race needs cgo; the tests build their own binary where they need one.
 # The tests run on SQLite and on the local PostgreSQL (each its own
 # databases); -parallel 4 keeps both cores busy while tests wait on
 # brokers and timers. Then the PostgreSQL half once more through a pooler
 # (test-pgbouncer).
-test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY) $(PGBOUNCER) $(PEBBLE)
-	PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) PGBOUNCER=$(CURDIR)/$(PGBOUNCER) PEBBLE_DIR=$(CURDIR)/$(TOOLS) CGO_ENABLED=1 $(GO) test -race -count=1 -parallel 4 -timeout 15m -skip '^($(TRACE_TESTS)|$(CLUSTER_TESTS))$$' ./...
-	HAPROXY=$(CURDIR)/$(HAPROXY) CGO_ENABLED=1 $(GO) test -race -count=1 -timeout 10m -run '^($(CLUSTER_TESTS))$$' .
+test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY) $(PGBOUNCER) $(PEBBLE) $(TESTBIN)
+	PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) PGBOUNCER=$(CURDIR)/$(PGBOUNCER) PEBBLE_DIR=$(CURDIR)/$(TOOLS) ./$(TESTBIN) -test.count=1 -test.parallel 4 -test.timeout 15m -test.skip '^($(TRACE_TESTS)|$(CLUSTER_TESTS))$$'
+	HAPROXY=$(CURDIR)/$(HAPROXY) ./$(TESTBIN) -test.count=1 -test.timeout 10m -test.run '^($(CLUSTER_TESTS))$$'
 	$(MAKE) --no-print-directory test-pgbouncer
 
 # The PostgreSQL store and node tests once more, through pgbouncer in
@@ -68,7 +77,7 @@ NODE_TESTS ?= TestThreeNodesOneStore|TestBatchSendsAhead|TestNodeBelowRisingFloo
 # no step once resumed, which the load of five other fleets beside it on
 # two cores stretches past its lease_ttl of 2 s.
 PAUSE_TESTS ?= TestPausedHolderTakesNoStep
-test-pgbouncer: ensure-postgres $(PGBOUNCER) $(HAPROXY)
+test-pgbouncer: ensure-postgres $(PGBOUNCER) $(HAPROXY) $(TESTBIN)
 	@dir=$$(mktemp -d /tmp/switchyard-pgbouncer.XXXXXX); port=$$((20000 + RANDOM % 20000)); \
 	printf '[databases]\n* = host=127.0.0.1 port=5432\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = %s\nunix_socket_dir =\nauth_type = trust\nauth_file = %s/users\npool_mode = transaction\nmax_client_conn = 1000\ndefault_pool_size = 40\nignore_startup_parameters = extra_float_digits\nlogfile = %s/pgbouncer.log\n' $$port $$dir $$dir > $$dir/pgbouncer.ini; \
 	echo '"postgres" ""' > $$dir/users; cp $(PGBOUNCER) $$dir/pgbouncer; chmod 0755 $$dir; chown -R postgres $$dir; \
@@ -77,11 +86,11 @@ test-pgbouncer: ensure-postgres $(PGBOUNCER) $(HAPROXY)
 	for i in $$(seq 1 50); do (echo > /dev/tcp/127.0.0.1/$$port) 2>/dev/null && break; sleep 0.1; done; \
 	both=$$(awk '/^func /{name=""} /^func Test/{name=$$2; sub(/\(.*/,"",name)} /onBothStores\(t/ && name!="" {print name}' *_test.go | sort -u | paste -sd'|'); \
 	export SWITCHYARD_TEST_POSTGRES_URL="postgres://postgres@127.0.0.1:$$port/postgres?sslmode=disable&default_query_exec_mode=exec" \
-		HAPROXY=$(CURDIR)/$(HAPROXY) CGO_ENABLED=1; \
+		HAPROXY=$(CURDIR)/$(HAPROXY); \
 	echo "the PostgreSQL tests through pgbouncer (transaction mode) on 127.0.0.1:$$port"; \
-	$(GO) test -race -count=1 -parallel 4 -timeout 10m -run "^($$both)\$$/^postgres\$$" -skip '^($(BROKER_FAULT_TESTS))$$' . && \
-	$(GO) test -race -count=1 -parallel 4 -timeout 10m -run '^($(NODE_TESTS))$$' . && \
-	$(GO) test -race -count=1 -timeout 10m -run '^($(PAUSE_TESTS))$$' .
+	./$(TESTBIN) -test.count=1 -test.parallel 4 -test.timeout 10m -test.run "^($$both)\$$/^postgres\$$" -test.skip '^($(BROKER_FAULT_TESTS))$$' && \
+	./$(TESTBIN) -test.count=1 -test.parallel 4 -test.timeout 10m -test.run '^($(NODE_TESTS))$$' && \
+	./$(TESTBIN) -test.count=1 -test.timeout 10m -test.run '^($(PAUSE_TESTS))$$'
 
 lint:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
@@ -142,7 +151,7 @@ screenshot: ensure-rabbitmq ensure-chromium
 		CGO_ENABLED=1 $(GO) test -count=1 -run '^(TestStatusScreenshot|TestDeliveriesInBrowser)$$' .
 
 clean:
-	rm -rf switchyard dist
+	rm -rf switchyard $(TESTBIN) dist
 
 # Debian's chromium, for the status page test.
 ensure-chromium:
@@ -176,8 +185,8 @@ $(HAPROXY):
 # One trace per delivery, in a real collector: Jaeger's all-in-one, built
 # once into .tools/ (keyed by its version) from tools/jaeger, a module of
 # its own.
-test-tracing: ensure-rabbitmq ensure-postgres $(JAEGER)
-	JAEGER=$(CURDIR)/$(JAEGER) CGO_ENABLED=1 $(GO) test -race -count=1 -run '^($(TRACE_TESTS))$$' -timeout 10m .
+test-tracing: ensure-rabbitmq ensure-postgres $(JAEGER) $(TESTBIN)
+	JAEGER=$(CURDIR)/$(JAEGER) ./$(TESTBIN) -test.count=1 -test.run '^($(TRACE_TESTS))$$' -test.timeout 10m
 
 $(JAEGER): tools/jaeger/go.mod tools/jaeger/go.sum
 	@echo "building Jaeger v1.75.0 (a long build, once)"
