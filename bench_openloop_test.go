@@ -27,6 +27,7 @@ type openLoopStep struct {
 	rate    float64
 	p50     time.Duration
 	p99     time.Duration
+	slowest time.Duration
 	refused int
 	sent    int
 	// lag is how long after the step's last answer every webhook it sent
@@ -69,7 +70,7 @@ func openLoopAt(rate float64, d time.Duration, send func(i int) error) openLoopS
 	slices.Sort(lat)
 	step := openLoopStep{rate: rate, refused: int(refused.Load()), sent: n}
 	if n > 0 {
-		step.p50, step.p99 = lat[n/2], lat[n*99/100]
+		step.p50, step.p99, step.slowest = lat[n/2], lat[n*99/100], lat[n-1]
 	}
 	return step
 }
@@ -109,6 +110,8 @@ type openLoopRates struct {
 	oursBroke   openLoopStep
 	rawBroke    openLoopStep
 	halfRateP99 time.Duration
+	// twice is a burst of twice the sustained rate for 2 s.
+	twice openLoopStep
 	// The CPU a webhook cost at the sustained rate, held for a step until
 	// every webhook was stored: the daemon's, the broker's and the
 	// bench's (the load's generator and the link's proxy), where the
@@ -157,6 +160,8 @@ func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64
 	if r.ours.rate > 0 {
 		half := openLoopAt(r.ours.rate/2, 8*time.Second, func(i int) error { return post(1_000_000 + i) })
 		r.halfRateP99 = half.p99
+		caughtUp()
+		r.twice = openLoopAt(2*r.ours.rate, 2*time.Second, func(i int) error { return post(3_000_000 + i) })
 		caughtUp()
 		// Where the time goes at the sustained rate: each process's CPU
 		// a webhook over a step, until every one is stored (and, with

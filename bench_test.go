@@ -157,8 +157,11 @@ func BenchmarkSwitchyard(b *testing.B) {
 				add(fmt.Sprintf("open loop over amqps at %s: the sustained rate, stepped by a quarter until p99 > 1 s, a refusal or the stored rows 2 s behind (baseline: raw pipeline, payloads as they are)", link),
 					r.ours.rate, r.raw.rate, "webhooks/s", aim)
 				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: the step past it", link),
-					ours: fmt.Sprintf("%.0f/s: p99 %.0f ms, %d of %d refused, stored %.1f s after", r.oursBroke.rate, ms(r.oursBroke.p99), r.oursBroke.refused, r.oursBroke.sent, r.oursBroke.lag.Seconds()),
-					base: fmt.Sprintf("%.0f/s: p99 %.0f ms, %d refused, taken %.1f s after", r.rawBroke.rate, ms(r.rawBroke.p99), r.rawBroke.refused, r.rawBroke.lag.Seconds()), aim: "none refused"})
+					ours: fmt.Sprintf("%.0f/s: p99 %.0f ms, slowest %.1f s, %d of %d refused, stored %.1f s after", r.oursBroke.rate, ms(r.oursBroke.p99), r.oursBroke.slowest.Seconds(), r.oursBroke.refused, r.oursBroke.sent, r.oursBroke.lag.Seconds()),
+					base: fmt.Sprintf("%.0f/s: p99 %.0f ms, %d refused, taken %.1f s after", r.rawBroke.rate, ms(r.rawBroke.p99), r.rawBroke.refused, r.rawBroke.lag.Seconds()), aim: "all 202 within 10 s"})
+				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: a burst of twice the sustained rate for 2 s", link),
+					ours: fmt.Sprintf("%.0f/s: p99 %.0f ms, slowest %.1f s, %d of %d refused", r.twice.rate, ms(r.twice.p99), r.twice.slowest.Seconds(), r.twice.refused, r.twice.sent),
+					aim: "all 202 within 10 s"})
 				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: p99 at half the sustained rate", link),
 					ours: fmt.Sprintf("%.0f ms", ms(r.halfRateP99)), aim: fmt.Sprintf("< 2 RTT + 50 ms = %.0f ms", ms(2*rtt+50*time.Millisecond))})
 				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: CPU per webhook at the sustained rate", link),
