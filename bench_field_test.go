@@ -232,7 +232,7 @@ func benchWANEndToEnd(b *testing.B, payload []byte, rtt time.Duration, mbit floa
 	m0, b0 = proxy.moved.Load(), brokerCPU()
 	r.rawPacked, n, r.rawPackedConfirm = rawPipeline(b, proxy.URL(vhost), payload, true, 64, 30*time.Second)
 	r.rawPackedBytes, r.rawPackedBroker = float64(proxy.moved.Load()-m0)/float64(n), (brokerCPU()-b0)/time.Duration(n)
-	prof := newBenchProfile(b, fmt.Sprintf("e2e-%s", rtt))
+	prof := newBenchProfile(b, profileName("e2e", rtt, mbit))
 	p := startBenchProcess(b, proxy.URL(vhost), "", prof.config...)
 	defer p.stop(b) // idle, it would still cost the rows after it
 	// A second of webhooks first, not counted, stored before the clock
@@ -269,6 +269,14 @@ func newBenchProfile(b testing.TB, name string) *benchProfile {
 		config: []string{"server.pprof = true", fmt.Sprintf("server.metrics_listen = %q", addr)},
 		addr:   addr, path: filepath.Join(dir, name+".pprof"),
 	}
+}
+
+// profileName names a row's profile by its link: e2e-20ms, e2e-20ms-100mbit.
+func profileName(row string, rtt time.Duration, mbit float64) string {
+	if mbit > 0 {
+		return fmt.Sprintf("%s-%s-%gmbit", row, rtt, mbit)
+	}
+	return fmt.Sprintf("%s-%s", row, rtt)
 }
 
 // metrics is the URL of p's /metrics: on the main listener, or on the

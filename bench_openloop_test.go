@@ -128,7 +128,7 @@ func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANLink(b, testBrokerAddr(), rtt, mbit)
-	prof := newBenchProfile(b, fmt.Sprintf("open-loop-%s-%gmbit", rtt, mbit))
+	prof := newBenchProfile(b, profileName("open-loop", rtt, mbit))
 	p := startBenchProcess(b, proxy.URL(vhost), "", prof.config...)
 	brokerCPU := brokerCPU(b)
 	body := newBotBody(b, payload)
