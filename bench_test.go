@@ -161,7 +161,7 @@ func BenchmarkSwitchyard(b *testing.B) {
 					base: fmt.Sprintf("%.0f/s: p99 %.0f ms, %d refused, taken %.1f s after", r.rawBroke.rate, ms(r.rawBroke.p99), r.rawBroke.refused, r.rawBroke.lag.Seconds()), aim: "all 202 within 10 s"})
 				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: a burst of twice the sustained rate for 2 s", link),
 					ours: fmt.Sprintf("%.0f/s: p99 %.0f ms, slowest %.1f s, %d of %d refused", r.twice.rate, ms(r.twice.p99), r.twice.slowest.Seconds(), r.twice.refused, r.twice.sent),
-					aim: "all 202 within 10 s"})
+					aim:  "all 202 within 10 s"})
 				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: p99 at half the sustained rate", link),
 					ours: fmt.Sprintf("%.0f ms", ms(r.halfRateP99)), aim: fmt.Sprintf("< 2 RTT + 50 ms = %.0f ms", ms(2*rtt+50*time.Millisecond))})
 				rows = append(rows, row{name: fmt.Sprintf("open loop at %s: CPU per webhook at the sustained rate", link),
