@@ -195,6 +195,28 @@ func tracesOf(t *testing.T, query, guid string) []jaegerTrace {
 	return body.Data
 }
 
+// wholeTrace is the one trace Jaeger at query holds of delivery guid, once
+// it holds a span of each operation in want.
+func wholeTrace(t *testing.T, query, guid string, want []string) jaegerTrace {
+	t.Helper()
+	var found jaegerTrace
+	eventually(t, 60*time.Second, "the trace of "+guid+" in Jaeger, whole", func() bool {
+		traces := tracesOf(t, query, guid)
+		if len(traces) != 1 {
+			return false
+		}
+		found = traces[0]
+		ops, _ := found.operations()
+		for _, w := range want {
+			if !slices.Contains(ops, w) {
+				return false
+			}
+		}
+		return true
+	})
+	return found
+}
+
 // operations are the names of tr's spans, and the nodes that made them.
 func (tr jaegerTrace) operations() (ops []string, nodes map[string][]string) {
 	nodes = map[string][]string{}
@@ -246,21 +268,7 @@ func TestOneTracePerDelivery(t *testing.T) {
 		t.Fatalf("webhook: %d %s", code, body)
 	}
 	want := []string{"POST /webhooks/github", "publish github-exchange", "process github", "process github-database", "commit github", "commit github-database"}
-	var found jaegerTrace
-	eventually(t, 60*time.Second, "the delivery's trace in Jaeger, whole", func() bool {
-		traces := tracesOf(t, query, guid)
-		if len(traces) != 1 {
-			return false
-		}
-		found = traces[0]
-		ops, _ := found.operations()
-		for _, w := range want {
-			if !slices.Contains(ops, w) {
-				return false
-			}
-		}
-		return true
-	})
+	found := wholeTrace(t, query, guid, want)
 	ops, nodes := found.operations()
 	t.Logf("trace %s: %s; nodes %v", found.TraceID, strings.Join(ops, ", "), nodes)
 	if !slices.Contains(ops, "postgresql transaction") {

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"path/filepath"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -73,22 +72,7 @@ func TestTraceOfLeftoverDrainAndRepublish(t *testing.T) {
 
 	// The hooks republish: one trace from the github-hooks message through
 	// both consumers of the delivery it republished.
-	var found jaegerTrace
-	want := []string{"process github-hooks", "publish github-exchange", "process github", "process github-database"}
-	eventually(t, 60*time.Second, "the republished delivery's trace, whole", func() bool {
-		traces := tracesOf(t, query, failed)
-		if len(traces) != 1 {
-			return false
-		}
-		found = traces[0]
-		ops, _ := found.operations()
-		for _, w := range want {
-			if !slices.Contains(ops, w) {
-				return false
-			}
-		}
-		return true
-	})
+	found := wholeTrace(t, query, failed, []string{"process github-hooks", "publish github-exchange", "process github", "process github-database"})
 	hooks, publish := found.span("process github-hooks"), found.span("publish github-exchange")
 	if !publish.childOf(hooks.SpanID) {
 		t.Errorf("the republish's span is not the github-hooks consumer's child: %+v", publish.References)
