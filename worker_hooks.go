@@ -395,9 +395,9 @@ func (h *Hooks) gapRefused(ctx context.Context, guid string, why error) (gaveUp 
 // original request is fetched from GitHub and republished through
 // github-exchange, so that both the raw log and the typed tables get the
 // Event. It talks to GitHub and the broker, so it never batches: it opens a
-// transaction of its own once the network is done with.
-// Each message is a consumer span, under which the republish is traced:
-// the republished delivery's trace begins at the hooks worker.
+// transaction of its own once the network is done with. Each message is a
+// consumer span, under which the republish is traced: the republished
+// delivery's trace begins at the hooks worker.
 func (h *Hooks) HandleMessages(ctx context.Context, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
 	spans := startConsumes(ctx, queueHooks, msgs)
