@@ -42,29 +42,26 @@ func benchTracing(b *testing.B, payload []byte, rtt time.Duration) (before, off,
 		},
 	}
 	// Three rounds of 10 s each, the daemons in turn: the machine's
-	// drift over the row falls on all three alike.
-	var n [3]int
-	var took0 int64
+	// drift over the row falls on all three alike. The sink's bytes are
+	// of every webhook a daemon took, the warming ones too.
+	var counted, posted [3]int
 	var spent [3]time.Duration
+	var sunk [3]int64
 	for range 3 {
 		for i, start := range daemons {
+			took0 := took.Load()
 			p := start()
-			sustained(b, p, payload, 64, time.Second) // warm, as benchWANEndToEnd
-			if i == 2 {
-				took0 -= took.Load()
-			}
+			_, warm := sustained(b, p, payload, 64, time.Second) // warm, as benchWANEndToEnd
 			t := time.Now()
 			_, got := sustained(b, p, payload, 64, 10*time.Second)
 			spent[i] += time.Since(t)
-			n[i] += got
-			p.stop(b)
-			if i == 2 {
-				took0 += took.Load() // what the sink took of the counted webhooks' spans
-			}
+			counted[i], posted[i] = counted[i]+got, posted[i]+warm+got
+			p.stop(b) // flushes its spans
+			sunk[i] += took.Load() - took0
 		}
 	}
-	rate := func(i int) float64 { return float64(n[i]) / spent[i].Seconds() }
-	return rate(0), rate(1), rate(2), float64(took0) / float64(max(n[2], 1))
+	rate := func(i int) float64 { return float64(counted[i]) / spent[i].Seconds() }
+	return rate(0), rate(1), rate(2), float64(sunk[2]) / float64(max(posted[2], 1))
 }
 
 // binaryAt builds switchyard as it was at rev, a commit of this clone's
