@@ -9,7 +9,9 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -1043,10 +1045,11 @@ func TestReplayWhileServing(t *testing.T) {
 	d.stop(t)
 }
 
-// check-broker passes on the local RabbitMQ (exit 0, every line ok) and
-// fails (exit 1) with the failing line on a vhost whose github-retry queue
-// has no TTL, where a failed message would wait for ever; its own queues
-// are gone afterwards.
+// check-broker passes on the local RabbitMQ (exit 0, every line ok; its
+// 20 MiB message zstd-compressed as the daemon publishes, gzip with
+// compression off) and fails (exit 1) with the failing line on a vhost
+// whose github-retry queue has no TTL, where a failed message would wait
+// for ever; its own queues are gone afterwards.
 func TestCheckBrokerCommand(t *testing.T) {
 	t.Parallel()
 	good, noTTL := newVhost(t), newVhost(t)
@@ -1062,10 +1065,23 @@ func TestCheckBrokerCommand(t *testing.T) {
 	if code != 0 || strings.Contains(out, "FAIL") || !strings.Contains(out, "the broker fits") {
 		t.Errorf("check-broker on the local RabbitMQ: exit %d\n%s", code, out)
 	}
-	for _, want := range []string{"nack -> -retry -> back", "compressed message, 20 MiB", "mandatory publish, no route", "billable messages"} {
+	for _, want := range []string{"nack -> -retry -> back", "compressed message, 20 MiB", "(zstd), read back whole", "mandatory publish, no route", "billable messages"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("check-broker does not tell %q:\n%s", want, out)
 		}
+	}
+	// Its large message goes as the daemon would publish it: gzip with
+	// compression off.
+	text, err := os.ReadFile(config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gzipConfig := filepath.Join(dir, "gzip.toml")
+	if err := os.WriteFile(gzipConfig, []byte(strings.Replace(string(text), "[queue]\n", "[queue]\ncompress = \"none\"\n", 1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, code := runBinary(t, "check-broker", "-config", gzipConfig, "-broker", "0"); code != 0 || !strings.Contains(out, "(gzip), read back whole") {
+		t.Errorf("check-broker with compress = \"none\": exit %d, want its 20 MiB message as gzip\n%s", code, out)
 	}
 	if n := strings.Count(listQueueNames(t, good), "switchyard-check-"); n != 0 {
 		t.Errorf("check-broker left %d queues of its own", n)

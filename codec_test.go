@@ -155,28 +155,6 @@ func testMessagesGivenBackExactly(t *testing.T) {
 		}
 	}
 
-	// check-broker's large message goes as the daemon would publish it.
-	for _, compress := range []string{"zstd", "none"} {
-		qc := cfg.Queue
-		qc.Compress = compress
-		checks, _, err := CheckBroker(ctx, d.brokers.List()[0], qc, slog.New(slog.DiscardHandler))
-		if err != nil {
-			t.Fatal(err)
-		}
-		wantEnc := map[string]string{"zstd": "(zstd)", "none": "(gzip)"}[compress]
-		found := false
-		for _, ck := range checks {
-			if strings.HasPrefix(ck.Name, "compressed message") {
-				found = ck.OK && strings.Contains(ck.Detail, wantEnc)
-				if !found {
-					t.Errorf("check-broker with compress = %q: %+v", compress, ck)
-				}
-			}
-		}
-		if !found {
-			t.Errorf("check-broker with compress = %q told no compressed message", compress)
-		}
-	}
 }
 
 // A body compressed in any of the three ways reads back whole; a broken
