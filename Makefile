@@ -51,6 +51,19 @@ TESTBIN := switchyard.test
 $(TESTBIN): $(wildcard *.go) go.mod go.sum
 	$(GO) vet .
 	CGO_ENABLED=1 $(GO) test -c -race -o $@ .
+	$(GO) build $(TESTBUILDFLAGS) -o /dev/null .
+
+# The tests' own build of the daemon (builtBinary's flags), made above on
+# both cores while nothing waits, so that the tests that start it only link.
+TESTBUILDFLAGS := -trimpath
+
+# testrun runs the test binary with its arguments; when it fails, the lines
+# that say what (each FAIL, a panic and the tests it found running) come
+# again after its output, where the tail of a log shows them rather than
+# the goroutines a timeout dumps.
+TESTFN = testrun() { local log rc; log=$$(mktemp); ./$(TESTBIN) "$$@" 2>&1 | tee $$log; rc=$${PIPESTATUS[0]}; \
+	if [ $$rc -ne 0 ]; then echo "=== what failed (exit $$rc):"; sed -n '/^panic: /,/^goroutine /p' $$log | head -20; \
+	grep -E '^ *--- FAIL' $$log | head -40; fi; rm -f $$log; return $$rc; }
 
 # -race needs cgo; the tests build their own binary where they need one.
 # The tests run on SQLite and on the local PostgreSQL (each its own
@@ -58,8 +71,8 @@ $(TESTBIN): $(wildcard *.go) go.mod go.sum
 # brokers and timers. Then the PostgreSQL half once more through a pooler
 # (test-pgbouncer).
 test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY) $(PGBOUNCER) $(PEBBLE) $(TESTBIN)
-	PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) PGBOUNCER=$(CURDIR)/$(PGBOUNCER) PEBBLE_DIR=$(CURDIR)/$(TOOLS) ./$(TESTBIN) -test.count=1 -test.parallel 4 -test.timeout 15m -test.skip '^($(TRACE_TESTS)|$(CLUSTER_TESTS))$$'
-	HAPROXY=$(CURDIR)/$(HAPROXY) ./$(TESTBIN) -test.count=1 -test.timeout 10m -test.run '^($(CLUSTER_TESTS))$$'
+	$(TESTFN); PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) PGBOUNCER=$(CURDIR)/$(PGBOUNCER) PEBBLE_DIR=$(CURDIR)/$(TOOLS) testrun -test.count=1 -test.parallel 4 -test.timeout 25m -test.skip '^($(TRACE_TESTS)|$(CLUSTER_TESTS))$$'
+	$(TESTFN); HAPROXY=$(CURDIR)/$(HAPROXY) testrun -test.count=1 -test.timeout 10m -test.run '^($(CLUSTER_TESTS))$$'
 	$(MAKE) --no-print-directory test-pgbouncer
 
 # The PostgreSQL store and node tests once more, through pgbouncer in
@@ -88,9 +101,9 @@ test-pgbouncer: ensure-postgres $(PGBOUNCER) $(HAPROXY) $(TESTBIN)
 	export SWITCHYARD_TEST_POSTGRES_URL="postgres://postgres@127.0.0.1:$$port/postgres?sslmode=disable&default_query_exec_mode=exec" \
 		HAPROXY=$(CURDIR)/$(HAPROXY); \
 	echo "the PostgreSQL tests through pgbouncer (transaction mode) on 127.0.0.1:$$port"; \
-	./$(TESTBIN) -test.count=1 -test.parallel 4 -test.timeout 10m -test.run "^($$both)\$$/^postgres\$$" -test.skip '^($(BROKER_FAULT_TESTS))$$' && \
-	./$(TESTBIN) -test.count=1 -test.parallel 4 -test.timeout 10m -test.run '^($(NODE_TESTS))$$' && \
-	./$(TESTBIN) -test.count=1 -test.timeout 10m -test.run '^($(PAUSE_TESTS))$$'
+	$(TESTFN); testrun -test.count=1 -test.parallel 4 -test.timeout 10m -test.run "^($$both)\$$/^postgres\$$" -test.skip '^($(BROKER_FAULT_TESTS))$$' && \
+	testrun -test.count=1 -test.parallel 4 -test.timeout 10m -test.run '^($(NODE_TESTS))$$' && \
+	testrun -test.count=1 -test.timeout 10m -test.run '^($(PAUSE_TESTS))$$'
 
 lint:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
@@ -186,7 +199,7 @@ $(HAPROXY):
 # once into .tools/ (keyed by its version) from tools/jaeger, a module of
 # its own.
 test-tracing: ensure-rabbitmq ensure-postgres $(JAEGER) $(TESTBIN)
-	JAEGER=$(CURDIR)/$(JAEGER) ./$(TESTBIN) -test.count=1 -test.run '^($(TRACE_TESTS))$$' -test.timeout 10m
+	$(TESTFN); JAEGER=$(CURDIR)/$(JAEGER) testrun -test.count=1 -test.run '^($(TRACE_TESTS))$$' -test.timeout 10m
 
 $(JAEGER): tools/jaeger/go.mod tools/jaeger/go.sum
 	@echo "building Jaeger v1.75.0 (a long build, once)"
