@@ -61,7 +61,7 @@ TESTBUILDFLAGS := -trimpath
 # that say what (each FAIL, a panic and the tests it found running) come
 # again after its output, where the tail of a log shows them rather than
 # the goroutines a timeout dumps.
-TESTFN = testrun() { local log rc; log=$$(mktemp); ./$(TESTBIN) "$$@" 2>&1 | tee $$log; rc=$${PIPESTATUS[0]}; \
+TESTFN = testrun() { local log rc; log=$$(mktemp); echo "./$(TESTBIN) $$*"; ./$(TESTBIN) "$$@" 2>&1 | tee $$log; rc=$${PIPESTATUS[0]}; \
 	if [ $$rc -ne 0 ]; then echo "=== what failed (exit $$rc):"; sed -n '/^panic: /,/^goroutine /p' $$log | head -20; \
 	grep -E '^ *--- FAIL' $$log | head -40; fi; rm -f $$log; return $$rc; }
 
@@ -71,8 +71,8 @@ TESTFN = testrun() { local log rc; log=$$(mktemp); ./$(TESTBIN) "$$@" 2>&1 | tee
 # brokers and timers. Then the PostgreSQL half once more through a pooler
 # (test-pgbouncer).
 test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY) $(PGBOUNCER) $(PEBBLE) $(TESTBIN)
-	$(TESTFN); PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) PGBOUNCER=$(CURDIR)/$(PGBOUNCER) PEBBLE_DIR=$(CURDIR)/$(TOOLS) testrun -test.count=1 -test.parallel 4 -test.timeout 25m -test.skip '^($(TRACE_TESTS)|$(CLUSTER_TESTS))$$'
-	$(TESTFN); HAPROXY=$(CURDIR)/$(HAPROXY) testrun -test.count=1 -test.timeout 10m -test.run '^($(CLUSTER_TESTS))$$'
+	@$(TESTFN); PROMTOOL=$(CURDIR)/$(PROMTOOL) HAPROXY=$(CURDIR)/$(HAPROXY) PGBOUNCER=$(CURDIR)/$(PGBOUNCER) PEBBLE_DIR=$(CURDIR)/$(TOOLS) testrun -test.count=1 -test.parallel 4 -test.timeout 25m -test.skip '^($(TRACE_TESTS)|$(CLUSTER_TESTS))$$'
+	@$(TESTFN); HAPROXY=$(CURDIR)/$(HAPROXY) testrun -test.count=1 -test.timeout 10m -test.run '^($(CLUSTER_TESTS))$$'
 	$(MAKE) --no-print-directory test-pgbouncer
 
 # The PostgreSQL store and node tests once more, through pgbouncer in
@@ -199,7 +199,7 @@ $(HAPROXY):
 # once into .tools/ (keyed by its version) from tools/jaeger, a module of
 # its own.
 test-tracing: ensure-rabbitmq ensure-postgres $(JAEGER) $(TESTBIN)
-	$(TESTFN); JAEGER=$(CURDIR)/$(JAEGER) testrun -test.count=1 -test.run '^($(TRACE_TESTS))$$' -test.timeout 10m
+	@$(TESTFN); JAEGER=$(CURDIR)/$(JAEGER) testrun -test.count=1 -test.run '^($(TRACE_TESTS))$$' -test.timeout 10m
 
 $(JAEGER): tools/jaeger/go.mod tools/jaeger/go.sum
 	@echo "building Jaeger v1.75.0 (a long build, once)"
