@@ -34,27 +34,35 @@ func benchTracing(b *testing.B, payload []byte, rtt time.Duration) (before, off,
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANProxy(b, testBrokerAddr(), rtt)
 	old := binaryAt(b, beforeTracing)
-	daemons := []func() *benchProcess{
-		func() *benchProcess { return startBenchBinary(b, old, proxy.URL(vhost), "") },
-		func() *benchProcess { return startBenchProcess(b, proxy.URL(vhost), "") },
-		func() *benchProcess {
-			return startBenchProcess(b, proxy.URL(vhost), "", fmt.Sprintf("tracing.endpoint = %q", sink.URL), "tracing.sample_ratio = 1")
+	daemons := []func(extra ...string) *benchProcess{
+		func(extra ...string) *benchProcess { return startBenchBinary(b, old, proxy.URL(vhost), "", extra...) },
+		func(extra ...string) *benchProcess { return startBenchProcess(b, proxy.URL(vhost), "", extra...) },
+		func(extra ...string) *benchProcess {
+			return startBenchProcess(b, proxy.URL(vhost), "", append(extra, fmt.Sprintf("tracing.endpoint = %q", sink.URL), "tracing.sample_ratio = 1")...)
 		},
 	}
 	// Three rounds of 10 s each, the daemons in turn: the machine's
 	// drift over the row falls on all three alike. The sink's bytes are
-	// of every webhook a daemon took, the warming ones too.
+	// of every webhook a daemon took, the warming ones too. BENCH_PROFILE
+	// profiles tracing off and on over 6 s of the last round
+	// (tracing-off-RTT.pprof, tracing-on-RTT.pprof).
 	var counted, posted [3]int
 	var spent [3]time.Duration
 	var sunk [3]int64
-	for range 3 {
+	for round := range 3 {
 		for i, start := range daemons {
+			bp := &benchProfile{}
+			if round == 2 && i > 0 {
+				bp = newBenchProfile(b, profileName([]string{"", "tracing-off", "tracing-on"}[i], rtt, 0))
+			}
 			took0 := took.Load()
-			p := start()
+			p := start(bp.config...)
 			_, warm := sustained(b, p, payload, 64, time.Second) // warm, as benchWANEndToEnd
 			t := time.Now()
+			profiled := bp.take(b, 2*time.Second, 6*time.Second)
 			_, got := sustained(b, p, payload, 64, 10*time.Second)
 			spent[i] += time.Since(t)
+			profiled()
 			counted[i], posted[i] = counted[i]+got, posted[i]+warm+got
 			p.stop(b) // flushes its spans
 			sunk[i] += took.Load() - took0
