@@ -280,8 +280,11 @@ func testZstdOnlyOnceEveryNodeReadsIt(t *testing.T) {
 			for {
 				var ok bool
 				var err error
-				if m, ok, err = spy.Get("spy", true); err != nil || !ok || !earlier[m.MessageId] {
-					return err == nil && ok
+				if m, ok, err = spy.Get("spy", true); err != nil || !ok {
+					return false
+				}
+				if !earlier[m.MessageId] {
+					return true
 				}
 			}
 		})
