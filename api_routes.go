@@ -32,10 +32,14 @@ func (a *API) Handler() http.Handler {
 		http.Redirect(w, r, "/status", http.StatusFound)
 	})
 
-	r.GET("/healthz", func(w http.ResponseWriter, _ *http.Request, _ httprouter.Params) {
+	// The probes answer HEAD as GET (curl -sI): net/http writes no body.
+	healthz := func(w http.ResponseWriter, _ *http.Request, _ httprouter.Params) {
 		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
-	})
-	r.GET("/readyz", a.ready)
+	}
+	for _, method := range []string{http.MethodGet, http.MethodHead} {
+		r.Handle(method, "/healthz", healthz)
+		r.Handle(method, "/readyz", a.ready)
+	}
 	if a.cfg.Server.metricsOnAPI() {
 		r.Handler(http.MethodGet, "/metrics", a.metrics.Handler())
 	}

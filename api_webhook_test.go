@@ -365,6 +365,12 @@ func TestWebhookBrokerUnavailable(t *testing.T) {
 	if code, body := do(t, mustRequest(t, http.MethodGet, d.URL+"/healthz")); code != http.StatusOK {
 		t.Errorf("/healthz: got %d %s", code, body)
 	}
+	// As curl -sI asks: HEAD answers as GET does, without a body.
+	for path, want := range map[string]int{"/healthz": http.StatusOK, "/readyz": http.StatusServiceUnavailable} {
+		if code, body := do(t, mustRequest(t, http.MethodHead, d.URL+path)); code != want || body != "" {
+			t.Errorf("HEAD %s: got %d %q, want %d without a body", path, code, body, want)
+		}
+	}
 	proxy.Reopen()
 	eventually(t, 20*time.Second, "/readyz back to 200", func() bool {
 		code, _ := do(t, mustRequest(t, http.MethodGet, d.URL+"/readyz"))
