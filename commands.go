@@ -5,6 +5,8 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -205,14 +207,11 @@ func listQueues(ctx context.Context, cfg *Config, log *slog.Logger, asJSON bool,
 // operator (exit 1), and an exitError of exitUnreachable when it cannot read
 // the daemon's whole answer (exit 3).
 func printStatus(ctx context.Context, cfg *Config, asJSON bool, stdout io.Writer) error {
-	host, port, err := net.SplitHostPort(cfg.Server.Listen)
+	base, client, err := daemonClient(cfg.Server)
 	if err != nil {
-		return fmt.Errorf("server.listen: %w", err)
+		return err
 	}
-	if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
-		host = "127.0.0.1"
-	}
-	url := "http://" + net.JoinHostPort(host, port) + "/api/v1/status"
+	url := base + "/api/v1/status"
 	unreachable := func(format string, args ...any) error {
 		return &exitError{code: exitUnreachable, err: fmt.Errorf(format, args...)}
 	}
@@ -223,7 +222,7 @@ func printStatus(ctx context.Context, cfg *Config, asJSON bool, stdout io.Writer
 		return err
 	}
 	req.Header.Set("Authorization", "Bearer "+cfg.API.OperatorToken)
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := client.Do(req)
 	if err != nil {
 		return unreachable("is switchyard serving on %s? %w", cfg.Server.Listen, err)
 	}
@@ -253,6 +252,53 @@ func printStatus(ctx context.Context, cfg *Config, asJSON bool, stdout io.Writer
 		return fmt.Errorf("needs the operator: %s", strings.Join(st.Problems, "; "))
 	}
 	return nil
+}
+
+// daemonClient is how a command reaches the API of the daemon that serves
+// cfg on this machine: the base URL (server.listen, its loopback address
+// when it listens on all) and a client. With server.tls the client speaks
+// HTTPS to that address for the certificate's first name, and trusts the
+// system's roots (SSL_CERT_FILE adds a private CA's) and cert_file's own
+// certificates, so that a self-signed pair is read too.
+func daemonClient(cfg ServerConfig) (base string, client *http.Client, err error) {
+	host, port, err := net.SplitHostPort(cfg.Listen)
+	if err != nil {
+		return "", nil, fmt.Errorf("server.listen: %w", err)
+	}
+	if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
+		host = "127.0.0.1"
+	}
+	addr := net.JoinHostPort(host, port)
+	if !cfg.TLS.On() {
+		return "http://" + addr, &http.Client{}, nil
+	}
+	roots, err := x509.SystemCertPool()
+	if err != nil {
+		roots = x509.NewCertPool()
+	}
+	name := ""
+	if cfg.TLS.ACME() {
+		name = cfg.TLS.ACMEDomains[0]
+	} else {
+		pair, err := tls.LoadX509KeyPair(cfg.TLS.CertFile, cfg.TLS.KeyFile)
+		if err != nil {
+			return "", nil, fmt.Errorf("server.tls: load %s and %s: %w", cfg.TLS.CertFile, cfg.TLS.KeyFile, err)
+		}
+		for _, der := range pair.Certificate {
+			if c, err := x509.ParseCertificate(der); err == nil {
+				roots.AddCert(c)
+			}
+		}
+		if len(pair.Leaf.DNSNames) > 0 {
+			name = pair.Leaf.DNSNames[0]
+		}
+	}
+	dialer := &net.Dialer{Timeout: 10 * time.Second}
+	transport := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: roots, ServerName: name, MinVersion: tls.VersionTLS12},
+		DialContext: func(ctx context.Context, network, _ string) (net.Conn, error) {
+			return dialer.DialContext(ctx, network, addr)
+		}}
+	return "https://" + addr, &http.Client{Transport: transport}, nil
 }
 
 // maxStatusBytes bounds the daemon's answer that `status` reads.
