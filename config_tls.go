@@ -75,7 +75,11 @@ func (c TLSConfig) problems() []error {
 		bad("acme_domains", "no domain: the certificate is for acme_domains (or give cert_file and key_file)")
 	}
 	for i, d := range c.ACMEDomains {
-		if !validDomain(d) {
+		switch {
+		case strings.HasPrefix(d, "*."):
+			bad(fmt.Sprintf("acme_domains[%d]", i), "%q is a wildcard, which ACME issues only by DNS-01; switchyard answers HTTP-01 and TLS-ALPN-01: name each host (%q), or give cert_file and key_file",
+				d, strings.TrimPrefix(d, "*."))
+		case !validDomain(d):
 			bad(fmt.Sprintf("acme_domains[%d]", i), "%q is not a domain name ACME can issue for", d)
 		}
 	}
@@ -127,13 +131,12 @@ func checkKeyFile(path string) error {
 	return f.Close()
 }
 
-// validDomain reports whether d is a DNS name (a wildcard's first label
-// included) that is not an IP address.
+// validDomain reports whether d is a DNS name that is not an IP address.
 func validDomain(d string) bool {
 	if d == "" || len(d) > 253 || net.ParseIP(d) != nil || !strings.Contains(d, ".") {
 		return false
 	}
-	for _, label := range strings.Split(strings.TrimPrefix(d, "*."), ".") {
+	for _, label := range strings.Split(d, ".") {
 		if label == "" || len(label) > 63 || strings.HasPrefix(label, "-") || strings.HasSuffix(label, "-") {
 			return false
 		}

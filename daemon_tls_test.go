@@ -324,7 +324,8 @@ func TestTwoNodesServeOneCertificate(t *testing.T) {
 // check-config refuses a [server.tls] that cannot work, every problem at
 // once: ACME and files both, a key anyone may read, a CA that is no
 // https URL, a name ACME cannot issue for; and a plain listener with no
-// domain, a key file that is not there.
+// domain, a key file that is not there; and a wildcard, which only DNS-01
+// (which switchyard does not answer) can issue for.
 func TestTLSConfigRefused(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
@@ -341,6 +342,7 @@ func TestTLSConfigRefused(t *testing.T) {
 		{fmt.Sprintf("http_listen = \":80\"\nkey_file = %q\n", filepath.Join(dir, "none.pem")),
 			[]string{"server.tls.cert_file: and key_file go together", "server.tls.key_file: stat " + filepath.Join(dir, "none.pem")}},
 		{"http_listen = \":80\"\n", []string{"server.tls.acme_domains: no domain"}},
+		{"acme_domains = [\"*.hooks.example.com\"]\n", []string{"server.tls.acme_domains[0]: \"*.hooks.example.com\" is a wildcard, which ACME issues only by DNS-01"}},
 	} {
 		config := writeConfigWith(t, t.TempDir(), "127.0.0.1:8080", "path = \"sy.db\"", "[server.tls]\n"+c.keys, amqpURL("unused"))
 		var out bytes.Buffer
