@@ -268,12 +268,26 @@ func (a *API) authFailed(r *http.Request) {
 }
 
 // CertificateView is a certificate the endpoint serves: the names it is
-// for, its issuer, when it expires, and whether ACME renews it.
+// for, its issuer, its life, and whether ACME renews it.
 type CertificateView struct {
-	Names    []string  `json:"names"`
-	Issuer   string    `json:"issuer"`
-	NotAfter time.Time `json:"not_after"`
-	ACME     bool      `json:"acme"`
+	Names     []string  `json:"names"`
+	Issuer    string    `json:"issuer"`
+	NotBefore time.Time `json:"not_before"`
+	NotAfter  time.Time `json:"not_after"`
+	ACME      bool      `json:"acme"`
+}
+
+// Overdue reports whether, at now, the certificate should have been
+// renewed and was not: ACME renews when a third of its life is left (30
+// days of Let's Encrypt's 90, 2 of a 6-day certificate), and half of that
+// third gone without a new certificate is a problem: 15 days of 90, one
+// of 6. A renewal in progress is not.
+func (c CertificateView) Overdue(now time.Time) bool {
+	life := c.NotAfter.Sub(c.NotBefore)
+	if c.NotBefore.IsZero() || life <= 0 {
+		life = 90 * 24 * time.Hour
+	}
+	return c.NotAfter.Sub(now) < life/6
 }
 
 // ShowCertificates has the status show what certs says.

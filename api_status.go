@@ -105,10 +105,6 @@ func (a *API) ownLeasesNow(st *Status) {
 	}
 }
 
-// certExpiresSoon is how close to its expiry a certificate is a problem:
-// ACME renews at a third of its life left (30 days of Let's Encrypt's 90).
-const certExpiresSoon = 14 * 24 * time.Hour
-
 // SpoolView is the spool as the status shows it.
 type SpoolView struct {
 	SpoolState
@@ -183,7 +179,7 @@ func (st *Status) problems() []string {
 			sp.Oldest.Format(time.RFC3339)))
 	}
 	for _, c := range st.Certificates {
-		if left := c.NotAfter.Sub(st.Now); left < certExpiresSoon {
+		if left := c.NotAfter.Sub(st.Now); c.Overdue(st.Now) {
 			ps = append(ps, fmt.Sprintf("the certificate for %s expires %s (in %s) and has not been renewed", strings.Join(c.Names, ", "),
 				c.NotAfter.Format(time.RFC3339), left.Round(time.Minute)))
 		}

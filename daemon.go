@@ -141,6 +141,8 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		}
 		metrics.GaugesFunc("switchyard_tls_certificate_expiry_timestamp_seconds",
 			"When the certificate served for the name expires, Unix seconds.", "name", d.tls.expiries)
+		metrics.GaugesFunc("switchyard_tls_certificate_issued_timestamp_seconds",
+			"When the certificate served for the name became valid (its not before), Unix seconds.", "name", d.tls.issued)
 		d.api.ShowCertificates(d.tls.Certificates)
 	}
 	return d, nil

@@ -187,21 +187,43 @@ func (t *serverTLS) Certificates() []CertificateView {
 	}
 	views := make([]CertificateView, 0, len(leaves))
 	for _, l := range leaves {
-		views = append(views, CertificateView{Names: l.DNSNames, Issuer: l.Issuer.CommonName, NotAfter: l.NotAfter, ACME: t.cache != nil})
+		views = append(views, CertificateView{Names: l.DNSNames, Issuer: l.Issuer.CommonName, NotBefore: l.NotBefore, NotAfter: l.NotAfter,
+			ACME: t.cache != nil})
 	}
 	return views
+}
+
+// lives are, by name, the life of the certificate served for it that
+// expires last.
+func (t *serverTLS) lives() map[string]CertificateView {
+	out := map[string]CertificateView{}
+	for _, c := range t.Certificates() {
+		for _, n := range c.Names {
+			if v, ok := out[n]; !ok || c.NotAfter.After(v.NotAfter) {
+				out[n] = c
+			}
+		}
+	}
+	return out
 }
 
 // expiries are the certificates' expiry times by name, for
 // switchyard_tls_certificate_expiry_timestamp_seconds.
 func (t *serverTLS) expiries() map[string]float64 {
 	out := map[string]float64{}
-	for _, c := range t.Certificates() {
-		for _, n := range c.Names {
-			if v, ok := out[n]; !ok || float64(c.NotAfter.Unix()) > v {
-				out[n] = float64(c.NotAfter.Unix())
-			}
-		}
+	for n, c := range t.lives() {
+		out[n] = float64(c.NotAfter.Unix())
+	}
+	return out
+}
+
+// issued are the certificates' issue times (not before) by name, for
+// switchyard_tls_certificate_issued_timestamp_seconds: with the expiry,
+// the certificate's life, which the alert rule reads a renewal against.
+func (t *serverTLS) issued() map[string]float64 {
+	out := map[string]float64{}
+	for n, c := range t.lives() {
+		out[n] = float64(c.NotBefore.Unix())
 	}
 	return out
 }
