@@ -171,6 +171,17 @@ func (d *Daemon) Run(ctx context.Context, ls Listeners, ready func()) error {
 		gate = newGatedListener(tcp)
 		ln = gate
 	}
+	if d.tls != nil {
+		// The issuer before the servers: the plain listener's handler
+		// answers ACME's HTTP-01 through it.
+		plain := ""
+		if ls.HTTP != nil {
+			plain = ls.HTTP.Addr().String()
+		}
+		if err := d.tls.prepare(ln.Addr().String(), plain); err != nil {
+			d.log.Error("HTTPS: certificates not managed", "error", err)
+		}
+	}
 	servers, listeners, err := d.httpServers(ln, ls.HTTP)
 	if err != nil {
 		return err
@@ -232,11 +243,7 @@ func (d *Daemon) Run(ctx context.Context, ls Listeners, ready func()) error {
 		})
 	}
 	if d.tls != nil {
-		plain := ""
-		if ls.HTTP != nil {
-			plain = ls.HTTP.Addr().String()
-		}
-		if err := d.tls.start(ctx, ln.Addr().String(), plain); err != nil {
+		if err := d.tls.start(ctx); err != nil {
 			d.log.Error("HTTPS: certificates not managed", "error", err)
 		}
 	}

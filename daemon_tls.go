@@ -89,12 +89,13 @@ func (t *serverTLS) Reload() error {
 	return nil
 }
 
-// start has certmagic obtain and renew the certificate of acme_domains,
-// solving TLS-ALPN-01 on the HTTPS listener at api and HTTP-01 on the plain
-// one at plain ("" without one): certmagic finds their ports taken and
-// leaves the answers to the servers on them. It returns at once; until a
-// certificate is obtained, a handshake fails.
-func (t *serverTLS) start(ctx context.Context, api, plain string) error {
+// prepare makes the ACME issuer for the listeners: TLS-ALPN-01 answered on
+// the HTTPS listener at api, HTTP-01 on the plain one at plain ("" without
+// one): certmagic finds their ports taken and leaves the answers to the
+// servers on them. It orders nothing; call it before the plain listener's
+// handler is made (plainHandler answers HTTP-01 through the issuer), and
+// start after.
+func (t *serverTLS) prepare(api, plain string) error {
 	if !t.cfg.ACME() {
 		return nil
 	}
@@ -121,6 +122,16 @@ func (t *serverTLS) start(ctx context.Context, api, plain string) error {
 	}
 	t.issuer = certmagic.NewACMEIssuer(t.magic, template)
 	t.magic.Issuers = []certmagic.Issuer{t.issuer}
+	return nil
+}
+
+// start has certmagic obtain and renew the certificate of acme_domains
+// with the issuer prepare made. It returns at once; until a certificate is
+// obtained, a handshake fails.
+func (t *serverTLS) start(ctx context.Context) error {
+	if t.issuer == nil {
+		return nil
+	}
 	return t.magic.ManageAsync(ctx, t.cfg.ACMEDomains)
 }
 

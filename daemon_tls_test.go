@@ -54,6 +54,7 @@ type testACME struct {
 	directory string         // the ACME directory's URL
 	caRoot    string         // PEM: the root of Pebble's own HTTPS (acme_ca_root)
 	roots     *x509.CertPool // what the certificates it issues chain to
+	rootPEM   []byte         // the same, PEM (SSL_CERT_FILE for a command)
 	out       *syncBuffer
 }
 
@@ -106,6 +107,7 @@ func startPebble(t *testing.T, tlsPort, httpPort string, validity time.Duration)
 	if !a.roots.AppendCertsFromPEM(root) {
 		t.Fatalf("Pebble's root is no PEM:\n%s", root)
 	}
+	a.rootPEM = root
 	return a
 }
 
@@ -240,6 +242,56 @@ func TestHTTPSByACME(t *testing.T) {
 	metrics := scrapeWith(client, base+"/metrics", "switchyard_tls_certificate_expiry_timestamp_seconds")
 	if metrics[testDomain] < float64(time.Now().Unix()) {
 		t.Errorf("switchyard_tls_certificate_expiry_timestamp_seconds = %v, want the renewed certificate's expiry for %s", metrics, testDomain)
+	}
+	stopProcess(t, cmd, out, 30*time.Second)
+}
+
+// With port 443 out of the CA's reach (a port forward, a VPS's firewall),
+// only HTTP-01 on the plain listener can prove the name: Pebble validates
+// TLS-ALPN-01 at a port nothing listens on. serve obtains its certificate
+// all the same; `switchyard status` reads the HTTPS daemon (trusting the
+// CA through SSL_CERT_FILE, as an operator with a private CA does) and
+// calls a fresh short-lived certificate well, not one about to expire;
+// HEAD /healthz answers 200 over HTTPS, as the README's curl -sI asks.
+func TestHTTP01Alone(t *testing.T) {
+	t.Parallel()
+	addr, plain := freeAddr(t), freeAddr(t)
+	_, tlsPort, _ := net.SplitHostPort(addr)
+	_, httpPort, _ := net.SplitHostPort(plain)
+	_, closedPort, _ := net.SplitHostPort(freeAddr(t))
+	acme := startPebble(t, closedPort, httpPort, 6*24*time.Hour)
+	dir := t.TempDir()
+	config := writeConfigWith(t, dir, addr, fmt.Sprintf("path = %q", filepath.Join(dir, "switchyard.db")),
+		acme.tlsConfigKeys(plain), amqpURL(newVhost(t)))
+	cmd := exec.Command(builtBinary(t), "serve", "-config", config)
+	out := started(t, cmd)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("serve:\n%s\npebble:\n%s", out, acme.out)
+		}
+	})
+	eventually(t, 60*time.Second, "a certificate by HTTP-01", func() bool { return servedSerial(acme.roots, addr) != "" })
+
+	client := httpsClient(acme.roots, addr)
+	req, _ := http.NewRequest(http.MethodHead, "https://"+testDomain+":"+tlsPort+"/healthz", nil)
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("HEAD /healthz over HTTPS: %d, want 200", resp.StatusCode)
+	}
+
+	roots := filepath.Join(dir, "roots.pem")
+	if err := os.WriteFile(roots, acme.rootPEM, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	status := exec.Command(builtBinary(t), "status", "-config", config)
+	status.Env = append(os.Environ(), "SSL_CERT_FILE="+roots)
+	text, err := status.CombinedOutput()
+	if err != nil || !strings.Contains(string(text), "certificate: "+testDomain) || strings.Contains(string(text), "not been renewed") {
+		t.Errorf("switchyard status of the HTTPS daemon: %v\n%s\nwant exit 0 showing the fresh certificate of %s", err, text, testDomain)
 	}
 	stopProcess(t, cmd, out, 30*time.Second)
 }
