@@ -61,7 +61,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	metrics := NewMetrics(MetricLabels{Version: version, Queues: logicalQueues, Tables: orderSafeTables,
 		Outcomes: outcomes})
 	// Tracing first: the store's PostgreSQL connections take its hook.
-	stopTracing, err := NewTracing(cfg.Tracing, cfg.Server.NodeName, metrics.SpanDropped, log)
+	stopTracing, err := NewTracing(cfg.Tracing, cfg.Server.NodeName, metrics.SpansDropped, log)
 	if err != nil {
 		return nil, err
 	}

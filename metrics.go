@@ -85,7 +85,7 @@ func NewMetrics(labels MetricLabels) *Metrics {
 		dbWriteSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "switchyard_database_write_seconds",
 			Help: "Duration of one SQLite write transaction, from begin to commit.", Buckets: latency}),
 		spansDropped: prometheus.NewCounter(prometheus.CounterOpts{Name: "switchyard_tracing_spans_dropped_total",
-			Help: "Spans dropped, not exported: the collector is down or slow, and the bounded queue of spans waiting for it was full."}),
+			Help: "Spans lost, not exported: the collector did not take them (down, refusing, or past the export's time), or it was slower than the spans came and the bounded queue of spans waiting for it was full."}),
 		hcFailures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_healthchecks_failures_total",
 			Help: "HealthChecks pings that failed, by worker."}, []string{"worker"}),
 		staleEvents: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_stale_events_total",
@@ -199,10 +199,11 @@ func (m *Metrics) Handler() http.Handler {
 	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{EnableOpenMetrics: true})
 }
 
-// SpanDropped counts a span the tracing queue dropped.
-func (m *Metrics) SpanDropped() {
+// SpansDropped counts n spans lost: dropped by the tracing queue, or not
+// taken by the collector.
+func (m *Metrics) SpansDropped(n int) {
 	if m != nil {
-		m.spansDropped.Inc()
+		m.spansDropped.Add(float64(n))
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp"
@@ -45,15 +46,16 @@ var propagator = propagation.TraceContext{}
 // does not even look for a trace.
 var tracingOn atomic.Bool
 
-// spanQueue bounds the spans that wait for the exporter: past it a span
-// is dropped and counted, so that a collector that is down or slow costs
-// memory it bounds and nothing else.
+// spanQueue bounds the spans that wait for the exporter (the SDK's batch
+// processor's queue): past it a span is dropped and counted, so that a
+// collector that is down or slow costs memory it bounds and nothing else.
 const spanQueue = 4096
 
 // NewTracing starts sending spans as cfg says, and sets the global
 // provider; off, it returns a shutdown that does nothing. dropped counts
-// the spans the bounded queue dropped.
-func NewTracing(cfg TracingConfig, node string, dropped func(), log *slog.Logger) (shutdown func(context.Context) error, err error) {
+// the spans lost: dropped by the batch processor's bounded queue, or not
+// taken by the collector.
+func NewTracing(cfg TracingConfig, node string, dropped func(n int), log *slog.Logger) (shutdown func(context.Context) error, err error) {
 	otel.SetTextMapPropagator(propagator)
 	if !cfg.On() {
 		return func(context.Context) error { return nil }, nil
@@ -67,8 +69,13 @@ func NewTracing(cfg TracingConfig, node string, dropped func(), log *slog.Logger
 	otel.SetErrorHandler(otel.ErrorHandlerFunc(rateLimited(time.Minute, func(err error) {
 		log.Warn("tracing: spans not exported", "endpoint", cfg.Endpoint, "error", err)
 	})))
+	otel.SetLogger(logr.New(&queueDrops{dropped: dropped}))
+	var batch []sdktrace.BatchSpanProcessorOption
+	if os.Getenv("OTEL_BSP_MAX_QUEUE_SIZE") == "" { // the SDK reads it, and it wins
+		batch = append(batch, sdktrace.WithMaxQueueSize(spanQueue))
+	}
 	opts := []sdktrace.TracerProviderOption{
-		sdktrace.WithSpanProcessor(newBoundedProcessor(exp, dropped)),
+		sdktrace.WithBatcher(countingExporter{SpanExporter: exp, dropped: dropped}, batch...),
 		sdktrace.WithResource(resource.NewSchemaless(attribute.String("service.name", "switchyard"),
 			attribute.String("service.version", version), attribute.String("service.instance.id", node))),
 	}
@@ -121,52 +128,69 @@ func envOr(names ...string) string {
 	return ""
 }
 
-// boundedProcessor hands ended spans to a batch processor through a
-// queue of spanQueue: a span that finds it full is dropped and counted,
-// never waited for, so no request waits on the collector.
-type boundedProcessor struct {
-	next    sdktrace.SpanProcessor
-	queue   chan sdktrace.ReadOnlySpan
-	dropped func()
-	done    chan struct{}
-	once    sync.Once
+// countingExporter is the exporter the batch processor hands its batches
+// to: the spans of a batch the collector did not take (down, refusing,
+// past the export's time) are counted as dropped.
+type countingExporter struct {
+	sdktrace.SpanExporter
+	dropped func(n int)
 }
 
-func newBoundedProcessor(exp sdktrace.SpanExporter, dropped func()) *boundedProcessor {
-	p := &boundedProcessor{next: sdktrace.NewBatchSpanProcessor(exp, sdktrace.WithBlocking()),
-		queue: make(chan sdktrace.ReadOnlySpan, spanQueue), dropped: dropped, done: make(chan struct{})}
-	go func() {
-		defer close(p.done)
-		for s := range p.queue {
-			p.next.OnEnd(s)
+func (e countingExporter) ExportSpans(ctx context.Context, spans []sdktrace.ReadOnlySpan) error {
+	err := e.SpanExporter.ExportSpans(ctx, spans)
+	if err != nil {
+		e.dropped(len(spans))
+	}
+	return err
+}
+
+// queueDrops counts the spans the SDK's batch processor dropped because
+// its queue was full (the collector slower than the spans come). The
+// processor keeps that count to itself and says it only in its debug line
+// before each export ("exporting spans", total_dropped): this sink of the
+// SDK's logger reads that line, and nothing else, and counts what was
+// added since the last.
+type queueDrops struct {
+	dropped func(n int)
+	mu      sync.Mutex
+	seen    int64
+}
+
+func (q *queueDrops) Init(logr.RuntimeInfo) {}
+
+// Enabled lets through the SDK's debug lines (V(8)) only.
+func (q *queueDrops) Enabled(level int) bool { return level == 8 }
+
+func (q *queueDrops) Info(_ int, msg string, kv ...any) {
+	if msg != "exporting spans" {
+		return
+	}
+	for i := 0; i+1 < len(kv); i += 2 {
+		if kv[i] != "total_dropped" {
+			continue
 		}
-	}()
-	return p
-}
-
-func (p *boundedProcessor) OnStart(context.Context, sdktrace.ReadWriteSpan) {}
-
-func (p *boundedProcessor) OnEnd(s sdktrace.ReadOnlySpan) {
-	select {
-	case p.queue <- s:
-	default:
-		p.dropped()
+		var total int64
+		switch v := kv[i+1].(type) {
+		case uint32:
+			total = int64(v)
+		case int64:
+			total = v
+		case int:
+			total = int64(v)
+		}
+		q.mu.Lock()
+		n := total - q.seen
+		q.seen = max(q.seen, total)
+		q.mu.Unlock()
+		if n > 0 {
+			q.dropped(int(n))
+		}
 	}
 }
 
-// Shutdown exports what waits, within ctx (what is left of the
-// shutdown's time), and stops.
-func (p *boundedProcessor) Shutdown(ctx context.Context) error {
-	p.once.Do(func() { close(p.queue) })
-	select {
-	case <-p.done:
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-	return p.next.Shutdown(ctx)
-}
-
-func (p *boundedProcessor) ForceFlush(ctx context.Context) error { return p.next.ForceFlush(ctx) }
+func (q *queueDrops) Error(error, string, ...any)    {}
+func (q *queueDrops) WithValues(...any) logr.LogSink { return q }
+func (q *queueDrops) WithName(string) logr.LogSink   { return q }
 
 // headerCarrier is a message's headers as the propagator reads and writes
 // them.

@@ -16,11 +16,13 @@ import (
 	"time"
 )
 
-// A collector that takes connections and never answers costs nothing:
-// every webhook of a stream is answered 202 and stored, the spans that
-// cannot wait are counted, and SIGTERM's exit stays within
-// shutdown_timeout.
-func TestTracingCollectorSlow(t *testing.T) {
+// A collector that is away costs nothing, and the spans it loses are
+// counted: one that takes connections and never answers (the batch
+// processor's queue, made small here, fills and drops) and one that is
+// not there at all (Jaeger stopped: every export refused). Every webhook
+// of a stream is answered 202 and stored, switchyard_tracing_spans_dropped_total
+// counts the spans lost, and SIGTERM's exit stays within shutdown_timeout.
+func TestTracingCollectorAway(t *testing.T) {
 	t.Parallel()
 	silent, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -46,28 +48,44 @@ func TestTracingCollectorSlow(t *testing.T) {
 			t.Cleanup(func() { c.Close() })
 		}
 	}()
-	dir := t.TempDir()
-	addr := freeAddr(t)
-	dbPath := filepath.Join(dir, "switchyard.db")
-	config := writeConfigWith(t, dir, addr, fmt.Sprintf("path = %q", dbPath), `shutdown_timeout = "5s"`, amqpURL(newVhost(t)))
-	appendFile(t, config, fmt.Sprintf("[tracing]\nendpoint = \"http://%s\"\n", silent.Addr()))
-	cmd, out := startProcess(t, config, addr)
-	body := loadFixture(t, "issues", "opened")
-	guids := make([]string, 100)
-	for i := range guids {
-		guids[i] = newGUID()
-		if code := postWebhook(t, "http://"+addr, "issues", guids[i], body); code != http.StatusAccepted {
-			t.Fatalf("webhook %d with the collector silent: %d\n%s", i, code, out)
-		}
+	for _, c := range []struct {
+		name, collector string
+		env             []string
+		// lost is the fewest spans counted lost per webhook sent.
+		lost int
+	}{
+		{"silent", silent.Addr().String(), []string{"OTEL_BSP_MAX_QUEUE_SIZE=64", "OTEL_BSP_EXPORT_TIMEOUT=2000"}, 0},
+		{"absent", freeAddr(t), nil, 1},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			dir := t.TempDir()
+			addr := freeAddr(t)
+			dbPath := filepath.Join(dir, "switchyard.db")
+			config := writeConfigWith(t, dir, addr, fmt.Sprintf("path = %q", dbPath), `shutdown_timeout = "5s"`, amqpURL(newVhost(t)))
+			appendFile(t, config, fmt.Sprintf("[tracing]\nendpoint = \"http://%s\"\n", c.collector))
+			cmd := exec.Command(builtBinary(t), "serve", "-config", config)
+			cmd.Env = append(os.Environ(), c.env...)
+			out := started(t, cmd)
+			eventually(t, 20*time.Second, "serve answering /healthz", func() bool { return answersOK("http://" + addr + "/healthz") })
+			body := loadFixture(t, "issues", "opened")
+			const webhooks = 100
+			for i := range webhooks {
+				if code := postWebhook(t, "http://"+addr, "issues", newGUID(), body); code != http.StatusAccepted {
+					t.Fatalf("webhook %d with the collector %s: %d\n%s", i, c.name, code, out)
+				}
+			}
+			db := openDB(t, dbPath)
+			eventually(t, 30*time.Second, "every webhook stored", func() bool {
+				return queryInt(t, db, "SELECT count(*) FROM github") == webhooks
+			})
+			eventually(t, 30*time.Second, "the spans lost counted", func() bool {
+				lost := scrape(t, "http://"+addr+"/metrics")["switchyard_tracing_spans_dropped_total"]
+				return lost > 0 && lost >= float64(c.lost*webhooks)
+			})
+			stopProcess(t, cmd, out, 5*time.Second+2*time.Second)
+		})
 	}
-	db := openDB(t, dbPath)
-	eventually(t, 30*time.Second, "every webhook stored", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM github") == len(guids)
-	})
-	if _, ok := scrape(t, "http://"+addr+"/metrics")["switchyard_tracing_spans_dropped_total"]; !ok {
-		t.Error("no switchyard_tracing_spans_dropped_total")
-	}
-	stopProcess(t, cmd, out, 5*time.Second+2*time.Second)
 }
 
 // debugLog sets the config file at path to log at debug.
