@@ -38,7 +38,7 @@ func benchSpool(b *testing.B, payload []byte, rtt time.Duration, store string) (
 	r.endToEnd, _ = sustained(b, p, payload, 64, 15*time.Second)
 
 	proxy.Close()
-	eventually(b, 30*time.Second, "the broker away", func() bool { return brokerAway(p) })
+	eventually(b, 30*time.Second, "the broker away", func() bool { return spoolsForAwayBroker(p) })
 	spooled := postFor(b, p, payload, 64, 10*time.Second)
 	r.spooling = float64(spooled) / 10
 	proxy.Reopen()
@@ -50,9 +50,9 @@ func benchSpool(b *testing.B, payload []byte, rtt time.Duration, store string) (
 	return r
 }
 
-// brokerAway reports whether p's /readyz says it spools for a broker it
+// spoolsForAwayBroker reports whether p's /readyz says it spools for a broker it
 // cannot reach.
-func brokerAway(p *benchProcess) bool {
+func spoolsForAwayBroker(p *benchProcess) bool {
 	req, err := http.NewRequest(http.MethodGet, p.url+"/readyz", nil)
 	if err != nil {
 		return false

@@ -1019,3 +1019,36 @@ func migratedStoreOf(t testing.TB, db DatabaseConfig) *Store {
 	}
 	return store
 }
+
+// consumersBackWithBroker holds d's consumers of the active broker to
+// coming back with it after an outage long enough that a backoff of their
+// own would have grown past seconds: each attached within brokerRetry of
+// the connection's first dial after the broker returned at back, both as
+// d's own clock says.
+func consumersBackWithBroker(t *testing.T, d *Daemon, back time.Time) {
+	t.Helper()
+	b, err := d.brokers.Get(d.brokers.Cached().Active)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var up time.Time
+	eventually(t, 30*time.Second, "the active broker dialed again", func() bool {
+		if p := d.queues.conns[b.Index].upSince.Load(); p != nil {
+			up = *p
+		}
+		return up.After(back)
+	})
+	for _, w := range d.workers {
+		if w.Queue != queueGitHub && w.Queue != queueDatabase {
+			continue
+		}
+		var attached time.Time
+		eventually(t, 30*time.Second, w.Name+"'s consumer back", func() bool {
+			attached = w.State().Recovered
+			return !attached.Before(up)
+		})
+		if late := attached.Sub(up); late > brokerRetry {
+			t.Errorf("%s consumed again %s after the broker's connection came back, want within %s", w.Name, late, brokerRetry)
+		}
+	}
+}

@@ -350,6 +350,10 @@ func (q *Queues) Routes(ctx context.Context, b *Broker) error {
 	return nil
 }
 
+// Back is closed once broker b's connection is dialed after its last
+// failed dial: who waits out a failure of b is woken by it.
+func (q *Queues) Back(b *Broker) <-chan struct{} { return q.conns[b.Index].Back() }
+
 // Reachable dials broker b if needed, for /readyz.
 func (q *Queues) Reachable(ctx context.Context, b *Broker) error {
 	_, err := q.conns[b.Index].connection(ctx)

@@ -84,6 +84,12 @@ type brokerConn struct {
 	// succeeded: an atomic, so that a caller that could not take lock
 	// reads it too (cutShort).
 	lastErr atomic.Pointer[error]
+	// back is closed when a dial succeeds, so that whoever waits out a
+	// failure (a worker's consumer) uses the broker again at once, whoever
+	// dialed it; a failed dial after a success puts a new one in its place.
+	back atomic.Pointer[chan struct{}]
+	// upSince is when the connection was last dialed.
+	upSince atomic.Pointer[time.Time]
 
 	// inHand counts deliveries from this broker that a worker has taken and
 	// not yet settled: the broker's ready counts do not show them.
@@ -110,10 +116,15 @@ type brokerConn struct {
 func newBrokerConn(b *Broker, callTimeout time.Duration, onDial func(*brokerConn, *amqp.Connection) error, metrics *Metrics, log *slog.Logger) *brokerConn {
 	bc := &brokerConn{broker: b, callTimeout: callTimeout, onDial: onDial, metrics: metrics, log: log,
 		minBackoff: 200 * time.Millisecond, maxBackoff: time.Second, lock: make(chan struct{}, 1)}
-	sig := make(chan struct{})
+	sig, back := make(chan struct{}), make(chan struct{})
 	bc.blockedSig.Swap(&sig)
+	bc.back.Store(&back)
 	return bc
 }
+
+// Back is closed once the broker's connection is dialed after the last
+// failed dial: a caller that failed waits on it, with its backoff.
+func (bc *brokerConn) Back() <-chan struct{} { return *bc.back.Load() }
 
 // connection returns the live connection, dialing one when there is none
 // and the backoff since the last failure has passed. Within the backoff it
@@ -150,6 +161,10 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 		backoff = backoff/2 + rand.N(backoff/2+1) // jitter: brokers restarting see no thundering herd
 		bc.retryAt = time.Now().Add(backoff)
 		bc.lastErr.Store(&err)
+		if p := bc.back.Load(); closed(*p) {
+			next := make(chan struct{})
+			bc.back.Store(&next)
+		}
 		return nil, dialFailure(b, err)
 	}
 	if bc.failures > 0 {
@@ -157,6 +172,11 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 	}
 	bc.conn, bc.failures = conn, 0
 	bc.lastErr.Store(nil)
+	now := time.Now()
+	bc.upSince.Store(&now)
+	if p := bc.back.Load(); !closed(*p) {
+		close(*p)
+	}
 	notes := conn.NotifyBlocked(make(chan amqp.Blocking, 4))
 	bc.watchers.Go(func() { bc.watchBlocked(notes) })
 	return conn, nil

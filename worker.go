@@ -44,6 +44,9 @@ type Worker struct {
 	events   *EventOptions
 	messages BatchHandler
 	lastPoll time.Time
+	// lastLogged is the last failure logged at warn, and when.
+	lastLogged   string
+	lastLoggedAt time.Time
 
 	cfg     WorkersConfig
 	brokers *Brokers
@@ -66,6 +69,9 @@ type WorkerState struct {
 	LastCycle time.Time `json:"last_cycle,omitzero"`
 	Failures  int       `json:"failures"`
 	LastError string    `json:"last_error,omitempty"`
+	// Recovered is when the worker was last known well after failed
+	// cycles (absent before the first such): when it came back.
+	Recovered time.Time `json:"recovered,omitzero"`
 	// LastStored is when a message of its queue last ended done, since
 	// the daemon started (absent before the first).
 	LastStored time.Time `json:"last_stored,omitzero"`
@@ -94,6 +100,9 @@ func (w *Worker) record(err error) {
 		w.state.Failures++
 		w.state.LastError = err.Error()
 	} else {
+		if w.state.Failures > 0 {
+			w.state.Recovered = time.Now()
+		}
 		w.state.LastCycle, w.state.Failures, w.state.LastError = time.Now(), 0, ""
 	}
 	w.Metrics.cycle(w.Name, w.state.Failures, w.state.LastCycle)
@@ -160,12 +169,26 @@ func (w *Worker) Run(ctx context.Context) error {
 			w.Health.Fail(ctx, err.Error())
 			failures++
 			backoff := min(500*time.Millisecond<<min(failures-1, 10), 15*time.Second)
+			var back <-chan struct{}
+			if brokerAway(err) {
+				// The broker comes back when its connection does: the
+				// consumer waits for it to be dialed (by whoever dials
+				// first), and tries itself as often as the connection's
+				// backoff lets a dial through.
+				backoff = min(backoff, brokerRetry)
+				if b, berr := w.brokers.Get(w.brokers.Cached().Active); berr == nil {
+					back = w.queues.Back(b)
+				}
+			}
 			backoff = backoff/2 + rand.N(backoff/2+1)
-			w.log.Warn("cycle failed", "error", err, "retry_in", backoff.Round(time.Millisecond))
-			w.sleep(ctx, backoff, watch)
+			w.logFailure(err, failures, backoff)
+			w.sleep(ctx, backoff, watch, back)
 			continue
 		}
 		w.Health.Success(ctx)
+		if failures > 0 {
+			w.log.Info("cycle succeeded again", "after_failures", failures)
+		}
 		failures = 0
 		if w.Every > 0 {
 			pause := w.Every
@@ -173,7 +196,7 @@ func (w *Worker) Run(ctx context.Context) error {
 				pause = min(pause, w.cfg.PendingCheckInterval)
 			}
 			w.setSchedule(time.Time{}, time.Now().Add(pause))
-			w.sleep(ctx, pause, watch)
+			w.sleep(ctx, pause, watch, nil)
 		}
 	}
 	return nil
@@ -187,14 +210,49 @@ func (w *Worker) setSchedule(windowEnds, nextCycle time.Time) {
 	w.state.WindowEnds, w.state.NextCycle = windowEnds.UTC(), nextCycle.UTC()
 }
 
-// sleep waits d, or less when ctx ends or the broker state changes.
-func (w *Worker) sleep(ctx context.Context, d time.Duration, watch <-chan struct{}) {
+// brokerRetry is the longest a worker waits to try a broker that was
+// away again: the connection's own backoff (brokerConn.maxBackoff).
+const brokerRetry = time.Second
+
+// brokerAway reports whether err is the broker away or refusing
+// switchyard's user, which its connection's return ends.
+func brokerAway(err error) bool {
+	return errors.Is(err, ErrBrokerUnreachable) || errors.Is(err, ErrBrokerAccessRefused)
+}
+
+// failureLogEvery is how often a worker whose cycles keep failing for the
+// same reason says so again.
+const failureLogEvery = time.Minute
+
+// logFailure logs a failed cycle: the first of a run, one whose error
+// differs from the last logged, and then once a failureLogEvery; the rest
+// at debug (a broker away is tried every second).
+func (w *Worker) logFailure(err error, failures int, retry time.Duration) {
+	args := []any{"error", err, "failures", failures, "retry_in", retry.Round(time.Millisecond)}
+	msg := err.Error()
+	for _, kind := range []error{ErrBrokerUnreachable, ErrBrokerAccessRefused} {
+		if errors.Is(err, kind) {
+			msg = kind.Error() // its text names the next try, which moves
+		}
+	}
+	if failures == 1 || msg != w.lastLogged || time.Since(w.lastLoggedAt) >= failureLogEvery {
+		w.lastLogged, w.lastLoggedAt = msg, time.Now()
+		w.log.Warn("cycle failed", args...)
+		return
+	}
+	w.log.Debug("cycle failed", args...)
+}
+
+// sleep waits d, or less when ctx ends, the broker state changes, or back
+// (nil: none) closes.
+func (w *Worker) sleep(ctx context.Context, d time.Duration, watch, back <-chan struct{}) {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-ctx.Done():
 	case <-t.C:
 	case <-watch:
+	case <-back:
 	}
 }
 

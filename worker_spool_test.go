@@ -204,6 +204,7 @@ func testSpoolBrokerLinkCut(t *testing.T) {
 	for i := 0; i < 45; i++ { // 45 s of the cut, the stream going on
 		time.Sleep(time.Second)
 	}
+	back := time.Now()
 	if proxy.Reopen(); t.Failed() {
 		stop()
 		return
@@ -213,6 +214,7 @@ func testSpoolBrokerLinkCut(t *testing.T) {
 		return m["switchyard_spool_messages"] == 0 && m[`switchyard_webhooks_received_total{outcome="accepted"}`] > 0 &&
 			!d.spool.Spooling()
 	})
+	consumersBackWithBroker(t, d.Daemon, back)
 	before := scrape(t, d.URL+"/metrics")[`switchyard_webhooks_received_total{outcome="accepted"}`]
 	eventually(t, 30*time.Second, "webhooks published directly again", func() bool {
 		return scrape(t, d.URL+"/metrics")[`switchyard_webhooks_received_total{outcome="accepted"}`] >= before+20
