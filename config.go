@@ -373,6 +373,11 @@ func DecodeConfig(r io.Reader) (*Config, error) {
 		cfg.set[k.String()] = true
 	}
 	cfg.Tracing = tracingFromEnv(cfg.Tracing, md.IsDefined("tracing"))
+	if !cfg.set["queue.spool_after"] && cfg.Queue.SpoolAfter >= cfg.Queue.PublishTimeout {
+		// A publish_timeout of 1s or less, valid before the spool came:
+		// the spool's default wait follows it rather than refuse it.
+		cfg.Queue.SpoolAfter = cfg.Queue.PublishTimeout / 2
+	}
 	for _, k := range md.Undecoded() {
 		// Keys under a table already reported unknown, or under a value
 		// that failed to decode, are not news.

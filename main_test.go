@@ -464,6 +464,25 @@ url = "amqp://guest:guest@127.0.0.1:5672/"
 	}
 }
 
+// A config valid before this release still starts: publish_timeout of a
+// second, from before there was a spool_after to keep under it. The built
+// binary checks it and serves it, and takes a webhook.
+func TestOlderConfigStarts(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	addr := freeAddr(t)
+	config := writeConfigWith(t, dir, addr, fmt.Sprintf("path = %q", filepath.Join(dir, "switchyard.db")), "", amqpURL(newVhost(t)))
+	editConfig(t, config, "[queue]\n", "[queue]\npublish_timeout = \"1s\"\n")
+	if out, code := runBinary(t, "check-config", "-config", config); code != 0 {
+		t.Fatalf("check-config of a config with publish_timeout = \"1s\": exit %d\n%s", code, out)
+	}
+	cmd, out := startProcess(t, config, addr)
+	if code := postWebhook(t, "http://"+addr, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
+		t.Errorf("a webhook: %d, want 202\n%s", code, out)
+	}
+	stopProcess(t, cmd, out, 30*time.Second)
+}
+
 // Secrets of only spaces and short tokens are errors; tokens under 32
 // characters, the example's placeholders and a file others can read are
 // warnings, from check-config and from serve.
