@@ -123,6 +123,12 @@ const statusGaps = 100
 // the status calls it a problem (the alert rule's threshold too).
 const pendingTooLong = time.Hour
 
+// RefusedUnavailable reports whether webhooks were refused with a 5xx in
+// the last hour (GitHub does not retry them).
+func (st Status) RefusedUnavailable() bool {
+	return slices.ContainsFunc(st.Refused, func(r ReasonCount) bool { return r.Status >= 500 })
+}
+
 // problems names what needs the operator in st, each on its own.
 func (st *Status) problems() []string {
 	ps := []string{}

@@ -226,7 +226,11 @@ func (d *Daemon) Run(ctx context.Context, ls Listeners, ready func()) error {
 	if b, err := d.brokers.Get(d.brokers.Cached().Active); err == nil {
 		dctx, cancel := context.WithTimeout(ctx, d.cfg.Queue.CallTimeout)
 		if err := d.queues.Reachable(dctx, b); err != nil {
-			d.log.Warn("the active broker is not reachable; webhooks answer 503 until it is", "broker", b.String(), "error", err)
+			then := "webhooks answer 503 until it is (queue.spool_max_bytes = 0: no spool)"
+			if d.spool.On() {
+				then = "webhooks are spooled, answered 202, until it is"
+			}
+			d.log.Warn("the active broker is not reachable: "+then, "broker", b.String(), "error", err)
 		}
 		cancel()
 	}

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -74,6 +75,7 @@ func TestMetricsMove(t *testing.T) {
 			t.Errorf("%s moved by %v, want 1", name, got)
 		}
 	}
+	metricsDocumented(t, after)
 	if after["switchyard_database_write_seconds_count"] < 2 {
 		t.Errorf("database writes not measured")
 	}
@@ -121,5 +123,44 @@ func TestMetricsListen(t *testing.T) {
 	public.Server.MetricsListen = public.Server.Listen
 	if err := public.Validate(); err == nil || !strings.Contains(err.Error(), "server.pprof") {
 		t.Errorf("pprof with metrics on the public listener: %v, want refused", err)
+	}
+}
+
+// metricsDocumented holds the README's metrics table to the metrics a
+// daemon serves (scraped): every switchyard_ metric is named in it, and
+// every outcome of switchyard_webhooks_received_total in its row.
+func metricsDocumented(t *testing.T, scraped map[string]float64) {
+	t.Helper()
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := string(readme)
+	row := ""
+	for _, line := range strings.Split(text, "\n") {
+		if strings.HasPrefix(line, "| `switchyard_webhooks_received_total{outcome}`") {
+			row = line
+		}
+	}
+	for series := range scraped {
+		name, labels, _ := strings.Cut(series, "{")
+		if !strings.HasPrefix(name, "switchyard_") {
+			continue
+		}
+		base := name
+		for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+			if trimmed, ok := strings.CutSuffix(name, suffix); ok && !strings.Contains(text, "`"+name) {
+				base = trimmed
+			}
+		}
+		if !strings.Contains(text, "`"+base) {
+			t.Errorf("README's metrics table does not name %s", base)
+		}
+		if name == "switchyard_webhooks_received_total" {
+			outcome := strings.TrimSuffix(strings.TrimPrefix(labels, `outcome="`), `"}`)
+			if !strings.Contains(row, "`"+outcome+"`") {
+				t.Errorf("README's row of switchyard_webhooks_received_total does not name the outcome %q:\n%s", outcome, row)
+			}
+		}
 	}
 }
