@@ -31,7 +31,7 @@ TRACE_TESTS ?= TestOneTracePerDelivery|TestTraceOfLeftoverDrainAndRepublish
 # The RabbitMQ cluster of the test's own (three nodes) runs after the rest,
 # not beside it: starved of the two cores by the tests around it, a node's
 # answers, not switchyard's, made a webhook wait past its client's 10 s.
-CLUSTER_TESTS ?= TestSpoolClusterNodesLost
+CLUSTER_TESTS ?= TestOutboxClusterNodesLost
 SUDO     := $(if $(filter 0,$(shell id -u)),,sudo)
 NFPM     := github.com/goreleaser/nfpm/v2/cmd/nfpm@v2.45.2
 
@@ -82,10 +82,10 @@ test: ensure-rabbitmq ensure-postgres ensure-chromium $(PROMTOOL) $(HAPROXY) $(P
 # several nodes. Each test's own checks hold through it: every webhook
 # stored once, no attempt burned, nothing in an -error queue.
 # The tests of a broker's faults the pooler pass leaves out: they hold the
-# broker, not the store, to account (the spool's store is there in
-# TestSpoolFull and TestSpoolSurvivesSIGKILL), and take a minute each.
-BROKER_FAULT_TESTS ?= TestSpoolClusterNodesLost|TestSpoolBrokerLinkCut
-NODE_TESTS ?= TestThreeNodesOneStore|TestBatchSendsAhead|TestNodeBelowRisingFloor|TestFleetBehindHAProxyRefusesNothing|TestTwoNodesRolledBehindHAProxy
+# broker, not the store, to account (the outbox's store is there in
+# TestOutboxStoreRefuses and TestOutboxSurvivesSIGKILL), and take a minute each.
+BROKER_FAULT_TESTS ?= TestOutboxClusterNodesLost|TestOutboxBrokerLinkCut|TestOutboxBrokerRefusesUser|TestOutboxExchangeDeleted
+NODE_TESTS ?= TestThreeNodesOneStore|TestOutboxOfDeadNodeForwarded|TestBatchSendsAhead|TestNodeBelowRisingFloor|TestFleetBehindHAProxyRefusesNothing|TestTwoNodesRolledBehindHAProxy
 # Alone after them: it pauses a node with SIGSTOP and holds it to taking
 # no step once resumed, which the load of five other fleets beside it on
 # two cores stretches past its lease_ttl of 2 s.

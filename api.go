@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"crypto/subtle"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -151,20 +150,24 @@ func (a *API) bounded(h httprouter.Handle) httprouter.Handle {
 	}
 }
 
+// upgradeProblem is /readyz's word for a node whose database needs a
+// newer switchyard.
+const upgradeProblem = "needs a newer switchyard: upgrade this node"
+
 // readyCheckTimeout is each /readyz check's own deadline.
 const readyCheckTimeout = 2 * time.Second
 
-// ready answers 503 {"status":"draining"} once the node drains (Drain),
-// else 200 {"status":"ready"} when the database takes writes and
-// the active broker is reachable and takes publishes, else 503 naming only
-// the parts not ready and how: "broker" with one of "unreachable",
-// "refusing publishes", "routes webhooks to no queue", "refuses access" or
-// "blocked", and "database". While the spool takes webhooks the broker's
-// problem does not make the node unready: the answer's "spool" says so.
-// Anyone may ask, so the answer says no more than that (brokerProblem);
-// the log and the operator's status have the cause. Each check runs at
-// once beside the other, with a deadline of its own: a locked database
-// must not make the broker look unreachable too.
+// ready answers 503 {"status":"draining"} once the node drains (Drain);
+// else 200 {"status":"ready"} while a webhook can be taken: committed to
+// the outbox (the database takes writes and this node's outbox is not
+// full), or, when not, published to the broker directly (the active
+// broker is reachable and takes publishes). The answer names what is not
+// right ("database", "outbox", "broker") even while ready, and how the
+// outbox stands; it is 503 only when neither path takes a webhook. Anyone
+// may ask, so the answer says no more than the kind (brokerProblem); the
+// log and the operator's status have the cause. Each check runs at once
+// beside the other, with a deadline of its own: a locked database must
+// not make the broker look unreachable too.
 func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params) {
 	if a.draining.Load() {
 		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "draining"})
@@ -178,7 +181,7 @@ func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params)
 	}{
 		{"database", a.store.Writable, func(err error) string {
 			if errors.Is(err, ErrSchemaFloor) {
-				return "needs a newer switchyard: upgrade this node"
+				return upgradeProblem
 			}
 			return "not writable"
 		}},
@@ -203,33 +206,23 @@ func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params)
 			out[c.name] = problems[i]
 		}
 	}
-	answer := map[string]any{"status": "ready"}
-	if spool := a.webhook.spool; spool.On() && out["database"] == "" {
-		// The spool takes what the broker does not: webhooks are still
-		// answered 202, so the node is ready.
-		st := spool.State()
-		switch {
-		case spool.Full():
-			out["spool"] = "full"
-		case out["broker"] != "" && spoolsFor(out["broker"]):
-			answer["spool"] = fmt.Sprintf("taking webhooks while the broker is %s (%d waiting)", out["broker"], st.Messages)
-			delete(out, "broker")
-		case st.Messages > 0:
-			answer["spool"] = fmt.Sprintf("%d webhooks waiting for the broker", st.Messages)
-		}
+	ob := a.webhook.outbox
+	if ob.Full() {
+		out["outbox"] = "full"
 	}
+	answer := map[string]any{"status": "ready", "outbox": map[string]any{"waiting_bytes": ob.Waiting(), "full": ob.Full()}}
 	if len(out) > 0 {
-		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "not ready", "problems": out})
+		answer["problems"] = out
+	}
+	// A node the database's floor left behind stops for good, whatever
+	// the broker does: a balancer sends webhooks to an upgraded one.
+	upgrade := out["database"] == upgradeProblem
+	if storePath := out["database"] == "" && out["outbox"] == ""; upgrade || !storePath && out["broker"] != "" {
+		answer["status"] = "not ready"
+		writeJSON(w, http.StatusServiceUnavailable, answer)
 		return
 	}
 	writeJSON(w, http.StatusOK, answer)
-}
-
-// spoolsFor reports whether the spool takes the webhooks of a broker with
-// problem (brokerProblem): one away, blocked, refusing publishes or not
-// confirming, not one that refuses access or routes them nowhere.
-func spoolsFor(problem string) bool {
-	return problem != "refuses access" && problem != "routes webhooks to no queue"
 }
 
 // brokerReady fails when the active broker cannot be reached, blocks or

@@ -52,7 +52,7 @@ func TestPublicAnswersNameNothing(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			cfg := testConfig(t, c.url)
-			cfg.Queue.SpoolMaxBytes = 0 // the refusals without the spool (worker_spool_test.go has them with it)
+			cfg.Queue.OutboxMaxBytes = 1 // the broker's path: the outbox full, each webhook published at the door (outbox_test.go has the outbox)
 			cfg.Queue.DeclareTopology = false
 			// RabbitMQ answers a refused login after 3 s.
 			cfg.Queue.PublishTimeout = 10 * time.Second
@@ -185,7 +185,7 @@ func TestStoryOfAHalfRefusedPublish(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
-	cfg.Queue.SpoolMaxBytes = 0 // the refusals without the spool (worker_spool_test.go has them with it)
+	cfg.Queue.OutboxMaxBytes = 1 // the broker's path: the outbox full, each webhook published at the door (outbox_test.go has the outbox)
 	cfg.GitHub.BotAppID = testBotAppID
 	d := startDaemon(t, cfg)
 	rabbitmqctl(t, "set_policy", "-p", vhost, "--apply-to", "queues", "refuse", "^github-database$", `{"max-length":0,"overflow":"reject-publish"}`)
@@ -330,28 +330,51 @@ func TestDatabaseFileModeAndTimes(t *testing.T) {
 }
 
 // A config copied from the example (declare_topology = false) on a broker
-// without the queues routes every webhook to no queue: /readyz is not
-// ready and says so, and is once the administrator declares them.
+// without the queues routes every webhook to no queue: /readyz stays 200
+// (the outbox takes them) and names the broker's problem; the webhook is
+// answered 202 queued and waits, the forwarder saying why, until the
+// administrator declares the queues, and is stored then. With the outbox
+// full (the broker's path) the webhook is refused 503 and /readyz is not
+// ready.
 func TestReadyzRoutesToNoQueue(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.DeclareTopology = false
 	d := startDaemon(t, cfg)
-	readyz := func() (int, string) { return do(t, httpRequest(t, http.MethodGet, d.URL+"/readyz", "", "")) }
-	if code, body := readyz(); code != http.StatusServiceUnavailable || !strings.Contains(body, `"broker":"routes webhooks to no queue"`) {
-		t.Errorf("/readyz without the queues: %d %s, want 503 saying webhooks route to no queue", code, body)
+	readyz := func(d *testDaemon) (int, string) {
+		return do(t, httpRequest(t, http.MethodGet, d.URL+"/readyz", "", ""))
+	}
+	if code, body := readyz(d); code != http.StatusOK || !strings.Contains(body, `"broker":"routes webhooks to no queue"`) {
+		t.Errorf("/readyz without the queues: %d %s, want 200 saying webhooks route to no queue", code, body)
 	}
 	guid := newGUID()
-	if code, body := do(t, webhookRequest(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))); code != http.StatusServiceUnavailable ||
+	if code, body := do(t, webhookRequest(t, d.URL, "issues", guid, loadFixture(t, "issues", "opened"))); code != http.StatusAccepted ||
+		!strings.Contains(body, `"queued"`) {
+		t.Errorf("a webhook without the queues: %d %s, want 202 queued", code, body)
+	}
+	eventually(t, 20*time.Second, "the forwarder saying why it waits", func() bool {
+		return strings.Contains(d.logs.String(), "the outbox waits") && strings.Contains(d.logs.String(), "routed to no queue")
+	})
+	d.stop(t)
+
+	full := *cfg
+	full.Queue.OutboxMaxBytes = 1 // the broker's path: the outbox full
+	f := startDaemon(t, &full)
+	if code, body := readyz(f); code != http.StatusServiceUnavailable || !strings.Contains(body, `"broker":"routes webhooks to no queue"`) ||
+		!strings.Contains(body, `"outbox":"full"`) {
+		t.Errorf("/readyz without the queues, the outbox full: %d %s, want 503 naming both", code, body)
+	}
+	if code, body := do(t, webhookRequest(t, f.URL, "issues", newGUID(), loadFixture(t, "issues", "opened"))); code != http.StatusServiceUnavailable ||
 		!strings.Contains(body, "routes webhooks to no queue") || !strings.Contains(body, "not queued") {
-		t.Errorf("a webhook without the queues: %d %s", code, body)
+		t.Errorf("a webhook without the queues, the outbox full: %d %s, want 503", code, body)
 	}
 	declareTestTopology(t, vhost, time.Second)
-	if code, body := readyz(); code != http.StatusOK {
+	if code, body := readyz(f); code != http.StatusOK {
 		t.Errorf("/readyz with the queues declared: %d %s, want 200", code, body)
 	}
-	if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
+	if code := postWebhook(t, f.URL, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
 		t.Errorf("a webhook with the queues declared: %d", code)
 	}
+	storedAll(t, cfg.Database, []string{guid}, 30*time.Second)
 }

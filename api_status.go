@@ -52,13 +52,12 @@ type Status struct {
 	// Budgets are the brokers' spending this budget month.
 	Budgets []BudgetView `json:"budgets"`
 
-	// Spool is what waits in the spool for a broker to take it; null
-	// without a spool (queue.spool_max_bytes = 0).
-	Spool *SpoolView `json:"spool"`
-	// Refused and Spooled are the webhooks of the last hour that were not
-	// published at once: refused (4xx, 5xx), and spooled, by reason.
+	// Outbox is what waits in the outbox for the broker, and what the
+	// broker refused for good.
+	Outbox OutboxView `json:"outbox"`
+	// Refused are the webhooks of the last hour refused (4xx, 5xx), by
+	// reason.
 	Refused []ReasonCount `json:"refused_last_hour"`
-	Spooled []ReasonCount `json:"spooled_last_hour"`
 
 	// Certificates are the certificates this node serves HTTPS with
 	// (server.tls), absent without.
@@ -105,16 +104,20 @@ func (a *API) ownLeasesNow(st *Status) {
 	}
 }
 
-// SpoolView is the spool as the status shows it.
-type SpoolView struct {
-	SpoolState
+// OutboxView is the outbox as the status shows it: what the store holds,
+// and this node's bound.
+type OutboxView struct {
+	OutboxState
+	// Waiting is the bytes of this node's rows that wait, against
+	// MaxBytes; Full once they reach it (webhooks take the broker's path).
+	Waiting  int64 `json:"node_waiting_bytes"`
 	MaxBytes int64 `json:"max_bytes"`
 	Full     bool  `json:"full"`
 }
 
-// spoolTooOld is how long webhooks may wait in the spool before the
+// outboxTooOld is how long webhooks may wait in the outbox before the
 // status calls it a problem (the alert rule's threshold too).
-const spoolTooOld = 10 * time.Minute
+const outboxTooOld = 10 * time.Minute
 
 // statusGaps is the most gaps the status lists.
 const statusGaps = 100
@@ -122,12 +125,6 @@ const statusGaps = 100
 // pendingTooLong is how long a Pending Switch may wait for its drain before
 // the status calls it a problem (the alert rule's threshold too).
 const pendingTooLong = time.Hour
-
-// RefusedUnavailable reports whether webhooks were refused with a 5xx in
-// the last hour (GitHub does not retry them).
-func (st Status) RefusedUnavailable() bool {
-	return slices.ContainsFunc(st.Refused, func(r ReasonCount) bool { return r.Status >= 500 })
-}
 
 // problems names what needs the operator in st, each on its own.
 func (st *Status) problems() []string {
@@ -180,9 +177,13 @@ func (st *Status) problems() []string {
 			ps = append(ps, fmt.Sprintf("job %s has had no live holder for %s (last held by node %s)", job, st.Leases[i].Orphaned, st.Leases[i].Node))
 		}
 	}
-	if sp := st.Spool; sp != nil && sp.Messages > 0 && sp.Oldest != nil && st.Now.Sub(*sp.Oldest) > spoolTooOld {
-		ps = append(ps, fmt.Sprintf("the spool has held %s since %s: no broker takes them", plural(int(sp.Messages), "webhook"),
-			sp.Oldest.Format(time.RFC3339)))
+	if ob := st.Outbox; ob.Messages > 0 && ob.Oldest != nil && st.Now.Sub(*ob.Oldest) > outboxTooOld {
+		ps = append(ps, fmt.Sprintf("the outbox has held %s since %s: the broker does not take them", plural(int(ob.Messages), "webhook"),
+			ob.Oldest.Format(time.RFC3339)))
+	}
+	if n := st.Outbox.RefusedCount; n > 0 {
+		ps = append(ps, fmt.Sprintf("the broker refused %s in the outbox for good (%s): raise its limit, then switchyard outbox retry",
+			plural(int(n), "webhook"), st.Outbox.Refused[0].Reason))
 	}
 	for _, c := range st.Certificates {
 		if left := c.NotAfter.Sub(st.Now); c.Overdue(st.Now) {
@@ -190,9 +191,9 @@ func (st *Status) problems() []string {
 				c.NotAfter.Format(time.RFC3339), left.Round(time.Minute)))
 		}
 	}
-	if sp := st.Spool; sp != nil && sp.Full {
-		ps = append(ps, fmt.Sprintf("the spool is full (%d of queue.spool_max_bytes %d): webhooks the broker does not confirm answer 503",
-			sp.Bytes, sp.MaxBytes))
+	if ob := st.Outbox; ob.Full {
+		ps = append(ps, fmt.Sprintf("this node's outbox is full (%d of queue.outbox_max_bytes %d): webhooks are published to the broker directly, and answer 503 when it does not confirm",
+			ob.Waiting, ob.MaxBytes))
 	}
 	for _, r := range st.Refused {
 		if r.Status >= 500 {
@@ -350,13 +351,13 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 		return st, err
 	}
 	st.Statistics, st.Database, st.Gaps, st.GapsTotal, st.Unrecoverable = db.Statistics, db.Database, db.Gaps, db.GapsTotal, db.Unrecoverable
-	st.Refused, st.Spooled = db.Refused, db.Spooled
-	if sp := a.webhook.spool; sp.On() {
-		st.Spool = &SpoolView{SpoolState: sp.State(), MaxBytes: a.cfg.Queue.SpoolMaxBytes, Full: sp.Full()}
-		if st.Spool.Brokers == nil {
-			st.Spool.Brokers = []int{}
-		}
+	st.Refused = db.Refused
+	ob := a.webhook.outbox
+	state, err := ob.State(ctx)
+	if err != nil {
+		return st, err
 	}
+	st.Outbox = OutboxView{OutboxState: state, Waiting: ob.Waiting(), MaxBytes: ob.MaxBytes(), Full: ob.Full()}
 	if a.certificates != nil {
 		st.Certificates = a.certificates()
 	}

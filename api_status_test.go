@@ -45,6 +45,11 @@ func statusScene(t *testing.T) (d *testDaemon, a, b string) {
 			t.Fatalf("webhook: %d", code)
 		}
 	}
+	// Forwarded to broker a before the switch is pending: after, the
+	// outbox would publish them to its target, b.
+	eventually(t, 30*time.Second, "the webhooks forwarded", func() bool {
+		return scrape(t, d.URL+"/metrics")["switchyard_outbox_messages"] == 0
+	})
 	if code, m := apiCall(t, http.MethodPost, d.URL+"/api/v1/broker/pending-switch", "producer-token-for-tests",
 		notification("127.0.0.1", b, time.Now())); code != http.StatusAccepted {
 		t.Fatalf("notify: %d %v", code, m)

@@ -43,13 +43,14 @@ func (s prefixSet) contains(a netip.Addr) bool {
 	return false
 }
 
-// Webhook is the POST /webhooks/github endpoint: bound, verify, then publish.
+// Webhook is the POST /webhooks/github endpoint: bound, verify, then
+// commit to the outbox.
 type Webhook struct {
 	// auth is what a SIGHUP may change: secrets, allow list, proxies.
 	auth    atomic.Pointer[webhookAuth]
 	brokers *Brokers
-	// spool takes what the broker does not confirm in time.
-	spool    *Spool
+	// outbox takes every webhook: committed first, forwarded after.
+	outbox   *Outbox
 	log      *slog.Logger
 	metrics  *Metrics
 	inflight *inflightBodies
@@ -142,12 +143,12 @@ func secretBytes(current string, previous []string) [][]byte {
 
 // NewWebhook builds the endpoint from the config; refused, when set, keeps
 // the webhooks it refuses.
-func NewWebhook(cfg *Config, brokers *Brokers, spool *Spool, metrics *Metrics, refused *RejectLog, log *slog.Logger) (*Webhook, error) {
+func NewWebhook(cfg *Config, brokers *Brokers, outbox *Outbox, metrics *Metrics, refused *RejectLog, log *slog.Logger) (*Webhook, error) {
 	auth, err := newWebhookAuth(cfg)
 	if err != nil {
 		return nil, err
 	}
-	wh := &Webhook{brokers: brokers, spool: spool, metrics: metrics, refused: refused, log: log,
+	wh := &Webhook{brokers: brokers, outbox: outbox, metrics: metrics, refused: refused, log: log,
 		inflight: newInflightBodies(cfg.Server.MaxInflightBytes), rejects: newLogLimiter(10 * time.Second)}
 	wh.auth.Store(auth)
 	wh.bodies.New = func() any { return new([]byte) }
@@ -335,56 +336,54 @@ func isForm(contentType string) bool {
 	return mt == "application/x-www-form-urlencoded"
 }
 
-// queued is the 202 answer: status "queued" (the broker confirmed it) or
-// "spooled" (the store holds it until the broker takes it). Queue is set
-// for a webhook from outside the allowed sources, which waits in
-// github-forbidden for the cleanup worker: whoever sent it by hand learns
-// why no row appears at once.
+// queued is the 202 answer: status "queued" (committed to the outbox,
+// which forwards it to the broker) or "published" (the store did not take
+// it; the broker confirmed it). Queue is set for a webhook from outside the
+// allowed sources, which waits in github-forbidden for the cleanup worker:
+// whoever sent it by hand learns why no row appears at once.
 type queued struct {
 	Status     string `json:"status"`
 	DeliveryID string `json:"delivery_id"`
 	Queue      string `json:"queue,omitempty"`
 }
 
-// notQueued is a webhook no broker took. Its public text, the 503's body,
-// says what failed in one of a few fixed texts (brokerProblem) with the
-// delivery's GUID; its Error, for the log, has the whole cause.
+// notQueued is a webhook neither the store nor the broker took. Its public
+// text, the 503's body, says what failed in a few fixed texts (the store's,
+// and the broker's kind, brokerProblem) with the delivery's GUID; its
+// Error, for the log, has the whole cause.
 type notQueued struct {
 	delivery string
-	cause    error
+	// store and broker are why each did not take it.
+	store, broker error
 }
 
 func (e *notQueued) Error() string {
-	return fmt.Sprintf("%s: delivery %s %s: %v", e.what(), e.delivery, e.outcome(), e.cause)
+	return fmt.Sprintf("%s: delivery %s %s: %v", e.what(), e.delivery, e.outcome(), errors.Join(e.store, e.broker))
 }
 
 // outcome is what became of the message: "not confirmed" when it was
-// sent and its confirm did not come (it may still reach the queues, and
-// GitHub's redelivery of it is then a duplicate, stored once), else "not
-// queued".
+// sent to the broker and its confirm did not come (it may still reach the
+// queues, and GitHub's redelivery of it is then a duplicate, stored once),
+// else "not queued".
 func (e *notQueued) outcome() string {
-	if errors.Is(e.cause, ErrUnconfirmed) {
+	if errors.Is(e.broker, ErrUnconfirmed) {
 		return "not confirmed"
 	}
 	return "not queued"
 }
 
 // what is the kind of failure in the words of a public answer: the
-// broker's, and the spool's when it could not take the webhook either.
+// store's, then the broker's.
 func (e *notQueued) what() string {
-	what := "no confirm from the broker within queue.publish_timeout"
-	if errors.Is(e.cause, errBehindSpool) {
-		what = "the broker has not taken the spooled webhooks yet"
-	} else if p := brokerProblem(e.cause); p != "no confirm" {
-		what = "broker " + p
+	store := "the store did not take it"
+	if errors.Is(e.store, ErrOutboxFull) {
+		store = "the outbox is full"
 	}
-	switch {
-	case errors.Is(e.cause, ErrSpoolFull):
-		what += ", and the spool is full"
-	case errors.Is(e.cause, errSpoolRefused):
-		what += ", and the spool did not take it"
+	broker := "no confirm from the broker within queue.publish_timeout"
+	if p := brokerProblem(e.broker); p != "no confirm" {
+		broker = "broker " + p
 	}
-	return what
+	return store + ", and " + broker
 }
 
 // public is the 503's body text.
@@ -448,18 +447,17 @@ func addrText(a netip.Addr) string {
 	return a.String()
 }
 
-// ServeHTTP answers 202 only once the webhook is durable: confirmed by the
-// broker, or committed to the spool.
+// ServeHTTP answers 202 only once the webhook is durable: committed to
+// the outbox, or, when the store does not take it, confirmed by the broker.
 func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	buf := wh.bodies.Get().(*[]byte)
 	src := wh.sourceIP(r)
 	payload, release, err := wh.readPayload(w, r, buf)
 	// The body's buffer and its share of server.max_inflight_bytes go
 	// back once nothing refers to the body: when the webhook has been
-	// compressed for the broker (Spool.Take), so that webhooks waiting for
-	// a broker's confirm, or for the spool, hold their compressed bytes
-	// only; else when the request ends. Publish has written the body to
-	// the connection by the time it returns, whatever the outcome.
+	// compressed for the broker (Outbox.Take), so that webhooks waiting
+	// for the writer hold their compressed bytes only; else when the
+	// request ends, by which time Take is done with it.
 	var once sync.Once
 	bodyDone := func() {
 		once.Do(func() {
@@ -482,22 +480,22 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	msg := newPublishing(r.Header, payload, addrText(src), time.Now())
 	traceWebhook(r.Context(), &msg, r.Header.Get(hdrHookID))
 
-	took, err := wh.spool.Take(r.Context(), exchange, key, msg, bodyDone)
+	took := wh.outbox.Take(r.Context(), exchange, key, msg, bodyDone)
 	var tooLarge *TooLargeError
-	if errors.As(err, &tooLarge) {
+	switch {
+	case took.Outcome == Refused && errors.As(took.Err, &tooLarge):
 		wh.reject(w, r, errorf(CodeTooLarge, "%s: delivery %s not queued: %v", ErrTooLarge.Message, msg.MessageId, tooLarge), src)
 		return
-	}
-	if err != nil {
-		wh.reject(w, r, &notQueued{delivery: msg.MessageId, cause: err}, src)
+	case took.Outcome == Refused:
+		wh.reject(w, r, &notQueued{delivery: msg.MessageId, store: took.StoreErr, broker: took.Err}, src)
 		return
 	}
 	outcome, status := "accepted", "queued"
+	if took.Outcome == Published {
+		outcome, status = "published", "published"
+	}
 	if key != "" {
 		outcome = "forbidden"
-	}
-	if took.Spooled {
-		outcome, status = "spooled", "spooled"
 	}
 	wh.metrics.webhook(outcome)
 	if wh.log.Enabled(r.Context(), slog.LevelDebug) {

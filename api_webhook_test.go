@@ -327,7 +327,7 @@ func TestWebhookBrokerUnavailable(t *testing.T) {
 	vhost := newVhost(t)
 	proxy := newTCPProxy(t, testBrokerAddr())
 	cfg := testConfig(t, proxy.URL(vhost))
-	cfg.Queue.SpoolMaxBytes = 0 // the refusals without the spool (worker_spool_test.go has them with it)
+	cfg.Queue.OutboxMaxBytes = 1 // the broker's path: the outbox full, each webhook published at the door (outbox_test.go has the outbox)
 	cfg.Queue.PublishTimeout = time.Second
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")
@@ -499,8 +499,9 @@ func TestSourceIP(t *testing.T) {
 	}
 }
 
-// A message that would reach no queue (the queues were deleted on the broker,
-// as CloudAMQP does with idle ones) is not answered 202.
+// On the broker's path (the outbox full), a message that would reach no
+// queue (the queues were deleted on the broker, as CloudAMQP does with idle
+// ones) is not answered 202.
 func TestWebhookUnroutableIsNotAccepted(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
@@ -513,6 +514,7 @@ func TestWebhookUnroutableIsNotAccepted(t *testing.T) {
 	}
 	cfg := testConfig(t, amqpURL(vhost))
 	cfg.Queue.DeclareTopology = false
+	cfg.Queue.OutboxMaxBytes = 1 // the broker's path: the outbox full, each webhook published at the door
 	d := startDaemon(t, cfg)
 	if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusServiceUnavailable {
 		t.Errorf("got %d, want 503 for a message no queue takes", code)
@@ -775,7 +777,7 @@ func TestUnavailableNamesNoBroker(t *testing.T) {
 	vhost := newVhost(t)
 	proxy := newTCPProxy(t, testBrokerAddr())
 	cfg := testConfig(t, proxy.URL(vhost))
-	cfg.Queue.SpoolMaxBytes = 0 // the refusals without the spool (worker_spool_test.go has them with it)
+	cfg.Queue.OutboxMaxBytes = 1 // the broker's path: the outbox full, each webhook published at the door (outbox_test.go has the outbox)
 	cfg.Queue.PublishTimeout = time.Second
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")

@@ -164,14 +164,16 @@ type QueueConfig struct {
 	MaxAttempts     int           `toml:"max_attempts"`
 	Prefetch        int           `toml:"prefetch"`
 	PublishTimeout  time.Duration `toml:"publish_timeout"`
-	// SpoolAfter is how long a webhook waits for the broker's confirm
-	// before it is written to the spool in the store instead (and answered
-	// 202 all the same); a broker that refuses, blocks or cannot be
-	// reached sends it there at once.
-	SpoolAfter time.Duration `toml:"spool_after"`
-	// SpoolMaxBytes bounds the spool: past it a webhook the broker did not
-	// confirm is answered 503. 0 turns the spool off.
-	SpoolMaxBytes int64 `toml:"spool_max_bytes"`
+	// OutboxMaxBytes bounds the bytes of the webhooks a node committed to
+	// the outbox that wait for the broker: past it a webhook takes the
+	// broker's path (published with a confirm), and is refused (503) when
+	// the broker does not take it either.
+	OutboxMaxBytes int64 `toml:"outbox_max_bytes"`
+	// SpoolAfter and SpoolMaxBytes are retired (the spool became the
+	// outbox, always on): a config that still sets them is served, with a
+	// warning naming what replaced them.
+	SpoolAfter    time.Duration `toml:"spool_after"`
+	SpoolMaxBytes int64         `toml:"spool_max_bytes"`
 	// CallTimeout bounds every other AMQP call (dial, declare, get, ack).
 	CallTimeout time.Duration `toml:"call_timeout"`
 	// MaxBatchBytes bounds the message bytes one consumer holds: its window
@@ -306,8 +308,7 @@ func DefaultConfig() *Config {
 			// dozen messages a second.
 			Prefetch:           200,
 			PublishTimeout:     5 * time.Second,
-			SpoolAfter:         time.Second,
-			SpoolMaxBytes:      1 << 30,
+			OutboxMaxBytes:     1 << 30,
 			CallTimeout:        10 * time.Second,
 			MaxBatchBytes:      8 << 20,
 			KeepaliveEvery:     24 * time.Hour,
@@ -373,11 +374,6 @@ func DecodeConfig(r io.Reader) (*Config, error) {
 		cfg.set[k.String()] = true
 	}
 	cfg.Tracing = tracingFromEnv(cfg.Tracing, md.IsDefined("tracing"))
-	if !cfg.set["queue.spool_after"] && cfg.Queue.SpoolAfter >= cfg.Queue.PublishTimeout {
-		// A publish_timeout of 1s or less, valid before the spool came:
-		// the spool's default wait follows it rather than refuse it.
-		cfg.Queue.SpoolAfter = cfg.Queue.PublishTimeout / 2
-	}
 	for _, k := range md.Undecoded() {
 		// Keys under a table already reported unknown, or under a value
 		// that failed to decode, are not news.

@@ -227,11 +227,8 @@ func (c *Config) Validate() error {
 	if c.Queue.CallTimeout <= 0 {
 		bad("queue.call_timeout", "must be positive")
 	}
-	if c.Queue.SpoolAfter <= 0 || c.Queue.SpoolAfter >= c.Queue.PublishTimeout {
-		bad("queue.spool_after", "want more than 0 and less than queue.publish_timeout (%s), got %s", c.Queue.PublishTimeout, c.Queue.SpoolAfter)
-	}
-	if c.Queue.SpoolMaxBytes < 0 {
-		bad("queue.spool_max_bytes", "want 0 (no spool) or a size in bytes, got %d", c.Queue.SpoolMaxBytes)
+	if c.Queue.OutboxMaxBytes < 1<<20 {
+		bad("queue.outbox_max_bytes", "want at least 1 MiB (1048576), got %d", c.Queue.OutboxMaxBytes)
 	}
 	if c.Queue.KeepaliveEvery <= 0 || c.Queue.KeepaliveEvery > 7*24*time.Hour {
 		bad("queue.keepalive_every", "want more than 0 and at most 7 days (free plans delete queues unused for 28), got %s", c.Queue.KeepaliveEvery)
@@ -439,6 +436,14 @@ func (c *Config) Warnings(path string) []string {
 		}
 		secrets[h.Secret] = field
 	}
+	for _, r := range []struct{ key, then string }{
+		{"queue.spool_after", "every webhook is committed to the outbox first and forwarded after, with no wait on the broker: remove it"},
+		{"queue.spool_max_bytes", "queue.outbox_max_bytes bounds the webhooks that wait for the broker now: remove it, or set that"},
+	} {
+		if c.set[r.key] {
+			ws = append(ws, r.key+" is retired: "+r.then)
+		}
+	}
 	if c.Database.Driver == "postgres" {
 		var sqliteOnly []string
 		for _, k := range []string{"database.path", "database.synchronous", "database.busy_timeout"} {
@@ -572,11 +577,7 @@ func (c *Config) Summary(w io.Writer) {
 	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
 		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)
 	p("queue.type = %s, compress = %s, compress_over = %d", c.Queue.Type, c.Queue.Compress, c.Queue.CompressOver)
-	if c.Queue.SpoolMaxBytes > 0 {
-		p("queue.spool_after = %s, spool_max_bytes = %d", c.Queue.SpoolAfter, c.Queue.SpoolMaxBytes)
-	} else {
-		p("queue.spool_max_bytes = 0 (no spool: a webhook the broker does not confirm is answered 503)")
-	}
+	p("queue.outbox_max_bytes = %d (every webhook committed first, forwarded to the broker after)", c.Queue.OutboxMaxBytes)
 	p("workers.window = %s, pending_check_interval = %s, leftover_drain_limit = %d",
 		c.Workers.Window, c.Workers.PendingCheckInterval, c.Workers.LeftoverDrainLimit)
 	p("workers.cleanup_every = %s, cleanup_window = %s, hooks_poll_every = %s",

@@ -43,7 +43,7 @@ type Daemon struct {
 	leases    *Leases
 	retention *Retention
 	refused   *RejectLog
-	spool     *Spool
+	outbox    *Outbox
 	workers   []*Worker
 	// hooks is the hooks worker, which runs under its lease, and
 	// hooksWork what it does; nil without the GitHub App.
@@ -100,13 +100,13 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		metrics.broker(b.Index, b.Host, b.Vhost)
 	}
 	refused := NewRejectLog(store, metrics, log.With("component", "webhook"))
-	spool := NewSpool(cfg, store, brokers, queues, metrics, log)
-	webhook, err := NewWebhook(cfg, brokers, spool, metrics, refused, log)
+	outbox := NewOutbox(cfg, store, brokers, queues, metrics, tracer, log)
+	webhook, err := NewWebhook(cfg, brokers, outbox, metrics, refused, log)
 	if err != nil {
 		return fail(err)
 	}
 	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics, leases: leases, refused: refused,
-		spool: spool, stopTracing: stopTracing}
+		outbox: outbox, stopTracing: stopTracing}
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
 	d.keepalive = NewKeepalive(cfg.Queue, brokers.List(), queues, metrics, log)
@@ -208,10 +208,9 @@ func (d *Daemon) Run(ctx context.Context, ls Listeners, ready func()) error {
 	work.Go(func() error { return d.keepalive.Run(wctx) })
 	work.Go(func() error { return d.leases.Lease(jobKeepalive).Run(wctx, d.keepalive.Keep) })
 	work.Go(func() error { return d.refused.Run(wctx) })
-	if d.spool.On() {
-		work.Go(func() error { return d.spool.Watch(wctx) })
-		work.Go(func() error { return d.leases.Lease(jobSpool).Run(wctx, d.spool.Drain) })
-	}
+	work.Go(func() error { return d.outbox.Write(wctx) })
+	work.Go(func() error { return d.leases.Lease(outboxJob(d.cfg.Server.NodeName)).Run(wctx, d.outbox.Forward) })
+	work.Go(func() error { return d.leases.Lease(jobSpool).Run(wctx, d.outbox.MoveSpool) })
 	work.Go(func() error { return d.usage.Run(wctx) })
 	work.Go(func() error { return d.leases.Lease(jobBudget).Run(wctx, d.usage.Budget) })
 	if d.store.Shared() {
@@ -226,11 +225,8 @@ func (d *Daemon) Run(ctx context.Context, ls Listeners, ready func()) error {
 	if b, err := d.brokers.Get(d.brokers.Cached().Active); err == nil {
 		dctx, cancel := context.WithTimeout(ctx, d.cfg.Queue.CallTimeout)
 		if err := d.queues.Reachable(dctx, b); err != nil {
-			then := "webhooks answer 503 until it is (queue.spool_max_bytes = 0: no spool)"
-			if d.spool.On() {
-				then = "webhooks are spooled, answered 202, until it is"
-			}
-			d.log.Warn("the active broker is not reachable: "+then, "broker", b.String(), "error", err)
+			d.log.Warn("the active broker is not reachable: webhooks are committed to the outbox, answered 202, and forwarded once it is",
+				"broker", b.String(), "error", err)
 		}
 		cancel()
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"io"
@@ -22,7 +23,7 @@ func TestFaultBrokerBlocked(t *testing.T) {
 	needRabbitmqctl(t)
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
-	cfg.Queue.SpoolMaxBytes = 0            // the refusals without the spool (worker_spool_test.go has them with it)
+	cfg.Queue.OutboxMaxBytes = 1           // the broker's path: the outbox full, each webhook published at the door (outbox_test.go has the outbox)
 	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the block's, not the timeout's
 	cfg.Log.Level = "info"
 	pushed := alertOnBlock(t, cfg)
@@ -114,11 +115,11 @@ func TestFaultBrokerRefuses(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
-	cfg.Queue.SpoolMaxBytes = 0 // the refusals without the spool (worker_spool_test.go has them with it)
+	cfg.Queue.OutboxMaxBytes = 1 // the broker's path: the outbox full, each webhook published at the door (outbox_test.go has the outbox)
 	// A nacked publish is sent again while publish_timeout lasts (a
 	// quorum queue electing its leader nacks for a moment): the 503
 	// comes at its end, naming the refusal.
-	cfg.Queue.PublishTimeout, cfg.Queue.SpoolAfter = 2*time.Second, time.Second
+	cfg.Queue.PublishTimeout = 2 * time.Second
 	pushed := alertOnBlock(t, cfg)
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")
@@ -204,9 +205,8 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	body := largeIssue(t, 20<<20)
 	vhost := newVhost(t)
 	cfg := testConfig(t, amqpURL(vhost))
-	// 20 MiB takes its time to compress and cross: the test is of the
-	// broker's limits, so the spool (which would take what is slow) waits.
-	cfg.Queue.PublishTimeout, cfg.Queue.SpoolAfter = 30*time.Second, 20*time.Second
+	// 20 MiB takes its time to compress and cross.
+	cfg.Queue.PublishTimeout = 30 * time.Second
 	d := startDaemon(t, cfg)
 	guid := newGUID()
 	if code, answer := do(t, webhookRequest(t, d.URL, "issues", guid, body)); code != http.StatusAccepted {
@@ -235,23 +235,49 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	d.stop(t)
 
 	// A broker limit below max_message_bytes: the broker closes the
-	// channel, and says why; waiting would not change it, so it is 413,
-	// not spooled (it would hold the spool forever).
+	// channel, and says why. The webhook was committed (202 queued); its
+	// row is kept as refused for good, the status names it, the webhooks
+	// behind it go on; once the operator raised the broker's limit,
+	// switchyard outbox retry sends it again, and it is stored.
 	cfg.Brokers[0].MaxMessageBytes = 64 << 20
 	d = startDaemon(t, cfg)
-	code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
-	if code != http.StatusRequestEntityTooLarge || !strings.Contains(answer, "max_message_size") || strings.Contains(answer, "406") {
-		t.Errorf("a message over the broker's own limit: %d %s, want 413 naming the limit, not the broker's text, never spooled", code, answer)
+	refused := newGUID()
+	if code, answer := do(t, webhookRequest(t, d.URL, "issues", refused, body)); code != http.StatusAccepted || !strings.Contains(answer, `"queued"`) {
+		t.Fatalf("a message over the broker's own limit: %d %s, want 202 queued (the store takes it)", code, answer)
+	}
+	behind := newGUID()
+	if code := postWebhook(t, d.URL, "issues", behind, loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
+		t.Errorf("a small webhook behind it: %d, want 202", code)
+	}
+	storedAll(t, cfg.Database, []string{behind}, time.Minute)
+	var st Status
+	eventually(t, 30*time.Second, "the refused row in the status", func() bool {
+		_, raw := do(t, mustRequestAuth(t, d.URL+"/api/v1/status"))
+		st = Status{}
+		return json.Unmarshal([]byte(raw), &st) == nil && st.Outbox.RefusedCount == 1
+	})
+	if r := st.Outbox.Refused[0]; r.GUID != refused || !strings.Contains(r.Reason, "max_message_size") ||
+		!strings.Contains(strings.Join(st.Problems, "\n"), "switchyard outbox retry") {
+		t.Errorf("the status of the refused webhook: %+v, problems %q", st.Outbox, st.Problems)
 	}
 	if !strings.Contains(d.logs.String(), "406 PRECONDITION_FAILED") {
 		t.Errorf("the log does not say why the broker refused (406)")
 	}
-	if code := postWebhook(t, d.URL, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
-		t.Errorf("a small webhook after the refusal: %d, want 202", code)
+	if v := scrape(t, d.URL+"/metrics")["switchyard_outbox_refused"]; v != 1 {
+		t.Errorf("switchyard_outbox_refused: %v, want 1", v)
 	}
-	if v := scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`]; v != 0 {
-		t.Errorf("switchyard_broker_blocked after a confirmed publish: %v, want 0", v)
+	// The broker's limit raised (channels opened before keep the old
+	// one: the daemon restarts, as after a broker's restart), then retry.
+	rabbitmqctl(t, "eval", "application:set_env(rabbit, max_message_size, 67108864).")
+	d.stop(t)
+	var retried bytes.Buffer
+	config := writeConfig(t, t.TempDir(), "127.0.0.1:0", cfg.Database.Path, amqpURL(vhost))
+	if err := run(context.Background(), []string{"outbox", "-config", config, "retry"}, &retried, &retried); err != nil ||
+		!strings.Contains(retried.String(), "1 webhook the broker refused") {
+		t.Fatalf("switchyard outbox retry: %v\n%s", err, retried.String())
 	}
+	startDaemon(t, cfg)
+	storedAll(t, cfg.Database, []string{refused}, time.Minute)
 }
 
 // With rotate_on_budget, a refusal of the publish target that lasts
@@ -261,7 +287,7 @@ func TestRefusalRotates(t *testing.T) {
 	t.Parallel()
 	a, b := newVhost(t), newVhost(t)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
-	cfg.Queue.SpoolMaxBytes = 0 // the refusals without the spool (worker_spool_test.go has them with it)
+	cfg.Queue.OutboxMaxBytes = 1 // the broker's path: the outbox full, each webhook published at the door (outbox_test.go has the outbox)
 	cfg.Queue.RotateOnBudget, cfg.Queue.BlockedRotateAfter = true, time.Millisecond
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")

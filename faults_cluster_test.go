@@ -219,12 +219,12 @@ func leaderOf(t *testing.T, nodes []*rabbitNode, ask *rabbitNode, vhost, queue s
 // another node stopped (the queues lose their quorum: nothing is
 // confirmed until it starts again): every request is answered 202, and
 // every webhook stored once.
-func TestSpoolClusterNodesLost(t *testing.T) {
+func TestOutboxClusterNodesLost(t *testing.T) {
 	t.Parallel()
-	onBothStores(t, testSpoolClusterNodesLost)
+	onBothStores(t, testOutboxClusterNodesLost)
 }
 
-func testSpoolClusterNodesLost(t *testing.T) {
+func testOutboxClusterNodesLost(t *testing.T) {
 	nodes := rabbitCluster(t)
 	front := tcpBalancer(t, nodes)
 	cfg := testConfig(t, "amqp://guest:guest@"+front+"/")
@@ -235,7 +235,7 @@ func testSpoolClusterNodesLost(t *testing.T) {
 	stop := openLoop(t, func() string { return d.URL }, 25*time.Millisecond)
 	answered := func() float64 {
 		m := scrape(t, d.URL+"/metrics")
-		return m[`switchyard_webhooks_received_total{outcome="accepted"}`] + m[`switchyard_webhooks_received_total{outcome="spooled"}`] +
+		return m[`switchyard_webhooks_received_total{outcome="accepted"}`] + m[`switchyard_webhooks_received_total{outcome="published"}`] +
 			m[`switchyard_webhooks_received_total{outcome="unavailable"}`]
 	}
 	more := func(what string, n float64) {
@@ -258,13 +258,13 @@ func testSpoolClusterNodesLost(t *testing.T) {
 	}
 	other.ctl(t, "stop_app")
 	more("webhooks while one node of three runs", 200)
-	if n := scrape(t, d.URL+"/metrics")["switchyard_spool_messages"]; n == 0 && !d.spool.Spooling() {
-		t.Log("nothing waited in the spool with one node of three running")
+	if n := scrape(t, d.URL+"/metrics")["switchyard_outbox_messages"]; n == 0 {
+		t.Log("nothing waited in the outbox with one node of three running")
 	}
 	other.ctl(t, "start_app")
 	more("webhooks after the node came back", 80)
 	answers := stop()
-	allSpooledOrQueued(t, answers)
+	allAnswered202(t, answers)
 	guids := make([]string, 0, len(answers))
 	for _, a := range answers {
 		if a.code == http.StatusAccepted {

@@ -139,8 +139,8 @@ func TestFaultRabbitMQRestart(t *testing.T) {
 	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "the stream flowing", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") > 0 })
 	rabbitmqctl(t, "stop_app")
-	// While it is down: 202 from the spool, and the workers find the
-	// broker gone.
+	// While it is down: 202 queued in the outbox, and the workers find
+	// the broker gone.
 	downGUID := newGUID()
 	down, downAnswer := do(t, webhookRequest(t, d.URL, "issues", downGUID, body))
 	logged(t, d.logs, "cycle failed", 1)
@@ -150,8 +150,8 @@ func TestFaultRabbitMQRestart(t *testing.T) {
 		_, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
 		return strings.Contains(answer, `"queued"`)
 	})
-	if down != http.StatusAccepted || !strings.Contains(downAnswer, `"spooled"`) {
-		t.Errorf("webhook while RabbitMQ was stopped: got %d %s, want 202 spooled", down, downAnswer)
+	if down != http.StatusAccepted || !strings.Contains(downAnswer, `"queued"`) {
+		t.Errorf("webhook while RabbitMQ was stopped: got %d %s, want 202 queued", down, downAnswer)
 	}
 	if len(accepted) != 600 {
 		t.Fatalf("accepted %d of 600", len(accepted))
@@ -188,9 +188,9 @@ func TestFaultSIGKILL(t *testing.T) {
 }
 
 // A broker that accepts connections and then never answers: AMQP calls time
-// out, the webhook is spooled after spool_after, the worker logs and moves
-// on, and once the broker answers again everything flows, the spooled
-// webhook too.
+// out, the webhook is answered 202 queued at once (the door waits on the
+// store, not the broker), the worker logs and moves on, and once the
+// broker answers again everything flows, that webhook too.
 func TestFaultStalledBroker(t *testing.T) {
 	t.Parallel()
 	vhost := newVhost(t)
@@ -205,14 +205,13 @@ func TestFaultStalledBroker(t *testing.T) {
 	}
 
 	proxy.Stall(true)
-	// Sent, with no confirm within spool_after: spooled, and answered 202
-	// while the stall still holds.
+	// Answered 202 while the stall still holds.
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	stalled := newGUID()
 	code, answer := do(t, webhookRequest(t, d.URL, "issues", stalled, body).WithContext(ctx))
-	if code != http.StatusAccepted || !strings.Contains(answer, `"spooled"`) || !proxy.isStalled() {
-		t.Errorf("stalled broker: got %d %s, want 202 spooled while the stall holds", code, answer)
+	if code != http.StatusAccepted || !strings.Contains(answer, `"queued"`) || !proxy.isStalled() {
+		t.Errorf("stalled broker: got %d %s, want 202 queued while the stall holds", code, answer)
 	}
 	eventually(t, 20*time.Second, "a worker noticing the stall", func() bool {
 		logs := d.logs.String()

@@ -104,6 +104,7 @@ var commands = []command{
 		flags: func(fs *flag.FlagSet, o *options) {
 			fs.StringVar(&o.copyTo, "to", "", "the target database: a postgres:// URL, or an SQLite file path")
 		}},
+	{name: "outbox", args: "retry", nargs: 1, summary: "retry: put the webhooks the broker refused for good (over its max_message_size) back in the outbox, once its limit is raised; the daemon forwards them"},
 	{name: "version", noConfig: true, summary: "print the version and the Go version"},
 	{name: "help", args: "[COMMAND]", noConfig: true, summary: "print this, or a command's usage and flags"},
 }
@@ -250,6 +251,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return reprocess(ctx, cfg, o.reprocess, log, stdout)
 	case "check-broker":
 		return checkBroker(ctx, cfg, o.checkBroker, log, stdout)
+	case "outbox":
+		if pos[0] != "retry" {
+			return usagef("outbox takes retry, got %q", pos[0])
+		}
+		return retryOutbox(ctx, cfg, stdout)
 	case "copy-db":
 		if o.copyTo == "" {
 			return usagef("copy-db: -to TARGET is required (a postgres:// URL, or an SQLite file path)")

@@ -465,22 +465,29 @@ url = "amqp://guest:guest@127.0.0.1:5672/"
 }
 
 // A config valid before this release still starts: publish_timeout of a
-// second, from before there was a spool_after to keep under it. The built
-// binary checks it and serves it, and takes a webhook.
+// second, from before there was a spool_after to keep under it, and the
+// spool's keys, retired, which check-config names with what replaced
+// them. The built binary checks it and serves it, and takes a webhook.
 func TestOlderConfigStarts(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	addr := freeAddr(t)
 	config := writeConfigWith(t, dir, addr, fmt.Sprintf("path = %q", filepath.Join(dir, "switchyard.db")), "", amqpURL(newVhost(t)))
-	editConfig(t, config, "[queue]\n", "[queue]\npublish_timeout = \"1s\"\n")
-	if out, code := runBinary(t, "check-config", "-config", config); code != 0 {
-		t.Fatalf("check-config of a config with publish_timeout = \"1s\": exit %d\n%s", code, out)
+	editConfig(t, config, "[queue]\n", "[queue]\npublish_timeout = \"1s\"\nspool_after = \"500ms\"\nspool_max_bytes = 1073741824\n")
+	out, code := runBinary(t, "check-config", "-config", config)
+	if code != 0 {
+		t.Fatalf("check-config of a config with publish_timeout = \"1s\" and the spool's keys: exit %d\n%s", code, out)
 	}
-	cmd, out := startProcess(t, config, addr)
+	for _, want := range []string{"queue.spool_after is retired", "queue.spool_max_bytes is retired: queue.outbox_max_bytes"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("check-config does not say %q:\n%s", want, out)
+		}
+	}
+	cmd, served := startProcess(t, config, addr)
 	if code := postWebhook(t, "http://"+addr, "issues", newGUID(), loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
-		t.Errorf("a webhook: %d, want 202\n%s", code, out)
+		t.Errorf("a webhook: %d, want 202\n%s", code, served)
 	}
-	stopProcess(t, cmd, out, 30*time.Second)
+	stopProcess(t, cmd, served, 30*time.Second)
 }
 
 // Secrets of only spaces and short tokens are errors; tokens under 32

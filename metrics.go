@@ -61,7 +61,7 @@ func NewMetrics(labels MetricLabels) *Metrics {
 	m := &Metrics{
 		reg: prometheus.NewRegistry(),
 		webhooks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_webhooks_received_total",
-			Help: "Webhook requests by outcome: accepted, forbidden (accepted into github-forbidden), spooled (answered 202 from the spool), unauthorized, bad_request, too_large, unavailable."},
+			Help: "Webhook requests by outcome: accepted (committed to the outbox), forbidden (accepted into github-forbidden), published (the store did not take it; the broker confirmed it), unauthorized, bad_request, too_large, unavailable."},
 			[]string{"outcome"}),
 		unrecorded: prometheus.NewCounter(prometheus.CounterOpts{Name: "switchyard_webhook_rejections_unrecorded_total",
 			Help: "Refused webhooks counted but not recorded in rejected_webhooks: over 100 a second, or the database did not take them."}),
@@ -115,11 +115,16 @@ func NewMetrics(labels MetricLabels) *Metrics {
 	m.reg.MustRegister(m.webhooks, m.unrecorded, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
 		m.staleEvents, m.queueMessages, m.brokerUp, m.blockedBrokers, m.brokerMessageCount, m.budgetUsed, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
-		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		// Beside the defaults, the collector's share of the CPU
+		// (go_cpu_classes_gc_total_cpu_seconds_total): against the
+		// process's, what collecting costs a webhook.
+		collectors.NewGoCollector(collectors.WithGoCollectorRuntimeMetrics(
+			collectors.GoRuntimeMetricsRule{Matcher: regexp.MustCompile(`^/cpu/classes/gc/total:cpu-seconds$`)})),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.buildInfo.WithLabelValues(labels.Version, runtime.Version()).Set(1)
 	// Counters whose label values are known start at 0, so that rate() and
 	// increase() see their first event.
-	for _, o := range []string{"accepted", "forbidden", "spooled", "unauthorized", "bad_request", "too_large", "unavailable"} {
+	for _, o := range []string{"accepted", "forbidden", "published", "unauthorized", "bad_request", "too_large", "unavailable"} {
 		m.webhooks.WithLabelValues(o)
 	}
 	for _, q := range labels.Queues {

@@ -140,7 +140,9 @@ func TestThreeNodesOneStore(t *testing.T) {
 	}
 	// Node 1 starts alone and takes every lease; then the other two.
 	nodes := []*testNode{startNode(t, "node-1", urls[0], amqpURL(a), amqpURL(b))}
-	jobs := leaseJobs(DefaultConfig())
+	first := DefaultConfig()
+	first.Server.NodeName = "node-1"
+	jobs := leaseJobs(first)
 	eventually(t, 20*time.Second, "node 1 holding every lease", func() bool {
 		held := scrapeWith(http.DefaultClient, "http://"+nodes[0].addr+"/metrics", "switchyard_lease_held")
 		for _, job := range jobs {
@@ -202,13 +204,11 @@ func TestThreeNodesOneStore(t *testing.T) {
 	})
 	proxies[cut].Close()
 	stream(90, live)
+	// Ready still (a webhook takes the broker's path), naming the
+	// database.
 	eventually(t, 30*time.Second, nodes[cut].name+" telling /readyz that its database is lost", func() bool {
-		resp, err := http.Get("http://" + nodes[cut].addr + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusServiceUnavailable
+		code, body, err := doQuiet(http.DefaultClient, httpRequest(t, http.MethodGet, "http://"+nodes[cut].addr+"/readyz", "", ""))
+		return err == nil && code == http.StatusOK && strings.Contains(body, `"database":"not writable"`)
 	})
 	eventually(t, 30*time.Second, "the leases moved to the other node", func() bool {
 		return scrapeWith(http.DefaultClient, "http://"+nodes[3-cut].addr+"/metrics", "switchyard_lease_held")[jobAlerts] == 1
@@ -248,9 +248,12 @@ func TestThreeNodesOneStore(t *testing.T) {
 		}
 	}
 
-	// Every lease moved to a live node, which says it holds it.
+	// Every lease moved to a live node, which says it holds it: but the
+	// dead node's own outbox's, which no other node asks for (they adopt
+	// its rows instead).
+	shared := slices.DeleteFunc(slices.Clone(jobs), func(job string) bool { return strings.HasPrefix(job, outboxJobPrefix) })
 	eventually(t, 30*time.Second, "every lease held by a live node", func() bool {
-		for _, job := range jobs {
+		for _, job := range shared {
 			holders := 0
 			for _, n := range live {
 				holders += int(scrapeWith(http.DefaultClient, "http://"+n.addr+"/metrics", "switchyard_lease_held")[job])
@@ -498,8 +501,10 @@ func TestPausedHolderTakesNoStep(t *testing.T) {
 		held = scrapeWith(http.DefaultClient, "http://"+one.addr+"/metrics", "switchyard_lease_held")
 		return len(held) > 0
 	})
+	// Its own outbox's lease, which no other node asks for, it may
+	// take again at its first renewal: the others, another node holds.
 	for job, v := range held {
-		if v != 0 {
+		if v != 0 && job != outboxJob("node-1") {
 			t.Errorf("node 1's switchyard_lease_held{job=%q} right after it resumed: %v, want 0", job, v)
 		}
 	}
@@ -509,7 +514,7 @@ func TestPausedHolderTakesNoStep(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, l := range st.Leases {
-		if l.Node == "node-1" && l.Live {
+		if l.Node == "node-1" && l.Live && l.Job != outboxJob("node-1") {
 			t.Errorf("node 1's status after it resumed: lease %s live on node 1", l.Job)
 		}
 	}

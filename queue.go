@@ -351,8 +351,16 @@ func (q *Queues) Routes(ctx context.Context, b *Broker) error {
 }
 
 // Back is closed once broker b's connection is dialed after its last
-// failed dial: who waits out a failure of b is woken by it.
-func (q *Queues) Back(b *Broker) <-chan struct{} { return q.conns[b.Index].Back() }
+// failed dial: who waits out a failure of b is woken by it. It is nil
+// (never closed) while no dial has failed since the last that succeeded:
+// a failure on a live connection is waited out by time alone.
+func (q *Queues) Back(b *Broker) <-chan struct{} {
+	back := q.conns[b.Index].Back()
+	if closed(back) {
+		return nil
+	}
+	return back
+}
 
 // Reachable dials broker b if needed, for /readyz.
 func (q *Queues) Reachable(ctx context.Context, b *Broker) error {

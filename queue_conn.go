@@ -182,6 +182,16 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 	return conn, nil
 }
 
+// closed reports whether ch is closed (a nil ch never is).
+func closed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
 // cutShort is the answer to a caller whose context ended (err) before a
 // dial answered: what the last dial said, when one failed, else err.
 func (bc *brokerConn) cutShort(err error) error {

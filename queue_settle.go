@@ -184,16 +184,6 @@ func whileOpen(ctx context.Context, ch <-chan struct{}) (context.Context, func()
 	return ctx, func() { cancel(); wg.Wait() }
 }
 
-// closed reports whether ch is closed (a nil ch never is).
-func closed(ch <-chan struct{}) bool {
-	select {
-	case <-ch:
-		return true
-	default:
-		return false
-	}
-}
-
 // deathCount is the attempt number of a message: the sum of the counts of
 // its x-death entries for queue with reason rejected, i.e. how often it was
 // nacked there. RabbitMQ keeps one such entry per queue and reason; LavinMQ

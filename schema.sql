@@ -704,3 +704,37 @@ CREATE TABLE tls_locks (
 -- message carried, which its story names; NULL untraced. Additive: the
 -- floor stays.
 ALTER TABLE github ADD COLUMN trace_id TEXT;
+-- migration 25: the outbox
+-- outbox: every webhook the endpoint accepted, committed here before its
+-- 202 and forwarded to the broker after: the message as it will be
+-- published (exchange and routing key, its headers as a JSON object of
+-- typed AMQP values, the body as compressed). node is the node that
+-- forwards it (the one that took it, or the one that adopted it when that
+-- node's outbox lease was gone); it forwards its rows in id order, which
+-- is commit order. A row confirmed by the broker keeps its times, not its
+-- message (body and headers emptied), 7 days for the delivery's story; one
+-- the broker refuses for good (over its size) keeps its message and why,
+-- refused_at set, until `switchyard outbox retry`. The spool's rows an
+-- older version left are moved here and forwarded. Additive: an older node
+-- neither reads nor writes it, so the floor stays.
+CREATE TABLE outbox (
+    id               INTEGER PRIMARY KEY,
+    node             TEXT NOT NULL,
+    delivery_id      TEXT NOT NULL,
+    hook_id          INTEGER,                   -- NULL when none
+    event            TEXT NOT NULL,
+    received_at      TEXT NOT NULL,             -- at the door
+    queued_at        TEXT NOT NULL,             -- committed here
+    exchange         TEXT NOT NULL,
+    routing_key      TEXT NOT NULL,
+    headers          TEXT NOT NULL,
+    content_encoding TEXT NOT NULL DEFAULT '',
+    body             BLOB,                      -- NULL once published
+    bytes            INTEGER NOT NULL,          -- the message's size while it waits
+    published_at     TEXT,
+    published_to     INTEGER,
+    refused_at       TEXT,
+    refused          TEXT NOT NULL DEFAULT ''   -- why the broker refused it for good
+) STRICT;
+CREATE INDEX outbox_waiting ON outbox (node, id) WHERE published_at IS NULL;
+CREATE INDEX outbox_delivery ON outbox (delivery_id);

@@ -500,6 +500,9 @@ func (s *Store) Writable(ctx context.Context) error {
 	if err := s.health.refusal(); err != nil {
 		return err
 	}
+	if down, _, cause := s.health.Down(); down {
+		return fmt.Errorf("%w: %w", ErrDatabaseLost, cause) // until the prober finds it answering
+	}
 	return s.WriteTx(ctx, func(tx *Tx) error {
 		_, err := tx.write(ctx, atOnce, "UPDATE settings SET value = value WHERE false")
 		return err

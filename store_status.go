@@ -32,9 +32,8 @@ type StoreStatus struct {
 	Gaps          []deliveryGap
 	GapsTotal     int
 	Unrecoverable int
-	// Refused and Spooled are the webhooks of the last hour refused, and
-	// spooled, by reason.
-	Refused, Spooled []ReasonCount
+	// Refused are the webhooks of the last hour refused, by reason.
+	Refused []ReasonCount
 }
 
 // Status reads the status page's part of the database in one read
@@ -61,10 +60,7 @@ func (s *Store) Status(ctx context.Context, since, now time.Time, gapLimit int) 
 		}
 	}
 	hourAgo := now.Add(-time.Hour)
-	if st.Refused, err = refusalsSince(ctx, tx, hourAgo); err != nil {
-		return st, err
-	}
-	st.Spooled, err = spooledSince(ctx, tx, hourAgo)
+	st.Refused, err = refusalsSince(ctx, tx, hourAgo)
 	return st, err
 }
 

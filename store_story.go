@@ -25,9 +25,10 @@ type DeliveryStory struct {
 	// Rejected are the webhooks of this GUID that were refused here (401,
 	// 400, 413, 503), oldest first.
 	Rejected []Rejection `json:"rejected"`
-	// Spooled are the webhooks of this GUID that the broker did not
-	// confirm in time, kept in the spool until published, oldest first.
-	Spooled []SpoolStory `json:"spooled"`
+	// Queued are the times a webhook of this GUID went through the
+	// outbox (committed at the door, published after), oldest first, kept
+	// 7 days.
+	Queued []OutboxStory `json:"queued"`
 	// Copies are the hooks' copies known here, in the order they were stored.
 	Copies []StoryCopy  `json:"copies"`
 	Hooks  *StoryHooks  `json:"redelivered_through_hooks,omitempty"`
@@ -136,7 +137,7 @@ var ErrUnknownDelivery = errorKind(CodeNotFound, "no delivery with this GUID is 
 
 // newStory is an empty story of guid, its lists empty rather than null.
 func newStory(guid string) *DeliveryStory {
-	return &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Rejected: []Rejection{}, Spooled: []SpoolStory{}, Copies: []StoryCopy{}, Alerts: []StoryAlert{}}
+	return &DeliveryStory{GUID: guid, GitHub: []StoryAttempt{}, Rejected: []Rejection{}, Queued: []OutboxStory{}, Copies: []StoryCopy{}, Alerts: []StoryAlert{}}
 }
 
 // copyOf is the story's copy for hook, added when there is none yet.
@@ -165,7 +166,7 @@ func (st *DeliveryStory) LinkTraces(ui string) {
 // ErrUnknownDelivery.
 func (st *DeliveryStory) Narrow(hook int64) error {
 	st.Rejected = slices.DeleteFunc(st.Rejected, func(r Rejection) bool { return r.Hook != HookID(hook) })
-	st.Spooled = slices.DeleteFunc(st.Spooled, func(s SpoolStory) bool { return s.Hook != HookID(hook) })
+	st.Queued = slices.DeleteFunc(st.Queued, func(q OutboxStory) bool { return q.Hook != HookID(hook) })
 	st.Errors = slices.DeleteFunc(st.Errors, func(e StoryError) bool { return e.Hook != hook })
 	copies := st.Copies
 	st.Copies = []StoryCopy{}
@@ -278,11 +279,11 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 		return nil, err
 	}
 	st.Rejected = append(st.Rejected, rejected...)
-	spooled, err := spoolingsOf(ctx, tx, guid)
+	inOutbox, err := queuedOf(ctx, tx, guid)
 	if err != nil {
 		return nil, err
 	}
-	st.Spooled = append(st.Spooled, spooled...)
+	st.Queued = append(st.Queued, inOutbox...)
 	err = each("worker_deliveries", `SELECT hook_id, worker, outcome, processed_at FROM worker_deliveries
 		WHERE delivery_id = $1 ORDER BY hook_id, worker LIMIT $2`, func(rows *sql.Rows) error {
 		var w StoryWorker
@@ -359,7 +360,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	if err != nil {
 		return nil, err
 	}
-	if len(st.Copies) == 0 && st.Hooks == nil && st.Gap == nil && len(st.GitHub) == 0 && len(st.Rejected) == 0 && len(st.Spooled) == 0 {
+	if len(st.Copies) == 0 && st.Hooks == nil && st.Gap == nil && len(st.GitHub) == 0 && len(st.Rejected) == 0 && len(st.Queued) == 0 {
 		return nil, errorf(CodeNotFound, "%s: %s", ErrUnknownDelivery.Message, guid)
 	}
 	return st, nil
@@ -400,17 +401,17 @@ func (st *DeliveryStory) Lines() []StoryLine {
 		}
 		add("rejected", "%s %d from %s, %s, %s: %s", when(r.At), r.Status, cmp.Or(r.SourceIP, "-"), hook, cmp.Or(r.Event, "no event"), r.Reason)
 	}
-	for _, s := range st.Spooled {
-		line := fmt.Sprintf("%s on node %s (%s)", when(s.SpooledAt), s.Node, s.Reason)
+	for _, q := range st.Queued {
+		line := fmt.Sprintf("%s on node %s", when(q.QueuedAt), q.Node)
 		switch {
-		case s.PublishedAt != nil && s.Broker < 0:
-			line = fmt.Sprintf("%s on node %s; given up %s: %s", when(s.SpooledAt), s.Node, when(*s.PublishedAt), s.Reason)
-		case s.PublishedAt != nil:
-			line += fmt.Sprintf("; published %s to broker #%d", when(*s.PublishedAt), s.Broker)
+		case q.PublishedAt != nil:
+			line += fmt.Sprintf("; published %s to broker #%d", when(*q.PublishedAt), q.Broker)
+		case q.Refused != "":
+			line += "; refused by the broker for good: " + q.Refused
 		default:
-			line += fmt.Sprintf("; waiting in the spool for broker #%d", s.Broker)
+			line += "; waiting in the outbox for the broker"
 		}
-		add("spooled", "%s", line)
+		add("queued", "%s", line)
 	}
 	for _, c := range st.Copies {
 		head := fmt.Sprintf("hook %d", c.Hook)

@@ -135,7 +135,7 @@ func testNoSecretLeaks(t *testing.T) {
 	smtp, push := newSMTPSink(t), newPushSink(t)
 	cfg := alertConfig(t, smtp.addr, push.srv.URL+"/topic-"+randHex(6), "*")
 	cfg.Brokers = []BrokerConfig{{URL: brokerURL}}
-	cfg.Queue.SpoolMaxBytes = 0 // the broker's failure answered and logged, not spooled
+	cfg.Queue.OutboxMaxBytes = 1 // the broker's path: its failure answered and logged at the door
 	cfg.API.OperatorToken = "optoken-" + randHex(8)
 	cfg.API.ProducerToken = "prtoken-" + randHex(8)
 	cfg.GitHub.WebhookSecret = "whsecret-" + randHex(8)

@@ -12,7 +12,10 @@ import (
 // holder of its lease (the leases table): the hooks worker (ledger polls,
 // redeliveries, republish), the alert sender, the HealthChecks pings,
 // raw retention, the brokers' keepalive, the budget alerts and
-// rotation, and the spool drain. Consuming is every node's: a delivery is stored once, the
+// rotation, and moving what an older version left in its spool into the
+// outbox (whose drain in that version takes the same lease). Each node
+// also holds a lease of its own, outboxJob, under which it forwards its
+// outbox. Consuming is every node's: a delivery is stored once, the
 // database decides inside the writing transaction.
 const (
 	jobHooks        = "hooks"
@@ -21,15 +24,20 @@ const (
 	jobRetention    = "retention"
 	jobKeepalive    = "keepalive"
 	jobBudget       = "budget"
-	jobSpool        = "spool" // the spool's drain (worker_spool.go)
+	jobSpool        = "spool" // an older version's spool (Outbox.MoveSpool)
 )
 
-// leaseJobs are the jobs of cfg: the hooks worker's only with the App.
+// outboxJobPrefix begins the name of each node's outbox lease.
+const outboxJobPrefix = "outbox:"
+
+// outboxJob is node's outbox lease, held by node while it lives: it
+// forwards its outbox under it (Outbox.Forward).
+func outboxJob(node string) string { return outboxJobPrefix + node }
+
+// leaseJobs are the jobs of cfg: the hooks worker's only with the App,
+// and this node's outbox.
 func leaseJobs(cfg *Config) []string {
-	jobs := []string{jobAlerts, jobHealthChecks, jobRetention, jobKeepalive, jobBudget}
-	if cfg.Queue.SpoolMaxBytes > 0 {
-		jobs = append(jobs, jobSpool)
-	}
+	jobs := []string{jobAlerts, jobHealthChecks, jobRetention, jobKeepalive, jobBudget, jobSpool, outboxJob(cfg.Server.NodeName)}
 	if cfg.GitHub.AppID > 0 {
 		jobs = append([]string{jobHooks}, jobs...)
 	}
