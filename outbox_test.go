@@ -398,6 +398,14 @@ func TestOutboxStoreRefuses(t *testing.T) {
 		if st.Refused[0].Status != http.StatusServiceUnavailable {
 			t.Errorf("the status's refusals: %+v, want the 503s", st.Refused)
 		}
+		// The page says what happened: the refusals, and nothing that
+		// tells of webhooks published as they came.
+		page := httpRequest(t, http.MethodGet, d.URL+"/status", "", "")
+		page.SetBasicAuth("operator", "operator-token-for-tests")
+		if code, html := do(t, page); code != http.StatusOK || !strings.Contains(html, `id="turned"`) ||
+			strings.Contains(html, "published as they come") {
+			t.Errorf("the status page with webhooks refused: %d, want the refusals and no word of webhooks published as they come:\n%s", code, html)
+		}
 		if m := scrape(t, d.URL+"/metrics"); m[`switchyard_webhooks_received_total{outcome="published"}`] != 20 ||
 			m[`switchyard_webhooks_received_total{outcome="unavailable"}`] != 2 {
 			t.Errorf("the counts: published %v, unavailable %v, want 20 and 2", m[`switchyard_webhooks_received_total{outcome="published"}`],
