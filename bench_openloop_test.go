@@ -102,34 +102,57 @@ func lagBehind(want int, through func() int) time.Duration {
 	return time.Since(start)
 }
 
-// openLoopRates are switchyard's sustained rate end to end (the 202s) and
-// the raw pipeline's (its confirms) over the same link, and the p99 of
-// switchyard's answers at half its sustained rate.
-type openLoopRates struct {
-	ours, raw   openLoopStep
-	oursBroke   openLoopStep
-	rawBroke    openLoopStep
+// openLoopDaemon is one daemon's open loop over a link: its sustained
+// rate (the last step held, and the first that broke), the p99 of its
+// answers at half that rate, a burst of twice it for 2 s, and where the
+// time went at it.
+type openLoopDaemon struct {
+	held, broke openLoopStep
 	halfRateP99 time.Duration
-	// twice is a burst of twice the sustained rate for 2 s.
-	twice openLoopStep
+	twice       openLoopStep
 	// The CPU a webhook cost at the sustained rate, held for a step until
 	// every webhook was stored: the daemon's, the broker's and the
 	// bench's (the load's generator and the link's proxy), where the
-	// two cores' time goes, and how busy that kept them.
+	// two cores' time goes, and how busy that kept them; and the share of
+	// the daemon's that was its garbage collector (-1 when it does not
+	// say: a binary from before it did).
 	daemon, broker, bench time.Duration
-	busy                  float64
+	busy, gcShare         float64
+}
+
+// openLoopRates are switchyard's open loop over a link, the binary's from
+// before the outbox over the same link (when measured), and the raw
+// pipeline's sustained rate (its confirms).
+type openLoopRates struct {
+	ours, before     openLoopDaemon
+	raw, rawBroke    openLoopStep
+	measuredBaseline bool
 }
 
 // benchOpenLoop: switchyard with the default config over amqps at rtt
-// (a bandwidth of mbit Mbit/s, 0 for none), and then the raw pipeline
-// publishing the payloads as they are, each stepped up from 100
-// webhooks/s.
-func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64) (r openLoopRates) {
+// (a bandwidth of mbit Mbit/s, 0 for none), stepped up from 100
+// webhooks/s; with baselines, then the binary before the outbox
+// (binaryBefore) the same way, and the raw pipeline publishing the
+// payloads as they are.
+func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64, baselines bool) (r openLoopRates) {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANLink(b, testBrokerAddr(), rtt, mbit)
 	prof := newBenchProfile(b, profileName("open-loop", rtt, mbit))
-	p := startBenchProcess(b, proxy.URL(vhost), "", prof.config...)
+	r.ours = openLoopOf(b, startBenchProcess(b, proxy.URL(vhost), "", prof.config...), prof, payload)
+	if baselines {
+		r.measuredBaseline = true
+		r.before = openLoopOf(b, startBenchBinary(b, binaryBefore(b), proxy.URL(vhost), ""), &benchProfile{}, payload)
+		r.raw, r.rawBroke = rawOpenLoop(b, proxy.URL(vhost), payload)
+	}
+	return r
+}
+
+// openLoopOf steps p's open loop up from 100 webhooks/s, then measures it
+// at half and twice the rate it held, and at that rate where its CPU
+// goes; p is stopped at the end.
+func openLoopOf(b *testing.B, p *benchProcess, prof *benchProfile, payload []byte) (r openLoopDaemon) {
+	defer p.stop(b)
 	brokerCPU := brokerCPU(b)
 	body := newBotBody(b, payload)
 	client := newLoadClient(p.url, 512)
@@ -151,35 +174,43 @@ func benchOpenLoop(b *testing.B, payload []byte, rtt time.Duration, mbit float64
 		return min(queryInt(b, db, "SELECT count(*) FROM github WHERE delivery_id >= $1 AND delivery_id < $2", prefix, prefix+"~"),
 			queryInt(b, db, "SELECT count(*) FROM github_pull_requests WHERE node_id >= $1 AND node_id < $2", "node-"+prefix, "node-"+prefix+"~"))
 	}
-	r.ours, r.oursBroke = sustainedOpenLoop(100, post, stored)
-	// What a step left (a spool, a backlog of stored rows) is gone before
-	// the next measure begins: it would take the cores from it.
+	r.held, r.broke = sustainedOpenLoop(100, post, stored)
+	// What a step left (a backlog in the outbox, or of stored rows) is
+	// gone before the next measure begins: it would take the cores from
+	// it.
 	caughtUp := func() {
-		eventually(b, 10*time.Minute, "every webhook accepted stored, the spool empty", func() bool {
-			return stored() >= int(accepted.Load()) && scrape(b, prof.metrics(p))["switchyard_spool_messages"] == 0
-		})
+		eventually(b, 10*time.Minute, "every webhook accepted stored", func() bool { return stored() >= int(accepted.Load()) })
 	}
 	caughtUp()
-	if r.ours.rate > 0 {
-		half := openLoopAt(r.ours.rate/2, 8*time.Second, func(i int) error { return post(1_000_000 + i) })
-		r.halfRateP99 = half.p99
-		caughtUp()
-		r.twice = openLoopAt(2*r.ours.rate, 2*time.Second, func(i int) error { return post(3_000_000 + i) })
-		caughtUp()
-		// Where the time goes at the sustained rate: each process's CPU
-		// a webhook over a step, until every one is stored (and, with
-		// BENCH_PROFILE, the daemon's profile of 6 s of it).
-		profiled := prof.take(b, time.Second, 6*time.Second)
-		start, d0, b0, s0 := time.Now(), p.cpu(b), brokerCPU(), selfCPU()
-		at := openLoopAt(r.ours.rate, 8*time.Second, func(i int) error { return post(2_000_000 + i) })
-		caughtUp()
-		d, br, s := p.cpu(b)-d0, brokerCPU()-b0, selfCPU()-s0
-		per := func(d time.Duration) time.Duration { return d / time.Duration(max(at.sent, 1)) }
-		r.daemon, r.broker, r.bench = per(d), per(br), per(s)
-		r.busy = (d + br + s).Seconds() / time.Since(start).Seconds() / float64(runtime.NumCPU())
-		profiled()
+	if r.held.rate == 0 {
+		return r
 	}
-	p.stop(b)
-	r.raw, r.rawBroke = rawOpenLoop(b, proxy.URL(vhost), payload)
+	half := openLoopAt(r.held.rate/2, 8*time.Second, func(i int) error { return post(1_000_000 + i) })
+	r.halfRateP99 = half.p99
+	caughtUp()
+	r.twice = openLoopAt(2*r.held.rate, 2*time.Second, func(i int) error { return post(3_000_000 + i) })
+	caughtUp()
+	// Where the time goes at the sustained rate: each process's CPU a
+	// webhook over a step, until every one is stored (and, with
+	// BENCH_PROFILE, the daemon's profile of 6 s of it).
+	profiled := prof.take(b, time.Second, 6*time.Second)
+	gc := func() (float64, bool) {
+		v, ok := scrape(b, prof.metrics(p))["go_cpu_classes_gc_total_cpu_seconds_total"]
+		return v, ok
+	}
+	gc0, gcKnown := gc()
+	start, d0, b0, s0 := time.Now(), p.cpu(b), brokerCPU(), selfCPU()
+	at := openLoopAt(r.held.rate, 8*time.Second, func(i int) error { return post(2_000_000 + i) })
+	caughtUp()
+	d, br, s := p.cpu(b)-d0, brokerCPU()-b0, selfCPU()-s0
+	gc1, _ := gc()
+	per := func(d time.Duration) time.Duration { return d / time.Duration(max(at.sent, 1)) }
+	r.daemon, r.broker, r.bench = per(d), per(br), per(s)
+	r.busy = (d + br + s).Seconds() / time.Since(start).Seconds() / float64(runtime.NumCPU())
+	r.gcShare = -1
+	if gcKnown && d > 0 {
+		r.gcShare = (gc1 - gc0) / d.Seconds()
+	}
+	profiled()
 	return r
 }

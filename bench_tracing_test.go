@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -71,6 +72,27 @@ func benchTracing(b *testing.B, payload []byte, rtt time.Duration) (before, off,
 	rate := func(i int) float64 { return float64(counted[i]) / spent[i].Seconds() }
 	return rate(0), rate(1), rate(2), float64(sunk[2]) / float64(max(posted[2], 1))
 }
+
+// beforeOutbox is the last commit before the outbox came in: the daemon
+// whose door waited for the broker's confirm, which the open-loop rows
+// measure the outbox against.
+const beforeOutbox = "4459593"
+
+// binaryBefore is the binary the open-loop rows compare with: the file
+// SWITCHYARD_BENCH_BINARY names, else switchyard at beforeOutbox, built
+// once per run.
+func binaryBefore(b testing.TB) string {
+	if p := os.Getenv("SWITCHYARD_BENCH_BINARY"); p != "" {
+		return p
+	}
+	beforeOnce.Do(func() { beforePath = binaryAt(b, beforeOutbox) })
+	return beforePath
+}
+
+var (
+	beforeOnce sync.Once
+	beforePath string
+)
 
 // binaryAt builds switchyard as it was at rev, a commit of this clone's
 // history, with the flags of builtBinary.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"math"
 	"net/http"
+	"regexp"
 	"runtime"
 	"strconv"
 	"time"

@@ -10,20 +10,21 @@ import (
 	"time"
 )
 
-// spoolRates are what the spool takes and gives back on one store, beside
-// the end-to-end rate of the same daemon with the broker there.
-type spoolRates struct {
-	endToEnd float64 // webhooks/s, the broker there, stored to the typed row
-	spooling float64 // webhooks/s answered 202 while the broker is away
-	draining float64 // spooled webhooks/s published once the broker is back
+// awayRates are what the outbox takes while the broker is away and
+// forwards once it is back, on one store, beside the end-to-end rate of
+// the same daemon with the broker there.
+type awayRates struct {
+	endToEnd   float64 // webhooks/s, the broker there, stored to the typed row
+	taking     float64 // webhooks/s answered 202 while the broker is away
+	forwarding float64 // of those, webhooks/s forwarded once the broker is back
 }
 
-// benchSpool: one daemon over amqps at rtt with the default config (store
-// "sqlite" or "postgres"), 64 clients: end to end for 15 s with the broker
-// there; then the link closed and 64 clients for 10 s, every webhook
-// answered 202 from the spool; then the link open again, and the time
-// until the spool is empty.
-func benchSpool(b *testing.B, payload []byte, rtt time.Duration, store string) (r spoolRates) {
+// benchBrokerAway: one daemon over amqps at rtt with the default config
+// (store "sqlite" or "postgres"), 64 clients: end to end for 15 s with
+// the broker there; then the link closed and 64 clients for 10 s, every
+// webhook answered 202 queued; then the link open again, and the time
+// until the outbox is empty.
+func benchBrokerAway(b *testing.B, payload []byte, rtt time.Duration, store string) (r awayRates) {
 	vhost := newVhost(b)
 	declareTestTopology(b, vhost, 10*time.Minute)
 	proxy := newWANProxy(b, testBrokerAddr(), rtt)
@@ -38,27 +39,27 @@ func benchSpool(b *testing.B, payload []byte, rtt time.Duration, store string) (
 	r.endToEnd, _ = sustained(b, p, payload, 64, 15*time.Second)
 
 	proxy.Close()
-	eventually(b, 30*time.Second, "the broker away", func() bool { return spoolsForAwayBroker(p) })
-	spooled := postFor(b, p, payload, 64, 10*time.Second)
-	r.spooling = float64(spooled) / 10
+	eventually(b, 30*time.Second, "the broker away", func() bool { return readyzSaysBrokerAway(p) })
+	queued := postFor(b, p, payload, 64, 10*time.Second)
+	r.taking = float64(queued) / 10
 	proxy.Reopen()
 	start := time.Now()
-	eventually(b, 10*time.Minute, "the spool drained", func() bool {
-		return scrape(b, p.url+"/metrics")["switchyard_spool_messages"] == 0
+	eventually(b, 10*time.Minute, "the outbox forwarded", func() bool {
+		return scrape(b, p.url+"/metrics")["switchyard_outbox_messages"] == 0
 	})
-	r.draining = float64(spooled) / time.Since(start).Seconds()
+	r.forwarding = float64(queued) / time.Since(start).Seconds()
 	return r
 }
 
-// spoolsForAwayBroker reports whether p's /readyz says it spools for a broker it
-// cannot reach.
-func spoolsForAwayBroker(p *benchProcess) bool {
+// readyzSaysBrokerAway reports whether p's /readyz names its broker
+// unreachable.
+func readyzSaysBrokerAway(p *benchProcess) bool {
 	req, err := http.NewRequest(http.MethodGet, p.url+"/readyz", nil)
 	if err != nil {
 		return false
 	}
 	code, body, err := doQuiet(http.DefaultClient, req)
-	return err == nil && code == http.StatusOK && strings.Contains(body, `"spool"`) && strings.Contains(body, "unreachable")
+	return err == nil && code == http.StatusOK && strings.Contains(body, `"broker":"unreachable"`)
 }
 
 // postFor posts bot webhooks from clients goroutines for d and returns how
@@ -66,7 +67,7 @@ func spoolsForAwayBroker(p *benchProcess) bool {
 func postFor(b testing.TB, p *benchProcess, payload []byte, clients int, d time.Duration) int {
 	body := newBotBody(b, payload)
 	load := newLoadClient(p.url, clients)
-	prefix := "spool-" + randHex(3) + "-"
+	prefix := "away-" + randHex(3) + "-"
 	var posted, accepted atomic.Int64
 	var failed atomic.Value
 	var wg sync.WaitGroup
