@@ -509,8 +509,16 @@ func TestOutboxSurvivesSIGKILL(t *testing.T) {
 		}
 		spooled := newGUID()
 		insertSpooled(t, db, spooled, loadFixture(t, "issues", "opened"))
+		// Restarted with the broker still away: its log says what
+		// happens to webhooks meanwhile (committed, answered 202).
+		_, restarted := startProcess(t, config, addr)
+		eventually(t, 20*time.Second, "the restart's word on the broker", func() bool {
+			return strings.Contains(restarted.String(), "the active broker is not reachable")
+		})
+		if log := restarted.String(); !strings.Contains(log, "webhooks are committed to the outbox, answered 202") || strings.Contains(log, "503") {
+			t.Errorf("the restart's log with the broker away does not say webhooks are committed and answered 202:\n%s", log)
+		}
 		proxy.Reopen()
-		startProcess(t, config, addr)
 		storedAll(t, db, append(accepted, spooled), time.Minute)
 		conn := openStoreDB(t, db)
 		for _, g := range append(accepted, spooled) {
