@@ -150,10 +150,6 @@ func (a *API) bounded(h httprouter.Handle) httprouter.Handle {
 	}
 }
 
-// upgradeProblem is /readyz's word for a node whose database needs a
-// newer switchyard.
-const upgradeProblem = "needs a newer switchyard: upgrade this node"
-
 // readyCheckTimeout is each /readyz check's own deadline.
 const readyCheckTimeout = 2 * time.Second
 
@@ -181,29 +177,28 @@ func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params)
 	}{
 		{"database", a.store.Writable, func(err error) string {
 			if errors.Is(err, ErrSchemaFloor) {
-				return upgradeProblem
+				return "needs a newer switchyard: upgrade this node"
 			}
 			return "not writable"
 		}},
 		{"broker", a.brokerReady, brokerProblem},
 	}
-	problems := make([]string, len(checks))
+	errs := make([]error, len(checks))
 	var wg sync.WaitGroup
 	for i, c := range checks {
 		wg.Go(func() {
 			ctx, cancel := context.WithTimeout(r.Context(), readyCheckTimeout)
 			defer cancel()
-			if err := c.check(ctx); err != nil {
-				a.log.Debug("not ready", "part", c.name, "error", err)
-				problems[i] = c.problem(err)
+			if errs[i] = c.check(ctx); errs[i] != nil {
+				a.log.Debug("not ready", "part", c.name, "error", errs[i])
 			}
 		})
 	}
 	wg.Wait()
 	out := map[string]string{}
 	for i, c := range checks {
-		if problems[i] != "" {
-			out[c.name] = problems[i]
+		if errs[i] != nil {
+			out[c.name] = c.problem(errs[i])
 		}
 	}
 	ob := a.webhook.outbox
@@ -216,7 +211,7 @@ func (a *API) ready(w http.ResponseWriter, r *http.Request, _ httprouter.Params)
 	}
 	// A node the database's floor left behind stops for good, whatever
 	// the broker does: a balancer sends webhooks to an upgraded one.
-	upgrade := out["database"] == upgradeProblem
+	upgrade := errors.Is(errs[0], ErrSchemaFloor) // checks[0]: the database
 	if storePath := out["database"] == "" && out["outbox"] == ""; upgrade || !storePath && out["broker"] != "" {
 		answer["status"] = "not ready"
 		writeJSON(w, http.StatusServiceUnavailable, answer)

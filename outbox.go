@@ -271,9 +271,8 @@ func (o *Outbox) row(exchange, key string, msg amqp.Publishing) (OutboxRow, erro
 func (o *Outbox) write(ctx context.Context, row OutboxRow) error {
 	var span trace.Span
 	if trace.SpanContextFromContext(ctx).IsValid() {
-		ctx, span = o.tracer.Start(ctx, "outbox "+row.Exchange, trace.WithSpanKind(trace.SpanKindProducer),
+		_, span = o.tracer.Start(ctx, "outbox "+row.Exchange, trace.WithSpanKind(trace.SpanKindProducer),
 			trace.WithAttributes(attribute.String("messaging.message.id", row.GUID)))
-		_ = ctx
 	}
 	w := &outboxWrite{row: row, done: make(chan error, 1)}
 	var err error
@@ -385,6 +384,20 @@ func encodeValue(v any) (any, error) {
 	return nil, fmt.Errorf("a value of type %T, which AMQP does not carry", v)
 }
 
+// scalars read the values of the AMQP types that are JSON numbers or
+// booleans, by the type's name in the encoding.
+var scalars = map[string]func(json.RawMessage) (any, error){
+	"bool": scalar[bool], "int8": scalar[int8], "uint8": scalar[uint8], "int16": scalar[int16], "uint16": scalar[uint16],
+	"int32": scalar[int32], "uint32": scalar[uint32], "int64": scalar[int64], "float32": scalar[float32], "float64": scalar[float64],
+}
+
+// scalar reads v as a T.
+func scalar[T any](v json.RawMessage) (any, error) {
+	var x T
+	err := json.Unmarshal(v, &x)
+	return x, err
+}
+
 // decodeHeaders is the table encodeHeaders kept as s.
 func decodeHeaders(s string) (amqp.Table, error) {
 	var raw map[string]json.RawMessage
@@ -414,55 +427,28 @@ func decodeValue(r json.RawMessage) (any, error) {
 	if err := json.Unmarshal(r, &tv); err != nil {
 		return nil, err
 	}
-	number := func(dst any) error { return json.Unmarshal(tv.V, dst) }
+	value := func(dst any) error { return json.Unmarshal(tv.V, dst) }
+	if read, ok := scalars[tv.T]; ok {
+		return read(tv.V)
+	}
 	switch tv.T {
 	case "null":
 		return nil, nil
-	case "bool":
-		var b bool
-		return b, number(&b)
-	case "int8":
-		var n int8
-		return n, number(&n)
-	case "uint8":
-		var n uint8
-		return n, number(&n)
-	case "int16":
-		var n int16
-		return n, number(&n)
-	case "uint16":
-		var n uint16
-		return n, number(&n)
-	case "int32":
-		var n int32
-		return n, number(&n)
-	case "uint32":
-		var n uint32
-		return n, number(&n)
-	case "int64":
-		var n int64
-		return n, number(&n)
-	case "float32":
-		var f float32
-		return f, number(&f)
-	case "float64":
-		var f float64
-		return f, number(&f)
 	case "bytes":
 		var b64 string
-		if err := number(&b64); err != nil {
+		if err := value(&b64); err != nil {
 			return nil, err
 		}
 		return base64.StdEncoding.DecodeString(b64)
 	case "time":
 		var ts string
-		if err := number(&ts); err != nil {
+		if err := value(&ts); err != nil {
 			return nil, err
 		}
 		return time.Parse(time.RFC3339, ts)
 	case "decimal":
 		var d []json.RawMessage
-		if err := number(&d); err != nil || len(d) != 2 {
+		if err := value(&d); err != nil || len(d) != 2 {
 			return nil, fmt.Errorf("a decimal: %s", tv.V)
 		}
 		var x amqp.Decimal
@@ -472,7 +458,7 @@ func decodeValue(r json.RawMessage) (any, error) {
 		return x, nil
 	case "table":
 		var fields map[string]json.RawMessage
-		if err := number(&fields); err != nil {
+		if err := value(&fields); err != nil {
 			return nil, err
 		}
 		t := make(amqp.Table, len(fields))
@@ -486,7 +472,7 @@ func decodeValue(r json.RawMessage) (any, error) {
 		return t, nil
 	case "array":
 		var items []json.RawMessage
-		if err := number(&items); err != nil {
+		if err := value(&items); err != nil {
 			return nil, err
 		}
 		out := make([]any, len(items))

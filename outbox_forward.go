@@ -101,7 +101,7 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 // how many rows it settled (published, or refused for good), and why the
 // broker took no more.
 func (o *Outbox) forward(ctx context.Context, h Holding, limit int) (*Broker, int, error) {
-	rows, err := o.store.OutboxHead(ctx, o.node, 0, limit)
+	rows, err := o.store.OutboxHead(ctx, o.node, limit)
 	if err != nil || len(rows) == 0 || !h.Held() {
 		return nil, 0, err
 	}
@@ -166,6 +166,11 @@ func (o *Outbox) forward(ctx context.Context, h Holding, limit int) (*Broker, in
 // adopt gives this node, under h, the rows of nodes whose outbox lease is
 // gone: it returns how many rows it took.
 func (o *Outbox) adopt(ctx context.Context, h Holding) int64 {
+	// A read first: a write each second on an idle node would be a
+	// commit (an fsync on SQLite) for nothing.
+	if others, err := o.store.OthersWaiting(ctx, o.node); err != nil || !others {
+		return 0
+	}
 	var rows, bytes int64
 	err := h.WriteTx(ctx, o.store, func(tx *Tx) error {
 		var err error
@@ -197,11 +202,14 @@ func (o *Outbox) MoveSpool(ctx context.Context, h Holding) error {
 	defer t.Stop()
 	for {
 		var moved, bytes int64
-		err := h.WriteTx(ctx, o.store, func(tx *Tx) error {
-			var err error
-			moved, bytes, err = tx.MoveSpool(ctx, o.node, time.Now())
-			return err
-		})
+		waiting, err := o.store.SpoolWaiting(ctx)
+		if err == nil && waiting {
+			err = h.WriteTx(ctx, o.store, func(tx *Tx) error {
+				var err error
+				moved, bytes, err = tx.MoveSpool(ctx, o.node, time.Now())
+				return err
+			})
+		}
 		switch {
 		case err != nil && ctx.Err() == nil:
 			o.log.Warn("the spool an older version left not moved into the outbox", "error", err)

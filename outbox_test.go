@@ -666,7 +666,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) error { tx.Pipeline(); return tx.Outbox(ctx, rows) }); err != nil {
 			t.Fatal(err)
 		}
-		head, err := store.OutboxHead(ctx, "n", 0, 10)
+		head, err := store.OutboxHead(ctx, "n", 10)
 		if err != nil || len(head) != 3 || head[0].GUID != "g-1" || head[0].Hook != 7 || head[1].Hook != -1 || string(head[1].Body) != `{"b":2}` {
 			t.Fatalf("the outbox's head: %v %+v", err, head)
 		}
@@ -694,7 +694,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) error { return tx.OutboxRefused(ctx, "n", head[1].ID, "too large", time.Now()) }); err != nil {
 			t.Fatal(err)
 		}
-		if head, _ := store.OutboxHead(ctx, "n", 0, 10); len(head) != 1 || head[0].GUID != "g-3" {
+		if head, _ := store.OutboxHead(ctx, "n", 10); len(head) != 1 || head[0].GUID != "g-3" {
 			t.Errorf("the head after one published and one refused: %+v, want g-3 alone", head)
 		}
 		if st, _ := store.OutboxState(ctx); st.RefusedCount != 1 || st.Refused[0].GUID != "g-2" || st.Refused[0].Reason != "too large" {
@@ -704,7 +704,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) (err error) { retried, err = tx.RetryRefused(ctx); return err }); err != nil || retried != 1 {
 			t.Errorf("retried %d (%v), want the refused row", retried, err)
 		}
-		if head, _ := store.OutboxHead(ctx, "n", 0, 10); len(head) != 2 || head[0].GUID != "g-2" {
+		if head, _ := store.OutboxHead(ctx, "n", 10); len(head) != 2 || head[0].GUID != "g-2" {
 			t.Errorf("the head after the retry: %+v, want g-2 first again", head)
 		}
 		conn := openStoreDB(t, db)
@@ -747,7 +747,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) (err error) { moved, _, err = tx.MoveSpool(ctx, "n", time.Now()); return err }); err != nil || moved != 1 {
 			t.Fatalf("moved %d (%v), want the spool's row", moved, err)
 		}
-		head, _ = store.OutboxHead(ctx, "n", 0, 10)
+		head, _ = store.OutboxHead(ctx, "n", 10)
 		if len(head) != 4 || head[3].GUID != "g-5" {
 			t.Fatalf("the head with the spool's row moved in: %+v", head)
 		}

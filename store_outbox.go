@@ -58,11 +58,11 @@ func (tx *Tx) Outbox(ctx context.Context, rows []OutboxRow) error {
 }
 
 // OutboxHead reads the first limit rows node forwards that wait, in id
-// (commit) order, from id after on: not published, not refused.
-func (s *Store) OutboxHead(ctx context.Context, node string, after int64, limit int) ([]OutboxRow, error) {
+// (commit) order: not published, not refused.
+func (s *Store) OutboxHead(ctx context.Context, node string, limit int) ([]OutboxRow, error) {
 	rows, err := s.pool().rows(ctx, `SELECT id, node, delivery_id, hook_id, event, received_at, queued_at, exchange, routing_key,
 			headers, content_encoding, body
-		FROM outbox WHERE node = $1 AND id > $2 AND published_at IS NULL AND refused_at IS NULL ORDER BY id LIMIT $3`, node, after, limit)
+		FROM outbox WHERE node = $1 AND published_at IS NULL AND refused_at IS NULL ORDER BY id LIMIT $2`, node, limit)
 	if err != nil {
 		return nil, fmt.Errorf("read the outbox: %w", s.health.observe(err))
 	}
@@ -138,64 +138,80 @@ func (tx *Tx) RetryRefused(ctx context.Context) (int64, error) {
 	return res.RowsAffected()
 }
 
+// OthersWaiting reports whether rows of nodes other than node wait: what
+// a forwarder reads, without a write, before it looks for rows to adopt.
+func (s *Store) OthersWaiting(ctx context.Context, node string) (bool, error) {
+	var any bool
+	err := s.pool().row(ctx, `SELECT EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL AND node <> $1)`, node).Scan(&any)
+	if err != nil {
+		return false, fmt.Errorf("read the outbox: %w", s.health.observe(err))
+	}
+	return any, nil
+}
+
 // AdoptOutbox gives node, in tx, the waiting rows of every node whose
 // outbox lease (jobOf) is gone: expired, or never taken for a row queued
 // more than ttl ago. It returns how many rows it adopted, and their bytes.
 // Of two nodes adopting at once, the database lets one have each row.
 func (tx *Tx) AdoptOutbox(ctx context.Context, node string, jobOf func(node string) string, ttl time.Duration) (rows, bytes int64, err error) {
 	d := tx.s.engine
-	prefix := jobOf("")
-	q, err := tx.rows(ctx, `SELECT o.node, count(*), coalesce(sum(o.bytes), 0), min(o.queued_at) FROM outbox o
-		WHERE o.published_at IS NULL AND o.node <> $1 GROUP BY o.node`, node)
+	q, err := tx.rows(ctx, `SELECT node, min(queued_at) FROM outbox WHERE published_at IS NULL AND node <> $1 GROUP BY node`, node)
 	if err != nil {
 		return 0, 0, fmt.Errorf("read the outbox's nodes: %w", err)
 	}
-	type owner struct {
-		node         string
-		rows, bytes  int64
-		oldestQueued string
-	}
-	var owners []owner
+	oldest := map[string]string{}
 	for q.Next() {
-		var o owner
-		if err := q.Scan(&o.node, &o.rows, &o.bytes, &o.oldestQueued); err != nil {
+		var owner, queued string
+		if err := q.Scan(&owner, &queued); err != nil {
 			q.Close()
 			return 0, 0, fmt.Errorf("read the outbox's nodes: %w", err)
 		}
-		owners = append(owners, o)
+		oldest[owner] = queued
 	}
 	q.Close()
 	if err := q.Err(); err != nil {
 		return 0, 0, fmt.Errorf("read the outbox's nodes: %w", err)
 	}
-	for _, o := range owners {
+	for owner, queued := range oldest {
 		var live bool
 		err := tx.row(ctx, `SELECT EXISTS (SELECT 1 FROM leases WHERE job = $1 AND expires_at >= `+d.clock("0")+`)
 			OR NOT EXISTS (SELECT 1 FROM leases WHERE job = $1) AND $2 >= `+d.clock("$3"),
-			prefix+o.node, o.oldestQueued, -ttl.Milliseconds()).Scan(&live)
+			jobOf(owner), queued, -ttl.Milliseconds()).Scan(&live)
 		if err != nil {
-			return 0, 0, fmt.Errorf("read node %s's outbox lease: %w", o.node, err)
+			return 0, 0, fmt.Errorf("read node %s's outbox lease: %w", owner, err)
 		}
 		if live {
 			continue
 		}
-		res, err := tx.write(ctx, atOnce, `UPDATE outbox SET node = $1 WHERE node = $2 AND published_at IS NULL`, node, o.node)
+		adopted, err := tx.rows(ctx, `UPDATE outbox SET node = $1 WHERE node = $2 AND published_at IS NULL RETURNING bytes`, node, owner)
 		if err != nil {
-			return 0, 0, fmt.Errorf("adopt node %s's outbox: %w", o.node, err)
+			return 0, 0, fmt.Errorf("adopt node %s's outbox: %w", owner, err)
 		}
-		n, _ := res.RowsAffected()
-		rows += n
-		if n == o.rows {
-			bytes += o.bytes
-		} else if n > 0 {
-			var b int64
-			if err := tx.row(ctx, `SELECT coalesce(sum(bytes), 0) FROM outbox WHERE node = $1 AND published_at IS NULL`, node).Scan(&b); err != nil {
-				return 0, 0, err
+		for adopted.Next() {
+			var n int64
+			if err := adopted.Scan(&n); err != nil {
+				adopted.Close()
+				return 0, 0, fmt.Errorf("adopt node %s's outbox: %w", owner, err)
 			}
-			bytes = b // all of this node's, counted anew
+			rows, bytes = rows+1, bytes+n
+		}
+		adopted.Close()
+		if err := adopted.Err(); err != nil {
+			return 0, 0, fmt.Errorf("adopt node %s's outbox: %w", owner, err)
 		}
 	}
 	return rows, bytes, nil
+}
+
+// SpoolWaiting reports whether webhooks an older version left wait in its
+// spool: read before MoveSpool's write.
+func (s *Store) SpoolWaiting(ctx context.Context) (bool, error) {
+	var any bool
+	err := s.pool().row(ctx, `SELECT EXISTS (SELECT 1 FROM spooled_webhooks WHERE published_at IS NULL)`).Scan(&any)
+	if err != nil {
+		return false, fmt.Errorf("read the spool: %w", s.health.observe(err))
+	}
+	return any, nil
 }
 
 // MoveSpool moves the webhooks an older version left waiting in its spool
