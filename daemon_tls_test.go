@@ -503,6 +503,12 @@ func TestHTTPSOnPassedSockets(t *testing.T) {
 		t.Errorf("the status's certificates: %+v (%v), want the one for %s, 90 days", st.Certificates, err, testDomain)
 	}
 
+	// switchyard status reads the HTTPS daemon, trusting cert_file's own
+	// certificate (self-signed here), as an operator runs it.
+	if text, code := runBinary(t, "status", "-config", config); code == exitUnreachable || !strings.Contains(text, "certificate: "+testDomain) {
+		t.Errorf("switchyard status of the HTTPS daemon with cert_file: exit %d\n%s\nwant the certificate of %s", code, text, testDomain)
+	}
+
 	// New files, then SIGHUP: the new certificate is served.
 	_, _, renewed := selfSignedFor(t, dir, testDomain, 2)
 	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
