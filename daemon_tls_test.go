@@ -40,9 +40,7 @@ func pebbleTool(t testing.TB, name string) string {
 	}
 	p := filepath.Join(dir, name)
 	if _, err := os.Stat(p); err != nil {
-		if out, err := exec.Command("make", "-s", ".tools/"+name).CombinedOutput(); err != nil {
-			t.Fatalf("no %s, and make .tools/%s failed: %v\n%s", name, name, err, out)
-		}
+		makeTool(t, ".tools/"+name)
 	}
 	return p
 }

@@ -26,9 +26,7 @@ func haproxy(t testing.TB) string {
 	}
 	p, _ := filepath.Abs(".tools/haproxy")
 	if _, err := os.Stat(p); err != nil {
-		if out, err := exec.Command("make", "-s", ".tools/haproxy").CombinedOutput(); err != nil {
-			t.Fatalf("no haproxy, and make .tools/haproxy failed: %v\n%s", err, out)
-		}
+		makeTool(t, ".tools/haproxy")
 	}
 	return p
 }

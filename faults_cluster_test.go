@@ -2,12 +2,12 @@ package main
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -89,8 +89,18 @@ func (n *rabbitNode) ctl(t testing.TB, args ...string) string {
 	return string(out)
 }
 
-// answers reports whether the node takes AMQP connections.
+// answers reports whether the node takes AMQP connections: its own
+// process runs and its port answers (another process on the port is not
+// the node booted).
 func (n *rabbitNode) answers() bool {
+	n.mu.Lock()
+	done := n.done
+	n.mu.Unlock()
+	select {
+	case <-done:
+		return false
+	default:
+	}
 	c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", n.port), time.Second)
 	if err == nil {
 		c.Close()
@@ -98,15 +108,49 @@ func (n *rabbitNode) answers() bool {
 	return err == nil
 }
 
-// freePort is a loopback port nothing listens on now (freeAddr's).
+// exited reports whether the node's process has ended.
+func (n *rabbitNode) exited() bool {
+	n.mu.Lock()
+	done := n.done
+	n.mu.Unlock()
+	select {
+	case <-done:
+		return true
+	default:
+		return false
+	}
+}
+
+// portsGiven are the ports freePort has handed out in this run.
+var portsGiven = struct {
+	sync.Mutex
+	m map[int]bool
+}{m: map[int]bool{}}
+
+// freePort is a loopback port nothing listens on now, below the kernel's
+// ephemeral range (32768 and up), so no outgoing connection takes it
+// before its server binds it, and never handed out twice in one run, so
+// two clusters started side by side do not share one. Below 30000, so a
+// node's CLI ports (its distribution port + 10000) stay valid.
 func freePort(t testing.TB) int {
 	t.Helper()
-	_, port, _ := net.SplitHostPort(freeAddr(t))
-	n, err := strconv.Atoi(port)
-	if err != nil {
-		t.Fatal(err)
+	portsGiven.Lock()
+	defer portsGiven.Unlock()
+	for range 1000 {
+		port := 15000 + rand.IntN(15000)
+		if portsGiven.m[port] {
+			continue
+		}
+		ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			continue
+		}
+		ln.Close()
+		portsGiven.m[port] = true
+		return port
 	}
-	return n
+	t.Fatal("no free port between 15000 and 30000")
+	return 0
 }
 
 // rabbitCluster starts three nodes, joins the second and third to the
@@ -139,7 +183,13 @@ func rabbitCluster(t *testing.T) []*rabbitNode {
 		t.Cleanup(n.kill)
 	}
 	for _, n := range nodes {
-		eventually(t, 2*time.Minute, "RabbitMQ node "+n.name+" booted", n.answers)
+		eventually(t, 2*time.Minute, "RabbitMQ node "+n.name+" booted", func() bool {
+			if n.exited() {
+				out, _ := os.ReadFile(filepath.Join(n.dir, "out.log"))
+				t.Fatalf("RabbitMQ node %s exited while booting:\n%s", n.name, out)
+			}
+			return n.answers()
+		})
 	}
 	for _, n := range nodes[1:] {
 		n.ctl(t, "stop_app")

@@ -1052,3 +1052,22 @@ func consumersBackWithBroker(t *testing.T, d *Daemon, back time.Time) {
 		}
 	}
 }
+
+// makingTools holds one make of a test tool at a time: two tests that
+// find a tool missing at once (onBothStores' two) would otherwise run
+// apt-get side by side, and the second fails on dpkg's lock.
+var makingTools sync.Mutex
+
+// makeTool runs make for target (a file under .tools) unless an earlier
+// test has made it meanwhile.
+func makeTool(t testing.TB, target string) {
+	t.Helper()
+	makingTools.Lock()
+	defer makingTools.Unlock()
+	if _, err := os.Stat(target); err == nil {
+		return
+	}
+	if out, err := exec.Command("make", "-s", target).CombinedOutput(); err != nil {
+		t.Fatalf("no %s, and make %s failed: %v\n%s", target, target, err, out)
+	}
+}

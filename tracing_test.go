@@ -107,9 +107,7 @@ func jaeger(t *testing.T) string {
 		if os.Getenv("CI") != "true" {
 			t.Skip("no Jaeger: make test-tracing builds .tools/jaeger-1.75.0 (several minutes) and runs this test")
 		}
-		if out, err := exec.Command("make", "-s", ".tools/jaeger-1.75.0").CombinedOutput(); err != nil {
-			t.Fatalf("no Jaeger, and make .tools/jaeger-1.75.0 failed: %v\n%s", err, out)
-		}
+		makeTool(t, ".tools/jaeger-1.75.0")
 	}
 	return p
 }
