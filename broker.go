@@ -346,7 +346,7 @@ func (bs *Brokers) changeUnder(ctx context.Context, fence *Fence, fn func(tx *Tx
 	defer bs.changes.Unlock()
 	var out SwitchState
 	var changed bool
-	err := bs.store.writeTx(ctx, fence, func(tx *Tx) error {
+	err := bs.store.writeTx(ctx, fence, false, func(tx *Tx) error {
 		// Nodes sharing the database change it one at a time: each reads
 		// the state the last change committed.
 		if err := tx.Lock(ctx, "broker switch"); err != nil {

@@ -74,7 +74,7 @@ func (o *Outbox) commit(rows []OutboxRow) error {
 	ctx, cancel := context.WithTimeout(context.Background(), o.commitTimeout)
 	defer cancel()
 	start := time.Now()
-	err := o.store.WriteTx(ctx, func(tx *Tx) error {
+	err := o.store.WriteTxFirst(ctx, func(tx *Tx) error {
 		tx.Pipeline()
 		return tx.Outbox(ctx, rows)
 	})

@@ -151,28 +151,37 @@ func (t *Tx) Changed(ctx context.Context) (int64, error) {
 // WriteBatch's. A failure of the connection to PostgreSQL is
 // ErrDatabaseLost (Lost).
 func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
-	return s.writeTx(ctx, nil, fn)
+	return s.writeTx(ctx, nil, false, fn)
+}
+
+// WriteTxFirst is WriteTx for a write a client waits on (the outbox's
+// commit, before a 202): on SQLite, whose one writer connection the
+// writes take in turn, it goes before every write waiting that is not
+// one (writerTurns).
+func (s *Store) WriteTxFirst(ctx context.Context, fn func(tx *Tx) error) error {
+	return s.writeTx(ctx, nil, true, fn)
 }
 
 // WriteTxUnder is WriteTx for a once-only job's write, made under f (its
 // lease's holding, from Lease.Run: never from its context).
 func (s *Store) WriteTxUnder(ctx context.Context, f Fence, fn func(tx *Tx) error) error {
-	return s.writeTx(ctx, &f, fn)
+	return s.writeTx(ctx, &f, false, fn)
 }
 
-// writeTx runs fn in one write transaction, under fence when it is set.
-func (s *Store) writeTx(ctx context.Context, fence *Fence, fn func(tx *Tx) error) error {
+// writeTx runs fn in one write transaction, under fence when it is set,
+// before the other writes waiting when first.
+func (s *Store) writeTx(ctx context.Context, fence *Fence, first bool, fn func(tx *Tx) error) error {
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
 	ctx, span := startTransaction(ctx, s.engine.driver())
-	err := s.runTx(ctx, fence, fn)
+	err := s.runTx(ctx, fence, first, fn)
 	endSpan(span, err)
 	return err
 }
 
 // runTx is writeTx's transaction.
-func (s *Store) runTx(ctx context.Context, fence *Fence, fn func(tx *Tx) error) error {
-	t, err := s.begin(ctx)
+func (s *Store) runTx(ctx context.Context, fence *Fence, first bool, fn func(tx *Tx) error) error {
+	t, err := s.begin(ctx, first)
 	if err != nil {
 		return s.health.observe(fmt.Errorf("begin: %w", err))
 	}
@@ -227,8 +236,8 @@ func (t *Tx) fence(ctx context.Context, f *Fence) error {
 }
 
 // begin opens a write transaction (engine.begin).
-func (s *Store) begin(ctx context.Context) (*Tx, error) {
-	tc, err := s.engine.begin(ctx, s.w)
+func (s *Store) begin(ctx context.Context, first bool) (*Tx, error) {
+	tc, err := s.engine.begin(ctx, s.w, first)
 	if err != nil {
 		return nil, err
 	}

@@ -26,9 +26,10 @@ type engine interface {
 	// see one state of the database.
 	readOptions() *sql.TxOptions
 
-	// begin opens a write transaction on w; end gives its connection
-	// back once it ended.
-	begin(ctx context.Context, w *sql.DB) (*txConn, error)
+	// begin opens a write transaction on w (first: before the others
+	// that wait for a connection, when they wait in turn); end gives its
+	// connection back once it ended.
+	begin(ctx context.Context, w *sql.DB, first bool) (*txConn, error)
 	end(tc *txConn)
 	// exec and queryRow run one statement in tc now.
 	exec(ctx context.Context, tc *txConn, query string, args []any) (sql.Result, error)

@@ -147,8 +147,9 @@ func (postgresEngine) readOptions() *sql.TxOptions {
 }
 
 // begin opens a write transaction on a connection of its own, which
-// statements queued ahead are sent on.
-func (postgresEngine) begin(ctx context.Context, w *sql.DB) (*txConn, error) {
+// statements queued ahead are sent on. The pool's connections are many:
+// no write waits on another's turn, first or not.
+func (postgresEngine) begin(ctx context.Context, w *sql.DB, _ bool) (*txConn, error) {
 	conn, err := w.Conn(ctx)
 	if err != nil {
 		return nil, err

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/url"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -25,14 +26,15 @@ import (
 // sqliteEngine is the store's engine on an SQLite file.
 type sqliteEngine struct {
 	path   string
-	stmts  sync.Map // query -> *sql.Stmt prepared on the writer (see exec)
-	wanted sync.Map // query -> struct{}: to prepare before the next write
+	turns  writerTurns // who has the one writer connection next
+	stmts  sync.Map    // query -> *sql.Stmt prepared on the writer (see exec)
+	wanted sync.Map    // query -> struct{}: to prepare before the next write
 }
 
 // openSQLite opens (creating when needed) the SQLite file at cfg.Path:
 // its writer and its readers, and checks that WAL mode really took.
 func openSQLite(ctx context.Context, cfg DatabaseConfig) (w, r *sql.DB, e *sqliteEngine, err error) {
-	dsn := func(extra string) string {
+	dsn := func(extra ...string) string {
 		q := url.Values{}
 		q.Add("_pragma", fmt.Sprintf("busy_timeout(%d)", cfg.BusyTimeout.Milliseconds()))
 		q.Add("_pragma", "journal_mode(WAL)")
@@ -43,8 +45,8 @@ func openSQLite(ctx context.Context, cfg DatabaseConfig) (w, r *sql.DB, e *sqlit
 		// page, unless temporary storage is memory. A batch's are a few
 		// megabytes at most.
 		q.Add("_pragma", "temp_store(MEMORY)")
-		if extra != "" {
-			q.Add("_pragma", extra)
+		for _, p := range extra {
+			q.Add("_pragma", p)
 		}
 		// A deferred transaction that later writes fails with SQLITE_BUSY
 		// without waiting; immediate ones wait busy_timeout for the lock.
@@ -96,9 +98,14 @@ func (e *sqliteEngine) shared() bool   { return false }
 // readOptions: SQLite's read transaction sees one state of the file.
 func (e *sqliteEngine) readOptions() *sql.TxOptions { return &sql.TxOptions{ReadOnly: true} }
 
-// begin prepares the statements exec asked for, outside any transaction
-// (the one writer connection would be the transaction's), then begins.
-func (e *sqliteEngine) begin(ctx context.Context, w *sql.DB) (*txConn, error) {
+// begin takes the writer's turn (first: before the writes that wait and
+// are not), prepares the statements exec asked for, outside any
+// transaction (the one writer connection would be the transaction's),
+// then begins.
+func (e *sqliteEngine) begin(ctx context.Context, w *sql.DB, first bool) (*txConn, error) {
+	if err := e.turns.take(ctx, first); err != nil {
+		return nil, err
+	}
 	e.wanted.Range(func(k, _ any) bool {
 		e.wanted.Delete(k)
 		if st, err := w.PrepareContext(ctx, k.(string)); err == nil {
@@ -110,12 +117,73 @@ func (e *sqliteEngine) begin(ctx context.Context, w *sql.DB) (*txConn, error) {
 	})
 	tx, err := w.BeginTx(ctx, nil)
 	if err != nil {
+		e.turns.pass()
 		return nil, err
 	}
 	return &txConn{tx: tx}, nil
 }
 
-func (e *sqliteEngine) end(*txConn) {}
+// end passes the writer's turn on.
+func (e *sqliteEngine) end(*txConn) { e.turns.pass() }
+
+// writerTurns hands SQLite's one writer connection to the store's write
+// transactions one at a time: first to those a client waits on (the
+// outbox's, whose commit a 202 waits for), each in the order it came,
+// then to the others in theirs. database/sql would hand the connection
+// to any of its waiters, and a webhook's answer would wait behind every
+// consumer's batch that happened to be waiting with it; in turns it
+// waits for the one transaction under way at most.
+type writerTurns struct {
+	mu          sync.Mutex
+	busy        bool
+	first, rest []chan struct{} // waiting, each closed when its turn comes
+}
+
+// take waits for the turn, or ctx's end.
+func (w *writerTurns) take(ctx context.Context, first bool) error {
+	w.mu.Lock()
+	if !w.busy {
+		w.busy = true
+		w.mu.Unlock()
+		return nil
+	}
+	turn := make(chan struct{})
+	if first {
+		w.first = append(w.first, turn)
+	} else {
+		w.rest = append(w.rest, turn)
+	}
+	w.mu.Unlock()
+	select {
+	case <-turn:
+		return nil
+	case <-ctx.Done():
+	}
+	w.mu.Lock()
+	waiting := len(w.first) + len(w.rest)
+	w.first = slices.DeleteFunc(w.first, func(c chan struct{}) bool { return c == turn })
+	w.rest = slices.DeleteFunc(w.rest, func(c chan struct{}) bool { return c == turn })
+	given := waiting == len(w.first)+len(w.rest) // it came as ctx ended
+	w.mu.Unlock()
+	if given {
+		w.pass()
+	}
+	return ctx.Err()
+}
+
+// pass ends the turn: the next waiting takes it.
+func (w *writerTurns) pass() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, q := range []*[]chan struct{}{&w.first, &w.rest} {
+		if len(*q) > 0 {
+			close((*q)[0])
+			*q = (*q)[1:]
+			return
+		}
+	}
+	w.busy = false
+}
 
 // exec runs one statement in tc, prepared once: modernc.org/sqlite has no
 // statement cache of its own, and preparing was a twentieth of a

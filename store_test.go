@@ -1059,3 +1059,74 @@ func TestCompressionResumesAfterKill(t *testing.T) {
 	}
 	t.Logf("killed with %d of %d compressed", midway, n)
 }
+
+// On SQLite the outbox's commit, which a 202 waits on, takes the one
+// writer connection before the writes that were waiting for it first
+// (WriteTxFirst): while one transaction is under way, a consumer's write
+// and then the outbox's queue up; the outbox's goes next. A write whose
+// context ends while it waits leaves its place, and the others go on.
+func TestOutboxWriteGoesFirst(t *testing.T) {
+	t.Parallel()
+	store, _ := benchStore(t)
+	defer store.Close()
+	turns := &store.engine.(*sqliteEngine).turns
+	waiting := func(first, rest int) func() bool {
+		return func() bool {
+			turns.mu.Lock()
+			defer turns.mu.Unlock()
+			return len(turns.first) == first && len(turns.rest) == rest
+		}
+	}
+	ctx := context.Background()
+	var order []string
+	var mu sync.Mutex
+	write := func(name string, first bool) chan error {
+		done := make(chan error, 1)
+		fn := func(tx *Tx) error {
+			mu.Lock()
+			order = append(order, name)
+			mu.Unlock()
+			_, err := tx.write(ctx, atOnce, "INSERT INTO worker_deliveries (worker, delivery_id, processed_at) VALUES ('t', $1, 'x')", name)
+			return err
+		}
+		go func() {
+			if first {
+				done <- store.WriteTxFirst(ctx, fn)
+			} else {
+				done <- store.WriteTx(ctx, fn)
+			}
+		}()
+		return done
+	}
+	hold, release := make(chan struct{}), make(chan struct{})
+	held := make(chan error, 1)
+	go func() {
+		held <- store.WriteTx(ctx, func(*Tx) error { close(hold); <-release; return nil })
+	}()
+	<-hold
+	consumer := write("consumer", false)
+	eventually(t, 10*time.Second, "the consumer's write waiting", waiting(0, 1))
+	gone, leave := context.WithCancel(ctx)
+	left := make(chan error, 1)
+	go func() { left <- store.WriteTxFirst(gone, func(*Tx) error { return errors.New("ran after it left") }) }()
+	eventually(t, 10*time.Second, "a write that will leave waiting", waiting(1, 1))
+	leave()
+	if err := <-left; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the write that left: %v, want context.Canceled", err)
+	}
+	outbox := write("outbox", true)
+	eventually(t, 10*time.Second, "the outbox's write waiting behind the consumer's", waiting(1, 1))
+	close(release)
+	for _, c := range []chan error{held, outbox, consumer} {
+		if err := <-c; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !slices.Equal(order, []string{"outbox", "consumer"}) {
+		t.Fatalf("writes ran in the order %v, want the outbox's first", order)
+	}
+	eventually(t, 10*time.Second, "no write waiting", waiting(0, 0))
+	if turns.busy {
+		t.Fatal("the writer's turn is held after every write ended")
+	}
+}
