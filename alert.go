@@ -165,6 +165,8 @@ func alertText(ev *Event, forbidden bool) (subject, body, link string) {
 		return budgetText(ev)
 	case "blocked":
 		return blockedText(ev)
+	case "ledger":
+		return ledgerText(ev)
 	}
 	what := ev.Name
 	if ev.Action != "" {
@@ -262,6 +264,23 @@ A free plan that runs out blocks or refuses the connection: webhooks then get 50
 /status shows each broker's use and the month-end projection; move the producer to
 another broker, or raise the plan.
 `, broker, what, month)
+	return subject, body, ""
+}
+
+// ledgerText announces a hook's ledger that GitHub refuses: ev.DeliveryID
+// is "ledger:HOOK since TIME because REASON" (ledgerAlertID).
+func ledgerText(ev *Event) (subject, body, link string) {
+	hook, rest, _ := strings.Cut(strings.TrimPrefix(ev.DeliveryID, "ledger:"), " since ")
+	since, reason, _ := strings.Cut(rest, " because ")
+	subject = fmt.Sprintf("Delivery ledger: GitHub refuses %s's", hook)
+	body = fmt.Sprintf(`GitHub refused to list the deliveries of %s since %s: %s.
+
+Until it answers, failed deliveries of that hook are not replayed and its gaps are
+not found; the other hooks' ledgers go on. Check the hook's token in
+[[github.hooks]] (a fine-grained token with the Webhooks permission, read and write,
+on its repository or organization), or the App's installation there, and the hook's
+ID. "switchyard status" shows the problem while it holds.
+`, hook, since, reason)
 	return subject, body, ""
 }
 

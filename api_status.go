@@ -48,6 +48,9 @@ type Status struct {
 	Gaps          []deliveryGap `json:"open_gaps"`
 	GapsTotal     int           `json:"open_gaps_total"`
 	Unrecoverable int           `json:"unrecoverable_gaps"`
+	// Ledgers are the hooks whose deliveries the hooks worker keeps
+	// account of (the App's, repositories' and organizations' webhooks).
+	Ledgers []LedgerView `json:"ledgers"`
 
 	// Budgets are the brokers' spending this budget month.
 	Budgets []BudgetView `json:"budgets"`
@@ -198,6 +201,12 @@ func (st *Status) problems() []string {
 	for _, r := range st.Refused {
 		if r.Status >= 500 {
 			ps = append(ps, fmt.Sprintf("%s refused with %d in the last hour: %s (GitHub does not retry them)", plural(r.Count, "webhook"), r.Status, r.Reason))
+		}
+	}
+	for _, l := range st.Ledgers {
+		if l.Refused != "" {
+			ps = append(ps, fmt.Sprintf("GitHub refuses the delivery ledger of %s since %s: %s; its failed deliveries are not replayed "+
+				"until it answers (check the hook's token and ID)", l.Name, l.RefusedSince.UTC().Format(time.RFC3339), l.Refused))
 		}
 	}
 	if n := st.GapsTotal; n > 0 {
@@ -352,6 +361,12 @@ func (a *API) gatherStatus(ctx context.Context) (Status, error) {
 	}
 	st.Statistics, st.Database, st.Gaps, st.GapsTotal, st.Unrecoverable = db.Statistics, db.Database, db.Gaps, db.GapsTotal, db.Unrecoverable
 	st.Refused = db.Refused
+	st.Ledgers = []LedgerView{}
+	if a.hooks != nil {
+		if st.Ledgers, err = a.hooks.Views(ctx); err != nil {
+			return st, err
+		}
+	}
 	ob := a.webhook.outbox
 	state, err := ob.State(ctx)
 	if err != nil {

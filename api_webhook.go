@@ -126,7 +126,9 @@ func newWebhookAuth(cfg *Config) (*webhookAuth, error) {
 	if len(cfg.GitHub.Hooks) > 0 {
 		auth.hooks = map[int64][][]byte{}
 		for _, h := range cfg.GitHub.Hooks {
-			auth.hooks[h.ID] = secretBytes(h.Secret, h.PreviousSecrets)
+			if h.Secret != "" { // else a ledger's hook that signs with webhook_secret
+				auth.hooks[h.ID] = secretBytes(h.Secret, h.PreviousSecrets)
+			}
 		}
 	}
 	return auth, nil

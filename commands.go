@@ -221,7 +221,7 @@ type DeliveriesOptions struct {
 	Since   time.Duration // how far back to ask GitHub
 	Gaps    bool          // only the open gaps, from the database
 	Payload bool          // show: the stored payload too
-	Hook    int64         // show: only this hook's copy; -1: every copy
+	Hook    int64         // only this hook's ledger (0: the App's); show: only this hook's copy; -1: every one
 }
 
 // listDeliveries prints GitHub's deliveries of the window with what became of
@@ -235,34 +235,25 @@ func listDeliveries(ctx context.Context, cfg *Config, log *slog.Logger, o Delive
 	defer store.Close()
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	if !o.Gaps {
-		if cfg.GitHub.AppID == 0 {
-			return errors.New("github.app_id is 0: asking GitHub for its deliveries needs the App (-gaps lists the recorded gaps)")
-		}
-		app, err := NewGitHubApp(cfg.GitHub, log)
+		ledgers, err := hookLedgers(cfg, log)
 		if err != nil {
 			return err
+		}
+		if o.Hook >= 0 {
+			ledgers = slices.DeleteFunc(ledgers, func(l *HookLedger) bool { return l.Hook() != o.Hook })
+		}
+		if len(ledgers) == 0 {
+			return fmt.Errorf("no hook's ledger to ask GitHub for%s: the App's needs github.app_id, a repository's or "+
+				"organization's webhook its [[github.hooks]] entry with repository or organization (-gaps lists the recorded gaps)",
+				map[bool]string{true: fmt.Sprintf(" (-hook %d)", o.Hook), false: ""}[o.Hook >= 0])
 		}
 		now := time.Now().UTC()
-		since := now.Add(-min(max(o.Since, 0), githubRedeliveryWindow))
-		ctx, cancel := context.WithTimeout(ctx, ledgerTimeout)
-		defer cancel()
-		entries, _, complete, err := ledger(ctx, app, store, since, now, cfg.GitHub.ReconcileGrace, cfg.GitHub.MaxPagesPerPoll)
-		if err != nil {
-			return err
+		since := now.Add(-min(max(o.Since, 0), cfg.GitHub.DeliveryWindow))
+		for _, l := range ledgers {
+			if err := printLedger(ctx, tw, l, store, since, now, cfg); err != nil {
+				return err
+			}
 		}
-		counts := map[string]int{}
-		fmt.Fprintln(tw, "OUTCOME\tGUID\tEVENT\tLAST ATTEMPT\tSTATUS")
-		for _, e := range entries {
-			counts[e.Outcome]++
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\n", e.Outcome, e.GUID, e.Event, e.Latest.DeliveredAt.UTC().Format(time.RFC3339), e.Latest.StatusCode)
-		}
-		fmt.Fprintf(tw, "\n%d deliveries since %s: %d stored, %d in flight, %d redelivered, %d gap\n", len(entries),
-			since.Format(time.RFC3339), counts[ledgerStored], counts[ledgerInFlight], counts[ledgerRedelivered], counts[ledgerGap])
-		if !complete {
-			fmt.Fprintf(tw, "(GitHub's list stopped after github.max_pages_per_poll = %d pages, or at a repeated cursor: older deliveries not shown)\n",
-				cfg.GitHub.MaxPagesPerPoll)
-		}
-		fmt.Fprintln(tw)
 	}
 	gaps, total, err := store.OpenGaps(ctx, listedGaps)
 	if err != nil {
@@ -272,7 +263,7 @@ func listDeliveries(ctx context.Context, cfg *Config, log *slog.Logger, o Delive
 		fmt.Fprintln(tw, "no open gaps")
 		return tw.Flush()
 	}
-	fmt.Fprintln(tw, "OPEN GAP\tEVENT\tDELIVERED\tFOUND\tREDELIVERED\tSTATE")
+	fmt.Fprintln(tw, "OPEN GAP\tHOOK\tEVENT\tDELIVERED\tFOUND\tREDELIVERED\tSTATE")
 	for _, g := range gaps {
 		redelivered := "-"
 		if g.RedeliveredAt != nil {
@@ -285,13 +276,39 @@ func listDeliveries(ctx context.Context, cfg *Config, log *slog.Logger, o Delive
 		case g.Refusals > 0:
 			state = fmt.Sprintf("open, %s: %s", plural(g.Refusals, "refusal"), g.LastError)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", g.GUID, g.Event, g.DeliveredAt.UTC().Format(time.RFC3339),
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", g.GUID, hookName(g.Hook), g.Event, g.DeliveredAt.UTC().Format(time.RFC3339),
 			g.FoundAt.UTC().Format(time.RFC3339), redelivered, state)
 	}
 	if total > len(gaps) {
 		fmt.Fprintf(tw, "\n%d open gaps in all; the newest %d listed\n", total, len(gaps))
 	}
 	return tw.Flush()
+}
+
+// printLedger prints l's deliveries since since with what became of each,
+// and a count per outcome.
+func printLedger(ctx context.Context, tw io.Writer, l *HookLedger, store *Store, since, now time.Time, cfg *Config) error {
+	ctx, cancel := context.WithTimeout(ctx, ledgerTimeout)
+	defer cancel()
+	entries, _, complete, err := ledger(ctx, l, store, since, now, cfg.GitHub.ReconcileGrace, cfg.GitHub.MaxPagesPerPoll)
+	if err != nil {
+		return fmt.Errorf("%s: %w", l, err)
+	}
+	counts := map[string]int{}
+	fmt.Fprintf(tw, "%s\n", l)
+	fmt.Fprintln(tw, "OUTCOME\tGUID\tEVENT\tLAST ATTEMPT\tSTATUS")
+	for _, e := range entries {
+		counts[e.Outcome]++
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\n", e.Outcome, e.GUID, e.Event, e.Latest.DeliveredAt.UTC().Format(time.RFC3339), e.Latest.StatusCode)
+	}
+	fmt.Fprintf(tw, "\n%d deliveries since %s: %d stored, %d in flight, %d redelivered, %d gap\n", len(entries),
+		since.Format(time.RFC3339), counts[ledgerStored], counts[ledgerInFlight], counts[ledgerRedelivered], counts[ledgerGap])
+	if !complete {
+		fmt.Fprintf(tw, "(GitHub's list stopped after github.max_pages_per_poll = %d pages, or at a repeated cursor: older deliveries not shown)\n",
+			cfg.GitHub.MaxPagesPerPoll)
+	}
+	fmt.Fprintln(tw)
+	return nil
 }
 
 // operatorQueues is the AMQP side for the queues and replay commands. They

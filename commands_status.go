@@ -216,7 +216,18 @@ func writeStatus(w io.Writer, st Status) {
 		if g.UnrecoverableAt != nil {
 			state = " (unrecoverable)"
 		}
-		fmt.Fprintf(w, "  %s %s delivered %s%s\n", g.GUID, g.Event, g.DeliveredAt.Format(time.RFC3339), state)
+		fmt.Fprintf(w, "  %s %s hook %s delivered %s%s\n", g.GUID, g.Event, hookName(g.Hook), g.DeliveredAt.Format(time.RFC3339), state)
+	}
+	for _, l := range st.Ledgers {
+		state := "answers"
+		if l.Refused != "" {
+			state = "REFUSED by GitHub: " + l.Refused
+		}
+		cp := "not polled yet"
+		if l.Checkpoint != nil {
+			cp = "polled to " + l.Checkpoint.UTC().Format(time.RFC3339)
+		}
+		fmt.Fprintf(w, "delivery ledger of %s: %s, %s, %s\n", l.Name, state, cp, plural(l.OpenGaps, "open gap"))
 	}
 	if st.GapsTotal > len(st.Gaps) {
 		fmt.Fprintf(w, "  ... the newest %d of %d listed; switchyard deliveries -gaps for more\n", len(st.Gaps), st.GapsTotal)

@@ -4,13 +4,11 @@ import (
 	"cmp"
 	_ "embed"
 	"encoding"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"maps"
 	"net"
-	"net/netip"
 	"net/url"
 	"os"
 	"reflect"
@@ -109,11 +107,6 @@ type DatabaseConfig struct {
 	DeliveryRetention Duration `toml:"delivery_retention"`
 }
 
-// githubRedeliveryWindow is how long GitHub keeps a delivery and can deliver
-// it again: a payload or identity pruned sooner would let a redelivery
-// count twice, or the ledger call a stored delivery a gap.
-const githubRedeliveryWindow = 72 * time.Hour
-
 // APIConfig holds the bearer tokens of the broker admin API.
 type APIConfig struct {
 	OperatorToken string `toml:"operator_token"`
@@ -121,40 +114,6 @@ type APIConfig struct {
 	// MaxClockSkew is how far in the future a notification's switchedAt
 	// may be: one further ahead would block every real one after it.
 	MaxClockSkew time.Duration `toml:"max_clock_skew"`
-}
-
-// GitHubConfig is everything switchyard knows of GitHub.
-type GitHubConfig struct {
-	WebhookSecret          string   `toml:"webhook_secret"`
-	PreviousWebhookSecrets []string `toml:"previous_webhook_secrets"`
-	// Hooks are the hooks that keep a secret of their own: a webhook whose
-	// X-GitHub-Hook-ID is listed is verified with its secrets only.
-	Hooks          []HookConfig `toml:"hooks"`
-	AllowedCIDRs   []string     `toml:"allowed_cidrs"`
-	MetaFile       string       `toml:"meta_file"`
-	BotAppID       int64        `toml:"bot_app_id"`
-	AppID          int64        `toml:"app_id"`
-	PrivateKeyFile string       `toml:"private_key_file"`
-	APIURL         string       `toml:"api_url"`
-	// ReconcileGrace is how long a delivery GitHub made with a 2xx may take
-	// to be stored (the retry cycle) before the hooks poll calls it a gap.
-	ReconcileGrace time.Duration `toml:"reconcile_grace"`
-	// RedeliverGaps asks GitHub to deliver a gap again.
-	RedeliverGaps bool `toml:"redeliver_gaps"`
-	// MaxPagesPerPoll bounds the pages of deliveries one poll (and the
-	// deliveries command) reads; the next poll goes on from the checkpoint.
-	MaxPagesPerPoll int `toml:"max_pages_per_poll"`
-	// RedeliverPerMinute bounds the redeliveries asked of GitHub, whose
-	// content-creation limit is 80 a minute for everything the App does.
-	RedeliverPerMinute int `toml:"redeliver_per_minute"`
-}
-
-// HookConfig is one [[github.hooks]] entry: a GitHub hook (a repository
-// or organization webhook, or an App's) and the secret it signs with.
-type HookConfig struct {
-	ID              int64    `toml:"id"`
-	Secret          string   `toml:"secret"`
-	PreviousSecrets []string `toml:"previous_secrets"`
 }
 
 // QueueConfig is the AMQP side: topology, retries and publishing.
@@ -297,7 +256,7 @@ func DefaultConfig() *Config {
 		Database: DatabaseConfig{Driver: "sqlite", MaxConns: 10, Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
 			RawRetention: Duration(90 * 24 * time.Hour), DeliveryRetention: Duration(30 * 24 * time.Hour)},
 		API: APIConfig{MaxClockSkew: 5 * time.Minute}, Tracing: TracingConfig{SampleRatio: 1},
-		GitHub: GitHubConfig{APIURL: "https://api.github.com", ReconcileGrace: 2 * time.Hour, RedeliverGaps: true,
+		GitHub: GitHubConfig{APIURL: "https://api.github.com", ReconcileGrace: 2 * time.Hour, RedeliverGaps: true, DeliveryWindow: githubRedeliveryWindow,
 			MaxPagesPerPoll: 100, RedeliverPerMinute: 30},
 		Queue: QueueConfig{
 			RetryTTL:    10 * time.Minute,
@@ -503,57 +462,6 @@ func normalizeVhost(v string) string {
 		return "/"
 	}
 	return v
-}
-
-// loadMetaHooks reads the "hooks" list of a saved GitHub /meta answer.
-func loadMetaHooks(path string) ([]string, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	var meta struct {
-		Hooks []string `json:"hooks"`
-	}
-	if err := json.Unmarshal(b, &meta); err != nil {
-		return nil, fmt.Errorf("not GitHub /meta JSON: %w", err)
-	}
-	if len(meta.Hooks) == 0 {
-		return nil, errors.New(`no "hooks" ranges in it`)
-	}
-	for _, c := range meta.Hooks {
-		if _, err := parsePrefix(c); err != nil {
-			return nil, fmt.Errorf("hooks: %w", err)
-		}
-	}
-	return meta.Hooks, nil
-}
-
-// githubHooksCIDRs are the "hooks" ranges of GitHub's /meta endpoint: the
-// allow list when neither allowed_cidrs nor meta_file is configured.
-var githubHooksCIDRs = []string{
-	"192.30.252.0/22",
-	"185.199.108.0/22",
-	"140.82.112.0/20",
-	"143.55.64.0/20",
-	"2a0a:a440::/29",
-	"2606:50c0::/32",
-}
-
-// parsePrefix accepts a CIDR or a bare address (a /32 or /128).
-func parsePrefix(s string) (netip.Prefix, error) {
-	if strings.Contains(s, "/") {
-		p, err := netip.ParsePrefix(s)
-		if err != nil {
-			return netip.Prefix{}, fmt.Errorf("not a CIDR: %q", s)
-		}
-		return p.Masked(), nil
-	}
-	a, err := netip.ParseAddr(s)
-	if err != nil {
-		return netip.Prefix{}, fmt.Errorf("not an address or CIDR: %q", s)
-	}
-	a = a.Unmap()
-	return netip.PrefixFrom(a, a.BitLen()), nil
 }
 
 // redactAMQPURL prints a broker URL as amqps://user:***@host/vhost.

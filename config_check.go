@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/netip"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -127,11 +126,12 @@ func (c *Config) Validate() error {
 	default:
 		bad("database.driver", `want "sqlite" or "postgres", got %q`, c.Database.Driver)
 	}
-	if r := c.Database.RawRetention; r < 0 || r > 0 && time.Duration(r) < githubRedeliveryWindow {
-		bad("database.raw_retention", "0 (keep forever) or at least 72h, GitHub's redelivery window, got %s", r)
+	window := max(c.GitHub.DeliveryWindow, githubRedeliveryWindow)
+	if r := c.Database.RawRetention; r < 0 || r > 0 && time.Duration(r) < window {
+		bad("database.raw_retention", "0 (keep forever) or at least %s, GitHub's redelivery window (github.delivery_window), got %s", window, r)
 	}
-	if time.Duration(c.Database.DeliveryRetention) < githubRedeliveryWindow {
-		bad("database.delivery_retention", "at least 72h, GitHub's redelivery window, got %s", c.Database.DeliveryRetention)
+	if time.Duration(c.Database.DeliveryRetention) < window {
+		bad("database.delivery_retention", "at least %s, GitHub's redelivery window (github.delivery_window), got %s", window, c.Database.DeliveryRetention)
 	}
 
 	// Slices, not maps: the errors come in the file's order, the same at
@@ -152,64 +152,7 @@ func (c *Config) Validate() error {
 		bad("api.max_clock_skew", "must be positive")
 	}
 
-	if strings.TrimSpace(c.GitHub.WebhookSecret) == "" {
-		bad("github.webhook_secret", "required, and more than spaces")
-	}
-	for i, s := range c.GitHub.PreviousWebhookSecrets {
-		if strings.TrimSpace(s) == "" {
-			bad(fmt.Sprintf("github.previous_webhook_secrets[%d]", i), "empty or only spaces")
-		}
-	}
-	seen := map[int64]bool{}
-	for i, h := range c.GitHub.Hooks {
-		field := fmt.Sprintf("github.hooks[%d]", i)
-		switch {
-		case h.ID <= 0:
-			bad(field+".id", "required: the hook's X-GitHub-Hook-ID (its ID in the hook's settings URL)")
-		case seen[h.ID]:
-			bad(field+".id", "hook %d is listed twice", h.ID)
-		}
-		seen[h.ID] = true
-		if strings.TrimSpace(h.Secret) == "" {
-			bad(field+".secret", "required, and more than spaces")
-		}
-		for j, s := range h.PreviousSecrets {
-			if strings.TrimSpace(s) == "" {
-				bad(fmt.Sprintf("%s.previous_secrets[%d]", field, j), "empty or only spaces")
-			}
-		}
-	}
-	for i, p := range c.GitHub.AllowedCIDRs {
-		if _, err := parsePrefix(p); err != nil {
-			bad(fmt.Sprintf("github.allowed_cidrs[%d]", i), "%v", err)
-		}
-	}
-	if c.GitHub.MetaFile != "" {
-		if _, err := loadMetaHooks(c.GitHub.MetaFile); err != nil {
-			bad("github.meta_file", "%v", err)
-		}
-	}
-	if c.GitHub.BotAppID < 0 {
-		bad("github.bot_app_id", "must not be negative")
-	}
-	if c.GitHub.AppID < 0 {
-		bad("github.app_id", "must not be negative")
-	}
-	if c.GitHub.AppID > 0 && c.GitHub.PrivateKeyFile == "" {
-		bad("github.private_key_file", "required when github.app_id is set")
-	}
-	if u, err := url.Parse(c.GitHub.APIURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		bad("github.api_url", "want an http(s) URL, got %q", c.GitHub.APIURL)
-	}
-	if c.GitHub.MaxPagesPerPoll < 1 || c.GitHub.MaxPagesPerPoll > 10000 {
-		bad("github.max_pages_per_poll", "want 1 to 10000, got %d", c.GitHub.MaxPagesPerPoll)
-	}
-	if c.GitHub.RedeliverPerMinute < 1 || c.GitHub.RedeliverPerMinute > 80 {
-		bad("github.redeliver_per_minute", "want 1 to 80 (GitHub's content-creation limit), got %d", c.GitHub.RedeliverPerMinute)
-	}
-	if c.GitHub.ReconcileGrace <= 0 || c.GitHub.ReconcileGrace >= githubRedeliveryWindow {
-		bad("github.reconcile_grace", "want more than 0 and less than GitHub's 72h of deliveries, got %s", c.GitHub.ReconcileGrace)
-	}
+	c.GitHub.check(bad)
 
 	// RabbitMQ takes x-message-ttl in milliseconds as a non-negative 32-bit integer.
 	if c.Queue.RetryTTL < time.Millisecond || c.Queue.RetryTTL.Milliseconds() > 1<<31-1 {
@@ -495,29 +438,6 @@ func poolerWarning(raw string) string {
 	return ""
 }
 
-// coversGitHubHooks reports whether cidrs take in every range of GitHub's
-// hooks (githubHooksCIDRs): each of GitHub's ranges lies within one of them.
-func coversGitHubHooks(cidrs []string) bool {
-	var set []netip.Prefix
-	for _, c := range cidrs {
-		p, err := parsePrefix(c)
-		if err != nil {
-			return false
-		}
-		set = append(set, p)
-	}
-	for _, g := range githubHooksCIDRs {
-		p, err := parsePrefix(g)
-		if err != nil {
-			return false
-		}
-		if !slices.ContainsFunc(set, func(s netip.Prefix) bool { return s.Bits() <= p.Bits() && s.Contains(p.Addr()) }) {
-			return false
-		}
-	}
-	return true
-}
-
 // mask hides a secret while saying whether it is set.
 func mask(s string) string {
 	if s == "" {
@@ -559,7 +479,21 @@ func (c *Config) Summary(w io.Writer) {
 	p("github.webhook_secret = %s", mask(c.GitHub.WebhookSecret))
 	p("github.previous_webhook_secrets = %d set", len(c.GitHub.PreviousWebhookSecrets))
 	for _, h := range c.GitHub.Hooks {
-		p("github.hooks: id = %d, secret = %s, previous_secrets = %d set", h.ID, mask(h.Secret), len(h.PreviousSecrets))
+		where := ""
+		switch {
+		case h.Repository != "":
+			where = fmt.Sprintf(", repository = %q", h.Repository)
+		case h.Organization != "":
+			where = fmt.Sprintf(", organization = %q", h.Organization)
+		}
+		if where != "" {
+			token := mask(h.Token)
+			if h.Token == "" {
+				token = "(the App's installation token)"
+			}
+			where += ", token = " + token
+		}
+		p("github.hooks: id = %d, secret = %s, previous_secrets = %d set%s", h.ID, mask(h.Secret), len(h.PreviousSecrets), where)
 	}
 	if c.GitHub.MetaFile != "" {
 		p("github.meta_file = %q", c.GitHub.MetaFile)
@@ -571,8 +505,8 @@ func (c *Config) Summary(w io.Writer) {
 	p("github.bot_app_id = %d", c.GitHub.BotAppID)
 	p("github.app_id = %d (hooks worker %s)", c.GitHub.AppID, map[bool]string{true: "on", false: "off"}[c.GitHub.AppID > 0])
 	p("github.api_url = %q", c.GitHub.APIURL)
-	p("github.reconcile_grace = %s, redeliver_gaps = %t, redeliver_per_minute = %d, max_pages_per_poll = %d",
-		c.GitHub.ReconcileGrace, c.GitHub.RedeliverGaps, c.GitHub.RedeliverPerMinute, c.GitHub.MaxPagesPerPoll)
+	p("github.delivery_window = %s, reconcile_grace = %s, redeliver_gaps = %t, redeliver_per_minute = %d, max_pages_per_poll = %d",
+		c.GitHub.DeliveryWindow, c.GitHub.ReconcileGrace, c.GitHub.RedeliverGaps, c.GitHub.RedeliverPerMinute, c.GitHub.MaxPagesPerPoll)
 	p("queue.declare_topology = %t, keepalive_every = %s", c.Queue.DeclareTopology, c.Queue.KeepaliveEvery)
 	p("queue.retry_ttl = %s, max_attempts = %d, prefetch = %d, publish_timeout = %s",
 		c.Queue.RetryTTL, c.Queue.MaxAttempts, c.Queue.Prefetch, c.Queue.PublishTimeout)

@@ -46,7 +46,8 @@ type Daemon struct {
 	outbox    *Outbox
 	workers   []*Worker
 	// hooks is the hooks worker, which runs under its lease, and
-	// hooksWork what it does; nil without the GitHub App.
+	// hooksWork what it does; nil without a hook's ledger (the App's, a
+	// repository's or an organization's webhook's).
 	hooks     *Worker
 	hooksWork *Hooks
 	// tls serves HTTPS (server.tls); nil for plain HTTP.
@@ -118,13 +119,14 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	d.usage = NewUsage(cfg, brokers, queues, store, d.alerter, metrics, log, rotate)
 	d.retention = NewRetention(store, cfg, log.With("worker", "cleanup"))
 	var hooks *Hooks
-	if cfg.GitHub.AppID > 0 {
-		app, err := NewGitHubApp(cfg.GitHub, log.With("component", "github"))
-		if err != nil {
-			queues.Close()
-			return fail(err)
-		}
-		hooks = NewHooks(cfg, app, store, brokers, queues, alerter, log.With("worker", "hooks"))
+	ledgers, err := hookLedgers(cfg, log.With("component", "github"))
+	if err != nil {
+		queues.Close()
+		return fail(err)
+	}
+	if len(ledgers) > 0 {
+		hooks = NewHooks(cfg, ledgers, store, brokers, queues, alerter, log.With("worker", "hooks"))
+		hooks.RegisterMetrics(metrics)
 	}
 	ws := workerParts{cfg: cfg, store: store, brokers: brokers, queues: queues, metrics: metrics, alerter: alerter,
 		usage: d.usage, leases: leases, log: log}
@@ -514,6 +516,18 @@ func (d *Daemon) ReloadFile(path string, level *slog.LevelVar) {
 		if !slices.ContainsFunc(reloadable, func(r string) bool { return key == r || strings.HasSuffix(r, ".") && strings.HasPrefix(key, r) }) {
 			restart = append(restart, key)
 		}
+	}
+	if ledgerHooks := func(c *Config) []HookConfig {
+		var out []HookConfig
+		for _, h := range c.GitHub.Hooks {
+			if h.Repository != "" || h.Organization != "" {
+				out = append(out, HookConfig{ID: h.ID, Repository: h.Repository, Organization: h.Organization, Token: h.Token})
+			}
+		}
+		return out
+	}; !reflect.DeepEqual(ledgerHooks(d.cfg), ledgerHooks(cfg)) {
+		// The secrets reload; the ledgers the hooks worker reads do not.
+		restart = append(restart, "github.hooks (repository, organization, token)")
 	}
 	for _, w := range cfg.Warnings(path) {
 		d.log.Warn("config: " + w)

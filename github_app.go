@@ -20,25 +20,63 @@ import (
 	"github.com/google/go-github/v75/github"
 )
 
-// GitHubApp is the client of the App's own REST endpoints (go-github),
-// authenticated with the App JWT. go-github honours GitHub's rate limits: once
-// an answer said the limit is spent (X-RateLimit-Remaining: 0 until
-// X-RateLimit-Reset) or asked to slow down (a secondary limit, Retry-After),
-// it refuses further calls until then without sending them, and those
-// refusals are errors the callers retry later.
-type GitHubApp struct {
-	appID  int64
-	key    *rsa.PrivateKey
+// githubAPI is a client of GitHub's REST API (go-github) for one
+// credential, the App's JWT or a hook's token: every request carries what
+// auth gives, every answer is bounded before it is decoded, and GitHub's
+// rate limits are honoured for that credential. go-github does the
+// limits: once an answer said the limit is spent (X-RateLimit-Remaining: 0
+// until X-RateLimit-Reset) or asked to slow down (a secondary limit,
+// Retry-After), it refuses further calls until then without sending them;
+// a 429's Retry-After is kept here. Those refusals are errors the callers
+// retry later.
+type githubAPI struct {
 	client *github.Client
 	log    *slog.Logger
-
-	// redeliveries paces the redeliveries asked, every caller together.
-	redeliveries *rateWindow
+	auth   func(ctx context.Context) (string, error)
+	// refused is what a 401 means for this credential.
+	refused error
 
 	mu         sync.Mutex
-	token      string
-	tokenExp   time.Time
 	pauseUntil time.Time // a 429's Retry-After: nothing is sent before it
+}
+
+// newGitHubAPI is a client of the API at apiURL (github.api_url) whose
+// requests carry auth's credential.
+func newGitHubAPI(apiURL string, auth func(ctx context.Context) (string, error), refused error, log *slog.Logger) (*githubAPI, error) {
+	c := &githubAPI{auth: auth, refused: refused, log: log}
+	c.client = github.NewClient(&http.Client{Timeout: 30 * time.Second, Transport: apiTransport{c}})
+	var err error
+	if c.client.BaseURL, err = url.Parse(strings.TrimRight(apiURL, "/") + "/"); err != nil {
+		return nil, fmt.Errorf("github.api_url: %w", err)
+	}
+	c.client.UserAgent = "switchyard/" + version
+	return c, nil
+}
+
+// GitHubApp is the App (github.app_id): its JWT, the client of its own
+// REST endpoints, and its installations' tokens, which the ledgers of
+// hooks without a token of their own use.
+type GitHubApp struct {
+	appID int64
+	key   *rsa.PrivateKey
+	api   *githubAPI
+	log   *slog.Logger
+
+	// redeliveries paces the redeliveries asked with the App's
+	// credentials (its hook's and its installations'), every caller
+	// together.
+	redeliveries *rateWindow
+
+	mu            sync.Mutex
+	token         string
+	tokenExp      time.Time
+	installations map[string]installationToken // by repos/OWNER/NAME or orgs/ORG
+}
+
+// installationToken is an installation's access token and when it ends.
+type installationToken struct {
+	token   string
+	expires time.Time
 }
 
 // NewGitHubApp reads the App's PEM key and points a go-github client at
@@ -52,26 +90,27 @@ func NewGitHubApp(cfg GitHubConfig, log *slog.Logger) (*GitHubApp, error) {
 	if err != nil {
 		return nil, fmt.Errorf("github.private_key_file: not an RSA private key in PEM: %w", err)
 	}
-	a := &GitHubApp{appID: cfg.AppID, key: key, log: log, redeliveries: newRateWindow(cfg.RedeliverPerMinute, time.Minute)}
-	a.client = github.NewClient(&http.Client{Timeout: 30 * time.Second, Transport: appTransport{app: a}})
-	if a.client.BaseURL, err = url.Parse(strings.TrimRight(cfg.APIURL, "/") + "/"); err != nil {
-		return nil, fmt.Errorf("github.api_url: %w", err)
+	a := &GitHubApp{appID: cfg.AppID, key: key, log: log, redeliveries: newRateWindow(cfg.RedeliverPerMinute, time.Minute),
+		installations: map[string]installationToken{}}
+	a.api, err = newGitHubAPI(cfg.APIURL, func(context.Context) (string, error) { return a.jwt() }, ErrGitHubUnauthorized, log)
+	if err != nil {
+		return nil, err
 	}
-	a.client.UserAgent = "switchyard/" + version
 	return a, nil
 }
 
-// appTransport signs every request with the App JWT.
-type appTransport struct{ app *GitHubApp }
+// apiTransport signs every request with its client's credential and
+// bounds every answer.
+type apiTransport struct{ c *githubAPI }
 
-func (t appTransport) RoundTrip(r *http.Request) (*http.Response, error) {
-	t.app.mu.Lock()
-	until := t.app.pauseUntil
-	t.app.mu.Unlock()
+func (t apiTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	t.c.mu.Lock()
+	until := t.c.pauseUntil
+	t.c.mu.Unlock()
 	if time.Now().Before(until) {
 		return nil, fmt.Errorf("%w: told to retry after %s, not sending", ErrGitHubRateLimited, until.UTC().Format(time.RFC3339))
 	}
-	tok, err := t.app.jwt()
+	tok, err := t.c.auth(r.Context())
 	if err != nil {
 		return nil, err
 	}
@@ -85,7 +124,7 @@ func (t appTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	// Every answer is bounded before it is decoded: a body that says it is
 	// larger is refused unread, one that turns out larger fails its decode.
 	limit := int64(maxAPIResponse)
-	if strings.HasSuffix(r.URL.Path, "/app/hook/deliveries") {
+	if strings.HasSuffix(r.URL.Path, "/deliveries") { // a page of a hook's deliveries
 		limit = maxDeliveriesPage
 	}
 	if resp.ContentLength > limit {
@@ -150,6 +189,45 @@ func (a *GitHubApp) jwt() (string, error) {
 	return tok, nil
 }
 
+// installationToken is an access token of the App's installation on owner
+// (a repository, "OWNER/NAME", or an organization): found and made with
+// the App's JWT, kept until 5 minutes before it ends (GitHub's last an
+// hour).
+func (a *GitHubApp) installationToken(ctx context.Context, repo, org string) (string, error) {
+	target := "orgs/" + org
+	if repo != "" {
+		target = "repos/" + repo
+	}
+	a.mu.Lock()
+	t, ok := a.installations[target]
+	a.mu.Unlock()
+	if ok && time.Now().Before(t.expires.Add(-5*time.Minute)) {
+		return t.token, nil
+	}
+	var inst *github.Installation
+	var err error
+	if repo != "" {
+		owner, name, _ := strings.Cut(repo, "/")
+		inst, _, err = a.api.client.Apps.FindRepositoryInstallation(ctx, owner, name)
+	} else {
+		inst, _, err = a.api.client.Apps.FindOrganizationInstallation(ctx, org)
+	}
+	if err != nil {
+		return "", fmt.Errorf("the App's installation on %s: %w", target, a.api.apiError(err))
+	}
+	tok, _, err := a.api.client.Apps.CreateInstallationToken(ctx, inst.GetID(), nil)
+	if err != nil {
+		return "", fmt.Errorf("a token of the App's installation on %s: %w", target, a.api.apiError(err))
+	}
+	if tok.GetToken() == "" {
+		return "", fmt.Errorf("a token of the App's installation on %s: GitHub gave none", target)
+	}
+	a.mu.Lock()
+	a.installations[target] = installationToken{token: tok.GetToken(), expires: tok.GetExpiresAt().Time}
+	a.mu.Unlock()
+	return tok.GetToken(), nil
+}
+
 // githubStatusError is an unsuccessful answer of GitHub's API.
 type githubStatusError struct {
 	Status int
@@ -172,7 +250,7 @@ var ErrGitHubRateLimited = errors.New("GitHub API rate limit")
 // limit is ErrGitHubRateLimited with the time it ends; any other answer a
 // githubStatusError (a 404 the caller may take as permanent); all of them,
 // but a 404, are transient for the callers.
-func (a *GitHubApp) apiError(err error) error {
+func (c *githubAPI) apiError(err error) error {
 	var rl *github.RateLimitError
 	var abuse *github.AbuseRateLimitError
 	var er *github.ErrorResponse
@@ -191,13 +269,13 @@ func (a *GitHubApp) apiError(err error) error {
 		if secs, err := strconv.Atoi(er.Response.Header.Get("Retry-After")); err == nil && secs >= 0 {
 			wait = time.Duration(secs) * time.Second
 		}
-		a.mu.Lock()
-		a.pauseUntil = time.Now().Add(wait)
-		a.mu.Unlock()
+		c.mu.Lock()
+		c.pauseUntil = time.Now().Add(wait)
+		c.mu.Unlock()
 		return fmt.Errorf("%w: 429, retry after %s", ErrGitHubRateLimited, wait)
 	case errors.As(err, &er) && er.Response != nil && er.Response.StatusCode == http.StatusUnauthorized:
-		a.log.Error("GitHub API configuration error", "error", ErrGitHubUnauthorized, "url", er.Response.Request.URL.Path)
-		return ErrGitHubUnauthorized
+		c.log.Error("GitHub API configuration error", "error", c.refused, "url", er.Response.Request.URL.Path)
+		return c.refused
 	case errors.As(err, &er) && er.Response != nil:
 		return &githubStatusError{Status: er.Response.StatusCode, Msg: er.Message}
 	}
@@ -230,104 +308,6 @@ type hookDeliveryDetail struct {
 func fromGitHub(d *github.HookDelivery) hookDelivery {
 	return hookDelivery{ID: d.GetID(), GUID: d.GetGUID(), DeliveredAt: d.GetDeliveredAt().Time, Redelivery: d.GetRedelivery(),
 		Status: d.GetStatus(), StatusCode: d.GetStatusCode(), Event: d.GetEvent(), Action: d.Action}
-}
-
-// deliveriesPage is the page size asked of GET /app/hook/deliveries, the
-// most GitHub gives.
-const deliveriesPage = 100
-
-// EachDeliveryPage pages through the App's deliveries, newest first, back to
-// since, and hands fn each page's attempts delivered at or after it, one
-// page at a time. It reads at most maxPages pages and stops at a cursor it
-// has seen before (an API that loops), and at a page longer than asked.
-// complete reports whether it got back to since; when it did not, the
-// caller's checkpoint must not move past what it did not see.
-func (a *GitHubApp) EachDeliveryPage(ctx context.Context, since time.Time, maxPages int, fn func([]hookDelivery) error) (complete bool, err error) {
-	opts := &github.ListCursorOptions{PerPage: deliveriesPage}
-	seen := map[string]bool{}
-	for pages := 0; ; pages++ {
-		if pages == maxPages {
-			a.log.Warn("GitHub's deliveries: stopped after github.max_pages_per_poll pages; the next poll goes on from the checkpoint",
-				"pages", pages, "since", formatTime(since))
-			return false, nil
-		}
-		page, resp, err := a.client.Apps.ListHookDeliveries(ctx, opts)
-		if err != nil {
-			return false, a.apiError(err)
-		}
-		if len(page) > deliveriesPage {
-			return false, fmt.Errorf("GitHub's deliveries: a page of %d, asked for %d", len(page), deliveriesPage)
-		}
-		older := false
-		batch := make([]hookDelivery, 0, len(page))
-		for _, d := range page {
-			hd := fromGitHub(d)
-			if hd.DeliveredAt.Before(since) {
-				older = true // older than the checkpoint: this page is the last one needed
-				continue
-			}
-			batch = append(batch, hd)
-		}
-		if err := fn(batch); err != nil {
-			return false, err
-		}
-		if older || resp.Cursor == "" {
-			return true, nil
-		}
-		if seen[resp.Cursor] {
-			a.log.Warn("GitHub's deliveries: a cursor came back again; the poll stops there", "pages", pages+1)
-			return false, nil
-		}
-		seen[resp.Cursor] = true
-		opts.Cursor = resp.Cursor
-	}
-}
-
-// Delivery fetches one attempt with its original headers and payload.
-func (a *GitHubApp) Delivery(ctx context.Context, id int64) (*hookDeliveryDetail, error) {
-	d, _, err := a.client.Apps.GetHookDelivery(ctx, id)
-	if err != nil {
-		return nil, a.apiError(err)
-	}
-	out := &hookDeliveryDetail{hookDelivery: fromGitHub(d)}
-	if r := d.Request; r != nil {
-		out.Request.Headers = r.Headers
-		if r.RawPayload != nil {
-			out.Request.Payload = *r.RawPayload
-		}
-	}
-	return out, nil
-}
-
-// RedeliverPerMinute is github.redeliver_per_minute: the most
-// redeliveries Redeliver asks in any minute.
-func (a *GitHubApp) RedeliverPerMinute() int { return a.redeliveries.n }
-
-// ID is the App's id (github.app_id): its hook's copy of an event is the
-// one its deliveries speak of.
-func (a *GitHubApp) ID() int64 { return a.appID }
-
-// ErrRedeliveryPaced is a redelivery not asked because
-// github.redeliver_per_minute were asked in the last minute.
-var ErrRedeliveryPaced = errors.New("github.redeliver_per_minute reached; asked later")
-
-// Redeliver asks GitHub to deliver an attempt again (POST
-// /app/hook/deliveries/{id}/attempts): the webhook comes back through the
-// endpoint like any other, with redelivery set. At most
-// github.redeliver_per_minute are asked in any minute; past that it returns
-// ErrRedeliveryPaced without asking.
-func (a *GitHubApp) Redeliver(ctx context.Context, id int64) error {
-	if !a.redeliveries.take(time.Now()) {
-		return ErrRedeliveryPaced
-	}
-	if _, _, err := a.client.Apps.RedeliverHookDelivery(ctx, id); err != nil {
-		var accepted *github.AcceptedError // 202: queued by GitHub, which is what was asked
-		if errors.As(err, &accepted) {
-			return nil
-		}
-		return a.apiError(err)
-	}
-	return nil
 }
 
 // rateWindow lets at most n events through in any span of per.

@@ -84,10 +84,10 @@ var commands = []command{
 		}},
 	{name: "deliveries", args: "[show GUID]", summary: "GitHub's deliveries by what became of them (stored, in flight, redelivered, gap), then the open gaps; show GUID: one delivery's whole story",
 		flags: func(fs *flag.FlagSet, o *options) {
-			fs.DurationVar(&o.deliveries.Since, "since", githubRedeliveryWindow, "look this far back (GitHub keeps 72h)")
+			fs.DurationVar(&o.deliveries.Since, "since", githubRedeliveryWindow, "look this far back (GitHub keeps 72h; at most github.delivery_window)")
 			fs.BoolVar(&o.deliveries.Gaps, "gaps", false, "list only the open gaps the hooks worker recorded, without asking GitHub")
 			fs.BoolVar(&o.deliveries.Payload, "payload", false, "show: print the stored payload too")
-			fs.Int64Var(&o.deliveries.Hook, "hook", -1, "show: only the copy sent to this hook (X-GitHub-Hook-ID; 0: none recorded)")
+			fs.Int64Var(&o.deliveries.Hook, "hook", -1, "only this hook's ledger (its ID; 0: the App's); show: only the copy sent to this hook (X-GitHub-Hook-ID; 0: none recorded)")
 			fs.BoolVar(&o.json, "json", false, "show: print the story as JSON")
 		}},
 	{name: "reprocess", summary: "derive the typed tables and release tracking again from the raw log's payloads, in received order, while serve runs; a second run changes nothing",

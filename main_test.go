@@ -525,6 +525,26 @@ func TestConfigSecretRules(t *testing.T) {
 		{"hook previous secret empty", "github.hooks[0].previous_secrets[0]", func(c *Config) {
 			c.GitHub.Hooks = []HookConfig{{ID: 7, Secret: "its-own-secret-123", PreviousSecrets: []string{""}}}
 		}},
+		{"hook token without repository or organization", "github.hooks[0].token", func(c *Config) {
+			c.GitHub.Hooks = []HookConfig{{ID: 7, Secret: "its-own-secret-123", Token: "github_pat_x"}}
+		}},
+		{"hook of a repository and an organization", "github.hooks[0]", func(c *Config) {
+			c.GitHub.Hooks = []HookConfig{{ID: 7, Repository: "acme/widgets", Organization: "acme", Token: "github_pat_x"}}
+		}},
+		{"repository hook without token or App", "github.hooks[0].token", func(c *Config) {
+			c.GitHub.Hooks = []HookConfig{{ID: 7, Repository: "acme/widgets"}}
+		}},
+		{"repository not OWNER/NAME", "github.hooks[0].repository", func(c *Config) {
+			c.GitHub.Hooks = []HookConfig{{ID: 7, Repository: "widgets", Token: "github_pat_x"}}
+		}},
+		{"organization not a login", "github.hooks[0].organization", func(c *Config) {
+			c.GitHub.Hooks = []HookConfig{{ID: 7, Organization: "acme/widgets", Token: "github_pat_x"}}
+		}},
+		{"delivery window past GitHub Enterprise Server's 7 days", "github.delivery_window", func(c *Config) { c.GitHub.DeliveryWindow = 8 * 24 * time.Hour }},
+		{"retention under a 7-day delivery window", "database.raw_retention", func(c *Config) {
+			c.GitHub.DeliveryWindow = 7 * 24 * time.Hour
+			c.Database.RawRetention = Duration(96 * time.Hour)
+		}},
 	}
 	if err := base().Validate(); err != nil {
 		t.Fatalf("base config: %v", err)
@@ -539,7 +559,29 @@ func TestConfigSecretRules(t *testing.T) {
 		})
 	}
 
+	// A repository's and an organization's webhook, each with its token
+	// and no secret of its own (github.webhook_secret verifies them), and
+	// one on the App's installation token: taken, every token masked.
 	c := base()
+	c.GitHub.AppID, c.GitHub.PrivateKeyFile = 42, "/etc/switchyard/app.pem"
+	c.GitHub.Hooks = []HookConfig{{ID: 9, Repository: "acme/widgets.go", Token: "github_pat_the_hooks_own_token"},
+		{ID: 10, Organization: "acme-corp", Token: "github_pat_the_hooks_own_token"}, {ID: 11, Repository: "acme/gadgets"}}
+	if err := c.Validate(); err != nil {
+		t.Fatalf("hooks with their ledgers: %v", err)
+	}
+	var summary bytes.Buffer
+	c.Summary(&summary)
+	if strings.Contains(summary.String(), "github_pat_the_hooks_own_token") {
+		t.Errorf("check-config prints a hook's token:\n%s", summary.String())
+	}
+	for _, want := range []string{`id = 9, secret = (unset), previous_secrets = 0 set, repository = "acme/widgets.go", token = ***`,
+		`organization = "acme-corp", token = ***`, `repository = "acme/gadgets", token = (the App's installation token)`, "github.delivery_window = 72h0m0s"} {
+		if !strings.Contains(summary.String(), want) {
+			t.Errorf("check-config's summary lacks %q:\n%s", want, summary.String())
+		}
+	}
+
+	c = base()
 	c.API.OperatorToken = strings.Repeat("o", 20)
 	example, err := DecodeConfig(strings.NewReader(exampleConfig))
 	if err != nil {

@@ -738,3 +738,48 @@ CREATE TABLE outbox (
 ) STRICT;
 CREATE INDEX outbox_waiting ON outbox (node, id) WHERE published_at IS NULL;
 CREATE INDEX outbox_delivery ON outbox (delivery_id);
+-- migration 26: every hook's ledger
+-- delivery_gaps and hook_redeliveries are kept per hook: hook_id is the
+-- repository's or organization's webhook whose ledger found the row (its
+-- X-GitHub-Hook-ID), 0 for the App's own hook, which every row before
+-- this migration is; the same GUID may be a gap of two hooks (GitHub's
+-- copies of one event). github_attempts.hook_id likewise. An older node
+-- keys these tables by guid alone (ON CONFLICT (guid)), which no longer
+-- holds: it refuses the database (floor 26).
+-- floor: 26
+CREATE TABLE delivery_gaps_by_hook (
+    guid             TEXT NOT NULL,
+    delivery_id      INTEGER NOT NULL,
+    event            TEXT NOT NULL,
+    delivered_at     TEXT NOT NULL,
+    found_at         TEXT NOT NULL,
+    redelivered_at   TEXT,
+    resolved_at      TEXT,
+    refusals         INTEGER NOT NULL DEFAULT 0,
+    unrecoverable_at TEXT,
+    last_error       TEXT NOT NULL DEFAULT '',
+    hook_id          INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (hook_id, guid)
+) STRICT;
+INSERT INTO delivery_gaps_by_hook (hook_id, guid, delivery_id, event, delivered_at, found_at, redelivered_at, resolved_at,
+        refusals, unrecoverable_at, last_error)
+    SELECT 0, guid, delivery_id, event, delivered_at, found_at, redelivered_at, resolved_at, refusals, unrecoverable_at, last_error
+    FROM delivery_gaps;
+DROP TABLE delivery_gaps;
+ALTER TABLE delivery_gaps_by_hook RENAME TO delivery_gaps;
+CREATE INDEX delivery_gaps_open ON delivery_gaps (found_at) WHERE resolved_at IS NULL;
+CREATE TABLE hook_redeliveries_by_hook (
+    guid           TEXT NOT NULL,
+    delivery_id    INTEGER NOT NULL,
+    event          TEXT NOT NULL DEFAULT '',
+    queued_at      TEXT NOT NULL,
+    republished_at TEXT,
+    hook_id        INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (hook_id, guid)
+) STRICT;
+INSERT INTO hook_redeliveries_by_hook (hook_id, guid, delivery_id, event, queued_at, republished_at)
+    SELECT 0, guid, delivery_id, event, queued_at, republished_at FROM hook_redeliveries;
+DROP TABLE hook_redeliveries;
+ALTER TABLE hook_redeliveries_by_hook RENAME TO hook_redeliveries;
+ALTER TABLE github_attempts ADD COLUMN hook_id INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX delivery_gaps_guid ON delivery_gaps (guid);

@@ -465,3 +465,13 @@ CREATE TABLE outbox (
 );
 CREATE INDEX outbox_waiting ON outbox (node, id) WHERE published_at IS NULL;
 CREATE INDEX outbox_delivery ON outbox (delivery_id);
+-- migration 26: every hook's ledger (schema.sql's migration 26)
+-- floor: 26
+ALTER TABLE delivery_gaps ADD COLUMN hook_id BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE delivery_gaps DROP CONSTRAINT delivery_gaps_pkey;
+ALTER TABLE delivery_gaps ADD PRIMARY KEY (hook_id, guid);
+ALTER TABLE hook_redeliveries ADD COLUMN hook_id BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE hook_redeliveries DROP CONSTRAINT hook_redeliveries_pkey;
+ALTER TABLE hook_redeliveries ADD PRIMARY KEY (hook_id, guid);
+ALTER TABLE github_attempts ADD COLUMN hook_id BIGINT NOT NULL DEFAULT 0;
+CREATE INDEX delivery_gaps_guid ON delivery_gaps (guid);

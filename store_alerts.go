@@ -32,20 +32,23 @@ type outboxAlert struct {
 // Event named "gap" whose action is the missing delivery's event, the alert
 // that a gap was given up on (unrecoverableAlertID) as one named
 // "unrecoverable", with the reason as its payload; a broker's budget and
-// block alerts as "budget" and "blocked", their id telling the rest.
+// block alerts as "budget" and "blocked", a refused ledger's as "ledger",
+// their id telling the rest.
 func (s *Store) DueAlerts(ctx context.Context, channel string, now time.Time, limit int) ([]outboxAlert, error) {
 	rows, err := s.pool().rows(ctx, `SELECT o.id, o.attempts, coalesce(g.forbidden, 0),
 			coalesce(g.delivery_id, dg.guid, o.delivery_id),
 			coalesce(g.event, CASE WHEN o.delivery_id LIKE 'gap:%' THEN 'gap' WHEN o.delivery_id LIKE 'budget:%' THEN 'budget'
-				WHEN o.delivery_id LIKE 'blocked:%' THEN 'blocked' ELSE 'unrecoverable' END),
+				WHEN o.delivery_id LIKE 'blocked:%' THEN 'blocked' WHEN o.delivery_id LIKE 'ledger:%' THEN 'ledger' ELSE 'unrecoverable' END),
 			coalesce(g.action, dg.event, ''), coalesce(g.repository, ''), coalesce(g.sender, ''), coalesce(g.source_ip, ''),
 			coalesce(g.payload, dg.last_error, '{}'), g.payload_zstd, coalesce(g.received_at, dg.delivered_at, o.created_at)
 		FROM alert_outbox o
 		LEFT JOIN github g ON g.id = (SELECT min(id) FROM github WHERE delivery_id = o.delivery_id)
-		LEFT JOIN delivery_gaps dg ON (o.delivery_id LIKE 'gap:%' AND dg.guid = substr(o.delivery_id, 5))
-			OR (o.delivery_id LIKE 'unrecoverable:%' AND dg.guid = substr(o.delivery_id, 15))
+		LEFT JOIN delivery_gaps dg ON ((o.delivery_id LIKE 'gap:%' AND dg.guid = substr(o.delivery_id, 5))
+			OR (o.delivery_id LIKE 'unrecoverable:%' AND dg.guid = substr(o.delivery_id, 15)))
+			AND NOT EXISTS (SELECT 1 FROM delivery_gaps d2 WHERE d2.guid = dg.guid AND d2.hook_id < dg.hook_id)
 		WHERE o.channel = $1 AND o.sent_at IS NULL AND o.next_at <= $2
-			AND (g.id IS NOT NULL OR dg.guid IS NOT NULL OR o.delivery_id LIKE 'budget:%' OR o.delivery_id LIKE 'blocked:%')
+			AND (g.id IS NOT NULL OR dg.guid IS NOT NULL OR o.delivery_id LIKE 'budget:%' OR o.delivery_id LIKE 'blocked:%'
+				OR o.delivery_id LIKE 'ledger:%')
 		ORDER BY o.next_at, o.id LIMIT $3`,
 		channel, formatTime(now), limit)
 	if err != nil {

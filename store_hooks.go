@@ -10,10 +10,11 @@ import (
 	"time"
 )
 
-// HookQueued remembers that a failed delivery was queued on github-hooks.
-func (tx *Tx) HookQueued(ctx context.Context, guid string, githubID int64, event string) error {
-	_, err := tx.write(ctx, atOnce, `INSERT INTO hook_redeliveries (guid, delivery_id, event, queued_at)
-		VALUES ($1, $2, $3, $4) ON CONFLICT (guid) DO NOTHING`, guid, githubID, event, formatTime(time.Now()))
+// HookQueued remembers that a failed delivery of hook's ledger (0: the
+// App's) was queued on github-hooks.
+func (tx *Tx) HookQueued(ctx context.Context, hook int64, guid string, githubID int64, event string) error {
+	_, err := tx.write(ctx, atOnce, `INSERT INTO hook_redeliveries (hook_id, guid, delivery_id, event, queued_at)
+		VALUES ($1, $2, $3, $4, $5) ON CONFLICT (hook_id, guid) DO NOTHING`, hook, guid, githubID, event, formatTime(time.Now()))
 	if err != nil {
 		return fmt.Errorf("write hook_redeliveries: %w", err)
 	}
@@ -22,9 +23,9 @@ func (tx *Tx) HookQueued(ctx context.Context, guid string, githubID int64, event
 
 // hookRepublished records, inside tx, that a queued delivery was published
 // again.
-func (tx *Tx) hookRepublished(ctx context.Context, guid string) error {
-	_, err := tx.write(ctx, atOnce, `UPDATE hook_redeliveries SET republished_at = $1 WHERE guid = $2`,
-		formatTime(time.Now()), guid)
+func (tx *Tx) hookRepublished(ctx context.Context, hook int64, guid string) error {
+	_, err := tx.write(ctx, atOnce, `UPDATE hook_redeliveries SET republished_at = $1 WHERE hook_id = $2 AND guid = $3`,
+		formatTime(time.Now()), hook, guid)
 	if err != nil {
 		return fmt.Errorf("write hook_redeliveries: %w", err)
 	}
@@ -40,10 +41,19 @@ func appCopy(param string) string {
 	return "((target_type = 'integration' AND target_id = " + param + ") OR (hook_id = 0 AND target_type = ''))"
 }
 
-// LedgerLookup reads, for each GUID of App appID's deliveries, whether the
-// App's copy is stored in github and whether it was queued on
-// github-hooks, a few hundred GUIDs per query.
-func (s *Store) LedgerLookup(ctx context.Context, appID int64, guids []string) (stored, queued map[string]bool, err error) {
+// hookCopy selects the github rows that are hook's copy of their event,
+// the parameter param: a repository's or organization's webhook's.
+func hookCopy(param string) string { return "hook_id = " + param }
+
+// LedgerLookup reads, for each GUID of a hook's deliveries, whether that
+// hook's copy is stored in github (appID's copy for the App's own hook,
+// hook 0) and whether it was queued on github-hooks, a few hundred GUIDs
+// per query.
+func (s *Store) LedgerLookup(ctx context.Context, hook, appID int64, guids []string) (stored, queued map[string]bool, err error) {
+	copyOf, key := hookCopy("?"), hook
+	if hook == 0 {
+		copyOf, key = appCopy("?"), appID
+	}
 	stored, queued = map[string]bool{}, map[string]bool{}
 	for chunk := range slices.Chunk(guids, 500) {
 		args := make([]any, len(chunk))
@@ -51,11 +61,12 @@ func (s *Store) LedgerLookup(ctx context.Context, appID int64, guids []string) (
 			args[i] = g
 		}
 		in := "(?" + strings.Repeat(", ?", len(chunk)-1) + ")"
-		if err := s.collect(ctx, numberParams("SELECT delivery_id FROM github WHERE delivery_id IN "+in+" AND "+appCopy("?")),
-			append(args, appID), stored); err != nil {
+		if err := s.collect(ctx, numberParams("SELECT delivery_id FROM github WHERE delivery_id IN "+in+" AND "+copyOf),
+			append(slices.Clip(args), key), stored); err != nil {
 			return nil, nil, fmt.Errorf("read the delivery ledger: %w", err)
 		}
-		if err := s.collect(ctx, numberParams("SELECT guid FROM hook_redeliveries WHERE guid IN "+in), args, queued); err != nil {
+		if err := s.collect(ctx, numberParams("SELECT guid FROM hook_redeliveries WHERE guid IN "+in+" AND hook_id = ?"),
+			append(slices.Clip(args), hook), queued); err != nil {
 			return nil, nil, fmt.Errorf("read the delivery ledger: %w", err)
 		}
 	}
@@ -80,6 +91,7 @@ func (s *Store) collect(ctx context.Context, query string, args []any, into map[
 
 // deliveryGap is one delivery_gaps row.
 type deliveryGap struct {
+	Hook          int64      `json:"hook"` // the hook whose ledger found it: 0 for the App's
 	GUID          string     `json:"guid"`
 	DeliveryID    int64      `json:"delivery_id"` // GitHub's id of the latest attempt
 	Event         string     `json:"event"`
@@ -96,7 +108,8 @@ type deliveryGap struct {
 }
 
 // unrecoverableAlertID is the alert_outbox delivery_id of the alert that a
-// gap was given up on.
+// gap was given up on. An event's gap is alerted once, whichever hook's
+// ledger found it first (the alert names that one's).
 func unrecoverableAlertID(guid string) string { return "unrecoverable:" + guid }
 
 // gapAlertID is the alert_outbox delivery_id of a gap's alert: apart from the
@@ -110,9 +123,9 @@ func (tx *Tx) RecordGap(ctx context.Context, g deliveryGap, channels []string) (
 	if g.UnrecoverableAt != nil {
 		unrecoverable = formatTime(*g.UnrecoverableAt)
 	}
-	res, err := tx.write(ctx, atOnce, `INSERT INTO delivery_gaps (guid, delivery_id, event, delivered_at, found_at, unrecoverable_at, last_error)
-		VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (guid) DO NOTHING`,
-		g.GUID, g.DeliveryID, g.Event, formatTime(g.DeliveredAt), formatTime(g.FoundAt), unrecoverable, g.LastError)
+	res, err := tx.write(ctx, atOnce, `INSERT INTO delivery_gaps (hook_id, guid, delivery_id, event, delivered_at, found_at, unrecoverable_at, last_error)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (hook_id, guid) DO NOTHING`,
+		g.Hook, g.GUID, g.DeliveryID, g.Event, formatTime(g.DeliveredAt), formatTime(g.FoundAt), unrecoverable, g.LastError)
 	if err != nil {
 		return false, fmt.Errorf("record gap: %w", err)
 	}
@@ -129,10 +142,10 @@ func (tx *Tx) RecordGap(ctx context.Context, g deliveryGap, channels []string) (
 // GapRefused counts one refusal for good of a gap's redelivery, with its
 // reason. At limit refusals the gap becomes unrecoverable and its alert is
 // queued on each of channels, in the same transaction; gaveUp reports it.
-func (tx *Tx) GapRefused(ctx context.Context, guid, reason string, limit int, channels []string) (gaveUp bool, err error) {
+func (tx *Tx) GapRefused(ctx context.Context, hook int64, guid, reason string, limit int, channels []string) (gaveUp bool, err error) {
 	var refusals int
 	err = tx.row(ctx, `UPDATE delivery_gaps SET refusals = refusals + 1, last_error = $1
-		WHERE guid = $2 AND unrecoverable_at IS NULL RETURNING refusals`, reason, guid).Scan(&refusals)
+		WHERE hook_id = $2 AND guid = $3 AND unrecoverable_at IS NULL RETURNING refusals`, reason, hook, guid).Scan(&refusals)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
 	}
@@ -142,46 +155,54 @@ func (tx *Tx) GapRefused(ctx context.Context, guid, reason string, limit int, ch
 	if refusals < limit {
 		return false, nil
 	}
-	if _, err := tx.write(ctx, atOnce, "UPDATE delivery_gaps SET unrecoverable_at = $1 WHERE guid = $2", formatTime(time.Now()), guid); err != nil {
+	if _, err := tx.write(ctx, atOnce, "UPDATE delivery_gaps SET unrecoverable_at = $1 WHERE hook_id = $2 AND guid = $3",
+		formatTime(time.Now()), hook, guid); err != nil {
 		return false, fmt.Errorf("give up a gap: %w", err)
 	}
 	return true, tx.queueAlerts(ctx, unrecoverableAlertID(guid), channels)
 }
 
-// GapsToRedeliver lists at most limit open gaps that GitHub was not asked
-// to redeliver yet and that are not given up on, oldest first.
-func (s *Store) GapsToRedeliver(ctx context.Context, limit int) ([]deliveryGap, error) {
-	return s.gaps(ctx, `WHERE resolved_at IS NULL AND redelivered_at IS NULL AND unrecoverable_at IS NULL
-		ORDER BY delivered_at, guid LIMIT $1`, limit)
+// GapsToRedeliver lists at most limit open gaps of hook's ledger that
+// GitHub was not asked to redeliver yet and that are not given up on,
+// oldest first.
+func (s *Store) GapsToRedeliver(ctx context.Context, hook int64, limit int) ([]deliveryGap, error) {
+	return s.gaps(ctx, `WHERE hook_id = $1 AND resolved_at IS NULL AND redelivered_at IS NULL AND unrecoverable_at IS NULL
+		ORDER BY delivered_at, guid LIMIT $2`, hook, limit)
 }
 
-// GapRedelivered records that GitHub was asked to deliver a gap again.
-func (tx *Tx) GapRedelivered(ctx context.Context, guid string, at time.Time) error {
-	_, err := tx.write(ctx, atOnce, "UPDATE delivery_gaps SET redelivered_at = $1 WHERE guid = $2", formatTime(at), guid)
+// GapRedelivered records that GitHub was asked to deliver hook's gap again.
+func (tx *Tx) GapRedelivered(ctx context.Context, hook int64, guid string, at time.Time) error {
+	_, err := tx.write(ctx, atOnce, "UPDATE delivery_gaps SET redelivered_at = $1 WHERE hook_id = $2 AND guid = $3", formatTime(at), hook, guid)
 	return err
 }
 
-// ResolveGap marks guid's gap resolved, inside the transaction that stores
-// the App's copy of it. Nothing is asked while no gap is open (gapsOpen),
-// so storing pays for it only while there is one.
-func (tx *Tx) ResolveGap(ctx context.Context, guid string) error {
+// ResolveGap marks hook's gap of guid resolved, inside the transaction
+// that stores that hook's copy of it (hook 0: the App's). Nothing is asked
+// while no gap is open (gapsOpen), so storing pays for it only while there
+// is one.
+func (tx *Tx) ResolveGap(ctx context.Context, hook int64, guid string) error {
 	if !tx.s.gapsOpen.Load() {
 		return nil
 	}
-	_, err := tx.write(ctx, atOnce, "UPDATE delivery_gaps SET resolved_at = $1 WHERE guid = $2 AND resolved_at IS NULL",
-		formatTime(time.Now()), guid)
+	_, err := tx.write(ctx, atOnce, "UPDATE delivery_gaps SET resolved_at = $1 WHERE hook_id = $2 AND guid = $3 AND resolved_at IS NULL",
+		formatTime(time.Now()), hook, guid)
 	if err != nil {
 		return fmt.Errorf("resolve gap: %w", err)
 	}
 	return nil
 }
 
-// ResolveStoredGaps resolves, in tx, every open gap whose GUID App appID's
-// copy is stored of, and refreshes whether any gap is still open. It
-// returns how many it resolved.
-func (tx *Tx) ResolveStoredGaps(ctx context.Context, appID int64) (int64, error) {
-	res, err := tx.write(ctx, atOnce, `UPDATE delivery_gaps SET resolved_at = $1 WHERE resolved_at IS NULL
-		AND EXISTS (SELECT 1 FROM github WHERE delivery_id = delivery_gaps.guid AND `+appCopy("$2")+`)`, formatTime(time.Now()), appID)
+// ResolveStoredGaps resolves, in tx, every open gap of hook's ledger whose
+// GUID that hook's copy is stored of (App appID's for hook 0), and
+// refreshes whether any gap is still open. It returns how many it
+// resolved.
+func (tx *Tx) ResolveStoredGaps(ctx context.Context, hook, appID int64) (int64, error) {
+	copyOf, key := hookCopy("$3"), hook
+	if hook == 0 {
+		copyOf, key = appCopy("$3"), appID
+	}
+	res, err := tx.write(ctx, atOnce, `UPDATE delivery_gaps SET resolved_at = $1 WHERE resolved_at IS NULL AND hook_id = $2
+		AND EXISTS (SELECT 1 FROM github WHERE delivery_id = delivery_gaps.guid AND `+copyOf+`)`, formatTime(time.Now()), hook, key)
 	if err != nil {
 		return 0, fmt.Errorf("resolve stored gaps: %w", err)
 	}
@@ -233,7 +254,7 @@ func (s *Store) gaps(ctx context.Context, clause string, args ...any) ([]deliver
 
 // readGaps reads the delivery_gaps rows the clause selects, through q.
 func readGaps(ctx context.Context, q dbReader, clause string, args ...any) ([]deliveryGap, error) {
-	rows, err := q.rows(ctx, `SELECT guid, delivery_id, event, delivered_at, found_at, redelivered_at,
+	rows, err := q.rows(ctx, `SELECT hook_id, guid, delivery_id, event, delivered_at, found_at, redelivered_at,
 		refusals, unrecoverable_at, last_error, resolved_at FROM delivery_gaps `+clause, args...)
 	if err != nil {
 		return nil, fmt.Errorf("read gaps: %w", err)
@@ -244,7 +265,7 @@ func readGaps(ctx context.Context, q dbReader, clause string, args ...any) ([]de
 		var g deliveryGap
 		var delivered, found string
 		var redelivered, unrecoverable, resolved sql.NullString
-		if err := rows.Scan(&g.GUID, &g.DeliveryID, &g.Event, &delivered, &found, &redelivered,
+		if err := rows.Scan(&g.Hook, &g.GUID, &g.DeliveryID, &g.Event, &delivered, &found, &redelivered,
 			&g.Refusals, &unrecoverable, &g.LastError, &resolved); err != nil {
 			return nil, fmt.Errorf("read gaps: %w", err)
 		}
@@ -265,6 +286,26 @@ func parseTimePtr(s sql.NullString) *time.Time {
 	}
 	t, _ := time.Parse(time.RFC3339Nano, s.String)
 	return &t
+}
+
+// OpenGapsByHook counts the open gaps of each hook's ledger (0: the
+// App's).
+func (s *Store) OpenGapsByHook(ctx context.Context) (map[int64]int, error) {
+	rows, err := s.pool().rows(ctx, "SELECT hook_id, count(*) FROM delivery_gaps WHERE resolved_at IS NULL GROUP BY hook_id")
+	if err != nil {
+		return nil, fmt.Errorf("count open gaps: %w", err)
+	}
+	defer rows.Close()
+	out := map[int64]int{}
+	for rows.Next() {
+		var hook int64
+		var n int
+		if err := rows.Scan(&hook, &n); err != nil {
+			return nil, fmt.Errorf("count open gaps: %w", err)
+		}
+		out[hook] = n
+	}
+	return out, rows.Err()
 }
 
 // UnrecoverableGapCount counts the open gaps given up on.
@@ -295,26 +336,28 @@ func countOpenGaps(ctx context.Context, q dbReader) (int, error) {
 	return n, nil
 }
 
-// GitHubAttempt is GitHub's id of a delivery's latest attempt, when the
-// ledger learnt it (a gap, or a failed delivery queued on github-hooks), and
-// when switchyard last asked GitHub to redeliver it.
-func (s *Store) GitHubAttempt(ctx context.Context, guid string) (id int64, asked *time.Time, err error) {
+// GitHubAttempt is GitHub's id of a delivery's latest attempt, when a
+// hook's ledger learnt it (a gap, or a failed delivery queued on
+// github-hooks), that hook (0: the App's; the lowest when several hooks'
+// ledgers did), and when switchyard last asked GitHub to redeliver it.
+func (s *Store) GitHubAttempt(ctx context.Context, guid string) (hook, id int64, asked *time.Time, err error) {
 	var redelivered sql.NullString
-	err = s.pool().row(ctx, "SELECT delivery_id, redelivered_at FROM delivery_gaps WHERE guid = $1", guid).Scan(&id, &redelivered)
+	err = s.pool().row(ctx, "SELECT hook_id, delivery_id, redelivered_at FROM delivery_gaps WHERE guid = $1 ORDER BY hook_id LIMIT 1",
+		guid).Scan(&hook, &id, &redelivered)
 	if err == nil {
-		return id, parseTimePtr(redelivered), nil
+		return hook, id, parseTimePtr(redelivered), nil
 	}
 	if !errors.Is(err, sql.ErrNoRows) {
-		return 0, nil, fmt.Errorf("read delivery_gaps: %w", err)
+		return 0, 0, nil, fmt.Errorf("read delivery_gaps: %w", err)
 	}
-	err = s.pool().row(ctx, "SELECT delivery_id FROM hook_redeliveries WHERE guid = $1", guid).Scan(&id)
+	err = s.pool().row(ctx, "SELECT hook_id, delivery_id FROM hook_redeliveries WHERE guid = $1 ORDER BY hook_id LIMIT 1", guid).Scan(&hook, &id)
 	if errors.Is(err, sql.ErrNoRows) {
-		return 0, nil, nil
+		return 0, 0, nil, nil
 	}
 	if err != nil {
-		return 0, nil, fmt.Errorf("read hook_redeliveries: %w", err)
+		return 0, 0, nil, fmt.Errorf("read hook_redeliveries: %w", err)
 	}
-	return id, nil, nil
+	return hook, id, nil, nil
 }
 
 // maxAttemptStatus bounds the status text kept of one of GitHub's
@@ -324,15 +367,15 @@ const maxAttemptStatus = 200
 // RecordAttempts keeps GitHub's attempts the poll listed (an attempt seen
 // before is kept as it was), and forgets at most retentionBatch of those
 // delivered before cutoff, GitHub's 72 hours ago, in tx.
-func (tx *Tx) RecordAttempts(ctx context.Context, attempts []hookDelivery, cutoff time.Time) error {
+func (tx *Tx) RecordAttempts(ctx context.Context, hook int64, attempts []hookDelivery, cutoff time.Time) error {
 	for _, a := range attempts {
 		status := a.Status
 		if len(status) > maxAttemptStatus {
 			status = strings.ToValidUTF8(status[:maxAttemptStatus], "")
 		}
-		if _, err := tx.write(ctx, atOnce, `INSERT INTO github_attempts (attempt_id, guid, delivered_at, status_code, status, redelivery)
-			VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (attempt_id) DO NOTHING`,
-			a.ID, a.GUID, formatTime(a.DeliveredAt), a.StatusCode, status, a.Redelivery); err != nil {
+		if _, err := tx.write(ctx, atOnce, `INSERT INTO github_attempts (attempt_id, guid, delivered_at, status_code, status, redelivery, hook_id)
+			VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (attempt_id) DO NOTHING`,
+			a.ID, a.GUID, formatTime(a.DeliveredAt), a.StatusCode, status, a.Redelivery, hook); err != nil {
 			return fmt.Errorf("record GitHub's attempts: %w", err)
 		}
 	}

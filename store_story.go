@@ -53,6 +53,7 @@ type StoryCopy struct {
 // StoryAttempt is one of GitHub's attempts at the delivery: when, and the
 // answer GitHub recorded.
 type StoryAttempt struct {
+	Hook        int64     `json:"hook"` // the hook whose ledger listed it: 0 for the App's
 	ID          int64     `json:"id"`
 	DeliveredAt time.Time `json:"delivered_at"`
 	StatusCode  int       `json:"status_code"`
@@ -260,11 +261,11 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	if err != nil {
 		return nil, err
 	}
-	err = each("github_attempts", `SELECT attempt_id, delivered_at, status_code, status, redelivery FROM github_attempts
+	err = each("github_attempts", `SELECT hook_id, attempt_id, delivered_at, status_code, status, redelivery FROM github_attempts
 		WHERE guid = $1 ORDER BY delivered_at, attempt_id LIMIT $2`, func(rows *sql.Rows) error {
 		var a StoryAttempt
 		var at string
-		if err := rows.Scan(&a.ID, &at, &a.StatusCode, &a.Status, &a.Redelivery); err != nil {
+		if err := rows.Scan(&a.Hook, &a.ID, &at, &a.StatusCode, &a.Status, &a.Redelivery); err != nil {
 			return err
 		}
 		a.DeliveredAt, _ = time.Parse(time.RFC3339Nano, at)
@@ -331,7 +332,7 @@ func (s *Store) Story(ctx context.Context, guid string) (*DeliveryStory, error) 
 	}
 	var queued string
 	var republished sql.NullString
-	err = tx.row(ctx, "SELECT queued_at, republished_at FROM hook_redeliveries WHERE guid = $1", guid).Scan(&queued, &republished)
+	err = tx.row(ctx, "SELECT queued_at, republished_at FROM hook_redeliveries WHERE guid = $1 ORDER BY hook_id LIMIT 1", guid).Scan(&queued, &republished)
 	if err == nil {
 		h := &StoryHooks{RepublishedAt: parseTimePtr(republished)}
 		h.QueuedAt, _ = time.Parse(time.RFC3339Nano, queued)

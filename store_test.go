@@ -304,7 +304,7 @@ func testRawRetention(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	stored, _, err := s.LedgerLookup(ctx, 4242, []string{"pruned-0", "old-0", "recent"})
+	stored, _, err := s.LedgerLookup(ctx, 0, 4242, []string{"pruned-0", "old-0", "recent"})
 	if err != nil || !stored["pruned-0"] || !stored["recent"] || stored["old-0"] {
 		t.Errorf("ledger: stored %v (%v), want pruned-0 and recent", stored, err)
 	}

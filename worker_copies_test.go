@@ -214,11 +214,11 @@ func testLedgerCountsTheAppsCopy(t *testing.T) {
 	repoCopy := &Event{DeliveryID: guid, Name: "issues", HookID: testRepoHook, TargetType: "repository", TargetID: 1,
 		Payload: []byte("{}"), ReceivedAt: time.Now()}
 	store1(repoCopy)
-	stored, _, err := store.LedgerLookup(ctx, app, []string{guid})
+	stored, _, err := store.LedgerLookup(ctx, 0, app, []string{guid})
 	if err != nil || stored[guid] {
 		t.Errorf("after the repository hook's copy: stored %v (%v), want the App's delivery not stored", stored[guid], err)
 	}
-	if err := store.WriteTx(ctx, func(tx *Tx) error { _, err := tx.ResolveStoredGaps(ctx, app); return err }); err != nil {
+	if err := store.WriteTx(ctx, func(tx *Tx) error { _, err := tx.ResolveStoredGaps(ctx, 0, app); return err }); err != nil {
 		t.Fatal(err)
 	}
 	if gaps, _, _ := store.OpenGaps(ctx, 10); len(gaps) != 1 {
@@ -227,7 +227,7 @@ func testLedgerCountsTheAppsCopy(t *testing.T) {
 	appCopy := &Event{DeliveryID: guid, Name: "issues", HookID: testAppHook, TargetType: "integration", TargetID: app,
 		Payload: []byte("{}"), ReceivedAt: time.Now()}
 	store1(appCopy)
-	stored, _, err = store.LedgerLookup(ctx, app, []string{guid})
+	stored, _, err = store.LedgerLookup(ctx, 0, app, []string{guid})
 	if err != nil || !stored[guid] {
 		t.Errorf("after the App's copy: stored %v (%v), want stored", stored[guid], err)
 	}

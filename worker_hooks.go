@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"net/http"
 	"slices"
-	"strconv"
 	"sync/atomic"
 	"time"
 )
@@ -18,18 +17,22 @@ import (
 // GitHub records late must not fall between two polls.
 const checkpointOverlap = 2 * time.Minute
 
-// Hooks is the hooks worker's work: keep the delivery ledger
+// Hooks is the hooks worker's work: keep each hook's delivery ledger (the
+// App's own hook's, and each repository's or organization's webhook's)
 // against GitHub's record of its deliveries, queue each delivery that never
 // got a 2xx once on github-hooks, and republish what the queue asks for.
 type Hooks struct {
-	app     *GitHubApp
+	ledgers []*HookLedger
+	appID   int64 // github.app_id: 0 without the App
 	store   *Store
 	brokers *Brokers
 	queues  *Queues
 	alerter *Alerter
-	// grace is github.reconcile_grace; redeliver is github.redeliver_gaps;
-	// maxPages is github.max_pages_per_poll.
+	// grace is github.reconcile_grace; window github.delivery_window;
+	// redeliver is github.redeliver_gaps; maxPages is
+	// github.max_pages_per_poll.
 	grace     time.Duration
+	window    time.Duration
 	redeliver bool
 	maxPages  int
 	// pollTimeout bounds one poll; zero is ledgerTimeout.
@@ -60,18 +63,50 @@ func (h *Hooks) write(ctx context.Context, fn func(tx *Tx) error) error {
 	return held.WriteTx(ctx, h.store, fn)
 }
 
-// NewHooks is the hooks worker's work for cfg, through app.
-func NewHooks(cfg *Config, app *GitHubApp, store *Store, brokers *Brokers, queues *Queues, alerter *Alerter, log *slog.Logger) *Hooks {
-	return &Hooks{app: app, store: store, brokers: brokers, queues: queues, alerter: alerter,
-		grace: cfg.GitHub.ReconcileGrace, redeliver: cfg.GitHub.RedeliverGaps, maxPages: cfg.GitHub.MaxPagesPerPoll, log: log}
+// NewHooks is the hooks worker's work for cfg, over ledgers
+// (NewHookLedgers).
+func NewHooks(cfg *Config, ledgers []*HookLedger, store *Store, brokers *Brokers, queues *Queues, alerter *Alerter, log *slog.Logger) *Hooks {
+	return &Hooks{ledgers: ledgers, appID: cfg.GitHub.AppID, store: store, brokers: brokers, queues: queues, alerter: alerter,
+		grace: cfg.GitHub.ReconcileGrace, window: cmp.Or(cfg.GitHub.DeliveryWindow, githubRedeliveryWindow),
+		redeliver: cfg.GitHub.RedeliverGaps, maxPages: cfg.GitHub.MaxPagesPerPoll, log: log}
 }
 
+// Ledgers are the hooks whose deliveries the worker keeps account of.
+func (h *Hooks) Ledgers() []*HookLedger { return h.ledgers }
+
+// ledgerOf is hook's ledger (0: the App's), nil when none is configured.
+func (h *Hooks) ledgerOf(hook int64) *HookLedger {
+	for _, l := range h.ledgers {
+		if l.Hook() == hook {
+			return l
+		}
+	}
+	return nil
+}
+
+// keyHooksCheckpoint is the settings key of the App's hook's checkpoint;
+// another hook's is checkpointKey's.
 const keyHooksCheckpoint = "hooks.checkpoint"
 
-// hookMessage is the body of a github-hooks message.
+// checkpointKey is the settings key of hook's ledger's checkpoint: where
+// its next poll begins.
+func checkpointKey(hook int64) string {
+	if hook == 0 {
+		return keyHooksCheckpoint
+	}
+	return fmt.Sprintf("%s.%d", keyHooksCheckpoint, hook)
+}
+
+// refusedKey is the settings key that holds, while GitHub refuses hook's
+// ledger, since when and why ("TIME REASON"); empty while it answers.
+func refusedKey(hook int64) string { return fmt.Sprintf("hooks.refused.%d", hook) }
+
+// hookMessage is the body of a github-hooks message: a failed delivery of
+// the ledger of Hook (0, or none from an older version: the App's).
 type hookMessage struct {
 	DeliveryID int64  `json:"delivery_id"`
 	GUID       string `json:"guid"`
+	Hook       int64  `json:"hook,omitempty"`
 }
 
 // What became of one delivery GitHub made.
@@ -147,12 +182,12 @@ func classify(entries []*ledgerEntry, stored map[string]bool, now time.Time, gra
 // hold the hooks worker.
 const ledgerTimeout = 2 * time.Minute
 
-// ledger lists GitHub's deliveries since since, at most maxPages pages, and
+// ledger lists l's deliveries since since, at most maxPages pages, and
 // classifies them. complete reports whether the listing got back to since.
-func ledger(ctx context.Context, app *GitHubApp, store *Store, since, now time.Time, grace time.Duration, maxPages int) (
+func ledger(ctx context.Context, l *HookLedger, store *Store, since, now time.Time, grace time.Duration, maxPages int) (
 	entries []*ledgerEntry, queued map[string]bool, complete bool, err error) {
 	fold := newAttemptFold()
-	complete, err = app.EachDeliveryPage(ctx, since, maxPages, func(page []hookDelivery) error {
+	complete, err = l.EachDeliveryPage(ctx, since, maxPages, func(page []hookDelivery) error {
 		fold.add(page)
 		return nil
 	})
@@ -163,7 +198,7 @@ func ledger(ctx context.Context, app *GitHubApp, store *Store, since, now time.T
 	for i, e := range fold.entries {
 		guids[i] = e.GUID
 	}
-	stored, queued, err := store.LedgerLookup(ctx, app.ID(), guids)
+	stored, queued, err := store.LedgerLookup(ctx, l.Hook(), l.appID, guids)
 	if err != nil {
 		return nil, nil, false, err
 	}
@@ -171,9 +206,67 @@ func ledger(ctx context.Context, app *GitHubApp, store *Store, since, now time.T
 	return fold.entries, queued, complete, nil
 }
 
-// Poll pages every delivery since the checkpoint (never more than GitHub's 3
-// days, nor github.max_pages_per_poll pages, within ledgerTimeout) and
-// accounts for each GUID: one with no 2xx attempt, neither stored nor queued
+// Poll polls each hook's ledger (pollLedger), one after another; a hook
+// whose credential or ID GitHub refuses (401, 403, 404) is recorded as a
+// problem of that hook, alerted once, and the other hooks go on. queued
+// counts the failed deliveries queued; err joins the other hooks' errors.
+func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
+	var errs []error
+	for _, l := range h.ledgers {
+		n, err := h.pollLedger(ctx, l)
+		queued += n
+		switch {
+		case refusesCredential(err):
+			errs = append(errs, fmt.Errorf("%s: %w", l, err)) // the worker's cycle shows it failing
+			if err := h.ledgerRefused(ctx, l, err); err != nil {
+				errs = append(errs, err)
+			}
+		case err != nil:
+			errs = append(errs, fmt.Errorf("%s: %w", l, err))
+		default:
+			if err := h.ledgerAnswers(ctx, l); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return queued, errors.Join(errs...)
+}
+
+// ledgerRefused records, the first time, that GitHub refuses l's ledger,
+// with its alert (rule event "ledger"); while it stays refused, nothing
+// more.
+func (h *Hooks) ledgerRefused(ctx context.Context, l *HookLedger, why error) error {
+	if was, err := h.store.Setting(ctx, refusedKey(l.Hook())); err != nil || was != "" {
+		return err
+	}
+	now := time.Now().UTC()
+	h.log.Error("delivery ledger: GitHub refuses this hook's; the other hooks go on", "hook", l.String(), "error", why)
+	return h.write(ctx, func(tx *Tx) error {
+		if err := tx.SetSetting(ctx, refusedKey(l.Hook()), formatTime(now)+" "+why.Error(), now); err != nil {
+			return err
+		}
+		_, err := tx.QueueOwnAlert(ctx, ledgerAlertID(l, now, why), h.alerter.ChannelsFor(AlertIntent{Name: "ledger"}))
+		return err
+	})
+}
+
+// ledgerAnswers clears l's refusal once GitHub answers its ledger again.
+func (h *Hooks) ledgerAnswers(ctx context.Context, l *HookLedger) error {
+	if was, err := h.store.Setting(ctx, refusedKey(l.Hook())); err != nil || was == "" {
+		return err
+	}
+	h.log.Info("delivery ledger: GitHub answers this hook's again", "hook", l.String())
+	return h.write(ctx, func(tx *Tx) error { return tx.SetSetting(ctx, refusedKey(l.Hook()), "", time.Now()) })
+}
+
+// ledgerAlertID names the alert of GitHub refusing l's ledger since since.
+func ledgerAlertID(l *HookLedger, since time.Time, why error) string {
+	return fmt.Sprintf("ledger:%s since %s because %s", l, since.Format(time.RFC3339), why)
+}
+
+// pollLedger pages every delivery of l since its checkpoint (never more
+// than github.delivery_window, nor github.max_pages_per_poll pages, within
+// ledgerTimeout) and accounts for each GUID: one with no 2xx attempt, neither stored nor queued
 // already, is queued on github-hooks; a gap is recorded, alerted once and,
 // with redeliver on, redelivered by GitHub at the pace
 // github.redeliver_per_minute allows; every open gap whose GUID is stored
@@ -181,23 +274,23 @@ func ledger(ctx context.Context, app *GitHubApp, store *Store, since, now time.T
 // makes an unrecoverable gap instead. The checkpoint moves to now, but never
 // past a delivery still in flight, nor when the listing stopped short: later
 // polls look again. It moves only after a poll that did all it found.
-func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
+func (h *Hooks) pollLedger(ctx context.Context, l *HookLedger) (queued int, err error) {
 	ctx, cancel := context.WithTimeout(ctx, cmp.Or(h.pollTimeout, ledgerTimeout))
 	defer cancel()
 	now := time.Now().UTC()
-	since := now.Add(-githubRedeliveryWindow)
-	cp, err := h.store.Setting(ctx, keyHooksCheckpoint)
+	since := now.Add(-h.window)
+	cp, err := h.store.Setting(ctx, checkpointKey(l.Hook()))
 	if err != nil {
 		return 0, err
 	}
 	if t, err := time.Parse(time.RFC3339Nano, cp); err == nil && t.Add(-checkpointOverlap).After(since) {
 		since = t.Add(-checkpointOverlap)
 	}
-	entries, known, complete, err := ledger(ctx, h.app, h.store, since, now, h.grace, cmp.Or(h.maxPages, 100))
+	entries, known, complete, err := ledger(ctx, l, h.store, since, now, h.grace, cmp.Or(h.maxPages, 100))
 	if err != nil {
 		return 0, err
 	}
-	if err := h.recordAttempts(ctx, entries, now); err != nil {
+	if err := h.recordAttempts(ctx, l, entries, now); err != nil {
 		return 0, err
 	}
 	checkpoint := now
@@ -209,7 +302,7 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 			continue
 		}
 		if reason := apiDeliveryProblem(e); reason != "" {
-			if err := h.unrecoverable(ctx, e, now, reason); err != nil {
+			if err := h.unrecoverable(ctx, l, e, now, reason); err != nil {
 				return queued, err
 			}
 			continue
@@ -219,7 +312,7 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 			if known[e.GUID] {
 				continue
 			}
-			if err := h.queue(ctx, e.Latest); err != nil {
+			if err := h.queue(ctx, l, e.Latest); err != nil {
 				return queued, err
 			}
 			queued++
@@ -228,24 +321,26 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 				checkpoint = e.FirstOK
 			}
 		case ledgerGap:
-			if err := h.gap(ctx, e, now); err != nil {
+			if err := h.gap(ctx, l, e, now); err != nil {
 				return queued, err
 			}
 		}
 	}
-	if err := h.redeliverGaps(ctx); err != nil {
+	if err := h.redeliverGaps(ctx, l); err != nil {
 		return queued, err
 	}
 	if h.store.MayHaveOpenGaps() {
 		var n int64
-		if err := h.write(ctx, func(tx *Tx) (err error) { n, err = tx.ResolveStoredGaps(ctx, h.app.ID()); return err }); err != nil {
+		if err := h.write(ctx, func(tx *Tx) (err error) { n, err = tx.ResolveStoredGaps(ctx, l.Hook(), h.appID); return err }); err != nil {
 			return queued, err
 		}
 		if n > 0 {
-			h.log.Info("delivery gaps resolved: stored now", "gaps", n)
+			h.log.Info("delivery gaps resolved: stored now", "hook", l.String(), "gaps", n)
 		}
 	}
-	err = h.write(ctx, func(tx *Tx) error { return tx.SetSetting(ctx, keyHooksCheckpoint, formatTime(checkpoint), time.Now()) })
+	err = h.write(ctx, func(tx *Tx) error {
+		return tx.SetSetting(ctx, checkpointKey(l.Hook()), formatTime(checkpoint), time.Now())
+	})
 	return queued, err
 }
 
@@ -265,26 +360,26 @@ func apiDeliveryProblem(e *ledgerEntry) string {
 
 // recordAttempts keeps GitHub's attempts of every entry a message could
 // carry, for the deliveries' stories.
-func (h *Hooks) recordAttempts(ctx context.Context, entries []*ledgerEntry, now time.Time) error {
+func (h *Hooks) recordAttempts(ctx context.Context, l *HookLedger, entries []*ledgerEntry, now time.Time) error {
 	var attempts []hookDelivery
 	for _, e := range entries {
 		if apiDeliveryProblem(e) == "" {
 			attempts = append(attempts, e.Attempts...)
 		}
 	}
-	return h.write(ctx, func(tx *Tx) error { return tx.RecordAttempts(ctx, attempts, now.Add(-githubRedeliveryWindow)) })
+	return h.write(ctx, func(tx *Tx) error { return tx.RecordAttempts(ctx, l.Hook(), attempts, now.Add(-h.window)) })
 }
 
 // gap records a gap the first time a poll finds it, with its alert.
-func (h *Hooks) gap(ctx context.Context, e *ledgerEntry, now time.Time) error {
-	g := deliveryGap{GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: e.FirstOK, FoundAt: now}
+func (h *Hooks) gap(ctx context.Context, l *HookLedger, e *ledgerEntry, now time.Time) error {
+	g := deliveryGap{Hook: l.Hook(), GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: e.FirstOK, FoundAt: now}
 	recorded, err := h.recordGap(ctx, g, AlertIntent{Name: "gap", Action: e.Event})
 	if err != nil {
 		return err
 	}
 	if recorded {
 		h.log.Warn("delivery gap: GitHub delivered it with a 2xx answer, but it is not stored",
-			"delivery_id", e.GUID, "event", e.Event, "delivered_at", e.FirstOK.Format(time.RFC3339),
+			"hook", l.String(), "delivery_id", e.GUID, "event", e.Event, "delivered_at", e.FirstOK.Format(time.RFC3339),
 			"github_delivery", e.Latest.ID, "redeliver", h.redeliver)
 	}
 	return nil
@@ -292,15 +387,15 @@ func (h *Hooks) gap(ctx context.Context, e *ledgerEntry, now time.Time) error {
 
 // unrecoverable records e as a gap given up on at once, with its alert,
 // the first time a poll finds it: reason says why.
-func (h *Hooks) unrecoverable(ctx context.Context, e *ledgerEntry, now time.Time, reason string) error {
-	g := deliveryGap{GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: cmp.Or(e.FirstOK, e.Latest.DeliveredAt),
+func (h *Hooks) unrecoverable(ctx context.Context, l *HookLedger, e *ledgerEntry, now time.Time, reason string) error {
+	g := deliveryGap{Hook: l.Hook(), GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: cmp.Or(e.FirstOK, e.Latest.DeliveredAt),
 		FoundAt: now, UnrecoverableAt: &now, LastError: reason}
 	recorded, err := h.recordGap(ctx, g, AlertIntent{Name: "gap", Action: "unrecoverable"})
 	if err != nil {
 		return err
 	}
 	if recorded {
-		h.log.Warn("delivery gap, unrecoverable", "github_delivery", e.Latest.ID, "reason", reason)
+		h.log.Warn("delivery gap, unrecoverable", "hook", l.String(), "github_delivery", e.Latest.ID, "reason", reason)
 	}
 	return nil
 }
@@ -318,23 +413,23 @@ const maxRefusals = 3
 // wait for the next poll. A refusal is logged and asked again at a later
 // poll; the third refusal for good makes the gap unrecoverable, alerted
 // once and never asked for again.
-func (h *Hooks) redeliverGaps(ctx context.Context) error {
+func (h *Hooks) redeliverGaps(ctx context.Context, l *HookLedger) error {
 	if !h.redeliver {
 		return nil
 	}
-	gaps, err := h.store.GapsToRedeliver(ctx, h.app.RedeliverPerMinute())
+	gaps, err := h.store.GapsToRedeliver(ctx, l.Hook(), l.RedeliverPerMinute())
 	if err != nil {
 		return err
 	}
 	for _, g := range gaps {
-		err := h.app.Redeliver(ctx, g.DeliveryID)
+		err := l.Redeliver(ctx, g.DeliveryID)
 		if errors.Is(err, ErrRedeliveryPaced) {
 			h.log.Debug("redeliveries paced: the rest wait for the next poll", "delivery_id", g.GUID)
 			return nil
 		}
 		var se *githubStatusError
 		if errors.As(err, &se) && slices.Contains(refusedForGood, se.Status) {
-			gaveUp, rerr := h.gapRefused(ctx, g.GUID, err)
+			gaveUp, rerr := h.gapRefused(ctx, l.Hook(), g.GUID, err)
 			if rerr != nil {
 				return rerr
 			}
@@ -349,25 +444,26 @@ func (h *Hooks) redeliverGaps(ctx context.Context) error {
 				"delivery_id", g.GUID, "github_delivery", g.DeliveryID, "error", err)
 			continue
 		}
-		h.log.Info("asked GitHub to redeliver a gap", "delivery_id", g.GUID, "github_delivery", g.DeliveryID)
-		if err := h.write(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, g.GUID, time.Now()) }); err != nil {
+		h.log.Info("asked GitHub to redeliver a gap", "hook", l.String(), "delivery_id", g.GUID, "github_delivery", g.DeliveryID)
+		if err := h.write(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, l.Hook(), g.GUID, time.Now()) }); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// queue publishes one github-hooks message, then remembers it.
-func (h *Hooks) queue(ctx context.Context, d hookDelivery) error {
-	body, _ := json.Marshal(hookMessage{DeliveryID: d.ID, GUID: d.GUID})
+// queue publishes one github-hooks message for l's failed delivery d, then
+// remembers it.
+func (h *Hooks) queue(ctx context.Context, l *HookLedger, d hookDelivery) error {
+	body, _ := json.Marshal(hookMessage{DeliveryID: d.ID, GUID: d.GUID, Hook: l.Hook()})
 	hdr := http.Header{}
 	hdr.Set(hdrDelivery, d.GUID)
 	hdr.Set(hdrEvent, d.Event)
 	if _, err := h.queues.PublishToTarget(ctx, h.brokers, "", queueHooks, newPublishing(hdr, body, "", time.Now())); err != nil {
 		return fmt.Errorf("queue redelivery of %s: %w", d.GUID, err)
 	}
-	h.log.Info("queued a failed delivery for redelivery", "delivery_id", d.GUID, "event", d.Event, "github_delivery", d.ID)
-	return h.write(ctx, func(tx *Tx) error { return tx.HookQueued(ctx, d.GUID, d.ID, d.Event) })
+	h.log.Info("queued a failed delivery for redelivery", "hook", l.String(), "delivery_id", d.GUID, "event", d.Event, "github_delivery", d.ID)
+	return h.write(ctx, func(tx *Tx) error { return tx.HookQueued(ctx, l.Hook(), d.GUID, d.ID, d.Event) })
 }
 
 // recordGap records gap g, with its alert on the channels intent's rules
@@ -380,133 +476,12 @@ func (h *Hooks) recordGap(ctx context.Context, g deliveryGap, intent AlertIntent
 	return recorded, err
 }
 
-// gapRefused counts GitHub's refusal (why) of guid's redelivery; gaveUp
-// reports that it made the gap unrecoverable, its alert queued.
-func (h *Hooks) gapRefused(ctx context.Context, guid string, why error) (gaveUp bool, err error) {
+// gapRefused counts GitHub's refusal (why) of hook's redelivery of guid;
+// gaveUp reports that it made the gap unrecoverable, its alert queued.
+func (h *Hooks) gapRefused(ctx context.Context, hook int64, guid string, why error) (gaveUp bool, err error) {
 	err = h.write(ctx, func(tx *Tx) (err error) {
-		gaveUp, err = tx.GapRefused(ctx, guid, why.Error(), maxRefusals, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"}))
+		gaveUp, err = tx.GapRefused(ctx, hook, guid, why.Error(), maxRefusals, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"}))
 		return err
 	})
 	return gaveUp, err
-}
-
-// HandleMessages is the github-hooks consumer. Its messages are its own
-// (hookMessage), never read as Events: each names a delivery whose
-// original request is fetched from GitHub and republished through
-// github-exchange, so that both the raw log and the typed tables get the
-// Event. It talks to GitHub and the broker, so it never batches: it opens a
-// transaction of its own once the network is done with. Each message is a
-// consumer span, under which the republish is traced: the republished
-// delivery's trace begins at the hooks worker.
-func (h *Hooks) HandleMessages(ctx context.Context, msgs []Message) ([]error, error) {
-	verdicts := make([]error, len(msgs))
-	spans := startConsumes(ctx, queueHooks, msgs)
-	for i := range msgs {
-		verdicts[i] = h.handle(spans.context(ctx, i), &msgs[i])
-	}
-	spans.end(verdicts, nil)
-	return verdicts, nil
-}
-
-// handle republishes the delivery one github-hooks message names.
-func (h *Hooks) handle(ctx context.Context, msg *Message) error {
-	var m hookMessage
-	if err := json.Unmarshal(msg.Body, &m); err != nil || m.DeliveryID == 0 || m.GUID == "" {
-		return permanent("github-hooks message without delivery_id or guid")
-	}
-	nameDelivery(ctx, m.GUID)
-	if done, err := h.store.Finished(ctx, "hooks", DeliveryKey{GUID: m.GUID}); err != nil || done {
-		return cmp.Or(err, ErrDuplicate)
-	}
-	d, err := h.app.Delivery(ctx, m.DeliveryID)
-	var se *githubStatusError
-	if errors.As(err, &se) && (se.Status == http.StatusNotFound || se.Status == http.StatusGone) {
-		return permanent("GitHub no longer has delivery %d (%d): older than 3 days", m.DeliveryID, se.Status)
-	}
-	if err != nil {
-		return err
-	}
-	hdr := http.Header{}
-	for k, v := range d.Request.Headers {
-		hdr.Set(k, v)
-	}
-	if hdr.Get(hdrDelivery) == "" {
-		hdr.Set(hdrDelivery, d.GUID)
-	}
-	if hdr.Get(hdrEvent) == "" {
-		hdr.Set(hdrEvent, d.Event)
-	}
-	// It is the App hook's copy, whatever GitHub's record kept of the
-	// request: the ledger counts it stored from that copy only, and the
-	// typed tables are filled from it.
-	hdr.Set(hdrTargetType, "integration")
-	hdr.Set(hdrTargetID, strconv.FormatInt(h.app.ID(), 10))
-	// The headers become the message's, as a webhook's do: checked first,
-	// so that nothing in them can close the shared connection.
-	if err := checkHeaders(hdr); err != nil {
-		return permanent("delivery %d: %v", m.DeliveryID, err)
-	}
-	payload := unwrapPayload(d.Request.Payload)
-	if _, _, err := decodePayload(payload, hdr.Get(hdrEvent)); err != nil {
-		return permanent("delivery %d: %v", m.DeliveryID, err)
-	}
-	_, err = h.queues.PublishToTarget(ctx, h.brokers, exchangeName, "", newPublishing(hdr, payload, "", time.Now()))
-	var tooLarge *TooLargeError
-	if errors.As(err, &tooLarge) {
-		return permanent("delivery %d: %v", m.DeliveryID, err)
-	}
-	if err != nil {
-		return fmt.Errorf("republish %s: %w", d.GUID, err)
-	}
-	return h.write(ctx, func(tx *Tx) error {
-		_, err := tx.MarkDelivery(ctx, "hooks", DeliveryKey{GUID: m.GUID}, func(tx *Tx) (string, error) {
-			return "", tx.hookRepublished(ctx, m.GUID)
-		})
-		return err
-	})
-}
-
-// What RedeliverOne did.
-const (
-	redeliverAsked   = "asked"   // GitHub took the request
-	redeliverAgain   = "already" // asked before: nothing sent
-	redeliverUnknown = "unknown" // GitHub's id of the delivery is not known here
-	redeliverPaced   = "paced"   // github.redeliver_per_minute reached: try in a minute
-	redeliverRefused = "refused" // GitHub refused it (it no longer has it, or will not)
-)
-
-// RedeliverOne asks GitHub to deliver guid again, at the operator's
-// request: only a delivery whose GitHub id the ledger knows (a gap, or a
-// failed delivery it queued), only once, and within
-// github.redeliver_per_minute like the poll's own requests. A refusal for
-// good counts toward the gap's unrecoverable state as the poll's do.
-func (h *Hooks) RedeliverOne(ctx context.Context, guid string) (string, error) {
-	id, asked, err := h.store.GitHubAttempt(ctx, guid)
-	switch {
-	case err != nil:
-		return "", err
-	case id == 0:
-		return redeliverUnknown, nil
-	case asked != nil:
-		return redeliverAgain, nil
-	}
-	err = h.app.Redeliver(ctx, id)
-	var se *githubStatusError
-	switch {
-	case errors.Is(err, ErrRedeliveryPaced):
-		return redeliverPaced, nil
-	case errors.As(err, &se) && slices.Contains(refusedForGood, se.Status):
-		if _, err := h.gapRefused(ctx, guid, err); err != nil {
-			return "", err
-		}
-		return redeliverRefused, nil
-	case err != nil:
-		return "", err
-	}
-	// A gap keeps when it was asked; a failed delivery GitHub was asked to
-	// send again is asked once more only by a new press.
-	if err := h.write(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, guid, time.Now()) }); err != nil {
-		return "", err
-	}
-	return redeliverAsked, nil
 }

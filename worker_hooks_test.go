@@ -50,6 +50,11 @@ type fakeGitHub struct {
 	// GitHub delivering the webhook again.
 	redeliveries []int64
 	onRedeliver  func(d hookDelivery)
+	// hooks are repositories' and organizations' webhooks, by their
+	// path (fakeHook); installationAsks and installationTokens count the
+	// App's installation looked up and its tokens made.
+	hooks                                map[string]*fakeHook
+	installationAsks, installationTokens int
 }
 
 func newFakeGitHub(t testing.TB) *fakeGitHub {
@@ -102,12 +107,18 @@ func (g *fakeGitHub) checkJWT(r *http.Request) bool {
 func (g *fakeGitHub) serve(w http.ResponseWriter, r *http.Request) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if g.serveHook(w, r) {
+		return
+	}
 	if g.always401 || !g.checkJWT(r) {
 		w.WriteHeader(http.StatusUnauthorized)
 		fmt.Fprint(w, `{"message":"A JSON web token could not be decoded","documentation_url":"https://docs.github.com/rest"}`)
 		return
 	}
 	w.Header().Set("Content-Type", "application/json; charset=utf-8")
+	if g.serveInstallation(w, r) {
+		return
+	}
 	if r.URL.Path == "/app/hook/deliveries" {
 		g.listTimes = append(g.listTimes, time.Now())
 		if len(g.limitNext) > 0 {
@@ -349,7 +360,7 @@ func hooksForTestAt(t *testing.T, gh *fakeGitHub, apiURL string) (*Hooks, string
 	}
 	alerter := NewAlerter(AlertsConfig{Rules: []AlertRule{{Events: []string{"gap"}, Channels: []string{"push"}}},
 		Push: PushConfig{URL: "http://127.0.0.1:1/never"}}, p.log)
-	return NewHooks(cfg, app, p.store, p.brokers, p.queues, alerter, p.log), vhost, p.store, p.logs
+	return NewHooks(cfg, []*HookLedger{AppLedger(app)}, p.store, p.brokers, p.queues, alerter, p.log), vhost, p.store, p.logs
 }
 
 // 250 deliveries over three pages are all seen; the checkpoint stops the next
