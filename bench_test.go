@@ -819,7 +819,7 @@ func BenchmarkBatchWrite(b *testing.B) {
 		}
 		b.StartTimer()
 		start := selfCPU()
-		failed, err := store.WriteBatch(ctx, Batch{Parts: len(evs), Part: func(ctx context.Context, tx *Tx, i int) error {
+		failed, err := store.WriteRerunBatch(ctx, RerunBatch{Parts: len(evs), Part: func(ctx context.Context, tx *Tx, i int) error {
 			_, err := h(ctx, tx, evs[i])
 			return err
 		}})

@@ -130,7 +130,7 @@ type Tx struct {
 	// to send together (Pipeline).
 	pipelined bool
 	// guesses: a guessed statement is sent as if its guess were its
-	// answer (a Batch's first run).
+	// answer (a RerunRerunBatch's first run).
 	guesses  bool
 	ahead    []aheadStmt
 	aheadErr error // the failure of a flush: every later one's
@@ -148,7 +148,7 @@ func (t *Tx) Changed(ctx context.Context) (int64, error) {
 // back when fn fails: one fsync covers every message fn handles, in order.
 // Statements fn queued ahead (Pipeline) are sent before the commit; one
 // answered otherwise fails the transaction. A batch of parts is
-// WriteBatch's. A failure of the connection to PostgreSQL is
+// WriteRerunBatch's. A failure of the connection to PostgreSQL is
 // ErrDatabaseLost (Lost).
 func (s *Store) WriteTx(ctx context.Context, fn func(tx *Tx) error) error {
 	return s.writeTx(ctx, nil, false, fn)
@@ -308,9 +308,9 @@ var atOnce = expect{}
 func ahead(rows int64) expect { return expect{ahead: true, rows: rows} }
 
 // guessed is ahead for a statement that changes one row nearly always,
-// which g guesses: in a Batch's first run, while g is not resting
+// which g guesses: in a RerunRerunBatch's first run, while g is not resting
 // (aheadGuess), the statements after it are sent with it, as if its
-// answer were known, and a miss writes the batch again (WriteBatch).
+// answer were known, and a miss writes the batch again (WriteRerunBatch).
 // Elsewhere its answer is read when asked for (anyRows).
 func guessed(g *aheadGuess) expect { return expect{ahead: true, rows: g.rows(), guess: g} }
 
@@ -381,7 +381,7 @@ func changes(query string) bool {
 // costs both sides a write and a read on the socket, more than most of
 // them cost to run. A consumer's batch writes four statements a message,
 // whose answers are known or guessed: sent so, the whole batch takes a
-// round trip or two (WriteBatch pipelines its first run). On SQLite,
+// round trip or two (WriteRerunBatch pipelines its first run). On SQLite,
 // where a statement is a function call, it changes nothing.
 func (t *Tx) Pipeline() { t.pipelined = t.s.engine.pipelines() }
 
@@ -424,7 +424,7 @@ func (r *aheadResult) LastInsertId() (int64, error) {
 // errAheadMissed is a statement sent ahead that failed, or changed other
 // rows than its caller knew or guessed it would (a duplicate delivery):
 // what the transaction did after it assumed otherwise, so it fails (and a
-// Batch's first run is written again: WriteBatch).
+// RerunBatch's first run is written again: WriteRerunBatch).
 var errAheadMissed = errors.New("a statement sent ahead was answered otherwise than expected")
 
 func (t *Tx) queueAhead(ctx context.Context, e expect, query string, args []any) (sql.Result, error) {

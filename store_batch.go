@@ -6,35 +6,42 @@ import (
 	"fmt"
 )
 
-// Batch is a batch of parts (a consumed message each) that WriteBatch
-// writes in one transaction, one fsync for all: a part that fails undoes
-// its own writes only. It is the one place a batch is written twice, and
-// says so: the first run sends its statements ahead of their answers,
+// RerunBatch is a batch of parts (a consumed message each) that
+// WriteRerunBatch writes in one transaction, one fsync for all: a part that
+// fails undoes its own writes only. Its name says what it does: it is the
+// one place a batch is written twice, and a part (RerunPart) may run
+// twice. The first run sends its statements ahead of their answers,
 // guessing the answers they nearly always get, without a savepoint a part;
 // when a guess missed or a part failed, that run is rolled back and the
 // batch written once more, in a second transaction, each part in a
 // savepoint of its own, the failed part skipped (its handler ran once).
 // A part writes only through its tx; what it keeps of a run (a verdict,
 // what it found) it overwrites in the next.
-type Batch struct {
+type RerunBatch struct {
 	// Parts is how many parts the batch has.
 	Parts int
 	// Part writes part i in tx: an error is part i's failure.
-	Part func(ctx context.Context, tx *Tx, i int) error
+	Part RerunPart
 	// Last, when set, writes after every part in each run, as the
 	// batch's own (the brokers' counts): its failure is the batch's.
 	Last func(ctx context.Context, tx *Tx) error
 }
 
+// RerunPart writes part i of a RerunBatch in tx. It may run twice, the
+// first run's writes rolled back: it writes only through tx, and what it
+// keeps outside (a verdict, what it found) it overwrites in its next run,
+// so that its effect lands once.
+type RerunPart func(ctx context.Context, tx *Tx, i int) error
+
 // errRunAgain is a batch's first run that a missed guess or a failed part
 // ended: the batch is written again, with savepoints.
 var errRunAgain = errors.New("a part failed: the batch is written again with savepoints")
 
-// WriteBatch writes b (see Batch) and returns each part's failure (nil:
+// WriteRerunBatch writes b (see RerunBatch) and returns each part's failure (nil:
 // written) and the failure of the batch's transaction, after which no part
 // is written. A failure of the connection to PostgreSQL is
 // ErrDatabaseLost (Lost).
-func (s *Store) WriteBatch(ctx context.Context, b Batch) ([]error, error) {
+func (s *Store) WriteRerunBatch(ctx context.Context, b RerunBatch) ([]error, error) {
 	failed := make([]error, b.Parts)
 	err := s.WriteTx(ctx, func(tx *Tx) error {
 		tx.pipelined, tx.guesses = s.engine.pipelines(), true
@@ -49,7 +56,7 @@ func (s *Store) WriteBatch(ctx context.Context, b Batch) ([]error, error) {
 
 // firstRun writes every part in tx without savepoints: a part's failure
 // is kept in failed and ends the run (errRunAgain).
-func (b Batch) firstRun(ctx context.Context, tx *Tx, failed []error) error {
+func (b RerunBatch) firstRun(ctx context.Context, tx *Tx, failed []error) error {
 	for i := range b.Parts {
 		err := b.Part(ctx, tx, i)
 		switch {
@@ -66,7 +73,7 @@ func (b Batch) firstRun(ctx context.Context, tx *Tx, failed []error) error {
 
 // secondRun writes every part that did not fail in the first run, each in
 // its savepoint, keeping the failures in failed.
-func (b Batch) secondRun(ctx context.Context, tx *Tx, failed []error) error {
+func (b RerunBatch) secondRun(ctx context.Context, tx *Tx, failed []error) error {
 	for i := range b.Parts {
 		if failed[i] != nil {
 			continue
@@ -81,7 +88,7 @@ func (b Batch) secondRun(ctx context.Context, tx *Tx, failed []error) error {
 }
 
 // last writes b.Last, when set, and ends a run whose context ended.
-func (b Batch) last(ctx context.Context, tx *Tx) error {
+func (b RerunBatch) last(ctx context.Context, tx *Tx) error {
 	if b.Last != nil {
 		if err := b.Last(ctx, tx); err != nil {
 			return err

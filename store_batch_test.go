@@ -8,8 +8,8 @@ import (
 
 // A function handed to a transaction runs once: WriteTx's fails with it,
 // even when a statement it sent ahead was answered otherwise (PostgreSQL),
-// and a Batch's second run, after a missed guess or a failed part, is
-// WriteBatch's own, which runs a failed part's function no more.
+// and a RerunBatch's second run, after a missed guess or a failed part, is
+// WriteRerunBatch's own, which runs a failed part's function no more.
 func TestBatchWrittenAgainRunsNothingTwiceUnsaid(t *testing.T) {
 	t.Parallel()
 	onBothStores(t, func(t *testing.T) {
@@ -39,7 +39,7 @@ func TestBatchWrittenAgainRunsNothingTwiceUnsaid(t *testing.T) {
 		var guess aheadGuess
 		broken := errors.New("part 2 fails")
 		calls := make([]int, 4)
-		failed, err := store.WriteBatch(ctx, Batch{Parts: 4, Part: func(ctx context.Context, tx *Tx, i int) error {
+		failed, err := store.WriteRerunBatch(ctx, RerunBatch{Parts: 4, Part: func(ctx context.Context, tx *Tx, i int) error {
 			calls[i]++
 			switch i {
 			case 1:
@@ -63,7 +63,7 @@ func TestBatchWrittenAgainRunsNothingTwiceUnsaid(t *testing.T) {
 		}
 		// A guess missed (PostgreSQL): the batch is written again, whole.
 		calls = make([]int, 2)
-		failed, err = store.WriteBatch(ctx, Batch{Parts: 2, Part: func(ctx context.Context, tx *Tx, i int) error {
+		failed, err = store.WriteRerunBatch(ctx, RerunBatch{Parts: 2, Part: func(ctx context.Context, tx *Tx, i int) error {
 			calls[i]++
 			if i == 0 {
 				return mark(tx, guessed(&guess), "dup")

@@ -10,7 +10,7 @@ import (
 
 // The worker side of consuming: the queue hands over plain messages and
 // takes back one verdict each; here they become Events, are handled as
-// the parts of one Batch of the store, and GitHub's decode errors become
+// the parts of one RerunBatch of the store, and GitHub's decode errors become
 // the queue's verdicts.
 
 // Handler processes one decoded message. It returns what it found (for
@@ -19,8 +19,8 @@ import (
 // permanent verdict or a MalformedError when no retry can help, and any
 // other error for a transient failure, which undoes what it wrote of the
 // message. tx is the transaction of the message's Batch, which it is acked
-// after; a Batch may run a handler again, in a second transaction, when
-// another part failed (Batch). It is nil only for a worker with no
+// after; a RerunBatch may run a handler again, in a second transaction, when
+// another part failed (RerunBatch). It is nil only for a worker with no
 // Batcher, whose handler writes nothing. A handler must not touch the
 // network.
 type Handler func(ctx context.Context, tx *Tx, d Decoded) (Found, error)
@@ -39,7 +39,7 @@ type Found struct {
 // one (Store.WriteTx). Lost and WaitAnswers tell when the database is lost
 // (a connection to it failed) and when it answers again.
 type Batcher interface {
-	WriteBatch(ctx context.Context, b Batch) ([]error, error)
+	WriteRerunBatch(ctx context.Context, b RerunBatch) ([]error, error)
 	Lost() <-chan struct{}
 	WaitAnswers(ctx context.Context) error
 }
@@ -70,7 +70,7 @@ func (o EventOptions) options() ConsumeOptions {
 }
 
 // handleBatch decodes msgs ahead of the transaction, on a goroutine of its
-// own, and handles them in order: as one Batch of the store (a failure
+// own, and handles them in order: as one RerunBatch of the store (a failure
 // undoes that message only) when o batches, else each on its own. It
 // returns the verdicts, and the transaction's failure. A database lost under them is
 // no failure of the messages: they are handed back (ErrHandedBack).
@@ -84,7 +84,7 @@ func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error,
 	return verdicts, err
 }
 
-// handle is handleBatch's work: with a Batcher, msgs are one Batch of
+// handle is handleBatch's work: with a Batcher, msgs are one RerunBatch of
 // the store, whose parts are the messages; the brokers' counts are taken
 // once and written in the batch's transaction (Last), or given back when
 // it does not commit.
@@ -104,7 +104,7 @@ func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, erro
 	}
 	counted := o.Usage.take()
 	bctx, commit := spans.startCommit(ctx, o.Queue)
-	failed, err := o.Batch.WriteBatch(bctx, Batch{
+	failed, err := o.Batch.WriteRerunBatch(bctx, RerunBatch{
 		Parts: len(msgs),
 		Part: func(ctx context.Context, tx *Tx, i int) (err error) {
 			found[i], verdicts[i], err = next(i).handlePart(ctx, tx, o.Handle)

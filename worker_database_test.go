@@ -869,7 +869,13 @@ func TestBatchRunAgainRecordsOnce(t *testing.T) {
 		metrics := NewMetrics(MetricLabels{Version: "test", Queues: logicalQueues, Tables: orderSafeTables, Outcomes: outcomes})
 		var recorded atomic.Int64
 		record := databaseRecord(metrics)
-		o := EventOptions{Queue: queueDatabase, Handle: databaseHandler(testBotAppID), Decode: databaseDecode(testBotAppID),
+		runs := map[string]int{} // the handler's runs, by GUID
+		handle := databaseHandler(testBotAppID)
+		counted := func(ctx context.Context, tx *Tx, d Decoded) (Found, error) {
+			runs[d.Event.DeliveryID]++
+			return handle(ctx, tx, d)
+		}
+		o := EventOptions{Queue: queueDatabase, Handle: counted, Decode: databaseDecode(testBotAppID),
 			Batch: store, Log: slog.New(slog.DiscardHandler), Record: func(log *slog.Logger, f Found) {
 				if f.Stale != "" {
 					recorded.Add(1)
@@ -893,6 +899,23 @@ func TestBatchRunAgainRecordsOnce(t *testing.T) {
 		}
 		if verdicts[0] != nil || !errors.As(verdicts[1], new(*permanentError)) || verdicts[2] != nil {
 			t.Fatalf("verdicts %v, want nil, permanent, nil", verdicts)
+		}
+		// The batch was written twice: its first run ended at the broken
+		// part, so the part before it ran again in the second; the broken
+		// one ran once, the one after it once (the first run never came
+		// to it).
+		if runs["older"] != 2 || runs["broken"] != 1 || runs["other"] != 1 {
+			t.Errorf("the handler's runs %v, want older 2, broken 1, other 1", runs)
+		}
+		// What the handler ran twice for landed once: one mark of each
+		// delivery written, the newer Event's row kept, the other's row.
+		for guid, want := range map[string]int{"newer": 1, "older": 1, "broken": 0, "other": 1} {
+			if n := queryInt(t, store.r, "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id = $1", guid); n != want {
+				t.Errorf("%d marks of %s, want %d", n, guid, want)
+			}
+		}
+		if n := queryInt(t, store.r, "SELECT count(*) FROM github_pull_requests WHERE node_id IN ('node-1', 'node-3')"); n != 2 {
+			t.Errorf("%d pull request rows of node-1 and node-3, want 2", n)
 		}
 		if n := recorded.Load(); n != 1 {
 			t.Errorf("the stale Event recorded %d times, want once", n)

@@ -153,11 +153,11 @@ func reprocessEvent(c *RawCopy, botAppID int64) (*Event, *tableRows, string) {
 // errDryRun rolls a dry run's batch back.
 var errDryRun = errors.New("dry run: rolled back")
 
-// writeReprocessed writes the typed rows of events as one Batch: one
+// writeReprocessed writes the typed rows of events as one RerunBatch: one
 // that fails is counted, and logged, and the others are written.
 func writeReprocessed(ctx context.Context, store *Store, events []reprocessed, dryRun bool, log *slog.Logger) (written, unchanged, failed int64, err error) {
 	changed := make([]bool, len(events))
-	fails, err := store.WriteBatch(ctx, Batch{
+	fails, err := store.WriteRerunBatch(ctx, RerunBatch{
 		Parts: len(events),
 		Part: func(ctx context.Context, tx *Tx, i int) error {
 			before, err := tx.Changed(ctx)
