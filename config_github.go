@@ -62,6 +62,12 @@ type HookConfig struct {
 	Token        string `toml:"token"`
 }
 
+// HasLedgers reports whether g keeps any hook's delivery ledger: the
+// App's own hook's, or a repository's or an organization's webhook's.
+func (g *GitHubConfig) HasLedgers() bool {
+	return g.AppID > 0 || slices.ContainsFunc(g.Hooks, func(h HookConfig) bool { return h.Repository != "" || h.Organization != "" })
+}
+
 // githubRedeliveryWindow is how long GitHub keeps a delivery and can deliver
 // it again: a payload or identity pruned sooner would let a redelivery
 // count twice, or the ledger call a stored delivery a gap.

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -297,5 +298,23 @@ func testEveryHookMended(t *testing.T) {
 	}
 	if strings.Contains(out.String(), "organization acme hook 222") {
 		t.Errorf("deliveries -hook 111 lists another hook's ledger:\n%s", out.String())
+	}
+}
+
+// A repository's or an organization's webhook's ledger, with no App, is
+// the hooks job's too: run under its lease, on one node of a fleet, not
+// on every node at once.
+func TestLedgerWithoutAppUnderTheHooksLease(t *testing.T) {
+	t.Parallel()
+	cfg := testConfig(t, amqpURL("/"))
+	cfg.GitHub.AppID = 0
+	if slices.Contains(leaseJobs(cfg), jobHooks) {
+		t.Errorf("no App and no ledger hook: jobs %v hold the hooks job", leaseJobs(cfg))
+	}
+	for _, h := range []HookConfig{{ID: 1, Repository: "octo/hello", Token: "t"}, {ID: 2, Organization: "octo", Token: "t"}} {
+		cfg.GitHub.Hooks = []HookConfig{h}
+		if !slices.Contains(leaseJobs(cfg), jobHooks) {
+			t.Errorf("ledger hook %+v with no App: jobs %v leave the hooks job out", h, leaseJobs(cfg))
+		}
 	}
 }

@@ -34,11 +34,12 @@ const outboxJobPrefix = "outbox:"
 // forwards its outbox under it (Outbox.Forward).
 func outboxJob(node string) string { return outboxJobPrefix + node }
 
-// leaseJobs are the jobs of cfg: the hooks worker's only with the App,
-// and this node's outbox.
+// leaseJobs are the jobs of cfg: the hooks worker's only with a hook's
+// delivery ledger (the App's, a repository's or an organization's
+// webhook's), and this node's outbox.
 func leaseJobs(cfg *Config) []string {
 	jobs := []string{jobAlerts, jobHealthChecks, jobRetention, jobKeepalive, jobBudget, jobSpool, outboxJob(cfg.Server.NodeName)}
-	if cfg.GitHub.AppID > 0 {
+	if cfg.GitHub.HasLedgers() {
 		jobs = append([]string{jobHooks}, jobs...)
 	}
 	return jobs
