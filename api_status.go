@@ -90,11 +90,11 @@ type Status struct {
 	Problems []string `json:"problems"`
 }
 
-// ownLeasesNow makes what st says of this node's leases what Lease.Held
+// ownLeasesNow makes what st says of this node's leases what Leases.Holds
 // says now: the table says what the last renewal wrote, and a node paused
 // past its leases (a frozen VM) holds none the moment it resumes.
 func (a *API) ownLeasesNow(st *Status) {
-	held := func(job string) bool { return a.leases.Lease(job).Held() }
+	held := a.leases.Holds
 	for i, l := range st.Leases {
 		if l.Node == st.Node && l.Live && !held(l.Job) {
 			st.Leases[i].Live = false

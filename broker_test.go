@@ -670,7 +670,7 @@ func testLeftoverDrainRetry(t *testing.T) {
 	w := NewEventWorker(WorkerOptions{Name: "service", Queue: queueGitHub, Window: 300 * time.Millisecond},
 		EventOptions{Handle: handlerOf(h), Batch: store}, cfg.Workers, bs, q, log)
 	done := make(chan struct{})
-	go func() { _ = w.Run(ctx); close(done) }()
+	go func() { _ = w.Run(ctx, Holding{}); close(done) }()
 	defer func() { cancel(); <-done }()
 
 	eventually(t, 20*time.Second, "the leftover stored", func() bool {

@@ -12,14 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/pprof"
-	"os"
-	"os/signal"
-	"reflect"
-	"runtime/debug"
-	"slices"
-	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/coreos/go-systemd/v22/daemon"
@@ -45,11 +38,11 @@ type Daemon struct {
 	refused   *RejectLog
 	outbox    *Outbox
 	workers   []*Worker
-	// hooks is the hooks worker, which runs under its lease, and
-	// hooksWork what it does; nil without a hook's ledger (the App's, a
-	// repository's or an organization's webhook's).
-	hooks     *Worker
-	hooksWork *Hooks
+	// hooks is the hooks worker, which runs under its lease; nil without a
+	// hook's ledger (the App's, a repository's or an organization's
+	// webhook's).
+	hooks        *Worker
+	healthChecks *HealthChecks
 	// tls serves HTTPS (server.tls); nil for plain HTTP.
 	tls *serverTLS
 	// stopTracing exports the spans that wait and stops ([tracing]).
@@ -128,11 +121,12 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		hooks = NewHooks(cfg, ledgers, store, brokers, queues, alerter, log.With("worker", "hooks"))
 		hooks.RegisterMetrics(metrics)
 	}
+	d.healthChecks = NewHealthChecks(metrics, log)
 	ws := workerParts{cfg: cfg, store: store, brokers: brokers, queues: queues, metrics: metrics, alerter: alerter,
-		usage: d.usage, leases: leases, log: log}
+		usage: d.usage, health: d.healthChecks, log: log}
 	d.workers = []*Worker{ws.service(), ws.databaseService(), ws.cleanup()}
 	if hooks != nil {
-		d.hooks, d.hooksWork = ws.hooks(hooks), hooks
+		d.hooks = ws.hooks(hooks)
 		d.workers = append(d.workers, d.hooks)
 	}
 	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.usage, hooks, leases, log)
@@ -159,6 +153,53 @@ func (d *Daemon) Close() error {
 		d.tls.stop()
 	}
 	return errors.Join(d.queues.Close(), d.store.Close())
+}
+
+// job is one of the daemon's jobs: what it runs, and the lease it runs
+// under (everyNode: on every node, with the zero Holding). A job acts
+// under its lease only through the Holding it is handed.
+type job struct {
+	lease string
+	run   func(ctx context.Context, held Holding) error
+}
+
+// everyNode is the lease of a job every node runs.
+const everyNode = ""
+
+// jobs are the daemon's jobs, in the order they start.
+func (d *Daemon) jobs() []job {
+	plain := func(run func(ctx context.Context) error) func(context.Context, Holding) error {
+		return func(ctx context.Context, _ Holding) error { return run(ctx) }
+	}
+	var jobs []job
+	for _, w := range d.workers {
+		lease := everyNode
+		if w == d.hooks {
+			lease = jobHooks
+		}
+		jobs = append(jobs, job{lease, w.Run})
+	}
+	jobs = append(jobs,
+		job{everyNode, plain(d.leases.Run)},
+		job{jobHealthChecks, d.healthChecks.Run},
+		job{jobAlerts, d.alerts.Run},
+		job{jobRetention, d.retention.Run},
+		job{everyNode, plain(d.keepalive.Run)},
+		job{jobKeepalive, d.keepalive.Keep},
+		job{everyNode, plain(d.refused.Run)},
+		job{everyNode, plain(d.outbox.Write)},
+		job{outboxJob(d.cfg.Server.NodeName), d.outbox.Forward},
+		job{jobSpool, d.outbox.MoveSpool},
+		job{everyNode, plain(d.usage.Run)},
+		job{jobBudget, d.usage.Budget},
+	)
+	if d.store.Shared() {
+		jobs = append(jobs, job{everyNode, plain(func(ctx context.Context) error { return d.brokers.Follow(ctx, followEvery) })})
+	}
+	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
+		jobs = append(jobs, job{everyNode, plain(func(ctx context.Context) error { d.watchdog(ctx, interval); return nil })})
+	}
+	return jobs
 }
 
 // Run serves HTTP on ln and runs the workers until ctx ends (or a server or a
@@ -197,29 +238,14 @@ func (d *Daemon) Run(ctx context.Context, ls Listeners, ready func()) error {
 	workCtx, stopWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopWork()
 	work, wctx := errgroup.WithContext(workCtx)
-	for _, w := range d.workers {
-		if w == d.hooks {
-			work.Go(func() error { return d.leases.Lease(jobHooks).Run(wctx, d.hooksWork.Under(w)) })
-			continue
+	for _, j := range d.jobs() {
+		// A job of no lease (everyNode) runs at once, with the zero
+		// Holding; a job under one, whenever this node holds it.
+		lease := d.leases.Lease(j.lease)
+		if lease == nil && j.lease != everyNode {
+			return fmt.Errorf("a job under lease %q, which this node does not keep (leaseJobs)", j.lease)
 		}
-		work.Go(func() error { return w.Run(wctx) })
-	}
-	work.Go(func() error { return d.leases.Run(wctx) })
-	work.Go(func() error { return d.leases.Lease(jobAlerts).Run(wctx, d.alerts.Run) })
-	work.Go(func() error { return d.leases.Lease(jobRetention).Run(wctx, d.retention.Run) })
-	work.Go(func() error { return d.keepalive.Run(wctx) })
-	work.Go(func() error { return d.leases.Lease(jobKeepalive).Run(wctx, d.keepalive.Keep) })
-	work.Go(func() error { return d.refused.Run(wctx) })
-	work.Go(func() error { return d.outbox.Write(wctx) })
-	work.Go(func() error { return d.leases.Lease(outboxJob(d.cfg.Server.NodeName)).Run(wctx, d.outbox.Forward) })
-	work.Go(func() error { return d.leases.Lease(jobSpool).Run(wctx, d.outbox.MoveSpool) })
-	work.Go(func() error { return d.usage.Run(wctx) })
-	work.Go(func() error { return d.leases.Lease(jobBudget).Run(wctx, d.usage.Budget) })
-	if d.store.Shared() {
-		work.Go(func() error { return d.brokers.Follow(wctx, followEvery) })
-	}
-	if interval, err := daemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
-		work.Go(func() error { d.watchdog(wctx, interval); return nil })
+		work.Go(func() error { return lease.Run(wctx, j.run) })
 	}
 	// The active broker dialed before the first webhook is taken, so that
 	// one that waited in the socket's queue through a restart is answered
@@ -418,150 +444,3 @@ func sdNotify(log *slog.Logger, state string) {
 // VPS pays for, grow to that multiple of what is live. 150 is between the
 // two; BENCHMARKS.md has the measurements.
 const gcPercentUnderLimit = 150
-
-// setGCLimits sets the Go runtime's soft memory limit (server.memory_limit;
-// GOMEMLIMIT in the environment wins) and, under a limit, collects less
-// often (gcPercentUnderLimit; GOGC in the environment wins). The limit makes
-// the collector work harder as the heap nears it, so that garbage from large
-// payloads does not double the footprint on a small VPS; below it, garbage
-// from 25 KB webhooks may wait longer.
-func setGCLimits(memoryLimit int64) {
-	limited := os.Getenv("GOMEMLIMIT") != ""
-	if !limited && memoryLimit > 0 {
-		debug.SetMemoryLimit(memoryLimit)
-		limited = true
-	}
-	if limited && os.Getenv("GOGC") == "" {
-		debug.SetGCPercent(gcPercentUnderLimit)
-	}
-}
-
-// serve is the serve command: listen, then run until SIGTERM or SIGINT.
-// SIGHUP reloads the config file at path.
-func serve(ctx context.Context, cfg *Config, path string, level *slog.LevelVar, log *slog.Logger, ready func()) error {
-	setGCLimits(cfg.Server.MemoryLimit)
-	// The listener first: an address in use fails before a database is
-	// created or migrated. A socket systemd passed takes connections into
-	// its queue already; they are accepted once the daemon can answer them.
-	ls, err := listen(cfg.Server, log)
-	if err != nil {
-		return err
-	}
-	d, err := NewDaemon(ctx, cfg, log)
-	if err != nil {
-		ls.Close()
-		return err
-	}
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	defer signal.Stop(hup)
-	reloads := make(chan struct{})
-	reloaded := make(chan struct{})
-	go func() {
-		defer close(reloaded)
-		for {
-			select {
-			case <-reloads:
-				return
-			case <-hup:
-				d.ReloadFile(path, level)
-			}
-		}
-	}()
-	err = d.Run(ctx, ls, ready)
-	close(reloads)
-	<-reloaded
-	err = errors.Join(err, d.Close())
-	log.Info("stopped", "error", err)
-	return err
-}
-
-// reloadable are the config keys a SIGHUP applies at once;
-// a key ending in "." stands for its whole section.
-var reloadable = []string{"log.level", "github.webhook_secret", "github.previous_webhook_secrets", "github.hooks",
-	"github.allowed_cidrs", "github.meta_file", "server.trusted_proxies", "api.operator_token",
-	"api.producer_token", "alerts.", "healthchecks."}
-
-// ReloadFile reads the config file again and applies what may change while
-// running: log level, webhook secrets, allow list and meta file, trusted
-// proxies, API tokens, alerts and HealthChecks. Any other changed key is
-// logged as needing a restart. A file that does not validate changes
-// nothing, and every bad field is logged.
-func (d *Daemon) ReloadFile(path string, level *slog.LevelVar) {
-	cfg, err := LoadConfig(path)
-	if err != nil {
-		for _, line := range strings.Split(err.Error(), "\n") {
-			d.log.Error("config reload refused, the running config stays", "problem", line)
-		}
-		return
-	}
-	if err := d.api.Reload(cfg); err != nil {
-		d.log.Error("config reload refused, the running config stays", "problem", err)
-		return
-	}
-	level.Set(parseLevel(cfg.Log.Level))
-	d.alerter.Reload(cfg.Alerts)
-	if d.tls != nil {
-		if err := d.tls.Reload(); err != nil {
-			d.log.Error("the certificate files did not load; the certificate served stays", "error", err)
-		}
-	}
-	urls := map[string]string{"service": cfg.HealthChecks.Service, "database-service": cfg.HealthChecks.DatabaseService,
-		"hooks": cfg.HealthChecks.Hooks, "cleanup": cfg.HealthChecks.Cleanup}
-	for _, w := range d.workers {
-		w.Health.SetURL(urls[w.Name])
-	}
-	var restart []string
-	for _, key := range changedKeys(d.cfg, cfg) {
-		if !slices.ContainsFunc(reloadable, func(r string) bool { return key == r || strings.HasSuffix(r, ".") && strings.HasPrefix(key, r) }) {
-			restart = append(restart, key)
-		}
-	}
-	if ledgerHooks := func(c *Config) []HookConfig {
-		var out []HookConfig
-		for _, h := range c.GitHub.Hooks {
-			if h.Repository != "" || h.Organization != "" {
-				out = append(out, HookConfig{ID: h.ID, Repository: h.Repository, Organization: h.Organization, Token: h.Token})
-			}
-		}
-		return out
-	}; !reflect.DeepEqual(ledgerHooks(d.cfg), ledgerHooks(cfg)) {
-		// The secrets reload; the ledgers the hooks worker reads do not.
-		restart = append(restart, "github.hooks (repository, organization, token)")
-	}
-	for _, w := range cfg.Warnings(path) {
-		d.log.Warn("config: " + w)
-	}
-	d.log.Info("config reloaded", "path", path)
-	for _, key := range restart {
-		d.log.Warn("config key changed; it takes effect after a restart", "key", key)
-	}
-}
-
-// changedKeys names the config keys ("section.key", as in the file) whose
-// values differ between a and b.
-func changedKeys(a, b *Config) []string {
-	var keys []string
-	var walk func(prefix string, va, vb reflect.Value)
-	walk = func(prefix string, va, vb reflect.Value) {
-		if va.Kind() == reflect.Struct && va.Type() != reflect.TypeOf(time.Time{}) {
-			for i := 0; i < va.NumField(); i++ {
-				tag, _, _ := strings.Cut(va.Type().Field(i).Tag.Get("toml"), ",")
-				if tag == "" || tag == "-" {
-					continue
-				}
-				name := tag
-				if prefix != "" {
-					name = prefix + "." + tag
-				}
-				walk(name, va.Field(i), vb.Field(i))
-			}
-			return
-		}
-		if !reflect.DeepEqual(va.Interface(), vb.Interface()) {
-			keys = append(keys, prefix)
-		}
-	}
-	walk("", reflect.ValueOf(*a), reflect.ValueOf(*b))
-	return keys
-}

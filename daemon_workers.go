@@ -17,7 +17,7 @@ type workerParts struct {
 	metrics *Metrics
 	alerter *Alerter
 	usage   *Usage
-	leases  *Leases
+	health  *HealthChecks
 	log     *slog.Logger
 }
 
@@ -26,7 +26,7 @@ type workerParts struct {
 // healthchecks lease).
 func (p workerParts) options(name, queue, healthURL string) WorkerOptions {
 	return WorkerOptions{Name: name, Queue: queue, Window: p.cfg.Workers.Window, Consumed: consumedQueues(p.cfg), Metrics: p.metrics,
-		Health: NewHealthCheck(healthURL, name, p.leases.Lease(jobHealthChecks), p.metrics, p.log)}
+		Health: p.health.For(healthURL, name)}
 }
 
 // events builds an Event worker whose batches commit in the store, with
@@ -66,8 +66,8 @@ func (p workerParts) hooks(h *Hooks) *Worker {
 	w := p.cfg.Workers
 	o := p.options("hooks", queueHooks, p.cfg.HealthChecks.Hooks)
 	o.Window, o.PollEvery = min(w.Window, w.HooksPollEvery), w.HooksPollEvery
-	o.Poll = func(ctx context.Context) error {
-		n, err := h.Poll(ctx)
+	o.Poll = func(ctx context.Context, held Holding) error {
+		n, err := h.Poll(ctx, held)
 		if n > 0 {
 			p.log.Info("hooks poll queued failed deliveries", "worker", "hooks", "queued", n)
 		}

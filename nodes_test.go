@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -368,15 +369,13 @@ func testStatusShowsNodesAndLeases(t *testing.T) {
 	cfg.Server.NodeName = "status-node"
 	d := startDaemon(t, cfg)
 	jobs := leaseJobs(cfg)
-	eventually(t, 10*time.Second, "every lease held", func() bool {
-		m := scrape(t, d.URL+"/metrics")
-		for _, job := range jobs {
-			if m[`switchyard_lease_held{job="`+job+`"}`] != 1 {
-				return false
-			}
+	waitTaken(t, d.leases, 10*time.Second, jobs...)
+	m := scrape(t, d.URL+"/metrics")
+	for _, job := range jobs {
+		if m[`switchyard_lease_held{job="`+job+`"}`] != 1 {
+			t.Errorf("switchyard_lease_held{job=%q} = %v once taken, want 1", job, m[`switchyard_lease_held{job="`+job+`"}`])
 		}
-		return true
-	})
+	}
 	var st Status
 	_, raw := do(t, mustRequestAuth(t, d.URL+"/api/v1/status"))
 	if err := json.Unmarshal([]byte(raw), &st); err != nil {
@@ -541,31 +540,55 @@ func TestPausedHolderTakesNoStep(t *testing.T) {
 // A lease counts as held only until its validity runs out on this node's
 // monotonic clock, whatever the renewal loop has said so far: the state a
 // holder resumes in after a pause (SIGSTOP, a frozen VM), before its loop
-// runs. A job's context under it ends as soon as it is asked.
+// runs. The job's Holding says so the moment it is asked, and a step
+// that checks it is not taken; a holding of an earlier term is not held.
 func TestLeaseHeldOnlyWhileValid(t *testing.T) {
 	t.Parallel()
-	l := &Lease{Job: jobAlerts, held: true, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
-	if !l.Held() {
-		t.Fatal("a lease valid for an hour is not held")
+	ls := &Leases{ttl: time.Minute, node: "n"}
+	l := &Lease{Job: jobAlerts, ls: ls, held: true, term: 3, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
+	ls.leases = []*Lease{l}
+	h := Holding{lease: l, term: 3}
+	if !h.Held() || h.Check() != nil || !ls.Holds(jobAlerts) {
+		t.Fatal("a holding valid for an hour is not held")
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	jctx := &leaseContext{Context: ctx, l: l, stop: cancel}
-	if jctx.Err() != nil {
-		t.Fatal("the job's context ended under a valid lease")
+	if (Holding{lease: l, term: 2}).Held() {
+		t.Error("a holding of an earlier term is held")
 	}
 	l.mu.Lock()
 	l.until = time.Now().Add(-time.Millisecond) // paused past it; the loop has not run
 	l.mu.Unlock()
-	if l.Held() {
+	if h.Held() || ls.Holds(jobAlerts) {
 		t.Error("a lease past its validity is held")
 	}
-	select {
-	case <-jctx.Done():
-	default:
-		t.Error("the job's context goes on past the lease's validity")
+	if err := h.Check(); !errors.Is(err, ErrNotHeld) {
+		t.Errorf("a step past the lease's validity: %v, want ErrNotHeld", err)
 	}
-	if jctx.Err() == nil {
-		t.Error("the job's context has no error past the lease's validity")
+	if !(Holding{}).Held() {
+		t.Error("the zero Holding, a job of every node, is not held")
+	}
+}
+
+// waitTaken waits, on the leases' own signal (the channel a lease closes
+// when it is taken), until this node holds each of jobs' leases, within
+// timeout in all.
+func waitTaken(t *testing.T, ls *Leases, timeout time.Duration, jobs ...string) {
+	t.Helper()
+	deadline := time.After(timeout)
+	for _, job := range jobs {
+		l := ls.Lease(job)
+		if l == nil {
+			t.Fatalf("no lease of job %s kept", job)
+		}
+		l.mu.Lock()
+		taken := l.taken
+		if l.held {
+			taken = closedChan
+		}
+		l.mu.Unlock()
+		select {
+		case <-taken:
+		case <-deadline:
+			t.Fatalf("the lease of %s not taken within %s", job, timeout)
+		}
 	}
 }

@@ -21,8 +21,8 @@ type WorkerOptions struct {
 	// zero runs cycles back to back.
 	Every time.Duration
 	// Poll, when set, runs at the start of a cycle once PollEvery has passed
-	// since it last ran (hooks: ask GitHub; cleanup: raw retention).
-	Poll      func(ctx context.Context) error
+	// since it last ran (hooks: ask GitHub), under the worker's holding.
+	Poll      func(ctx context.Context, held Holding) error
 	PollEvery time.Duration
 	// Health pings the worker's HealthChecks URL; nil pings nothing.
 	Health *HealthCheck
@@ -42,7 +42,7 @@ type Worker struct {
 	// events is how an Event worker handles its messages; messages, set
 	// instead, handles them as they are (the hooks worker's own).
 	events   *EventOptions
-	messages BatchHandler
+	messages HeldHandler
 	lastPoll time.Time
 	// lastLogged is the last failure logged at warn, and when.
 	lastLogged   string
@@ -117,10 +117,14 @@ func NewEventWorker(o WorkerOptions, e EventOptions, cfg WorkersConfig, brokers 
 	return w
 }
 
+// HeldHandler handles a batch of a message worker's messages as a
+// BatchHandler does, under the holding its worker runs in (Worker.Run).
+type HeldHandler func(ctx context.Context, held Holding, msgs []Message) (verdicts []error, err error)
+
 // NewMessageWorker builds a worker that handles its queue's messages as
 // they are, with no transaction of the worker's (the hooks worker talks to
 // GitHub per message).
-func NewMessageWorker(o WorkerOptions, handle BatchHandler, cfg WorkersConfig, brokers *Brokers, queues *Queues, log *slog.Logger) *Worker {
+func NewMessageWorker(o WorkerOptions, handle HeldHandler, cfg WorkersConfig, brokers *Brokers, queues *Queues, log *slog.Logger) *Worker {
 	w := newWorker(o, cfg, brokers, queues, log)
 	w.messages = handle
 	return w
@@ -143,14 +147,16 @@ func (w *Worker) batch() Batcher {
 	return w.events.Batch
 }
 
-// Run repeats the cycle until ctx is done. A failed cycle is logged and tried
-// again after a backoff with jitter; it never ends the worker.
-func (w *Worker) Run(ctx context.Context) error {
+// Run repeats the cycle until ctx is done, under held: the hooks lease's
+// holding for the hooks worker (Lease.Run hands it over), the zero Holding
+// for a worker every node runs. A failed cycle is logged and tried again
+// after a backoff with jitter; it never ends the worker.
+func (w *Worker) Run(ctx context.Context, held Holding) error {
 	failures := 0
 	for ctx.Err() == nil {
 		watch := w.brokers.Watch()
-		w.Health.Start(ctx)
-		err := w.cycle(ctx)
+		w.Health.Start()
+		err := w.cycle(ctx, held)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -158,7 +164,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		if errors.Is(err, ErrDatabaseLost) && w.batch() != nil {
 			// Its messages went back to the broker, for other nodes:
 			// this one consumes again once the database answers.
-			w.Health.Fail(ctx, err.Error())
+			w.Health.Fail(err.Error())
 			w.log.Warn("database lost: consuming stops until it answers", "error", err)
 			if werr := w.batch().WaitAnswers(ctx); werr == nil {
 				w.log.Info("database answers again: consuming")
@@ -166,7 +172,7 @@ func (w *Worker) Run(ctx context.Context) error {
 			continue
 		}
 		if err != nil {
-			w.Health.Fail(ctx, err.Error())
+			w.Health.Fail(err.Error())
 			failures++
 			backoff := min(500*time.Millisecond<<min(failures-1, 10), 15*time.Second)
 			var back <-chan struct{}
@@ -185,7 +191,7 @@ func (w *Worker) Run(ctx context.Context) error {
 			w.sleep(ctx, backoff, watch, back)
 			continue
 		}
-		w.Health.Success(ctx)
+		w.Health.Success()
 		if failures > 0 {
 			w.log.Info("cycle succeeded again", "after_failures", failures)
 		}
@@ -259,16 +265,16 @@ func (w *Worker) sleep(ctx context.Context, d time.Duration, watch, back <-chan 
 // cycle is one pass of the broker-following cycle, after the worker's own poll
 // when one is due. A failed poll fails the cycle, but only after the rest of
 // it ran: the queue is still worked.
-func (w *Worker) cycle(ctx context.Context) error {
+func (w *Worker) cycle(ctx context.Context, held Holding) error {
 	var pollErr error
 	if w.Poll != nil && time.Since(w.lastPoll) >= w.PollEvery {
 		w.lastPoll = time.Now()
-		pollErr = w.Poll(ctx)
+		pollErr = w.Poll(ctx, held)
 	}
-	return errors.Join(w.work(ctx), pollErr)
+	return errors.Join(w.work(ctx, held), pollErr)
 }
 
-func (w *Worker) work(ctx context.Context) error {
+func (w *Worker) work(ctx context.Context, held Holding) error {
 	// A database lost ends the cycle at once: its consumers are cancelled
 	// and what they hold is handed back (ConsumeOptions.HandBack).
 	var lost <-chan struct{}
@@ -280,7 +286,7 @@ func (w *Worker) work(ctx context.Context) error {
 	}
 	ctx, stop := whileOpen(ctx, lost)
 	defer stop()
-	err := w.consumeCycle(ctx, lost)
+	err := w.consumeCycle(ctx, held, lost)
 	if closed(lost) {
 		return errors.Join(ErrDatabaseLost, err)
 	}
@@ -290,7 +296,7 @@ func (w *Worker) work(ctx context.Context) error {
 // consumeCycle is one cycle's work: the switch, the leftover drain, then a
 // window of the active broker. lost, when it closes, hands the messages in
 // hand back.
-func (w *Worker) consumeCycle(ctx context.Context, lost <-chan struct{}) error {
+func (w *Worker) consumeCycle(ctx context.Context, held Holding, lost <-chan struct{}) error {
 	watch := w.brokers.Watch()
 	st, err := w.brokers.State(ctx)
 	if err != nil {
@@ -315,7 +321,7 @@ func (w *Worker) consumeCycle(ctx context.Context, lost <-chan struct{}) error {
 		}
 	}
 
-	w.drainLeftovers(ctx, st, watch, lost)
+	w.drainLeftovers(ctx, held, st, watch, lost)
 
 	window := w.Window
 	if st.Pending != nil {
@@ -327,7 +333,7 @@ func (w *Worker) consumeCycle(ctx context.Context, lost <-chan struct{}) error {
 	}
 	w.setSchedule(time.Now().Add(window), time.Time{})
 	defer w.setSchedule(time.Time{}, time.Time{})
-	o := w.consumeOptions(w.log.With("broker", active.String()))
+	o := w.consumeOptions(held, w.log.With("broker", active.String()))
 	o.HandBack = lost
 	_, err = w.queues.Consume(ctx, active, o, window, watch)
 	return err
@@ -339,7 +345,7 @@ func (w *Worker) consumeCycle(ctx context.Context, lost <-chan struct{}) error {
 // first. A broker that cannot be reached is a warning, never a failed cycle.
 // The drain stops when the state changes under it (watch), so that it never
 // acts on a state that is no longer true.
-func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-chan struct{}, lost <-chan struct{}) {
+func (w *Worker) drainLeftovers(ctx context.Context, held Holding, st SwitchState, watch <-chan struct{}, lost <-chan struct{}) {
 	unchanged := func() bool {
 		// Another node may have changed the state: it is read again
 		// before each message is taken, so that a broker named a Pending
@@ -358,7 +364,7 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 			continue
 		}
 		log := w.log.With("broker", b.String())
-		o := w.consumeOptions(log)
+		o := w.consumeOptions(held, log)
 		o.HandBack = lost
 		n, err := w.queues.Drain(ctx, b, o, remaining, unchanged)
 		remaining -= n
@@ -376,8 +382,11 @@ func (w *Worker) drainLeftovers(ctx context.Context, st SwitchState, watch <-cha
 
 // consumeOptions are what the worker's consumers and drains do with its
 // queue's messages.
-func (w *Worker) consumeOptions(log *slog.Logger) ConsumeOptions {
-	o := ConsumeOptions{Queue: w.Queue, Handle: w.messages, Log: log}
+func (w *Worker) consumeOptions(held Holding, log *slog.Logger) ConsumeOptions {
+	o := ConsumeOptions{Queue: w.Queue, Log: log}
+	if w.messages != nil {
+		o.Handle = func(ctx context.Context, msgs []Message) ([]error, error) { return w.messages(ctx, held, msgs) }
+	}
 	if w.events != nil {
 		e := *w.events
 		e.Queue, e.Log = w.Queue, log

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -45,12 +46,14 @@ func runWorker(t *testing.T, brokerURL, pingURL string) (*Store, *logSink) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := newParts(t, cfg)
 	store, brokers, queues, log, sink := p.store, p.brokers, p.queues, p.log, p.logs
+	pings := NewHealthChecks(nil, log)
 	w := NewEventWorker(WorkerOptions{Name: "service", Queue: queueGitHub,
-		Window: 200 * time.Millisecond, Health: NewHealthCheck(pingURL, "service", nil, nil, log)},
+		Window: 200 * time.Millisecond, Health: pings.For(pingURL, "service")},
 		EventOptions{Handle: serviceHandler(nil, 0, false), Batch: store}, cfg.Workers, brokers, queues, log)
-	done := make(chan struct{})
-	go func() { _ = w.Run(ctx); close(done) }()
-	t.Cleanup(func() { cancel(); <-done })
+	done := make(chan struct{}, 2)
+	go func() { _ = pings.Run(ctx, Holding{}); done <- struct{}{} }()
+	go func() { _ = w.Run(ctx, Holding{}); done <- struct{}{} }()
+	t.Cleanup(func() { cancel(); <-done; <-done })
 	return store, sink
 }
 
@@ -100,5 +103,29 @@ func TestHealthChecksDown(t *testing.T) {
 	}
 	if strings.Contains(sink.String(), "/ping/uuid") {
 		t.Errorf("the ping URL's secret path is in the log")
+	}
+}
+
+// The pings' sender acts only through the holding it is handed: a ping a
+// worker made before this node took the healthchecks lease (waiting while
+// another node pinged) is dropped, the ones made since are sent in order.
+func TestHealthChecksPingOnlyUnderTheirHolding(t *testing.T) {
+	t.Parallel()
+	hc := newHCServer(t)
+	ls := &Leases{ttl: time.Minute, node: "n"}
+	l := &Lease{Job: jobHealthChecks, ls: ls, held: true, term: 1, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
+	pings := NewHealthChecks(nil, slog.New(slog.DiscardHandler))
+	w := pings.For(hc.srv.URL+"/ping/uuid", "service")
+	w.Fail("made before the holding")
+	held := Holding{lease: l, term: 1, since: time.Now()}
+	w.Start()
+	w.Success()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = pings.Run(ctx, held); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	eventually(t, 10*time.Second, "the pings made under the holding", func() bool { return len(hc.seen()) >= 2 })
+	if got := hc.seen(); got[0] != "/start " || got[1] != " " {
+		t.Errorf("pings %q, want /start then the URL, the earlier /fail dropped", got)
 	}
 }

@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"net/http"
 	"slices"
-	"sync/atomic"
 	"time"
 )
 
@@ -38,29 +37,6 @@ type Hooks struct {
 	// pollTimeout bounds one poll; zero is ledgerTimeout.
 	pollTimeout time.Duration
 	log         *slog.Logger
-	// holding is the hooks lease's, while its job runs (Under): every
-	// write of the worker is made under it.
-	holding atomic.Pointer[Holding]
-}
-
-// Under runs the hooks worker w as the hooks lease's job, holding h: its
-// writes are fenced by h's term.
-func (h *Hooks) Under(w *Worker) func(ctx context.Context, held Holding) error {
-	return func(ctx context.Context, held Holding) error {
-		h.holding.Store(&held)
-		defer h.holding.Store(nil)
-		return w.Run(ctx)
-	}
-}
-
-// write runs fn in a write transaction under the hooks lease's holding
-// (none outside its job: a test's, a command's).
-func (h *Hooks) write(ctx context.Context, fn func(tx *Tx) error) error {
-	held := Holding{}
-	if p := h.holding.Load(); p != nil {
-		held = *p
-	}
-	return held.WriteTx(ctx, h.store, fn)
 }
 
 // NewHooks is the hooks worker's work for cfg, over ledgers
@@ -210,21 +186,21 @@ func ledger(ctx context.Context, l *HookLedger, store *Store, since, now time.Ti
 // whose credential or ID GitHub refuses (401, 403, 404) is recorded as a
 // problem of that hook, alerted once, and the other hooks go on. queued
 // counts the failed deliveries queued; err joins the other hooks' errors.
-func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
+func (h *Hooks) Poll(ctx context.Context, held Holding) (queued int, err error) {
 	var errs []error
 	for _, l := range h.ledgers {
-		n, err := h.pollLedger(ctx, l)
+		n, err := h.pollLedger(ctx, held, l)
 		queued += n
 		switch {
 		case refusesCredential(err):
 			errs = append(errs, fmt.Errorf("%s: %w", l, err)) // the worker's cycle shows it failing
-			if err := h.ledgerRefused(ctx, l, err); err != nil {
+			if err := h.ledgerRefused(ctx, held, l, err); err != nil {
 				errs = append(errs, err)
 			}
 		case err != nil:
 			errs = append(errs, fmt.Errorf("%s: %w", l, err))
 		default:
-			if err := h.ledgerAnswers(ctx, l); err != nil {
+			if err := h.ledgerAnswers(ctx, held, l); err != nil {
 				errs = append(errs, err)
 			}
 		}
@@ -235,13 +211,13 @@ func (h *Hooks) Poll(ctx context.Context) (queued int, err error) {
 // ledgerRefused records, the first time, that GitHub refuses l's ledger,
 // with its alert (rule event "ledger"); while it stays refused, nothing
 // more.
-func (h *Hooks) ledgerRefused(ctx context.Context, l *HookLedger, why error) error {
+func (h *Hooks) ledgerRefused(ctx context.Context, held Holding, l *HookLedger, why error) error {
 	if was, err := h.store.Setting(ctx, refusedKey(l.Hook())); err != nil || was != "" {
 		return err
 	}
 	now := time.Now().UTC()
 	h.log.Error("delivery ledger: GitHub refuses this hook's; the other hooks go on", "hook", l.String(), "error", why)
-	return h.write(ctx, func(tx *Tx) error {
+	return held.WriteTx(ctx, h.store, func(tx *Tx) error {
 		if err := tx.SetSetting(ctx, refusedKey(l.Hook()), formatTime(now)+" "+why.Error(), now); err != nil {
 			return err
 		}
@@ -251,12 +227,12 @@ func (h *Hooks) ledgerRefused(ctx context.Context, l *HookLedger, why error) err
 }
 
 // ledgerAnswers clears l's refusal once GitHub answers its ledger again.
-func (h *Hooks) ledgerAnswers(ctx context.Context, l *HookLedger) error {
+func (h *Hooks) ledgerAnswers(ctx context.Context, held Holding, l *HookLedger) error {
 	if was, err := h.store.Setting(ctx, refusedKey(l.Hook())); err != nil || was == "" {
 		return err
 	}
 	h.log.Info("delivery ledger: GitHub answers this hook's again", "hook", l.String())
-	return h.write(ctx, func(tx *Tx) error { return tx.SetSetting(ctx, refusedKey(l.Hook()), "", time.Now()) })
+	return held.WriteTx(ctx, h.store, func(tx *Tx) error { return tx.SetSetting(ctx, refusedKey(l.Hook()), "", time.Now()) })
 }
 
 // ledgerAlertID names the alert of GitHub refusing l's ledger since since.
@@ -274,7 +250,7 @@ func ledgerAlertID(l *HookLedger, since time.Time, why error) string {
 // makes an unrecoverable gap instead. The checkpoint moves to now, but never
 // past a delivery still in flight, nor when the listing stopped short: later
 // polls look again. It moves only after a poll that did all it found.
-func (h *Hooks) pollLedger(ctx context.Context, l *HookLedger) (queued int, err error) {
+func (h *Hooks) pollLedger(ctx context.Context, held Holding, l *HookLedger) (queued int, err error) {
 	ctx, cancel := context.WithTimeout(ctx, cmp.Or(h.pollTimeout, ledgerTimeout))
 	defer cancel()
 	now := time.Now().UTC()
@@ -290,7 +266,7 @@ func (h *Hooks) pollLedger(ctx context.Context, l *HookLedger) (queued int, err 
 	if err != nil {
 		return 0, err
 	}
-	if err := h.recordAttempts(ctx, l, entries, now); err != nil {
+	if err := h.recordAttempts(ctx, held, l, entries, now); err != nil {
 		return 0, err
 	}
 	checkpoint := now
@@ -302,7 +278,7 @@ func (h *Hooks) pollLedger(ctx context.Context, l *HookLedger) (queued int, err 
 			continue
 		}
 		if reason := apiDeliveryProblem(e); reason != "" {
-			if err := h.unrecoverable(ctx, l, e, now, reason); err != nil {
+			if err := h.unrecoverable(ctx, held, l, e, now, reason); err != nil {
 				return queued, err
 			}
 			continue
@@ -312,7 +288,7 @@ func (h *Hooks) pollLedger(ctx context.Context, l *HookLedger) (queued int, err 
 			if known[e.GUID] {
 				continue
 			}
-			if err := h.queue(ctx, l, e.Latest); err != nil {
+			if err := h.queue(ctx, held, l, e.Latest); err != nil {
 				return queued, err
 			}
 			queued++
@@ -321,24 +297,24 @@ func (h *Hooks) pollLedger(ctx context.Context, l *HookLedger) (queued int, err 
 				checkpoint = e.FirstOK
 			}
 		case ledgerGap:
-			if err := h.gap(ctx, l, e, now); err != nil {
+			if err := h.gap(ctx, held, l, e, now); err != nil {
 				return queued, err
 			}
 		}
 	}
-	if err := h.redeliverGaps(ctx, l); err != nil {
+	if err := h.redeliverGaps(ctx, held, l); err != nil {
 		return queued, err
 	}
 	if h.store.MayHaveOpenGaps() {
 		var n int64
-		if err := h.write(ctx, func(tx *Tx) (err error) { n, err = tx.ResolveStoredGaps(ctx, l.Hook(), h.appID); return err }); err != nil {
+		if err := held.WriteTx(ctx, h.store, func(tx *Tx) (err error) { n, err = tx.ResolveStoredGaps(ctx, l.Hook(), h.appID); return err }); err != nil {
 			return queued, err
 		}
 		if n > 0 {
 			h.log.Info("delivery gaps resolved: stored now", "hook", l.String(), "gaps", n)
 		}
 	}
-	err = h.write(ctx, func(tx *Tx) error {
+	err = held.WriteTx(ctx, h.store, func(tx *Tx) error {
 		return tx.SetSetting(ctx, checkpointKey(l.Hook()), formatTime(checkpoint), time.Now())
 	})
 	return queued, err
@@ -360,20 +336,20 @@ func apiDeliveryProblem(e *ledgerEntry) string {
 
 // recordAttempts keeps GitHub's attempts of every entry a message could
 // carry, for the deliveries' stories.
-func (h *Hooks) recordAttempts(ctx context.Context, l *HookLedger, entries []*ledgerEntry, now time.Time) error {
+func (h *Hooks) recordAttempts(ctx context.Context, held Holding, l *HookLedger, entries []*ledgerEntry, now time.Time) error {
 	var attempts []hookDelivery
 	for _, e := range entries {
 		if apiDeliveryProblem(e) == "" {
 			attempts = append(attempts, e.Attempts...)
 		}
 	}
-	return h.write(ctx, func(tx *Tx) error { return tx.RecordAttempts(ctx, l.Hook(), attempts, now.Add(-h.window)) })
+	return held.WriteTx(ctx, h.store, func(tx *Tx) error { return tx.RecordAttempts(ctx, l.Hook(), attempts, now.Add(-h.window)) })
 }
 
 // gap records a gap the first time a poll finds it, with its alert.
-func (h *Hooks) gap(ctx context.Context, l *HookLedger, e *ledgerEntry, now time.Time) error {
+func (h *Hooks) gap(ctx context.Context, held Holding, l *HookLedger, e *ledgerEntry, now time.Time) error {
 	g := deliveryGap{Hook: l.Hook(), GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: e.FirstOK, FoundAt: now}
-	recorded, err := h.recordGap(ctx, g, AlertIntent{Name: "gap", Action: e.Event})
+	recorded, err := h.recordGap(ctx, held, g, AlertIntent{Name: "gap", Action: e.Event})
 	if err != nil {
 		return err
 	}
@@ -387,10 +363,10 @@ func (h *Hooks) gap(ctx context.Context, l *HookLedger, e *ledgerEntry, now time
 
 // unrecoverable records e as a gap given up on at once, with its alert,
 // the first time a poll finds it: reason says why.
-func (h *Hooks) unrecoverable(ctx context.Context, l *HookLedger, e *ledgerEntry, now time.Time, reason string) error {
+func (h *Hooks) unrecoverable(ctx context.Context, held Holding, l *HookLedger, e *ledgerEntry, now time.Time, reason string) error {
 	g := deliveryGap{Hook: l.Hook(), GUID: e.GUID, DeliveryID: e.Latest.ID, Event: e.Event, DeliveredAt: cmp.Or(e.FirstOK, e.Latest.DeliveredAt),
 		FoundAt: now, UnrecoverableAt: &now, LastError: reason}
-	recorded, err := h.recordGap(ctx, g, AlertIntent{Name: "gap", Action: "unrecoverable"})
+	recorded, err := h.recordGap(ctx, held, g, AlertIntent{Name: "gap", Action: "unrecoverable"})
 	if err != nil {
 		return err
 	}
@@ -413,7 +389,7 @@ const maxRefusals = 3
 // wait for the next poll. A refusal is logged and asked again at a later
 // poll; the third refusal for good makes the gap unrecoverable, alerted
 // once and never asked for again.
-func (h *Hooks) redeliverGaps(ctx context.Context, l *HookLedger) error {
+func (h *Hooks) redeliverGaps(ctx context.Context, held Holding, l *HookLedger) error {
 	if !h.redeliver {
 		return nil
 	}
@@ -422,6 +398,9 @@ func (h *Hooks) redeliverGaps(ctx context.Context, l *HookLedger) error {
 		return err
 	}
 	for _, g := range gaps {
+		if err := held.Check(); err != nil {
+			return err
+		}
 		err := l.Redeliver(ctx, g.DeliveryID)
 		if errors.Is(err, ErrRedeliveryPaced) {
 			h.log.Debug("redeliveries paced: the rest wait for the next poll", "delivery_id", g.GUID)
@@ -429,7 +408,7 @@ func (h *Hooks) redeliverGaps(ctx context.Context, l *HookLedger) error {
 		}
 		var se *githubStatusError
 		if errors.As(err, &se) && slices.Contains(refusedForGood, se.Status) {
-			gaveUp, rerr := h.gapRefused(ctx, l.Hook(), g.GUID, err)
+			gaveUp, rerr := h.gapRefused(ctx, held, l.Hook(), g.GUID, err)
 			if rerr != nil {
 				return rerr
 			}
@@ -445,7 +424,7 @@ func (h *Hooks) redeliverGaps(ctx context.Context, l *HookLedger) error {
 			continue
 		}
 		h.log.Info("asked GitHub to redeliver a gap", "hook", l.String(), "delivery_id", g.GUID, "github_delivery", g.DeliveryID)
-		if err := h.write(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, l.Hook(), g.GUID, time.Now()) }); err != nil {
+		if err := held.WriteTx(ctx, h.store, func(tx *Tx) error { return tx.GapRedelivered(ctx, l.Hook(), g.GUID, time.Now()) }); err != nil {
 			return err
 		}
 	}
@@ -454,22 +433,25 @@ func (h *Hooks) redeliverGaps(ctx context.Context, l *HookLedger) error {
 
 // queue publishes one github-hooks message for l's failed delivery d, then
 // remembers it.
-func (h *Hooks) queue(ctx context.Context, l *HookLedger, d hookDelivery) error {
+func (h *Hooks) queue(ctx context.Context, held Holding, l *HookLedger, d hookDelivery) error {
 	body, _ := json.Marshal(hookMessage{DeliveryID: d.ID, GUID: d.GUID, Hook: l.Hook()})
 	hdr := http.Header{}
 	hdr.Set(hdrDelivery, d.GUID)
 	hdr.Set(hdrEvent, d.Event)
+	if err := held.Check(); err != nil {
+		return err
+	}
 	if _, err := h.queues.PublishToTarget(ctx, h.brokers, "", queueHooks, newPublishing(hdr, body, "", time.Now())); err != nil {
 		return fmt.Errorf("queue redelivery of %s: %w", d.GUID, err)
 	}
 	h.log.Info("queued a failed delivery for redelivery", "hook", l.String(), "delivery_id", d.GUID, "event", d.Event, "github_delivery", d.ID)
-	return h.write(ctx, func(tx *Tx) error { return tx.HookQueued(ctx, l.Hook(), d.GUID, d.ID, d.Event) })
+	return held.WriteTx(ctx, h.store, func(tx *Tx) error { return tx.HookQueued(ctx, l.Hook(), d.GUID, d.ID, d.Event) })
 }
 
 // recordGap records gap g, with its alert on the channels intent's rules
 // name; recorded is false when the gap was known.
-func (h *Hooks) recordGap(ctx context.Context, g deliveryGap, intent AlertIntent) (recorded bool, err error) {
-	err = h.write(ctx, func(tx *Tx) (err error) {
+func (h *Hooks) recordGap(ctx context.Context, held Holding, g deliveryGap, intent AlertIntent) (recorded bool, err error) {
+	err = held.WriteTx(ctx, h.store, func(tx *Tx) (err error) {
 		recorded, err = tx.RecordGap(ctx, g, h.alerter.ChannelsFor(intent))
 		return err
 	})
@@ -478,8 +460,8 @@ func (h *Hooks) recordGap(ctx context.Context, g deliveryGap, intent AlertIntent
 
 // gapRefused counts GitHub's refusal (why) of hook's redelivery of guid;
 // gaveUp reports that it made the gap unrecoverable, its alert queued.
-func (h *Hooks) gapRefused(ctx context.Context, hook int64, guid string, why error) (gaveUp bool, err error) {
-	err = h.write(ctx, func(tx *Tx) (err error) {
+func (h *Hooks) gapRefused(ctx context.Context, held Holding, hook int64, guid string, why error) (gaveUp bool, err error) {
+	err = held.WriteTx(ctx, h.store, func(tx *Tx) (err error) {
 		gaveUp, err = tx.GapRefused(ctx, hook, guid, why.Error(), maxRefusals, h.alerter.ChannelsFor(AlertIntent{Name: "gap", Action: "unrecoverable"}))
 		return err
 	})

@@ -109,7 +109,7 @@ func TestLedgerHostileCursors(t *testing.T) {
 	api = newHostileAPI(t, func(w http.ResponseWriter, n int64, _ string) { deliveryPage(w, api.srv.URL, n, "v1_loop") })
 	hooks, _, store, logs := hooksForTestAt(t, gh, api.srv.URL)
 	ctx := context.Background()
-	if _, err := hooks.Poll(ctx); err != nil {
+	if _, err := hooks.Poll(ctx, Holding{}); err != nil {
 		t.Fatal(err)
 	}
 	if n := api.pages.Load(); n != 2 {
@@ -129,7 +129,7 @@ func TestLedgerHostileCursors(t *testing.T) {
 	})
 	hooks, _, _, logs = hooksForTestAt(t, gh, endless.srv.URL)
 	growth := rssGrowth(t, func() {
-		if _, err := hooks.Poll(ctx); err != nil {
+		if _, err := hooks.Poll(ctx, Holding{}); err != nil {
 			t.Error(err)
 		}
 	})
@@ -176,7 +176,7 @@ func TestLedgerHugePage(t *testing.T) {
 			})
 			hooks, _, _, _ := hooksForTestAt(t, gh, api.srv.URL)
 			var err error
-			growth := rssGrowth(t, func() { _, err = hooks.Poll(context.Background()) })
+			growth := rssGrowth(t, func() { _, err = hooks.Poll(context.Background(), Holding{}) })
 			if !errors.Is(err, ErrAPIResponseTooLarge) {
 				t.Errorf("a 73 MB page: %v, want ErrAPIResponseTooLarge", err)
 			}
@@ -200,7 +200,7 @@ func TestLedgerPollDeadline(t *testing.T) {
 	api := newHostileAPI(t, func(w http.ResponseWriter, _ int64, _ string) { <-stall })
 	hooks, _, _, _ := hooksForTestAt(t, gh, api.srv.URL)
 	hooks.pollTimeout = 500 * time.Millisecond
-	if _, err := hooks.Poll(context.Background()); !errors.Is(err, context.DeadlineExceeded) {
+	if _, err := hooks.Poll(context.Background(), Holding{}); !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("a poll of an API that stalls: %v, want its deadline", err)
 	}
 	select {
@@ -223,7 +223,7 @@ func TestGapRedeliveriesPaced(t *testing.T) {
 	hooks, _, store, _ := hooksForTest(t, gh)
 	ctx := context.Background()
 	for range 2 {
-		if _, err := hooks.Poll(ctx); err != nil {
+		if _, err := hooks.Poll(ctx, Holding{}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -247,7 +247,7 @@ func TestGapUnrecoverable(t *testing.T) {
 	hooks, _, store, logs := hooksForTest(t, gh)
 	ctx := context.Background()
 	for range 5 {
-		if _, err := hooks.Poll(ctx); err != nil {
+		if _, err := hooks.Poll(ctx, Holding{}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -284,7 +284,7 @@ func TestLedgerHostileGUID(t *testing.T) {
 		t.Fatal(err)
 	}
 	before := brokerConnections(t, vhost)
-	n, err := hooks.Poll(ctx)
+	n, err := hooks.Poll(ctx, Holding{})
 	if err != nil || n != 1 {
 		t.Fatalf("poll: queued %d, %v; want the one good delivery queued", n, err)
 	}

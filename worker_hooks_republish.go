@@ -19,18 +19,18 @@ import (
 // transaction of its own once the network is done with. Each message is a
 // consumer span, under which the republish is traced: the republished
 // delivery's trace begins at the hooks worker.
-func (h *Hooks) HandleMessages(ctx context.Context, msgs []Message) ([]error, error) {
+func (h *Hooks) HandleMessages(ctx context.Context, held Holding, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
 	spans := startConsumes(ctx, queueHooks, msgs)
 	for i := range msgs {
-		verdicts[i] = h.handle(spans.context(ctx, i), &msgs[i])
+		verdicts[i] = h.handle(spans.context(ctx, i), held, &msgs[i])
 	}
 	spans.end(verdicts, nil)
 	return verdicts, nil
 }
 
 // handle republishes the delivery one github-hooks message names.
-func (h *Hooks) handle(ctx context.Context, msg *Message) error {
+func (h *Hooks) handle(ctx context.Context, held Holding, msg *Message) error {
 	var m hookMessage
 	if err := json.Unmarshal(msg.Body, &m); err != nil || m.DeliveryID == 0 || m.GUID == "" {
 		return permanent("github-hooks message without delivery_id or guid")
@@ -74,6 +74,9 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 	if _, _, err := decodePayload(payload, hdr.Get(hdrEvent)); err != nil {
 		return permanent("delivery %d: %v", m.DeliveryID, err)
 	}
+	if err := held.Check(); err != nil {
+		return err
+	}
 	_, err = h.queues.PublishToTarget(ctx, h.brokers, exchangeName, "", newPublishing(hdr, payload, "", time.Now()))
 	var tooLarge *TooLargeError
 	if errors.As(err, &tooLarge) {
@@ -82,7 +85,7 @@ func (h *Hooks) handle(ctx context.Context, msg *Message) error {
 	if err != nil {
 		return fmt.Errorf("republish %s: %w", d.GUID, err)
 	}
-	return h.write(ctx, func(tx *Tx) error {
+	return held.WriteTx(ctx, h.store, func(tx *Tx) error {
 		_, err := tx.MarkDelivery(ctx, "hooks", key, func(tx *Tx) (string, error) {
 			return "", tx.hookRepublished(ctx, m.Hook, m.GUID)
 		})
@@ -105,6 +108,9 @@ const (
 // github.redeliver_per_minute like the poll's own requests. A refusal for
 // good counts toward the gap's unrecoverable state as the poll's do.
 func (h *Hooks) RedeliverOne(ctx context.Context, guid string) (string, error) {
+	// The operator's press, on whichever node answers it: under no lease
+	// (an asked gap is marked so on every node alike).
+	held := Holding{}
 	hook, id, asked, err := h.store.GitHubAttempt(ctx, guid)
 	l := h.ledgerOf(hook)
 	switch {
@@ -121,7 +127,7 @@ func (h *Hooks) RedeliverOne(ctx context.Context, guid string) (string, error) {
 	case errors.Is(err, ErrRedeliveryPaced):
 		return redeliverPaced, nil
 	case errors.As(err, &se) && slices.Contains(refusedForGood, se.Status):
-		if _, err := h.gapRefused(ctx, hook, guid, err); err != nil {
+		if _, err := h.gapRefused(ctx, held, hook, guid, err); err != nil {
 			return "", err
 		}
 		return redeliverRefused, nil
@@ -130,7 +136,7 @@ func (h *Hooks) RedeliverOne(ctx context.Context, guid string) (string, error) {
 	}
 	// A gap keeps when it was asked; a failed delivery GitHub was asked to
 	// send again is asked once more only by a new press.
-	if err := h.write(ctx, func(tx *Tx) error { return tx.GapRedelivered(ctx, hook, guid, time.Now()) }); err != nil {
+	if err := held.WriteTx(ctx, h.store, func(tx *Tx) error { return tx.GapRedelivered(ctx, hook, guid, time.Now()) }); err != nil {
 		return "", err
 	}
 	return redeliverAsked, nil

@@ -381,7 +381,7 @@ func testHooksPollPagingAndCheckpoint(t *testing.T) {
 	gh.deliveries = append(gh.deliveries, hookDelivery{ID: 1, GUID: newGUID(), DeliveredAt: time.Now().Add(-80 * time.Hour), StatusCode: 503, Event: "issues"})
 	hooks, vhost, store, _ := hooksForTest(t, gh)
 
-	n, err := hooks.Poll(context.Background())
+	n, err := hooks.Poll(context.Background(), Holding{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -400,7 +400,7 @@ func testHooksPollPagingAndCheckpoint(t *testing.T) {
 		t.Errorf("hook_redeliveries: %d, want 250", rows)
 	}
 
-	n, err = hooks.Poll(context.Background())
+	n, err = hooks.Poll(context.Background(), Holding{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -426,13 +426,13 @@ func TestHooksGitHubErrors(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(sink, nil))
 	b := hooks.brokers.List()[0]
 
-	if _, err := hooks.Poll(context.Background()); err != nil {
+	if _, err := hooks.Poll(context.Background(), Holding{}); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, hooks.queues, b, ConsumeOptions{Queue: queueHooks, Handle: hooks.HandleMessages, Log: log})
+		consumeUntil(ctx, hooks.queues, b, ConsumeOptions{Queue: queueHooks, Handle: func(ctx context.Context, msgs []Message) ([]error, error) { return hooks.HandleMessages(ctx, Holding{}, msgs) }, Log: log})
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
@@ -456,7 +456,7 @@ func TestHooksGitHubErrors(t *testing.T) {
 	gh.mu.Lock()
 	gh.always401 = true
 	gh.mu.Unlock()
-	if _, err := hooks.Poll(context.Background()); err == nil || !strings.Contains(err.Error(), "401") {
+	if _, err := hooks.Poll(context.Background(), Holding{}); err == nil || !strings.Contains(err.Error(), "401") {
 		t.Errorf("poll with a rejected JWT: got %v", err)
 	}
 	if !strings.Contains(appLog.String(), "level=ERROR") || !strings.Contains(appLog.String(), "check github.app_id and github.private_key_file") {
@@ -513,14 +513,14 @@ func TestHooksRateLimits(t *testing.T) {
 			gh.limitNext = []func(http.ResponseWriter){l.answer(until)}
 			before := len(gh.listTimes)
 			gh.mu.Unlock()
-			if _, err := hooks.Poll(context.Background()); !errors.Is(err, ErrGitHubRateLimited) {
+			if _, err := hooks.Poll(context.Background(), Holding{}); !errors.Is(err, ErrGitHubRateLimited) {
 				t.Fatalf("poll on a rate limit: got %v, want ErrGitHubRateLimited", err)
 			}
-			if _, err := hooks.Poll(context.Background()); !errors.Is(err, ErrGitHubRateLimited) {
+			if _, err := hooks.Poll(context.Background(), Holding{}); !errors.Is(err, ErrGitHubRateLimited) {
 				t.Errorf("poll again at once: got %v, want ErrGitHubRateLimited", err)
 			}
 			eventually(t, 15*time.Second, "a poll that succeeds after the limit", func() bool {
-				_, err := hooks.Poll(context.Background())
+				_, err := hooks.Poll(context.Background(), Holding{})
 				return err == nil
 			})
 			gh.mu.Lock()
@@ -708,7 +708,7 @@ func TestDeliveryLedgerThreeDays(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := hooks.Poll(ctx); err != nil {
+	if _, err := hooks.Poll(ctx, Holding{}); err != nil {
 		t.Fatal(err)
 	}
 	if _, pages, _ := gh.counts(0); pages != 40 {
@@ -740,7 +740,7 @@ func testGapRedeliveryRetried(t *testing.T) {
 	gh.failNext = []int{http.StatusInternalServerError}
 	hooks, _, store, logs := hooksForTest(t, gh)
 	ctx := context.Background()
-	if _, err := hooks.Poll(ctx); err != nil {
+	if _, err := hooks.Poll(ctx, Holding{}); err != nil {
 		t.Fatal(err)
 	}
 	gaps, _, err := store.OpenGaps(ctx, 100)
@@ -750,7 +750,7 @@ func testGapRedeliveryRetried(t *testing.T) {
 	if !strings.Contains(logs.String(), "GitHub did not take the redelivery of a gap") {
 		t.Errorf("the refusal is not logged")
 	}
-	if _, err := hooks.Poll(ctx); err != nil {
+	if _, err := hooks.Poll(ctx, Holding{}); err != nil {
 		t.Fatal(err)
 	}
 	if got := gh.redelivered(); len(got) != 1 || got[0] != 51 {
@@ -784,7 +784,7 @@ func testHooksPollKeepsGitHubAttempts(t *testing.T) {
 		VALUES (9, 'long-gone', $1, 202, 'OK', 0)`, formatTime(time.Now().Add(-80*time.Hour))); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := hooks.Poll(ctx); err != nil {
+	if _, err := hooks.Poll(ctx, Holding{}); err != nil {
 		t.Fatal(err)
 	}
 

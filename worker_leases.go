@@ -102,7 +102,7 @@ func NewLeases(store *Store, node string, ttl time.Duration, jobs []string, metr
 	for _, job := range jobs {
 		l := &Lease{Job: job, ls: ls, taken: make(chan struct{}), lost: make(chan struct{})}
 		ls.leases = append(ls.leases, l)
-		metrics.LeaseHeld(job, l.Held)
+		metrics.LeaseHeld(job, l.valid)
 	}
 	return ls
 }
@@ -124,6 +124,13 @@ func (ls *Leases) Lease(job string) *Lease {
 		}
 	}
 	return nil
+}
+
+// Holds reports whether this node holds job's lease now (Lease.valid),
+// for the status: a job acts only through the Holding it is handed.
+func (ls *Leases) Holds(job string) bool {
+	l := ls.Lease(job)
+	return l != nil && l.valid()
 }
 
 // Node is this node's name.
@@ -252,7 +259,7 @@ func (ls *Leases) release() {
 	defer cancel()
 	err := ls.store.WriteTx(ctx, func(tx *Tx) error {
 		for _, l := range ls.leases {
-			if l.Held() {
+			if l.valid() {
 				if err := tx.ReleaseLease(ctx, l.Job, ls.node); err != nil {
 					return err
 				}
@@ -331,13 +338,13 @@ func (l *Lease) lose(reason string) {
 	l.ls.log.Warn("lease lost: the job stops on this node", "job", l.Job, "reason", reason)
 }
 
-// Held reports whether this node holds the lease now, on its monotonic
+// valid reports whether this node holds the lease now, on its monotonic
 // clock: a holder paused past its lease (a frozen VM, SIGSTOP) finds it
 // no longer held the moment it resumes, before its renewal loop runs and
 // says so. A nil *Lease (a job not kept under a lease) is always held.
-// Every step of a once-only job that acts outside the process asks it
-// right before it acts (or its job's context, leaseContext).
-func (l *Lease) Held() bool {
+// A job asks it through its Holding (Holding.Held); the status and the
+// metrics through Leases.Holds.
+func (l *Lease) valid() bool {
 	if l == nil {
 		return true
 	}
@@ -355,7 +362,13 @@ func (l *Lease) Held() bool {
 type Holding struct {
 	lease *Lease
 	term  int64
+	since time.Time // when this node took it; zero for the zero Holding
 }
+
+// Since is when this node took the holding: what a job made before it
+// (a ping waiting) is not the holding's to act on. Zero for the zero
+// Holding.
+func (h Holding) Since() time.Time { return h.since }
 
 // Held reports whether this node holds the lease now, in the holding's
 // term, on its monotonic clock.
@@ -366,7 +379,20 @@ func (h Holding) Held() bool {
 	h.lease.mu.Lock()
 	term := h.lease.term
 	h.lease.mu.Unlock()
-	return term == h.term && h.lease.Held()
+	return term == h.term && h.lease.valid()
+}
+
+// ErrNotHeld is a step of a job under a lease this node no longer holds
+// (Holding.Check): it was not taken.
+var ErrNotHeld = errors.New("this node no longer holds the job's lease")
+
+// Check is nil while the holding holds (Held), else ErrNotHeld: a job's
+// step that acts outside the process asks it right before it acts.
+func (h Holding) Check() error {
+	if !h.Held() {
+		return ErrNotHeld
+	}
+	return nil
 }
 
 // WriteTx runs fn in a write transaction of store made under the holding
@@ -387,31 +413,6 @@ func (h Holding) fence() *Fence {
 	// A third of lease_ttl: what a paused holder's transaction may keep
 	// locked, well before another node may take the lease.
 	return &Fence{Job: h.lease.Job, Node: h.lease.ls.node, Term: h.term, Hold: h.lease.ls.ttl / 3}
-}
-
-// leaseContext is a job's context under its lease: besides ending when
-// the holding ends (the renewal loop), it ends the moment Done or Err is
-// asked while the lease is no longer valid on this node's monotonic
-// clock, so that a step that looks at its context before it acts (an
-// HTTP request, a publish) takes none after a pause.
-type leaseContext struct {
-	context.Context
-	l    *Lease
-	stop func()
-}
-
-func (c *leaseContext) Done() <-chan struct{} {
-	if !c.l.Held() {
-		c.stop()
-	}
-	return c.Context.Done()
-}
-
-func (c *leaseContext) Err() error {
-	if !c.l.Held() {
-		c.stop()
-	}
-	return c.Context.Err()
 }
 
 // Run runs job whenever this node holds the lease, handing it the
@@ -444,14 +445,13 @@ func (l *Lease) Run(ctx context.Context, job func(ctx context.Context, h Holding
 			return nil
 		}
 		l.mu.Lock()
-		h := Holding{lease: l, term: l.term}
+		h := Holding{lease: l, term: l.term, since: time.Now()}
 		l.mu.Unlock()
 		jctx, stop := whileOpen(ctx, lost)
-		lctx, end := context.WithCancel(jctx)
-		// Its writes are made under this holding: a stale one's change
-		// nothing.
-		err := job(&leaseContext{Context: lctx, l: l, stop: end}, h)
-		end()
+		// Its writes are made under this holding (a stale one's change
+		// nothing), and it asks the holding right before each step that
+		// acts outside the process.
+		err := job(jctx, h)
 		stop()
 		l.ls.ending()
 		if err != nil && ctx.Err() == nil {
