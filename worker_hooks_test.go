@@ -432,7 +432,9 @@ func TestHooksGitHubErrors(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
-		consumeUntil(ctx, hooks.queues, b, ConsumeOptions{Queue: queueHooks, Handle: func(ctx context.Context, msgs []Message) ([]error, error) { return hooks.HandleMessages(ctx, Holding{}, msgs) }, Log: log})
+		consumeUntil(ctx, hooks.queues, b, ConsumeOptions{Queue: queueHooks, Handle: func(ctx context.Context, msgs []Message) ([]error, error) {
+			return hooks.HandleMessages(ctx, Holding{}, msgs)
+		}, Log: log})
 		close(done)
 	}()
 	defer func() { cancel(); <-done }()
