@@ -579,14 +579,8 @@ func waitTaken(t *testing.T, ls *Leases, timeout time.Duration, jobs ...string) 
 		if l == nil {
 			t.Fatalf("no lease of job %s kept", job)
 		}
-		l.mu.Lock()
-		taken := l.taken
-		if l.held {
-			taken = closedChan
-		}
-		l.mu.Unlock()
 		select {
-		case <-taken:
+		case <-l.whenTaken():
 		case <-deadline:
 			t.Fatalf("the lease of %s not taken within %s", job, timeout)
 		}

@@ -424,16 +424,10 @@ func (l *Lease) Run(ctx context.Context, job func(ctx context.Context, h Holding
 		return job(ctx, Holding{})
 	}
 	for {
-		l.mu.Lock()
-		taken := l.taken
-		if l.held {
-			taken = closedChan
-		}
-		l.mu.Unlock()
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-taken:
+		case <-l.whenTaken():
 		}
 		l.mu.Lock()
 		lost, held := l.lost, l.held
@@ -458,6 +452,17 @@ func (l *Lease) Run(ctx context.Context, job func(ctx context.Context, h Holding
 			l.ls.log.Warn("job under lease failed", "job", l.Job, "error", err)
 		}
 	}
+}
+
+// whenTaken is closed once this node holds the lease: at once while it
+// does.
+func (l *Lease) whenTaken() <-chan struct{} {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.held {
+		return closedChan
+	}
+	return l.taken
 }
 
 // closedChan is a channel that is closed.
