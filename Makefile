@@ -141,6 +141,8 @@ install:
 		if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi; fi
 	install -D -m 0640 config.example.toml $(DESTDIR)/etc/switchyard/switchyard.toml.example
 	install -D -m 0644 README.md $(DESTDIR)$(PREFIX)/share/doc/switchyard/README.md
+	install -d -m 0755 $(DESTDIR)$(PREFIX)/share/doc/switchyard/docs
+	install -m 0644 docs/*.md docs/*.png $(DESTDIR)$(PREFIX)/share/doc/switchyard/docs/
 	install -D -m 0644 deploy/switchyard-https.conf $(DESTDIR)$(PREFIX)/share/switchyard/switchyard-https.conf
 
 # The Debian package: binary, unit, config (a conffile), rules and README;

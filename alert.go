@@ -216,7 +216,7 @@ Delivered:  %s
 It may have been lost by a broker, be waiting on a broker nobody reads, or
 sit in an -error queue. switchyard asks GitHub to deliver it again when
 github.redeliver_gaps is on; "switchyard deliveries -gaps" lists the open gaps,
-and the README says what to do about one.
+and docs/ledger.md (with the README) says what to do about one.
 `, ev.DeliveryID, ev.Action, ev.ReceivedAt.UTC().Format(time.RFC3339))
 	return subject, body, ""
 }

@@ -432,7 +432,7 @@ func poolerWarning(raw string) string {
 	for _, host := range strings.Split(u.Host, ",") {
 		if _, port, err := net.SplitHostPort(host); err == nil && port == poolerPort {
 			return "database.url: port " + poolerPort + " is a pooler's (PgBouncer's) usual port: in transaction mode it needs " +
-				"default_query_exec_mode=exec in the URL (README, \"When one VPS is not enough\")"
+				"default_query_exec_mode=exec in the URL (docs/fleet.md, \"Through a pooler\")"
 		}
 	}
 	return ""

@@ -113,7 +113,8 @@ func TestMakeInstall(t *testing.T) {
 		t.Errorf("make install without a binary: %v\n%s", err, out)
 	}
 	for _, f := range []string{"opt/sy/bin/switchyard", "etc/systemd/system/switchyard.service",
-		"etc/systemd/system/switchyard.socket", "etc/switchyard/switchyard.toml.example", "opt/sy/share/doc/switchyard/README.md"} {
+		"etc/systemd/system/switchyard.socket", "etc/switchyard/switchyard.toml.example", "opt/sy/share/doc/switchyard/README.md",
+		"opt/sy/share/doc/switchyard/docs/configuration.md", "opt/sy/share/doc/switchyard/docs/status.png"} {
 		if _, err := os.Stat(filepath.Join(dest, f)); err != nil {
 			t.Errorf("not installed: %s", f)
 		}
@@ -280,7 +281,7 @@ func TestDebPackage(t *testing.T) {
 		" ./lib/systemd/system/switchyard.service$", " ./lib/systemd/system/switchyard.socket$", " ./usr/share/switchyard/switchyard.rules.yml$",
 		" ./lib/systemd/system/switchyard-https.socket$", " ./lib/systemd/system/switchyard-http.socket$", " ./usr/share/switchyard/switchyard-https.conf$",
 		" ./usr/share/switchyard/haproxy.cfg$",
-		" ./usr/share/doc/switchyard/README.md$"} {
+		" ./usr/share/doc/switchyard/README.md$", " ./usr/share/doc/switchyard/docs/configuration.md$", " ./usr/share/doc/switchyard/docs/status.png$"} {
 		if !regexp.MustCompile("(?m)" + want).Match(contents) {
 			t.Errorf("dpkg-deb -c lacks %s:\n%s", want, contents)
 		}

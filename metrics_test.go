@@ -126,12 +126,12 @@ func TestMetricsListen(t *testing.T) {
 	}
 }
 
-// metricsDocumented holds the README's metrics table to the metrics a
+// metricsDocumented holds the table of docs/metrics.md to the metrics a
 // daemon serves (scraped): every switchyard_ metric is named in it, and
 // every outcome of switchyard_webhooks_received_total in its row.
 func metricsDocumented(t *testing.T, scraped map[string]float64) {
 	t.Helper()
-	readme, err := os.ReadFile("README.md")
+	readme, err := os.ReadFile("docs/metrics.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -154,12 +154,12 @@ func metricsDocumented(t *testing.T, scraped map[string]float64) {
 			}
 		}
 		if !strings.Contains(text, "`"+base) {
-			t.Errorf("README's metrics table does not name %s", base)
+			t.Errorf("docs/metrics.md does not name %s", base)
 		}
 		if name == "switchyard_webhooks_received_total" {
 			outcome := strings.TrimSuffix(strings.TrimPrefix(labels, `outcome="`), `"}`)
 			if !strings.Contains(row, "`"+outcome+"`") {
-				t.Errorf("README's row of switchyard_webhooks_received_total does not name the outcome %q:\n%s", outcome, row)
+				t.Errorf("docs/metrics.md's row of switchyard_webhooks_received_total does not name the outcome %q:\n%s", outcome, row)
 			}
 		}
 	}

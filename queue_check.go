@@ -389,7 +389,7 @@ func (c *brokerCheck) topology() {
 		return
 	}
 	if len(missing) > 0 && !c.cfg.DeclareTopology {
-		c.add(name, false, "missing %v (queue.declare_topology is off: provision them as the README says)", missing)
+		c.add(name, false, "missing %v (queue.declare_topology is off: provision them as docs/brokers.md says)", missing)
 		return
 	}
 	if c.cfg.DeclareTopology {
