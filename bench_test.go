@@ -23,6 +23,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 // BenchmarkSwitchyard is `make bench`: each row measures switchyard and, where
@@ -492,7 +493,7 @@ func benchConsume(b *testing.B, payload []byte) consumeResult {
 	store, cfg := benchStore(b)
 	defer store.Close()
 	log := slog.New(slog.DiscardHandler)
-	q := NewQueues(cfg.Queue, mustBrokers(b, amqpURL(vhost)), nil, log)
+	q := NewQueues(cfg.Queue, mustBrokers(b, amqpURL(vhost)), nil, noop.NewTracerProvider(), log)
 	defer q.Close()
 	h := eventFunc(databaseHandler(testBotAppID))
 	var done atomic.Int64
@@ -578,7 +579,7 @@ func drainRate(b testing.TB, store *Store, cfg *Config, brokerURL string, n int)
 	log := slog.New(slog.DiscardHandler)
 	qcfg := cfg.Queue
 	qcfg.DeclareTopology = false // the bench declared it, with its own retry_ttl
-	q := NewQueues(qcfg, mustBrokers(b, brokerURL), nil, log)
+	q := NewQueues(qcfg, mustBrokers(b, brokerURL), nil, noop.NewTracerProvider(), log)
 	defer q.Close()
 	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
 		b.Fatal(err)

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 // usageError is bad usage: exit status 2.
@@ -317,7 +318,7 @@ func printLedger(ctx context.Context, tw io.Writer, l *HookLedger, store *Store,
 func operatorQueues(cfg *Config, brokers []*Broker, log *slog.Logger) *Queues {
 	qcfg := cfg.Queue
 	qcfg.DeclareTopology = false
-	return NewQueues(qcfg, brokers, nil, log)
+	return NewQueues(qcfg, brokers, nil, noop.NewTracerProvider(), log)
 }
 
 // ReplayOptions are the replay command's flags.

@@ -45,7 +45,9 @@ type Daemon struct {
 	healthChecks *HealthChecks
 	// tls serves HTTPS (server.tls); nil for plain HTTP.
 	tls *serverTLS
-	// stopTracing exports the spans that wait and stops ([tracing]).
+	// tracer makes the API's request spans; stopTracing exports the spans
+	// that wait and stops ([tracing]).
+	tracer      Tracer
 	stopTracing func(context.Context) error
 }
 
@@ -54,12 +56,13 @@ type Daemon struct {
 func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, error) {
 	metrics := NewMetrics(MetricLabels{Version: version, Queues: logicalQueues, Tables: orderSafeTables,
 		Outcomes: outcomes})
-	// Tracing first: the store's PostgreSQL connections take its hook.
-	stopTracing, err := NewTracing(cfg.Tracing, cfg.Server.NodeName, metrics.SpansDropped, log)
+	// Tracing first: everything traced is handed its provider (the no-op
+	// one when [tracing] is off), the store's PostgreSQL connections too.
+	tp, stopTracing, err := NewTracing(cfg.Tracing, cfg.Server.NodeName, metrics.SpansDropped, log)
 	if err != nil {
 		return nil, err
 	}
-	store, err := OpenStore(ctx, cfg.Database, metrics)
+	store, err := OpenTracedStore(ctx, cfg.Database, metrics, tp)
 	if err != nil {
 		return nil, err
 	}
@@ -88,19 +91,19 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	}
 	brokers.JoinNodes(cfg.Server.NodeName, cfg.Server.LeaseTTL)
 	leases := NewLeases(store, cfg.Server.NodeName, cfg.Server.LeaseTTL, leaseJobs(cfg), metrics, log)
-	queues := NewQueues(cfg.Queue, brokers.List(), metrics, log)
+	queues := NewQueues(cfg.Queue, brokers.List(), metrics, tp, log)
 	leases.OnZstdReaders(queues.SetZstdReaders)
 	for _, b := range brokers.List() {
 		metrics.broker(b.Index, b.Host, b.Vhost)
 	}
 	refused := NewRejectLog(store, metrics, log.With("component", "webhook"))
-	outbox := NewOutbox(cfg, store, brokers, queues, metrics, tracer, log)
+	outbox := NewOutbox(cfg, store, brokers, queues, metrics, tp, log)
 	webhook, err := NewWebhook(cfg, brokers, outbox, metrics, refused, log)
 	if err != nil {
 		return fail(err)
 	}
 	d := &Daemon{cfg: cfg, log: log, store: store, brokers: brokers, queues: queues, metrics: metrics, leases: leases, refused: refused,
-		outbox: outbox, stopTracing: stopTracing}
+		outbox: outbox, tracer: NewTracer(tp), stopTracing: stopTracing}
 	alerter := NewAlerter(cfg.Alerts, log.With("component", "alerts"))
 	d.alerter, d.alerts = alerter, NewAlertSender(store, alerter, log)
 	d.keepalive = NewKeepalive(cfg.Queue, brokers.List(), queues, metrics, log)
@@ -118,12 +121,12 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 		return fail(err)
 	}
 	if len(ledgers) > 0 {
-		hooks = NewHooks(cfg, ledgers, store, brokers, queues, alerter, log.With("worker", "hooks"))
+		hooks = NewHooks(cfg, ledgers, store, brokers, queues, alerter, tp, log.With("worker", "hooks"))
 		hooks.RegisterMetrics(metrics)
 	}
 	d.healthChecks = NewHealthChecks(metrics, log)
 	ws := workerParts{cfg: cfg, store: store, brokers: brokers, queues: queues, metrics: metrics, alerter: alerter,
-		usage: d.usage, health: d.healthChecks, log: log}
+		usage: d.usage, health: d.healthChecks, tracer: d.tracer, log: log}
 	d.workers = []*Worker{ws.service(), ws.databaseService(), ws.cleanup()}
 	if hooks != nil {
 		d.hooks = ws.hooks(hooks)
@@ -369,10 +372,7 @@ const followEvery = time.Second
 // HTTP server on plain when it is set, and, with server.metrics_listen,
 // the metrics server on its own listener.
 func (d *Daemon) httpServers(ln, plain net.Listener) ([]*http.Server, []net.Listener, error) {
-	handler := d.api.Handler()
-	if d.cfg.Tracing.On() {
-		handler = traceRequests(handler)
-	}
+	handler := d.tracer.requests(d.api.Handler())
 	servers := []*http.Server{{
 		Handler:           handler,
 		ReadHeaderTimeout: 10 * time.Second,

@@ -18,6 +18,7 @@ type workerParts struct {
 	alerter *Alerter
 	usage   *Usage
 	health  *HealthChecks
+	tracer  Tracer // each consumed message's span
 	log     *slog.Logger
 }
 
@@ -32,7 +33,7 @@ func (p workerParts) options(name, queue, healthURL string) WorkerOptions {
 // events builds an Event worker whose batches commit in the store, with
 // the brokers' counts.
 func (p workerParts) events(o WorkerOptions, e EventOptions) *Worker {
-	e.Batch, e.Usage = p.store, p.usage
+	e.Batch, e.Usage, e.Tracer = p.store, p.usage, p.tracer
 	return NewEventWorker(o, e, p.cfg.Workers, p.brokers, p.queues, p.log)
 }
 

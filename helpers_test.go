@@ -27,6 +27,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 // These tests talk to a real broker and real SQLite files: by default the
@@ -818,7 +819,7 @@ func amqpChannel(t testing.TB, vhost string) *amqp.Channel {
 func declareTestTopology(t testing.TB, vhost string, retryTTL time.Duration) {
 	t.Helper()
 	q := NewQueues(QueueConfig{DeclareTopology: true, RetryTTL: retryTTL, CallTimeout: 5 * time.Second,
-		PublishTimeout: 5 * time.Second, Prefetch: 1, MaxAttempts: 10}, mustBrokers(t, amqpURL(vhost)), nil, slog.New(slog.DiscardHandler))
+		PublishTimeout: 5 * time.Second, Prefetch: 1, MaxAttempts: 10}, mustBrokers(t, amqpURL(vhost)), nil, noop.NewTracerProvider(), slog.New(slog.DiscardHandler))
 	defer q.Close()
 	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
 		t.Fatal(err)
@@ -977,7 +978,7 @@ func newParts(t testing.TB, cfg *Config) *parts {
 	if err != nil {
 		t.Fatal(err)
 	}
-	queues := NewQueues(cfg.Queue, brokers.List(), nil, log)
+	queues := NewQueues(cfg.Queue, brokers.List(), nil, noop.NewTracerProvider(), log)
 	t.Cleanup(func() { queues.Close() })
 	return &parts{store: store, brokers: brokers, queues: queues, log: log, logs: sink}
 }

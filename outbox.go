@@ -71,7 +71,7 @@ type Outbox struct {
 	// ttl is server.lease_ttl: a row of a node that never took its
 	// outbox lease is adopted once it is that old.
 	ttl    time.Duration
-	tracer trace.Tracer
+	tracer Tracer
 	log    *slog.Logger
 
 	// writes are the rows the requests hand the writer; stopped is
@@ -120,7 +120,7 @@ const stateEvery = time.Second
 
 // NewOutbox builds the outbox of cfg over store, brokers and queues, with
 // its gauges; nothing runs until Write and Forward.
-func NewOutbox(cfg *Config, store *Store, brokers *Brokers, queues *Queues, metrics *Metrics, tracer trace.Tracer, log *slog.Logger) *Outbox {
+func NewOutbox(cfg *Config, store *Store, brokers *Brokers, queues *Queues, metrics *Metrics, tp trace.TracerProvider, log *slog.Logger) *Outbox {
 	// The store has storeWait to take a webhook (SQLite's busy_timeout
 	// when shorter: past it the lock another process holds has refused
 	// it), then the broker publish_timeout: within GitHub's 10 s.
@@ -129,7 +129,7 @@ func NewOutbox(cfg *Config, store *Store, brokers *Brokers, queues *Queues, metr
 		commit = min(commit, max(cfg.Database.BusyTimeout, 100*time.Millisecond))
 	}
 	o := &Outbox{store: store, brokers: brokers, queues: queues, node: cfg.Server.NodeName, maxBytes: cfg.Queue.OutboxMaxBytes,
-		publishTimeout: cfg.Queue.PublishTimeout, commitTimeout: commit, ttl: cfg.Server.LeaseTTL, tracer: tracer, log: log.With("component", "outbox"),
+		publishTimeout: cfg.Queue.PublishTimeout, commitTimeout: commit, ttl: cfg.Server.LeaseTTL, tracer: NewTracer(tp), log: log.With("component", "outbox"),
 		writes: make(chan *outboxWrite, outboxGroupRows), stopped: make(chan struct{}), kick: make(chan struct{}, 1)}
 	o.logStoreRefused = rateLimited(10*time.Second, func(err error) {
 		o.log.Warn("webhooks not committed to the outbox: the store did not take them; they take the broker's path", "error", err)
@@ -270,8 +270,8 @@ func (o *Outbox) row(exchange, key string, msg amqp.Publishing) (OutboxRow, erro
 // not; in a span of the delivery's trace when ctx is traced.
 func (o *Outbox) write(ctx context.Context, row OutboxRow) error {
 	var span trace.Span
-	if trace.SpanContextFromContext(ctx).IsValid() {
-		_, span = o.tracer.Start(ctx, "outbox "+row.Exchange, trace.WithSpanKind(trace.SpanKindProducer),
+	if o.tracer.on() && trace.SpanContextFromContext(ctx).IsValid() {
+		_, span = o.tracer.tracer.Start(ctx, "outbox "+row.Exchange, trace.WithSpanKind(trace.SpanKindProducer),
 			trace.WithAttributes(attribute.String("messaging.message.id", row.GUID)))
 	}
 	w := &outboxWrite{row: row, done: make(chan error, 1)}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Queues is the AMQP side of switchyard, one broker at a time: per broker a
@@ -33,13 +34,15 @@ type Queues struct {
 	// zstdReaders: whether every node reading the queues reads zstd
 	// (SetZstdReaders, fit).
 	zstdReaders atomic.Int32
+	tracer      Tracer
 }
 
 // NewQueues prepares connections to the brokers; nothing is dialed yet.
-// metrics may be nil (the commands that record none).
-func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.Logger) *Queues {
+// metrics may be nil (the commands that record none); publishes are spans
+// of tp (the no-op provider: none).
+func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, tp trace.TracerProvider, log *slog.Logger) *Queues {
 	handling, abandon := context.WithCancel(context.Background())
-	q := &Queues{cfg: cfg, log: log, drainQuiet: time.Second, done: newDoneTimes(), abandon: abandon}
+	q := &Queues{cfg: cfg, log: log, drainQuiet: time.Second, done: newDoneTimes(), abandon: abandon, tracer: NewTracer(tp)}
 	var onDial func(*brokerConn, *amqp.Connection) error
 	if cfg.DeclareTopology {
 		onDial = declareTopology(cfg)
@@ -47,7 +50,7 @@ func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, log *slog.L
 	sizes := &messageSizes{}
 	for _, b := range brokers {
 		bc := newBrokerConn(b, cfg.CallTimeout, onDial, metrics, log)
-		pub := newPublisher(bc, metrics)
+		pub := newPublisher(bc, metrics, q.tracer)
 		q.conns = append(q.conns, bc)
 		q.pubs = append(q.pubs, pub)
 		q.readers = append(q.readers, &reader{
@@ -222,7 +225,7 @@ func (q *Queues) PublishInOrder(ctx context.Context, b *Broker, msgs []Outgoing)
 		if i >= n {
 			e = err
 		}
-		p.metrics.publish(b.Index, traceID(traceOf(ctx, msgs[i].Msg.Headers)), e, time.Since(start))
+		p.metrics.publish(b.Index, traceID(q.tracer.traceOf(ctx, msgs[i].Msg.Headers)), e, time.Since(start))
 	}
 	return n, err
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"go.opentelemetry.io/otel/trace/noop"
 	"go.uber.org/goleak"
 )
 
@@ -23,7 +24,7 @@ func TestAMQPSEndToEnd(t *testing.T) {
 	// The certificate is checked: without the CA file the broker is not
 	// reachable.
 	untrusted, _, _ := strings.Cut(proxy.URL(vhost), "?")
-	q := NewQueues(cfg.Queue, mustBrokers(t, untrusted), nil, slog.New(slog.DiscardHandler))
+	q := NewQueues(cfg.Queue, mustBrokers(t, untrusted), nil, noop.NewTracerProvider(), slog.New(slog.DiscardHandler))
 	if err := q.Reachable(context.Background(), q.conns[0].broker); err == nil || !strings.Contains(err.Error(), "certificate") {
 		t.Fatalf("amqps without the CA: %v, want a certificate error", err)
 	}

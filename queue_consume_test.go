@@ -19,6 +19,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 func TestDeathCount(t *testing.T) {
@@ -789,7 +790,7 @@ func TestBatchFailuresSettledAfterCommit(t *testing.T) {
 func declareTopologyOf(t testing.TB, vhost string, cfg QueueConfig) {
 	t.Helper()
 	cfg.DeclareTopology = true
-	q := NewQueues(cfg, mustBrokers(t, amqpURL(vhost)), nil, slog.New(slog.DiscardHandler))
+	q := NewQueues(cfg, mustBrokers(t, amqpURL(vhost)), nil, noop.NewTracerProvider(), slog.New(slog.DiscardHandler))
 	defer q.Close()
 	if err := q.Reachable(context.Background(), q.conns[0].broker); err != nil {
 		t.Fatal(err)

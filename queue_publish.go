@@ -62,6 +62,7 @@ const confirmLanes = 16
 type publisher struct {
 	bc      *brokerConn
 	metrics *Metrics
+	tracer  Tracer // the producer spans
 	sem     chan struct{}
 	// opening are the goroutines opening lanes in the background, each
 	// ending once its channel is open or failed, within call_timeout;
@@ -96,8 +97,8 @@ type lane struct {
 
 // newPublisher prepares publishing on the connection bc keeps; nothing is
 // opened before the first publish.
-func newPublisher(bc *brokerConn, metrics *Metrics) *publisher {
-	return &publisher{bc: bc, metrics: metrics, sem: make(chan struct{}, maxInFlight)}
+func newPublisher(bc *brokerConn, metrics *Metrics, tracer Tracer) *publisher {
+	return &publisher{bc: bc, metrics: metrics, tracer: tracer, sem: make(chan struct{}, maxInFlight)}
 }
 
 // onConn readies the lanes for conn: when it is not the connection they are
@@ -313,7 +314,7 @@ func (p *publisher) publishAll(ctx context.Context, msgs []Outgoing) (confirmed 
 		return 0, fmt.Errorf("publish to %s: %w: %w", b, errConfirmLost, err)
 	}
 	dcs := make([]*amqp.DeferredConfirmation, 0, len(msgs))
-	spans := startPublishes(ctx, msgs)
+	spans := p.startPublishes(ctx, msgs)
 	defer func() { endPublishes(spans, confirmed, err) }()
 	for _, m := range msgs {
 		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, m.Exchange, m.Key, true, false, m.Msg)
@@ -435,13 +436,13 @@ func (p *publisher) PublishConfirmed(ctx context.Context, exchange, key string, 
 
 // startPublishes begins the producer spans of msgs (startPublish), none
 // while tracing is off.
-func startPublishes(ctx context.Context, msgs []Outgoing) []trace.Span {
-	if !tracingOn.Load() {
+func (p *publisher) startPublishes(ctx context.Context, msgs []Outgoing) []trace.Span {
+	if !p.tracer.on() {
 		return nil
 	}
 	spans := make([]trace.Span, len(msgs))
 	for i := range msgs {
-		_, spans[i] = startPublish(ctx, msgs[i].Exchange, msgs[i].Key, &msgs[i].Msg)
+		_, spans[i] = p.tracer.startPublish(ctx, msgs[i].Exchange, msgs[i].Key, &msgs[i].Msg)
 	}
 	return spans
 }

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 // openLanes counts the publisher's confirm channels that are open.
@@ -36,7 +38,7 @@ func publishQueues(t *testing.T) (vhost string, q *Queues) {
 	vhost = newVhost(t)
 	declareTestTopology(t, vhost, 200*time.Millisecond)
 	cfg := testConfig(t, amqpURL(vhost))
-	q = NewQueues(cfg.Queue, mustBrokers(t, amqpURL(vhost)), nil, slog.New(slog.DiscardHandler))
+	q = NewQueues(cfg.Queue, mustBrokers(t, amqpURL(vhost)), nil, noop.NewTracerProvider(), slog.New(slog.DiscardHandler))
 	t.Cleanup(func() { q.Close() })
 	return vhost, q
 }

@@ -14,6 +14,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 	_ "modernc.org/sqlite"
 )
 
@@ -34,6 +36,7 @@ type Store struct {
 	// the URL without its password.
 	name    string
 	metrics *Metrics
+	tracer  Tracer
 	// gapsOpen is whether delivery_gaps may hold an open gap: storing an
 	// Event resolves its gap only then (see resolveGap). Migrate counts
 	// them, RecordGap and the hooks poll keep it true.
@@ -51,11 +54,17 @@ type Store struct {
 // OpenStore opens the database cfg names: the SQLite file at cfg.Path
 // (created when needed) with the pragmas set on every connection, or the
 // PostgreSQL database at cfg.URL. metrics may be nil (the commands that
-// record none).
+// record none). Its transactions are not traced (OpenTracedStore).
 func OpenStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics) (*Store, error) {
-	s := &Store{metrics: metrics}
+	return OpenTracedStore(ctx, cfg, metrics, noop.NewTracerProvider())
+}
+
+// OpenTracedStore is OpenStore whose transactions, and PostgreSQL's
+// statements, are spans of tp when they run in a trace (a message's batch).
+func OpenTracedStore(ctx context.Context, cfg DatabaseConfig, metrics *Metrics, tp trace.TracerProvider) (*Store, error) {
+	s := &Store{metrics: metrics, tracer: NewTracer(tp)}
 	if cfg.Driver == "postgres" {
-		db, e, err := openPostgres(ctx, cfg)
+		db, e, err := openPostgres(ctx, cfg, s.tracer)
 		if err != nil {
 			return nil, err
 		}
@@ -173,7 +182,7 @@ func (s *Store) WriteTxUnder(ctx context.Context, f Fence, fn func(tx *Tx) error
 func (s *Store) writeTx(ctx context.Context, fence *Fence, first bool, fn func(tx *Tx) error) error {
 	start := time.Now()
 	defer func() { s.metrics.dbWrite(time.Since(start)) }()
-	ctx, span := startTransaction(ctx, s.engine.driver())
+	ctx, span := s.tracer.startTransaction(ctx, s.engine.driver())
 	err := s.runTx(ctx, fence, first, fn)
 	endSpan(span, err)
 	return err

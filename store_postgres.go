@@ -71,7 +71,7 @@ func preparedClash(err error) bool {
 
 // openPostgres opens a pool of at most cfg.MaxConns connections to the
 // PostgreSQL database at cfg.URL, and checks that it answers.
-func openPostgres(ctx context.Context, cfg DatabaseConfig) (*sql.DB, postgresEngine, error) {
+func openPostgres(ctx context.Context, cfg DatabaseConfig, tracer Tracer) (*sql.DB, postgresEngine, error) {
 	cc, err := pgx.ParseConfig(cfg.URL)
 	if err != nil {
 		var pe *pgconn.ParseConfigError
@@ -91,9 +91,7 @@ func openPostgres(ctx context.Context, cfg DatabaseConfig) (*sql.DB, postgresEng
 	d := &net.Dialer{KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 3},
 		Control: userTimeout(deadPeer)}
 	cc.DialFunc = d.DialContext
-	if tracingOn.Load() {
-		cc.Tracer = pgxTracer{}
-	}
+	cc.Tracer = tracer.pgx()
 	pooler := &poolerFound{maxConns: cfg.MaxConns, warn: func(string, ...any) {}}
 	db := stdlib.OpenDB(*cc, stdlib.OptionBeforeConnect(func(_ context.Context, c *pgx.ConnConfig) error {
 		if pooler.since() != nil {

@@ -1,6 +1,6 @@
 // One trace per delivery ([tracing]): OpenTelemetry spans from the door to
 // the commit, the W3C trace context carried in each message's headers, so
-// that the publish, the spool, and every consumer of every node join the
+// that the outbox, the publish and every consumer of every node join the
 // trace the webhook's request began.
 
 package main
@@ -14,7 +14,6 @@ import (
 	"os"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -31,41 +30,54 @@ import (
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 )
-
-// tracer makes switchyard's spans: through the global provider, which
-// NewTracing sets when [tracing] is on; off, it makes no span.
-var tracer = otel.Tracer("switchyard")
 
 // propagator carries the trace context in messages' headers and requests'
 // (W3C traceparent and tracestate), whether tracing is on or not: a
 // message passes an outside producer's trace on unchanged.
 var propagator = propagation.TraceContext{}
 
-// tracingOn is set while spans are made (NewTracing): off, the data path
-// does not even look for a trace.
-var tracingOn atomic.Bool
+// Tracer makes switchyard's spans from the TracerProvider it is made of
+// (NewTracer). Of the no-op provider, tracing off, it is the zero Tracer:
+// it makes no span and the data path does not even look for a trace.
+// What is traced is handed one; nothing reads a global.
+type Tracer struct {
+	provider trace.TracerProvider
+	tracer   trace.Tracer
+}
+
+// NewTracer is the Tracer of tp; of the no-op provider, or none, it is off.
+func NewTracer(tp trace.TracerProvider) Tracer {
+	if _, off := tp.(noop.TracerProvider); off || tp == nil {
+		return Tracer{}
+	}
+	return Tracer{provider: tp, tracer: tp.Tracer("switchyard")}
+}
+
+// on says whether t makes spans.
+func (t Tracer) on() bool { return t.tracer != nil }
 
 // spanQueue bounds the spans that wait for the exporter (the SDK's batch
 // processor's queue): past it a span is dropped and counted, so that a
 // collector that is down or slow costs memory it bounds and nothing else.
 const spanQueue = 4096
 
-// NewTracing starts sending spans as cfg says, and sets the global
-// provider; off, it returns a shutdown that does nothing. dropped counts
-// the spans lost: dropped by the batch processor's bounded queue, or not
-// taken by the collector.
-func NewTracing(cfg TracingConfig, node string, dropped func(n int), log *slog.Logger) (shutdown func(context.Context) error, err error) {
-	otel.SetTextMapPropagator(propagator)
+// NewTracing is the TracerProvider cfg asks for, sending spans through
+// the SDK's batch processor, and its shutdown; off, the no-op provider and
+// a shutdown that does nothing. dropped counts the spans lost: dropped by
+// the batch processor's bounded queue, or not taken by the collector.
+func NewTracing(cfg TracingConfig, node string, dropped func(n int), log *slog.Logger) (trace.TracerProvider, func(context.Context) error, error) {
 	if !cfg.On() {
-		return func(context.Context) error { return nil }, nil
+		return noop.NewTracerProvider(), func(context.Context) error { return nil }, nil
 	}
 	exp, err := newExporter(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("tracing: %w", err)
+		return nil, nil, fmt.Errorf("tracing: %w", err)
 	}
 	// The exporter's errors (a collector down) are logged once a minute at
-	// most: the spans they lost are counted.
+	// most: the spans they lost are counted. The SDK reports both through
+	// its process-wide handler and logger, the one place it offers.
 	otel.SetErrorHandler(otel.ErrorHandlerFunc(rateLimited(time.Minute, func(err error) {
 		log.Warn("tracing: spans not exported", "endpoint", cfg.Endpoint, "error", err)
 	})))
@@ -83,9 +95,7 @@ func NewTracing(cfg TracingConfig, node string, dropped func(n int), log *slog.L
 		opts = append(opts, sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.TraceIDRatioBased(cfg.SampleRatio))))
 	}
 	tp := sdktrace.NewTracerProvider(opts...)
-	otel.SetTracerProvider(tp)
-	tracingOn.Store(true)
-	return tp.Shutdown, nil
+	return tp, tp.Shutdown, nil
 }
 
 // newExporter is the OTLP exporter of cfg.Endpoint's protocol, or of the
@@ -214,8 +224,8 @@ func (c headerCarrier) Keys() []string {
 // traceOf is ctx with the trace context that headers carry, when they
 // carry one (a message of switchyard's, or of an outside producer), else
 // ctx.
-func traceOf(ctx context.Context, headers amqp.Table) context.Context {
-	if headers == nil || !tracingOn.Load() {
+func (t Tracer) traceOf(ctx context.Context, headers amqp.Table) context.Context {
+	if headers == nil || !t.on() {
 		return ctx
 	}
 	return propagator.Extract(ctx, headerCarrier(headers))
@@ -224,8 +234,8 @@ func traceOf(ctx context.Context, headers amqp.Table) context.Context {
 // startPublish begins the producer span of a message sent to exchange with
 // key, under the trace its headers carry (or ctx's), and writes the span's
 // context into the headers for its consumers.
-func startPublish(ctx context.Context, exchange, key string, msg *amqp.Publishing) (context.Context, trace.Span) {
-	ctx, span := tracer.Start(traceOf(ctx, msg.Headers), "publish "+exchange, trace.WithSpanKind(trace.SpanKindProducer),
+func (t Tracer) startPublish(ctx context.Context, exchange, key string, msg *amqp.Publishing) (context.Context, trace.Span) {
+	ctx, span := t.tracer.Start(t.traceOf(ctx, msg.Headers), "publish "+exchange, trace.WithSpanKind(trace.SpanKindProducer),
 		trace.WithAttributes(attribute.String("messaging.system", "rabbitmq"), attribute.String("messaging.operation.type", "send"),
 			attribute.String("messaging.destination.name", exchange), attribute.String("messaging.rabbitmq.destination.routing_key", key),
 			attribute.String("messaging.message.id", msg.MessageId), attribute.Int("messaging.message.body.size", len(msg.Body))))
@@ -238,21 +248,25 @@ func startPublish(ctx context.Context, exchange, key string, msg *amqp.Publishin
 	return ctx, span
 }
 
-// traceRequests wraps the API's handler in the HTTP server spans of
-// otelhttp, which honour a trace an outside producer's request carries.
-func traceRequests(h http.Handler) http.Handler {
-	return otelhttp.NewHandler(h, "switchyard", otelhttp.WithSpanNameFormatter(func(_ string, r *http.Request) string {
-		if r.URL.Path == "/webhooks/github" {
-			return r.Method + " /webhooks/github"
-		}
-		return r.Method
-	}))
+// requests wraps the API's handler in the HTTP server spans of otelhttp,
+// which honour a trace an outside producer's request carries; off, it is h.
+func (t Tracer) requests(h http.Handler) http.Handler {
+	if !t.on() {
+		return h
+	}
+	return otelhttp.NewHandler(h, "switchyard", otelhttp.WithTracerProvider(t.provider), otelhttp.WithPropagators(propagator),
+		otelhttp.WithSpanNameFormatter(func(_ string, r *http.Request) string {
+			if r.URL.Path == "/webhooks/github" {
+				return r.Method + " /webhooks/github"
+			}
+			return r.Method
+		}))
 }
 
 // traceWebhook names the delivery on the request's span (the endpoint's
 // server span, under an outside producer's trace when its request carried
 // one) and writes the span's context into the message's headers, which the
-// spool keeps too.
+// outbox keeps too.
 func traceWebhook(ctx context.Context, msg *amqp.Publishing, hookID string) {
 	span := trace.SpanFromContext(ctx)
 	if !span.IsRecording() {
@@ -276,12 +290,12 @@ func nameDelivery(ctx context.Context, guid string) {
 // in the trace of its first message, linked to every message's span, each
 // of which links back to it, so that one commit holding many deliveries is
 // found from each.
-func startCommit(queue string, msgs []trace.Span, first context.Context) (context.Context, trace.Span) {
+func (t Tracer) startCommit(queue string, msgs []trace.Span, first context.Context) (context.Context, trace.Span) {
 	links := make([]trace.Link, len(msgs))
 	for i, s := range msgs {
 		links[i] = trace.Link{SpanContext: s.SpanContext()}
 	}
-	ctx, span := tracer.Start(first, "commit "+queue, trace.WithLinks(links...))
+	ctx, span := t.tracer.Start(first, "commit "+queue, trace.WithLinks(links...))
 	for _, s := range msgs {
 		s.AddLink(trace.Link{SpanContext: span.SpanContext()})
 	}
@@ -290,8 +304,8 @@ func startCommit(queue string, msgs []trace.Span, first context.Context) (contex
 
 // startConsume begins a consumer's span of a message taken from queue,
 // under the trace its headers carry, attempt its try (1 for the first).
-func startConsume(ctx context.Context, queue, id string, headers amqp.Table, size, attempt int) (context.Context, trace.Span) {
-	return tracer.Start(traceOf(ctx, headers), "process "+queue, trace.WithSpanKind(trace.SpanKindConsumer),
+func (t Tracer) startConsume(ctx context.Context, queue, id string, headers amqp.Table, size, attempt int) (context.Context, trace.Span) {
+	return t.tracer.Start(t.traceOf(ctx, headers), "process "+queue, trace.WithSpanKind(trace.SpanKindConsumer),
 		trace.WithAttributes(attribute.String("messaging.system", "rabbitmq"), attribute.String("messaging.operation.type", "process"),
 			attribute.String("messaging.destination.name", queue), attribute.String("messaging.message.id", id),
 			attribute.Int("messaging.message.body.size", size), attribute.Int("switchyard.attempt", attempt)))
@@ -345,17 +359,25 @@ func endSpan(span trace.Span, err error) {
 
 // pgxTracer is pgx's tracer hook: a span of each statement PostgreSQL
 // runs for a traced transaction (one whose context holds a span).
-type pgxTracer struct{}
+type pgxTracer struct{ tracer trace.Tracer }
+
+// pgx is t's hook for pgx's connections; nil while t is off.
+func (t Tracer) pgx() pgx.QueryTracer {
+	if !t.on() {
+		return nil
+	}
+	return pgxTracer{tracer: t.tracer}
+}
 
 // pgxSpan marks a context whose statement span pgxTracer began.
 type pgxSpan struct{}
 
-func (pgxTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+func (p pgxTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
 	if !trace.SpanContextFromContext(ctx).IsValid() {
 		return ctx
 	}
 	verb, _, _ := strings.Cut(strings.TrimSpace(data.SQL), " ")
-	ctx, _ = tracer.Start(ctx, "postgresql "+strings.ToUpper(verb), trace.WithSpanKind(trace.SpanKindClient),
+	ctx, _ = p.tracer.Start(ctx, "postgresql "+strings.ToUpper(verb), trace.WithSpanKind(trace.SpanKindClient),
 		trace.WithAttributes(attribute.String("db.system.name", "postgresql"), attribute.String("db.query.text", data.SQL)))
 	return context.WithValue(ctx, pgxSpan{}, true)
 }
@@ -368,11 +390,11 @@ func (pgxTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceQ
 
 // TraceBatchStart begins the span of the statements a transaction sends
 // ahead together (one round trip), each an event of it.
-func (pgxTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+func (p pgxTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
 	if !trace.SpanContextFromContext(ctx).IsValid() {
 		return ctx
 	}
-	ctx, _ = tracer.Start(ctx, "postgresql pipeline", trace.WithSpanKind(trace.SpanKindClient),
+	ctx, _ = p.tracer.Start(ctx, "postgresql pipeline", trace.WithSpanKind(trace.SpanKindClient),
 		trace.WithAttributes(attribute.String("db.system.name", "postgresql"), attribute.Int("db.operation.batch.size", data.Batch.Len())))
 	return context.WithValue(ctx, pgxSpan{}, true)
 }
@@ -392,15 +414,15 @@ func (pgxTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceB
 // startTransaction begins the span of a database transaction on driver
 // (database.driver), when tracing is on and ctx is traced (a message's
 // batch); a nil span else.
-func startTransaction(ctx context.Context, driver string) (context.Context, trace.Span) {
-	if !tracingOn.Load() || !trace.SpanContextFromContext(ctx).IsValid() {
+func (t Tracer) startTransaction(ctx context.Context, driver string) (context.Context, trace.Span) {
+	if !t.on() || !trace.SpanContextFromContext(ctx).IsValid() {
 		return ctx, nil
 	}
 	system := driver // sqlite
 	if driver == "postgres" {
 		system = "postgresql"
 	}
-	return tracer.Start(ctx, system+" transaction", trace.WithSpanKind(trace.SpanKindClient),
+	return t.tracer.Start(ctx, system+" transaction", trace.WithSpanKind(trace.SpanKindClient),
 		trace.WithAttributes(attribute.String("db.system.name", system)))
 }
 

@@ -61,7 +61,10 @@ type EventOptions struct {
 	// Usage, when set, writes the brokers' counted messages in each
 	// transaction a batch commits.
 	Usage *Usage
-	Log   *slog.Logger
+	// Tracer makes each message's span and its batch's commit's; the zero
+	// Tracer, none.
+	Tracer Tracer
+	Log    *slog.Logger
 }
 
 // options is what the queue's consumer does with o's messages.
@@ -91,7 +94,7 @@ func (o EventOptions) handleBatch(ctx context.Context, msgs []Message) ([]error,
 func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
 	found := make([]Found, len(msgs))
-	spans := startConsumes(ctx, o.Queue, msgs)
+	spans := o.Tracer.startConsumes(ctx, o.Queue, msgs)
 	next, decoded := decodeAhead(msgs, o.Decode, o.Log, spans.logFields)
 	defer decoded()
 	if o.Batch == nil {
@@ -103,7 +106,7 @@ func (o EventOptions) handle(ctx context.Context, msgs []Message) ([]error, erro
 		return verdicts, nil
 	}
 	counted := o.Usage.take()
-	bctx, commit := spans.startCommit(ctx, o.Queue)
+	bctx, commit := spans.startCommit(ctx, o.Tracer, o.Queue)
 	failed, err := o.Batch.WriteRerunBatch(bctx, RerunBatch{
 		Parts: len(msgs),
 		Part: func(ctx context.Context, tx *Tx, i int) (err error) {

@@ -10,6 +10,8 @@ import (
 	"net/http"
 	"slices"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // checkpointOverlap re-reads a little before the last checkpoint: a delivery
@@ -36,15 +38,17 @@ type Hooks struct {
 	maxPages  int
 	// pollTimeout bounds one poll; zero is ledgerTimeout.
 	pollTimeout time.Duration
+	tracer      Tracer // each github-hooks message's span
 	log         *slog.Logger
 }
 
 // NewHooks is the hooks worker's work for cfg, over ledgers
-// (NewHookLedgers).
-func NewHooks(cfg *Config, ledgers []*HookLedger, store *Store, brokers *Brokers, queues *Queues, alerter *Alerter, log *slog.Logger) *Hooks {
+// (NewHookLedgers); the messages it takes are spans of tp.
+func NewHooks(cfg *Config, ledgers []*HookLedger, store *Store, brokers *Brokers, queues *Queues, alerter *Alerter,
+	tp trace.TracerProvider, log *slog.Logger) *Hooks {
 	return &Hooks{ledgers: ledgers, appID: cfg.GitHub.AppID, store: store, brokers: brokers, queues: queues, alerter: alerter,
 		grace: cfg.GitHub.ReconcileGrace, window: cmp.Or(cfg.GitHub.DeliveryWindow, githubRedeliveryWindow),
-		redeliver: cfg.GitHub.RedeliverGaps, maxPages: cfg.GitHub.MaxPagesPerPoll, log: log}
+		redeliver: cfg.GitHub.RedeliverGaps, maxPages: cfg.GitHub.MaxPagesPerPoll, tracer: NewTracer(tp), log: log}
 }
 
 // Ledgers are the hooks whose deliveries the worker keeps account of.

@@ -21,7 +21,7 @@ import (
 // delivery's trace begins at the hooks worker.
 func (h *Hooks) HandleMessages(ctx context.Context, held Holding, msgs []Message) ([]error, error) {
 	verdicts := make([]error, len(msgs))
-	spans := startConsumes(ctx, queueHooks, msgs)
+	spans := h.tracer.startConsumes(ctx, queueHooks, msgs)
 	for i := range msgs {
 		verdicts[i] = h.handle(spans.context(ctx, i), held, &msgs[i])
 	}

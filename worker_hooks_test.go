@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/golang-jwt/jwt/v5"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 const testAppID = 31337
@@ -360,7 +361,7 @@ func hooksForTestAt(t *testing.T, gh *fakeGitHub, apiURL string) (*Hooks, string
 	}
 	alerter := NewAlerter(AlertsConfig{Rules: []AlertRule{{Events: []string{"gap"}, Channels: []string{"push"}}},
 		Push: PushConfig{URL: "http://127.0.0.1:1/never"}}, p.log)
-	return NewHooks(cfg, []*HookLedger{AppLedger(app)}, p.store, p.brokers, p.queues, alerter, p.log), vhost, p.store, p.logs
+	return NewHooks(cfg, []*HookLedger{AppLedger(app)}, p.store, p.brokers, p.queues, alerter, noop.NewTracerProvider(), p.log), vhost, p.store, p.logs
 }
 
 // 250 deliveries over three pages are all seen; the checkpoint stops the next

@@ -17,15 +17,16 @@ type consumeSpans []struct {
 	span trace.Span
 }
 
-// startConsumes begins a span for each of msgs, taken from queue.
-func startConsumes(ctx context.Context, queue string, msgs []Message) consumeSpans {
-	if !tracingOn.Load() {
+// startConsumes begins a span of t for each of msgs, taken from queue;
+// none while t is off.
+func (t Tracer) startConsumes(ctx context.Context, queue string, msgs []Message) consumeSpans {
+	if !t.on() {
 		return nil
 	}
 	spans := make(consumeSpans, len(msgs))
 	for i := range msgs {
 		m := &msgs[i]
-		spans[i].ctx, spans[i].span = startConsume(ctx, queue, m.ID, m.Headers, len(m.Body), int(m.Attempts)+1)
+		spans[i].ctx, spans[i].span = t.startConsume(ctx, queue, m.ID, m.Headers, len(m.Body), int(m.Attempts)+1)
 		if m.Broker != nil {
 			spans[i].span.SetAttributes(attribute.String("server.address", m.Broker.Host), attribute.Int("server.port", m.Broker.Port),
 				attribute.String("switchyard.broker", m.Broker.String()))
@@ -54,8 +55,8 @@ func (s consumeSpans) logFields(i int) []any {
 	return traceFields(s[i].ctx)
 }
 
-// startCommit begins the span of the batch's commit (startCommit).
-func (s consumeSpans) startCommit(ctx context.Context, queue string) (context.Context, trace.Span) {
+// startCommit begins the span of the batch's commit (Tracer.startCommit).
+func (s consumeSpans) startCommit(ctx context.Context, t Tracer, queue string) (context.Context, trace.Span) {
 	if s == nil {
 		return ctx, nil
 	}
@@ -63,7 +64,7 @@ func (s consumeSpans) startCommit(ctx context.Context, queue string) (context.Co
 	for i := range s {
 		spans[i] = s[i].span
 	}
-	cctx, span := startCommit(queue, spans, s[0].ctx)
+	cctx, span := t.startCommit(queue, spans, s[0].ctx)
 	// The batch's own deadline and cancellation, in the commit's trace.
 	return contextIn(ctx, cctx), span
 }
