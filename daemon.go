@@ -134,7 +134,7 @@ func NewDaemon(ctx context.Context, cfg *Config, log *slog.Logger) (*Daemon, err
 	}
 	d.api = NewAPI(cfg, store, brokers, queues, webhook, metrics, d.workers, d.usage, hooks, leases, log)
 	if cfg.Server.TLS.On() {
-		if d.tls, err = newServerTLS(cfg.Server.TLS, store, cfg.Server.NodeName, log); err != nil {
+		if d.tls, err = newServerTLS(cfg.Server.TLS, store, log); err != nil {
 			queues.Close()
 			return fail(err)
 		}
@@ -196,6 +196,9 @@ func (d *Daemon) jobs() []job {
 		job{everyNode, plain(d.usage.Run)},
 		job{jobBudget, d.usage.Budget},
 	)
+	if d.tls != nil && d.cfg.Server.TLS.ACME() {
+		jobs = append(jobs, job{everyNode, plain(d.tls.Load)}, job{jobACME, d.tls.Order})
+	}
 	if d.store.Shared() {
 		jobs = append(jobs, job{everyNode, plain(func(ctx context.Context) error { return d.brokers.Follow(ctx, followEvery) })})
 	}
@@ -272,11 +275,6 @@ func (d *Daemon) Run(ctx context.Context, ls Listeners, ready func()) error {
 				served <- err
 			}
 		})
-	}
-	if d.tls != nil {
-		if err := d.tls.start(ctx); err != nil {
-			d.log.Error("HTTPS: certificates not managed", "error", err)
-		}
 	}
 	d.log.Info("switchyard serving", "version", version, "node", d.cfg.Server.NodeName, "listen", ln.Addr().String(),
 		"https", d.tls != nil, "database", d.store.Name(), "brokers", len(d.brokers.List()))

@@ -5,6 +5,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -12,44 +13,57 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
-	"maps"
 	"net"
 	"net/http"
 	"os"
 	"slices"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/certmagic"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 // serverTLS is how the endpoint serves HTTPS: the listener's tls.Config,
 // with the certificate by ACME (magic) or from files (pair).
+//
+// By ACME, serving and ordering are apart. Every node serves what the
+// store holds: Load caches the certificate of each name as the store has
+// it, and the issuer answers ACME's challenges whichever node the CA
+// reaches (certmagic keeps the answers in the store). Ordering and
+// renewing is the job of the node that holds the acme lease (Order),
+// acting through the holding it is handed.
 type serverTLS struct {
 	cfg    TLSConfig
 	config *tls.Config
 	log    *slog.Logger
-	// ACME: the cache of certificates certmagic keeps up to date, their
-	// config, and the issuer start makes once the listeners are known.
-	cache  *certmagic.Cache
-	magic  *certmagic.Config
-	issuer *certmagic.ACMEIssuer
+	// ACME: the certificates served and their config, the issuer that
+	// answers challenges, and the template prepare makes it of once the
+	// listeners are known.
+	cache    *certmagic.Cache
+	magic    *certmagic.Config
+	issuer   *certmagic.ACMEIssuer
+	template *certmagic.ACMEIssuer
+	storage  certmagic.Storage
+	logger   *zap.Logger
+	// stored is signalled when this node stored a certificate: Load reads
+	// it at once.
+	stored chan struct{}
 	// Files: the pair last read.
 	pair atomic.Pointer[tls.Certificate]
 }
 
 // renewCheckEvery is how often certmagic looks for certificates to renew
-// (certmagic.DefaultRenewCheckInterval), server.tls.renew_check when set.
+// (certmagic.DefaultRenewCheckInterval), and how often a node reads the
+// store for a certificate another node renewed; server.tls.renew_check
+// when set.
 const renewCheckEvery = 10 * time.Minute
 
 // newServerTLS prepares HTTPS as cfg says: the files read, or certmagic's
-// config over the store. Nothing is ordered until start.
-func newServerTLS(cfg TLSConfig, store *Store, node string, log *slog.Logger) (*serverTLS, error) {
-	t := &serverTLS{cfg: cfg, log: log.With("component", "tls")}
+// config over the store. Nothing is ordered or loaded until the jobs run.
+func newServerTLS(cfg TLSConfig, store *Store, log *slog.Logger) (*serverTLS, error) {
+	t := &serverTLS{cfg: cfg, log: log.With("component", "tls"), stored: make(chan struct{}, 1)}
 	if !cfg.ACME() {
 		if err := t.Reload(); err != nil {
 			return nil, err
@@ -58,21 +72,35 @@ func newServerTLS(cfg TLSConfig, store *Store, node string, log *slog.Logger) (*
 			GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return t.pair.Load(), nil }}
 		return t, nil
 	}
-	logger := zap.New(slogCore{log: t.log})
-	every := cfg.RenewCheck
-	if every <= 0 {
-		every = renewCheckEvery
-	}
-	t.cache = certmagic.NewCache(certmagic.CacheOptions{
-		GetConfigForCert:   func(certmagic.Certificate) (*certmagic.Config, error) { return t.magic, nil },
-		RenewCheckInterval: every, Logger: logger})
-	t.magic = certmagic.New(t.cache, certmagic.Config{Storage: newCertStorage(store, node), Logger: logger})
+	t.logger = zap.New(slogCore{log: t.log})
+	t.storage = store.CertStorage()
+	t.cache, t.magic = t.newMagic(certmagic.Config{})
 	t.config = t.magic.TLSConfig()
 	t.config.MinVersion = tls.VersionTLS12
 	if !slices.Contains(t.config.NextProtos, "h2") {
 		t.config.NextProtos = append([]string{"h2"}, t.config.NextProtos...)
 	}
 	return t, nil
+}
+
+// renewCheck is server.tls.renew_check, or renewCheckEvery.
+func (t *serverTLS) renewCheck() time.Duration {
+	if t.cfg.RenewCheck > 0 {
+		return t.cfg.RenewCheck
+	}
+	return renewCheckEvery
+}
+
+// newMagic is a certmagic config like base over the store, with a cache
+// of its own.
+func (t *serverTLS) newMagic(base certmagic.Config) (*certmagic.Cache, *certmagic.Config) {
+	var magic *certmagic.Config
+	cache := certmagic.NewCache(certmagic.CacheOptions{
+		GetConfigForCert:   func(certmagic.Certificate) (*certmagic.Config, error) { return magic, nil },
+		RenewCheckInterval: t.renewCheck(), Logger: t.logger})
+	base.Storage, base.Logger = t.storage, t.logger
+	magic = certmagic.New(cache, base)
+	return cache, magic
 }
 
 // Reload reads the certificate files again (SIGHUP); with ACME it does
@@ -94,12 +122,12 @@ func (t *serverTLS) Reload() error {
 // one): certmagic finds their ports taken and leaves the answers to the
 // servers on them. It orders nothing; call it before the plain listener's
 // handler is made (plainHandler answers HTTP-01 through the issuer), and
-// start after.
+// before the jobs run.
 func (t *serverTLS) prepare(api, plain string) error {
 	if !t.cfg.ACME() {
 		return nil
 	}
-	template := certmagic.ACMEIssuer{CA: t.cfg.ACMECA, Email: t.cfg.ACMEEmail, Agreed: true, Logger: t.magic.Logger,
+	template := certmagic.ACMEIssuer{CA: t.cfg.ACMECA, Email: t.cfg.ACMEEmail, Agreed: true, Logger: t.logger,
 		DisableHTTPChallenge: plain == ""}
 	host, port, err := net.SplitHostPort(api)
 	if err != nil {
@@ -120,19 +148,103 @@ func (t *serverTLS) prepare(api, plain string) error {
 			return fmt.Errorf("server.tls.acme_ca_root: %s holds no PEM certificate", t.cfg.ACMECARoot)
 		}
 	}
+	t.template = &template
 	t.issuer = certmagic.NewACMEIssuer(t.magic, template)
 	t.magic.Issuers = []certmagic.Issuer{t.issuer}
 	return nil
 }
 
-// start has certmagic obtain and renew the certificate of acme_domains
-// with the issuer prepare made. It returns at once; until a certificate is
-// obtained, a handshake fails.
-func (t *serverTLS) start(ctx context.Context) error {
-	if t.issuer == nil {
+// Order is the acme lease's job: it obtains the certificate of
+// acme_domains when the store has none and renews it (at a third of its
+// life left, or when the CA's renewal information says), storing it for
+// every node, until ctx ends with the holding. It asks held right before
+// each order it sends the CA; the certmagic config and cache that order
+// live only as long as the holding, so a node that lost the lease renews
+// nothing.
+func (t *serverTLS) Order(ctx context.Context, held Holding) error {
+	if t.template == nil {
+		<-ctx.Done() // prepare failed, and said so
 		return nil
 	}
-	return t.magic.ManageAsync(ctx, t.cfg.ACMEDomains)
+	cache, magic := t.newMagic(certmagic.Config{OnEvent: func(_ context.Context, event string, _ map[string]any) error {
+		switch event {
+		case "cert_obtaining":
+			return held.Check()
+		case "cert_obtained":
+			select {
+			case t.stored <- struct{}{}:
+			default:
+			}
+		}
+		return nil
+	}})
+	defer cache.Stop()
+	magic.Issuers = []certmagic.Issuer{certmagic.NewACMEIssuer(magic, *t.template)}
+	if err := magic.ManageAsync(ctx, t.cfg.ACMEDomains); err != nil {
+		return err
+	}
+	<-ctx.Done()
+	return nil
+}
+
+// Load is every node's job with ACME: it serves the certificate of each
+// name as the store holds it, read every renew_check (every second while
+// a name has none), and at once when this node stored one.
+func (t *serverTLS) Load(ctx context.Context) error {
+	if t.issuer == nil {
+		<-ctx.Done()
+		return nil
+	}
+	served := map[string]servedCert{}
+	for {
+		every := t.renewCheck()
+		for _, name := range t.cfg.ACMEDomains {
+			next, err := t.load(ctx, name, served[name])
+			if err != nil && !errors.Is(err, fs.ErrNotExist) && ctx.Err() == nil {
+				t.log.Warn("the certificate not read from the store", "name", name, "error", err)
+			}
+			if next.hash == "" {
+				every = min(every, time.Second)
+			}
+			served[name] = next
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.stored:
+		case <-time.After(every):
+		}
+	}
+}
+
+// servedCert is the certificate served for a name: its PEM as the store
+// held it, and its hash in the cache ("" while none is).
+type servedCert struct {
+	pem  []byte
+	hash string
+}
+
+// load serves name's certificate as the store holds it, in place of prev,
+// and returns what it serves.
+func (t *serverTLS) load(ctx context.Context, name string, prev servedCert) (servedCert, error) {
+	issuer := t.issuer.IssuerKey()
+	certPEM, err := t.storage.Load(ctx, certmagic.StorageKeys.SiteCert(issuer, name))
+	if err != nil || bytes.Equal(certPEM, prev.pem) {
+		return prev, err
+	}
+	keyPEM, err := t.storage.Load(ctx, certmagic.StorageKeys.SitePrivateKey(issuer, name))
+	if err != nil {
+		return prev, err
+	}
+	hash, err := t.magic.CacheUnmanagedCertificatePEMBytes(ctx, certPEM, keyPEM, nil)
+	if err != nil {
+		return prev, err
+	}
+	if prev.hash != "" && prev.hash != hash {
+		t.cache.Remove([]string{prev.hash})
+	}
+	t.log.Info("certificate served from the store", "name", name)
+	return servedCert{pem: certPEM, hash: hash}, nil
 }
 
 // atoi is a port's number (0 when it is none).
@@ -148,24 +260,11 @@ func (t *serverTLS) stop() {
 	}
 }
 
-// plainHandler serves the plain HTTP listener: ACME's HTTP-01 challenges,
-// and a permanent redirect to HTTPS on httpsPort for everything else, to
-// a name the certificate is for (the request's Host when it is one).
+// plainHandler serves the plain HTTP listener: ACME's HTTP-01 challenges
+// (through the issuer, whichever node set them), and the redirect to HTTPS
+// on httpsPort for everything else (RedirectToHTTPS).
 func (t *serverTLS) plainHandler(httpsPort string) http.Handler {
-	redirect := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		host, _, err := net.SplitHostPort(r.Host)
-		if err != nil {
-			host = r.Host
-		}
-		if !t.serves(host) {
-			writeError(w, r, nil, errorf(CodeNotFound, "this server answers for its certificate's names only"))
-			return
-		}
-		if httpsPort != "443" {
-			host = net.JoinHostPort(host, httpsPort)
-		}
-		http.Redirect(w, r, "https://"+host+r.URL.RequestURI(), http.StatusPermanentRedirect)
-	})
+	redirect := RedirectToHTTPS(httpsPort, t.serves)
 	if t.issuer == nil {
 		return redirect
 	}
@@ -238,187 +337,3 @@ func (t *serverTLS) issued() map[string]float64 {
 	}
 	return out
 }
-
-// certStorage is certmagic's storage in the store (store_tls.go): the
-// ACME account, the certificates and their keys as tls_files, and its
-// locks as tls_locks, so that of the nodes sharing a database one orders
-// a certificate and every one serves it.
-type certStorage struct {
-	store *Store
-	node  string
-	mu    sync.Mutex
-	held  map[string]chan struct{} // the locks this process holds: closed at Unlock
-}
-
-// certLockTTL is how long a lock lasts unrenewed (a node that died
-// holding it); its holder renews it every third of it.
-const certLockTTL = 30 * time.Second
-
-func newCertStorage(store *Store, node string) *certStorage {
-	return &certStorage{store: store, node: node, held: map[string]chan struct{}{}}
-}
-
-func (c *certStorage) Store(ctx context.Context, key string, value []byte) error {
-	return c.store.WriteTx(ctx, func(tx *Tx) error { return tx.StoreTLSFile(ctx, key, value, time.Now()) })
-}
-
-func (c *certStorage) Load(ctx context.Context, key string) ([]byte, error) {
-	f, err := c.store.LoadTLSFile(ctx, key)
-	if errors.Is(err, ErrNoTLSFile) {
-		return nil, fmt.Errorf("%w: %w", fs.ErrNotExist, err)
-	}
-	return f.Value, err
-}
-
-func (c *certStorage) Delete(ctx context.Context, key string) error {
-	return c.store.WriteTx(ctx, func(tx *Tx) error { return tx.DeleteTLSFiles(ctx, key) })
-}
-
-func (c *certStorage) Exists(ctx context.Context, key string) bool {
-	_, err := c.Stat(ctx, key)
-	return err == nil
-}
-
-func (c *certStorage) List(ctx context.Context, path string, recursive bool) ([]string, error) {
-	keys, err := c.store.TLSKeys(ctx, path, recursive)
-	if err == nil && len(keys) == 0 {
-		return nil, fmt.Errorf("%w: nothing under %s", fs.ErrNotExist, path)
-	}
-	return keys, err
-}
-
-func (c *certStorage) Stat(ctx context.Context, key string) (certmagic.KeyInfo, error) {
-	f, err := c.store.LoadTLSFile(ctx, key)
-	if err == nil {
-		return certmagic.KeyInfo{Key: key, Modified: f.Modified, Size: int64(len(f.Value)), IsTerminal: true}, nil
-	}
-	if !errors.Is(err, ErrNoTLSFile) {
-		return certmagic.KeyInfo{}, err
-	}
-	if keys, err := c.store.TLSKeys(ctx, key, false); err != nil || len(keys) > 0 {
-		return certmagic.KeyInfo{Key: key}, err
-	}
-	return certmagic.KeyInfo{}, fmt.Errorf("%w: %s", fs.ErrNotExist, key)
-}
-
-// Lock takes name's lock for this node, waiting while another node, or
-// another goroutine of this process, holds it; it renews it until
-// Unlock.
-func (c *certStorage) Lock(ctx context.Context, name string) error {
-	done := make(chan struct{})
-	for {
-		c.mu.Lock()
-		other, busy := c.held[name]
-		if !busy {
-			c.held[name] = done
-		}
-		c.mu.Unlock()
-		if !busy {
-			break
-		}
-		select {
-		case <-other:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-	for {
-		taken, err := c.take(ctx, name)
-		if taken {
-			go c.renew(name, done)
-			return nil
-		}
-		wait := time.Second
-		if err != nil {
-			wait = 5 * time.Second
-		}
-		select {
-		case <-time.After(wait):
-		case <-ctx.Done():
-			c.forget(name)
-			return ctx.Err()
-		}
-	}
-}
-
-// take tries to take name's lock once.
-func (c *certStorage) take(ctx context.Context, name string) (held bool, err error) {
-	err = c.store.WriteTx(ctx, func(tx *Tx) error {
-		held, err = tx.TakeTLSLock(ctx, name, c.node, certLockTTL)
-		return err
-	})
-	return held, err
-}
-
-// renew renews name's lock every third of its time until done closes.
-func (c *certStorage) renew(name string, done <-chan struct{}) {
-	t := time.NewTicker(certLockTTL / 3)
-	defer t.Stop()
-	for {
-		select {
-		case <-done:
-			return
-		case <-t.C:
-			ctx, cancel := context.WithTimeout(context.Background(), certLockTTL/3)
-			_, _ = c.take(ctx, name)
-			cancel()
-		}
-	}
-}
-
-// forget ends this process's hold on name.
-func (c *certStorage) forget(name string) {
-	c.mu.Lock()
-	if done, ok := c.held[name]; ok {
-		close(done)
-		delete(c.held, name)
-	}
-	c.mu.Unlock()
-}
-
-func (c *certStorage) Unlock(ctx context.Context, name string) error {
-	defer c.forget(name)
-	ctx = context.WithoutCancel(ctx)
-	return c.store.WriteTx(ctx, func(tx *Tx) error { return tx.ReleaseTLSLock(ctx, name, c.node) })
-}
-
-// slogCore hands certmagic's log entries (zap) to the daemon's log.
-type slogCore struct {
-	log    *slog.Logger
-	fields []zapcore.Field
-}
-
-func (c slogCore) Enabled(l zapcore.Level) bool { return l >= zapcore.InfoLevel }
-
-func (c slogCore) With(fields []zapcore.Field) zapcore.Core {
-	return slogCore{log: c.log, fields: append(slices.Clip(c.fields), fields...)}
-}
-
-func (c slogCore) Check(e zapcore.Entry, ce *zapcore.CheckedEntry) *zapcore.CheckedEntry {
-	if c.Enabled(e.Level) {
-		return ce.AddCore(e, c)
-	}
-	return ce
-}
-
-func (c slogCore) Write(e zapcore.Entry, fields []zapcore.Field) error {
-	enc := zapcore.NewMapObjectEncoder()
-	for _, f := range append(slices.Clip(c.fields), fields...) {
-		f.AddTo(enc)
-	}
-	args := make([]any, 0, 2*len(enc.Fields))
-	for _, k := range slices.Sorted(maps.Keys(enc.Fields)) {
-		args = append(args, k, enc.Fields[k])
-	}
-	level := slog.LevelInfo
-	switch {
-	case e.Level >= zapcore.ErrorLevel:
-		level = slog.LevelError
-	case e.Level == zapcore.WarnLevel:
-		level = slog.LevelWarn
-	}
-	c.log.Log(context.Background(), level, e.Message, args...)
-	return nil
-}
-
-func (c slogCore) Sync() error { return nil }

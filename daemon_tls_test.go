@@ -515,3 +515,73 @@ func TestHTTPSOnPassedSockets(t *testing.T) {
 	eventually(t, 20*time.Second, "the new certificate served after SIGHUP", func() bool { return servedSerial(renewed, addrs[0]) == "2" })
 	stopProcess(t, cmd, out, 30*time.Second)
 }
+
+// Ordering and renewing the certificate is the job of the node holding
+// the acme lease, and no other's: of two nodes on one PostgreSQL database
+// (short-lived certificates, renewed every few seconds), only the holder
+// orders while both serve what the store holds, and nothing is written to
+// the lock table of old. SIGKILLed, the holder's lease passes to the other
+// node, which renews from then on and serves its renewal. (Pebble
+// validates at proxies that send the challenges to a live node: the
+// answers are in the store, whichever node set them.)
+func TestACMEUnderTheLease(t *testing.T) {
+	t.Parallel()
+	dbURL := newPostgresDatabase(t)
+	vhost := newVhost(t)
+	addrs := []string{freeAddr(t), freeAddr(t)}
+	plains := []string{freeAddr(t), freeAddr(t)}
+	tlsFront, httpFront := newTCPProxy(t, addrs[0]), newTCPProxy(t, plains[0])
+	_, tlsPort, _ := net.SplitHostPort(tlsFront.addr)
+	_, httpPort, _ := net.SplitHostPort(httpFront.addr)
+	acme := startPebble(t, tlsPort, httpPort, 20*time.Second)
+	var cmds []*exec.Cmd
+	var outs []*syncBuffer
+	for i := range addrs {
+		dir := t.TempDir()
+		database := fmt.Sprintf("driver = \"postgres\"\nurl = %q", dbURL)
+		server := fmt.Sprintf("node_name = \"node-%d\"\nlease_ttl = \"3s\"\n", i) + acme.tlsConfigKeys(plains[i])
+		cmds = append(cmds, exec.Command(builtBinary(t), "serve", "-config", writeConfigWith(t, dir, addrs[i], database, server, amqpURL(vhost))))
+		outs = append(outs, started(t, cmds[i]))
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("node-0:\n%s\nnode-1:\n%s\npebble:\n%s", outs[0], outs[1], acme.out)
+		}
+	})
+	for i, addr := range addrs {
+		eventually(t, 90*time.Second, fmt.Sprintf("node-%d serving a certificate", i), func() bool { return servedSerial(acme.roots, addr) != "" })
+	}
+	db := openStoreDB(t, DatabaseConfig{Driver: "postgres", URL: dbURL})
+	var holder string
+	if err := db.QueryRow("SELECT node FROM leases WHERE job = 'acme'").Scan(&holder); err != nil {
+		t.Fatalf("the acme lease: %v", err)
+	}
+	h := map[string]int{"node-0": 0, "node-1": 1}[holder]
+	other := 1 - h
+	const obtained = "certificate obtained successfully"
+	if !strings.Contains(outs[h].String(), obtained) || strings.Contains(outs[other].String(), "obtaining certificate") {
+		t.Fatalf("%s holds the acme lease; want it alone to order (holder's orders: %d, the other's: %d)", holder,
+			strings.Count(outs[h].String(), obtained), strings.Count(outs[other].String(), "obtaining certificate"))
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM tls_locks"); n != 0 {
+		t.Errorf("tls_locks holds %d rows, want none: ordering is the lease's", n)
+	}
+
+	tlsFront.Retarget(addrs[other])
+	httpFront.Retarget(plains[other])
+	if err := cmds[h].Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	cmds[h].Wait()
+	before, seen := servedSerial(acme.roots, addrs[other]), len(outs[other].String())
+	eventually(t, 30*time.Second, "the survivor holding the acme lease", func() bool {
+		var node string
+		return db.QueryRow("SELECT node FROM leases WHERE job = 'acme'").Scan(&node) == nil && node == fmt.Sprintf("node-%d", other)
+	})
+	eventually(t, 90*time.Second, "the survivor renewing and serving its renewal", func() bool {
+		s := servedSerial(acme.roots, addrs[other])
+		ordered := outs[other].String()[seen:]
+		return (strings.Contains(ordered, "certificate renewed successfully") || strings.Contains(ordered, obtained)) && s != "" && s != before
+	})
+	stopProcess(t, cmds[other], outs[other], 30*time.Second)
+}

@@ -190,6 +190,13 @@ func newTLSProxy(t testing.TB, target string) *tcpProxy {
 	return p
 }
 
+// Retarget sends the connections the proxy takes from now on to target.
+func (p *tcpProxy) Retarget(target string) {
+	p.mu.Lock()
+	p.target = target
+	p.mu.Unlock()
+}
+
 func (p *tcpProxy) serve() {
 	for {
 		c, err := p.ln.Accept()
@@ -200,8 +207,9 @@ func (p *tcpProxy) serve() {
 		if p.tls != nil {
 			c = tls.Server(c, p.tls)
 		}
+		target := p.target
 		p.mu.Unlock()
-		up, err := net.Dial("tcp", p.target)
+		up, err := net.Dial("tcp", target)
 		if err != nil {
 			c.Close()
 			continue

@@ -5,14 +5,20 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"io/fs"
 	"strings"
+	"sync"
 	"time"
+
+	"github.com/caddyserver/certmagic"
 )
 
 // The certificates' rows: what serving HTTPS by ACME keeps (the ACME
 // account, each certificate, its key and metadata, as files by key), and
-// the locks that make ordering a certificate one node's at a time. The
-// daemon's certificate storage (daemon_tls.go) is these methods.
+// certmagic's storage over them. tls_locks, where an older version kept
+// the locks that made ordering one node's at a time, is read no more: the
+// acme lease does that now (a migration drops the table once no floor
+// needs it).
 
 // ErrNoTLSFile is a key tls_files does not hold.
 var ErrNoTLSFile = errors.New("no such TLS file")
@@ -101,26 +107,91 @@ func under(dir string) (lo, hi string) {
 	return dir, dir[:len(dir)-1] + string(rune(dir[len(dir)-1]+1))
 }
 
-// TakeTLSLock takes name's lock for node until ttl from now, when no
-// other node holds it or its holder's has expired (a node that died
-// holding it), or renews it for its holder. It reports whether node holds
-// it.
-func (tx *Tx) TakeTLSLock(ctx context.Context, name, node string, ttl time.Duration) (bool, error) {
-	d := tx.s.engine
-	res, err := tx.write(ctx, atOnce, `INSERT INTO tls_locks (name, node, expires_at) VALUES ($1, $2, `+d.clock("$3")+`)
-		ON CONFLICT (name) DO UPDATE SET node = excluded.node, expires_at = excluded.expires_at
-		WHERE tls_locks.node = excluded.node OR tls_locks.expires_at < `+d.clock("0"), name, node, ttl.Milliseconds())
-	if err != nil {
-		return false, fmt.Errorf("take TLS lock %s: %w", name, err)
-	}
-	n, err := res.RowsAffected()
-	return n == 1, err
+// CertStorage is certmagic's storage in the store: the ACME account, the
+// certificates and their keys as tls_files, so that of the nodes sharing a
+// database every one serves the certificate and the one holding the acme
+// lease orders and renews it (daemon_tls.go). Its locks are this process's
+// only: ordering is that one node's, under its lease.
+func (s *Store) CertStorage() certmagic.Storage {
+	return &certStorage{store: s, held: map[string]chan struct{}{}}
 }
 
-// ReleaseTLSLock gives name's lock up, when node holds it.
-func (tx *Tx) ReleaseTLSLock(ctx context.Context, name, node string) error {
-	if _, err := tx.write(ctx, atOnce, "DELETE FROM tls_locks WHERE name = $1 AND node = $2", name, node); err != nil {
-		return fmt.Errorf("release TLS lock %s: %w", name, err)
+type certStorage struct {
+	store *Store
+	mu    sync.Mutex
+	held  map[string]chan struct{} // the names locked: closed at Unlock
+}
+
+func (c *certStorage) Store(ctx context.Context, key string, value []byte) error {
+	return c.store.WriteTx(ctx, func(tx *Tx) error { return tx.StoreTLSFile(ctx, key, value, time.Now()) })
+}
+
+func (c *certStorage) Load(ctx context.Context, key string) ([]byte, error) {
+	f, err := c.store.LoadTLSFile(ctx, key)
+	if errors.Is(err, ErrNoTLSFile) {
+		return nil, fmt.Errorf("%w: %w", fs.ErrNotExist, err)
+	}
+	return f.Value, err
+}
+
+func (c *certStorage) Delete(ctx context.Context, key string) error {
+	return c.store.WriteTx(ctx, func(tx *Tx) error { return tx.DeleteTLSFiles(ctx, key) })
+}
+
+func (c *certStorage) Exists(ctx context.Context, key string) bool {
+	_, err := c.Stat(ctx, key)
+	return err == nil
+}
+
+func (c *certStorage) List(ctx context.Context, path string, recursive bool) ([]string, error) {
+	keys, err := c.store.TLSKeys(ctx, path, recursive)
+	if err == nil && len(keys) == 0 {
+		return nil, fmt.Errorf("%w: nothing under %s", fs.ErrNotExist, path)
+	}
+	return keys, err
+}
+
+func (c *certStorage) Stat(ctx context.Context, key string) (certmagic.KeyInfo, error) {
+	f, err := c.store.LoadTLSFile(ctx, key)
+	if err == nil {
+		return certmagic.KeyInfo{Key: key, Modified: f.Modified, Size: int64(len(f.Value)), IsTerminal: true}, nil
+	}
+	if !errors.Is(err, ErrNoTLSFile) {
+		return certmagic.KeyInfo{}, err
+	}
+	if keys, err := c.store.TLSKeys(ctx, key, false); err != nil || len(keys) > 0 {
+		return certmagic.KeyInfo{Key: key}, err
+	}
+	return certmagic.KeyInfo{}, fmt.Errorf("%w: %s", fs.ErrNotExist, key)
+}
+
+// Lock takes name's lock in this process, waiting while another goroutine
+// holds it, until ctx ends.
+func (c *certStorage) Lock(ctx context.Context, name string) error {
+	for {
+		c.mu.Lock()
+		other, busy := c.held[name]
+		if !busy {
+			c.held[name] = make(chan struct{})
+		}
+		c.mu.Unlock()
+		if !busy {
+			return nil
+		}
+		select {
+		case <-other:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+func (c *certStorage) Unlock(_ context.Context, name string) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if done, ok := c.held[name]; ok {
+		close(done)
+		delete(c.held, name)
 	}
 	return nil
 }

@@ -25,6 +25,7 @@ const (
 	jobKeepalive    = "keepalive"
 	jobBudget       = "budget"
 	jobSpool        = "spool" // an older version's spool (Outbox.MoveSpool)
+	jobACME         = "acme"  // ordering and renewing the certificate (server.tls)
 )
 
 // outboxJobPrefix begins the name of each node's outbox lease.
@@ -36,11 +37,14 @@ func outboxJob(node string) string { return outboxJobPrefix + node }
 
 // leaseJobs are the jobs of cfg: the hooks worker's only with a hook's
 // delivery ledger (the App's, a repository's or an organization's
-// webhook's), and this node's outbox.
+// webhook's), this node's outbox, and the certificate's orders with ACME.
 func leaseJobs(cfg *Config) []string {
 	jobs := []string{jobAlerts, jobHealthChecks, jobRetention, jobKeepalive, jobBudget, jobSpool, outboxJob(cfg.Server.NodeName)}
 	if cfg.GitHub.HasLedgers() {
 		jobs = append([]string{jobHooks}, jobs...)
+	}
+	if cfg.Server.TLS.ACME() {
+		jobs = append(jobs, jobACME)
 	}
 	return jobs
 }
