@@ -57,13 +57,10 @@ $(TESTBIN): $(wildcard *.go) go.mod go.sum
 # both cores while nothing waits, so that the tests that start it only link.
 TESTBUILDFLAGS := -trimpath
 
-# testrun runs the test binary with its arguments; when it fails, the lines
-# that say what (each FAIL, a panic and the tests it found running) come
-# again after its output, where the tail of a log shows them rather than
-# the goroutines a timeout dumps.
-TESTFN = testrun() { local log rc; log=$$(mktemp); echo "./$(TESTBIN) $$*"; ./$(TESTBIN) "$$@" 2>&1 | tee $$log; rc=$${PIPESTATUS[0]}; \
-	if [ $$rc -ne 0 ]; then echo "=== what failed (exit $$rc):"; sed -n '/^panic: /,/^goroutine /p' $$log | head -20; \
-	grep -E '^ *--- FAIL' $$log | head -40; fi; rm -f $$log; return $$rc; }
+# testrun runs the test binary with its arguments through .ci/testrun:
+# what a plain run shows, the ten slowest tests, and, when it fails, the
+# lines that say what at the end.
+TESTFN = testrun() { ./.ci/testrun ./$(TESTBIN) "$$@"; }
 
 # -race needs cgo; the tests build their own binary where they need one.
 # The tests run on SQLite and on the local PostgreSQL (each its own
