@@ -21,7 +21,6 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 )
 
@@ -269,11 +268,7 @@ func (o *Outbox) row(exchange, key string, msg amqp.Publishing) (OutboxRow, erro
 // write hands row to the writer and waits for it to be committed (nil) or
 // not; in a span of the delivery's trace when ctx is traced.
 func (o *Outbox) write(ctx context.Context, row OutboxRow) error {
-	var span trace.Span
-	if o.tracer.on() && trace.SpanContextFromContext(ctx).IsValid() {
-		_, span = o.tracer.tracer.Start(ctx, "outbox "+row.Exchange, trace.WithSpanKind(trace.SpanKindProducer),
-			trace.WithAttributes(attribute.String("messaging.message.id", row.GUID)))
-	}
+	span := o.tracer.startOutbox(ctx, row.Exchange, row.GUID)
 	w := &outboxWrite{row: row, done: make(chan error, 1)}
 	var err error
 	select {

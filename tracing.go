@@ -286,6 +286,18 @@ func nameDelivery(ctx context.Context, guid string) {
 	}
 }
 
+// startOutbox begins the span of a webhook's commit to the outbox, bound
+// for exchange, in the delivery's trace; nil while t is off or ctx is in
+// no trace.
+func (t Tracer) startOutbox(ctx context.Context, exchange, guid string) trace.Span {
+	if !t.on() || !trace.SpanContextFromContext(ctx).IsValid() {
+		return nil
+	}
+	_, span := t.tracer.Start(ctx, "outbox "+exchange, trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(attribute.String("messaging.message.id", guid)))
+	return span
+}
+
 // startCommit begins the span of the transaction that commits a batch:
 // in the trace of its first message, linked to every message's span, each
 // of which links back to it, so that one commit holding many deliveries is
