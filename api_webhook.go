@@ -408,13 +408,13 @@ func rejectOutcome(err error) string {
 	return "bad_request"
 }
 
-// reject answers a refused webhook, counts it, records it (RejectLog: what
-// its headers claim, never its body or signature), and logs it at warn
-// with the reason and source, at most one line per outcome per 10 s: a
-// flood of bad requests must not flood the journal too.
-func (wh *Webhook) reject(w http.ResponseWriter, r *http.Request, err error, src netip.Addr) {
-	outcome := rejectOutcome(err)
-	wh.metrics.webhook(outcome)
+// reject answers a refused webhook, records it (RejectLog: what its
+// headers claim, never its body or signature), and logs it at warn with
+// the reason and source, at most one line per outcome per 10 s: a flood
+// of bad requests must not flood the journal too. It returns the outcome
+// the request is counted by.
+func (wh *Webhook) reject(w http.ResponseWriter, r *http.Request, err error, src netip.Addr) (outcome string) {
+	outcome = rejectOutcome(err)
 	guid, hook := claimedIdentity(r.Header)
 	event := r.Header.Get("X-GitHub-Event")
 	if !eventName(event) {
@@ -440,6 +440,7 @@ func (wh *Webhook) reject(w http.ResponseWriter, r *http.Request, err error, src
 		w.Header().Set("Retry-After", "30")
 	}
 	writeError(w, r, nil, err) // logged above
+	return outcome
 }
 
 func addrText(a netip.Addr) string {
@@ -451,7 +452,15 @@ func addrText(a netip.Addr) string {
 
 // ServeHTTP answers 202 only once the webhook is durable: committed to
 // the outbox, or, when the store does not take it, confirmed by the broker.
+// Each request is counted by its outcome, with the time to its answer.
 func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	var outcome string
+	defer func() {
+		if outcome != "" { // "": the request panicked, and net/http answers it
+			wh.metrics.webhook(outcome, traceID(r.Context()), time.Since(start))
+		}
+	}()
 	buf := wh.bodies.Get().(*[]byte)
 	src := wh.sourceIP(r)
 	payload, release, err := wh.readPayload(w, r, buf)
@@ -472,7 +481,7 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	defer bodyDone()
 	if err != nil {
-		wh.reject(w, r, err, src)
+		outcome = wh.reject(w, r, err, src)
 		return
 	}
 	exchange, key := exchangeName, ""
@@ -486,20 +495,20 @@ func (wh *Webhook) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	var tooLarge *TooLargeError
 	switch {
 	case took.Outcome == Refused && errors.As(took.Err, &tooLarge):
-		wh.reject(w, r, errorf(CodeTooLarge, "%s: delivery %s not queued: %v", ErrTooLarge.Message, msg.MessageId, tooLarge), src)
+		outcome = wh.reject(w, r, errorf(CodeTooLarge, "%s: delivery %s not queued: %v", ErrTooLarge.Message, msg.MessageId, tooLarge), src)
 		return
 	case took.Outcome == Refused:
-		wh.reject(w, r, &notQueued{delivery: msg.MessageId, store: took.StoreErr, broker: took.Err}, src)
+		outcome = wh.reject(w, r, &notQueued{delivery: msg.MessageId, store: took.StoreErr, broker: took.Err}, src)
 		return
 	}
-	outcome, status := "accepted", "queued"
+	outcome = "accepted"
+	status := "queued"
 	if took.Outcome == Published {
 		outcome, status = "published", "published"
 	}
 	if key != "" {
 		outcome = "forbidden"
 	}
-	wh.metrics.webhook(outcome)
 	if wh.log.Enabled(r.Context(), slog.LevelDebug) {
 		wh.log.With(traceFields(r.Context())...).Debug("webhook "+status, "delivery_id", msg.MessageId, "event", msg.Type,
 			"source_ip", addrText(src), "broker", took.Broker.String(), "forbidden", key != "")

@@ -24,6 +24,7 @@ type Metrics struct {
 	unrecorded     prometheus.Counter
 	publishes      *prometheus.CounterVec
 	publishSeconds *prometheus.HistogramVec
+	webhookSeconds *prometheus.HistogramVec
 	consumed       *prometheus.CounterVec
 	processSeconds *prometheus.HistogramVec
 	activeBroker   prometheus.Gauge
@@ -59,6 +60,9 @@ type MetricLabels struct {
 // NewMetrics registers every metric, plus the Go runtime and process ones.
 func NewMetrics(labels MetricLabels) *Metrics {
 	latency := []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}
+	// A webhook's answer is a commit (milliseconds): finer there, up to
+	// GitHub's 10 s.
+	answer := []float64{.0005, .001, .002, .003, .005, .0075, .01, .015, .02, .03, .05, .1, .25, .5, 1, 2.5, 5, 10}
 	m := &Metrics{
 		reg: prometheus.NewRegistry(),
 		webhooks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_webhooks_received_total",
@@ -66,6 +70,8 @@ func NewMetrics(labels MetricLabels) *Metrics {
 			[]string{"outcome"}),
 		unrecorded: prometheus.NewCounter(prometheus.CounterOpts{Name: "switchyard_webhook_rejections_unrecorded_total",
 			Help: "Refused webhooks counted but not recorded in rejected_webhooks: over 100 a second, or the database did not take them."}),
+		webhookSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "switchyard_webhook_duration_seconds",
+			Help: "Time from a webhook request's arrival to its answer written, by outcome (as switchyard_webhooks_received_total).", Buckets: answer}, []string{"outcome"}),
 		publishes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "switchyard_publishes_total",
 			Help: "Messages published with a publisher confirm, by broker index and outcome (confirmed, failed)."},
 			[]string{"broker", "outcome"}),
@@ -113,7 +119,7 @@ func NewMetrics(labels MetricLabels) *Metrics {
 			Help: "Cycles the worker failed in a row; 0 once its consumer attaches again or a cycle ends well."}, []string{"worker"}),
 	}
 	m.reg.MustRegister(m.spansDropped)
-	m.reg.MustRegister(m.webhooks, m.unrecorded, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
+	m.reg.MustRegister(m.webhooks, m.webhookSeconds, m.unrecorded, m.publishes, m.publishSeconds, m.consumed, m.processSeconds,
 		m.activeBroker, m.pendingSwitch, m.switches, m.leftovers, m.dbWriteSeconds, m.hcFailures,
 		m.staleEvents, m.queueMessages, m.brokerUp, m.blockedBrokers, m.brokerMessageCount, m.budgetUsed, m.brokerInfo, m.buildInfo, m.workerCycle, m.workerFailures,
 		// Beside the defaults, the collector's share of the CPU
@@ -213,10 +219,19 @@ func (m *Metrics) SpansDropped(n int) {
 	}
 }
 
-func (m *Metrics) webhook(outcome string) {
-	if m != nil {
-		m.webhooks.WithLabelValues(outcome).Inc()
+// webhook counts a webhook request by its outcome, and observes how long
+// its answer took, with the trace ID of its delivery's trace (when
+// traced) as the observation's exemplar.
+func (m *Metrics) webhook(outcome, traceID string, took time.Duration) {
+	if m == nil {
+		return
 	}
+	m.webhooks.WithLabelValues(outcome).Inc()
+	if traceID != "" {
+		m.webhookSeconds.WithLabelValues(outcome).(prometheus.ExemplarObserver).ObserveWithExemplar(took.Seconds(), prometheus.Labels{"trace_id": traceID})
+		return
+	}
+	m.webhookSeconds.WithLabelValues(outcome).Observe(took.Seconds())
 }
 
 func (m *Metrics) rejectionsUnrecorded(n int64) {

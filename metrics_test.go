@@ -69,6 +69,8 @@ func TestMetricsMove(t *testing.T) {
 		`switchyard_messages_consumed_total{outcome="done",queue="github"}`,
 		`switchyard_messages_consumed_total{outcome="done",queue="github-database"}`,
 		`switchyard_publish_duration_seconds_count{broker="0"}`,
+		`switchyard_webhook_duration_seconds_count{outcome="accepted"}`,
+		`switchyard_webhook_duration_seconds_count{outcome="unauthorized"}`,
 		`switchyard_message_processing_seconds_count{queue="github"}`,
 	} {
 		if got := after[name] - before[name]; got != 1 {

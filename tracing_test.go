@@ -296,12 +296,17 @@ func TestOneTracePerDelivery(t *testing.T) {
 	if found.TraceID != outside {
 		t.Errorf("the delivery's trace is %s, want the caller's %s", found.TraceID, outside)
 	}
-	// The publish histogram carries the trace as an exemplar, in the
-	// OpenMetrics exposition.
+	// The publish histogram and the webhook's carry the trace as an
+	// exemplar, in the OpenMetrics exposition.
 	mreq, _ := http.NewRequest(http.MethodGet, "http://"+addrs[0]+"/metrics", nil)
 	mreq.Header.Set("Accept", "application/openmetrics-text; version=1.0.0")
-	if _, metrics := do(t, mreq); !strings.Contains(metrics, `# {trace_id="`+outside+`"}`) {
-		t.Errorf("no exemplar of trace %s in the OpenMetrics exposition", outside)
+	_, metrics := do(t, mreq)
+	for _, histogram := range []string{"switchyard_publish_duration_seconds_bucket{", `switchyard_webhook_duration_seconds_bucket{outcome="accepted"`} {
+		if !slices.ContainsFunc(strings.Split(metrics, "\n"), func(l string) bool {
+			return strings.HasPrefix(l, histogram) && strings.Contains(l, `# {trace_id="`+outside+`"}`)
+		}) {
+			t.Errorf("no exemplar of trace %s on %s in the OpenMetrics exposition", outside, histogram)
+		}
 	}
 	// A log line about the delivery names its trace and its span: the
 	// door's, at debug.
