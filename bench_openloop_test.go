@@ -1,9 +1,13 @@
 package main
 
 import (
+	"cmp"
 	"fmt"
+	"math"
 	"runtime"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -108,8 +112,12 @@ func lagBehind(want int, through func() int) time.Duration {
 // time went at it.
 type openLoopDaemon struct {
 	held, broke openLoopStep
-	halfRateP99 time.Duration
-	twice       openLoopStep
+	// halfRateP99 is the p99 of the answers at half the sustained rate as
+	// the load saw them, and daemonP99 as the daemon's histogram of them
+	// did (from its arrival to its answer written; 0 for a binary without
+	// it): the difference is the load's side and the loopback between.
+	halfRateP99, daemonP99 time.Duration
+	twice                  openLoopStep
 	// The CPU a webhook cost at the sustained rate, held for a step until
 	// every webhook was stored: the daemon's, the broker's and the
 	// bench's (the load's generator and the link's proxy), where the
@@ -185,8 +193,11 @@ func openLoopOf(b *testing.B, p *benchProcess, prof *benchProfile, payload []byt
 	if r.held.rate == 0 {
 		return r
 	}
+	answered := func() map[string]float64 { return scrape(b, prof.metrics(p)) }
+	before := answered()
 	half := openLoopAt(r.held.rate/2, 8*time.Second, func(i int) error { return post(1_000_000 + i) })
 	r.halfRateP99 = half.p99
+	r.daemonP99 = histogramQuantile(before, answered(), `switchyard_webhook_duration_seconds_bucket{le="`, `",outcome="accepted"}`, 0.99)
 	caughtUp()
 	r.twice = openLoopAt(2*r.held.rate, 2*time.Second, func(i int) error { return post(3_000_000 + i) })
 	caughtUp()
@@ -213,4 +224,71 @@ func openLoopOf(b *testing.B, p *benchProcess, prof *benchProfile, payload []byt
 	}
 	profiled()
 	return r
+}
+
+// histogramQuantile is the q quantile of what a Prometheus histogram
+// observed between two scrapes, its series named prefix+le+suffix,
+// interpolated within the bucket it falls in as PromQL's
+// histogram_quantile does; 0 when it observed nothing.
+func histogramQuantile(before, after map[string]float64, prefix, suffix string, q float64) time.Duration {
+	type bucket struct{ le, n float64 }
+	var buckets []bucket
+	for k, v := range after {
+		le, ok := strings.CutPrefix(k, prefix)
+		if le, ok = strings.CutSuffix(le, suffix); !ok {
+			continue
+		}
+		bound, err := strconv.ParseFloat(le, 64) // "+Inf" too
+		if err == nil {
+			buckets = append(buckets, bucket{bound, v - before[k]})
+		}
+	}
+	slices.SortFunc(buckets, func(a, b bucket) int { return cmp.Compare(a.le, b.le) })
+	if len(buckets) == 0 || buckets[len(buckets)-1].n == 0 {
+		return 0
+	}
+	want := q * buckets[len(buckets)-1].n
+	lower, below := 0.0, 0.0
+	for _, bk := range buckets {
+		if bk.n >= want {
+			if math.IsInf(bk.le, 1) {
+				return time.Duration(lower * float64(time.Second)) // past the last bound: the bound
+			}
+			at := lower + (bk.le-lower)*(want-below)/(bk.n-below) // below < want <= bk.n
+			return time.Duration(at * float64(time.Second))
+		}
+		lower, below = bk.le, bk.n
+	}
+	return 0
+}
+
+// The bench's quantile of a histogram between two scrapes reads as
+// PromQL's histogram_quantile: interpolated within its bucket, from the
+// observations between the scrapes only.
+func TestHistogramQuantile(t *testing.T) {
+	t.Parallel()
+	series := func(counts ...float64) map[string]float64 {
+		m := map[string]float64{`other_bucket{le="0.001"}`: 99}
+		for i, le := range []string{"0.001", "0.002", "0.005", "+Inf"} {
+			m[`h_bucket{le="`+le+`",outcome="accepted"}`] = counts[i]
+		}
+		return m
+	}
+	before := series(10, 10, 10, 10)
+	for _, c := range []struct {
+		after []float64
+		q     float64
+		want  time.Duration
+	}{
+		{[]float64{10, 10, 10, 10}, 0.99, 0},                                          // nothing between
+		{[]float64{60, 110, 110, 110}, 0.5, time.Millisecond},                         // 50 of 100 in the first bucket
+		{[]float64{60, 110, 110, 110}, 0.99, time.Millisecond + 980*time.Microsecond}, // 99th: 49 into the second bucket's 50
+		{[]float64{10, 10, 110, 110}, 0.99, 2*time.Millisecond + 2970*time.Microsecond},
+		{[]float64{10, 10, 10, 110}, 0.99, 5 * time.Millisecond}, // past the last bound: the bound
+	} {
+		got := histogramQuantile(before, series(c.after...), `h_bucket{le="`, `",outcome="accepted"}`, c.q)
+		if got.Round(time.Microsecond) != c.want.Round(time.Microsecond) {
+			t.Errorf("q %.2f of %v: %v, want %v", c.q, c.after, got, c.want)
+		}
+	}
 }
