@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"fmt"
 	"math"
+	"regexp"
 	"runtime"
 	"slices"
 	"strconv"
@@ -197,7 +198,7 @@ func openLoopOf(b *testing.B, p *benchProcess, prof *benchProfile, payload []byt
 	before := answered()
 	half := openLoopAt(r.held.rate/2, 8*time.Second, func(i int) error { return post(1_000_000 + i) })
 	r.halfRateP99 = half.p99
-	r.daemonP99 = histogramQuantile(before, answered(), `switchyard_webhook_duration_seconds_bucket{le="`, `",outcome="accepted"}`, 0.99)
+	r.daemonP99 = histogramQuantile(before, answered(), "switchyard_webhook_duration_seconds", `outcome="accepted"`, 0.99)
 	caughtUp()
 	r.twice = openLoopAt(2*r.held.rate, 2*time.Second, func(i int) error { return post(3_000_000 + i) })
 	caughtUp()
@@ -226,20 +227,20 @@ func openLoopOf(b *testing.B, p *benchProcess, prof *benchProfile, payload []byt
 	return r
 }
 
-// histogramQuantile is the q quantile of what a Prometheus histogram
-// observed between two scrapes, its series named prefix+le+suffix,
-// interpolated within the bucket it falls in as PromQL's
+// histogramQuantile is the q quantile of what the Prometheus histogram
+// name observed between two scrapes, in its series whose labels hold
+// match, interpolated within the bucket it falls in as PromQL's
 // histogram_quantile does; 0 when it observed nothing.
-func histogramQuantile(before, after map[string]float64, prefix, suffix string, q float64) time.Duration {
+func histogramQuantile(before, after map[string]float64, name, match string, q float64) time.Duration {
 	type bucket struct{ le, n float64 }
 	var buckets []bucket
 	for k, v := range after {
-		le, ok := strings.CutPrefix(k, prefix)
-		if le, ok = strings.CutSuffix(le, suffix); !ok {
+		labels, ok := strings.CutPrefix(k, name+"_bucket{")
+		le := bucketBound.FindStringSubmatch(labels)
+		if !ok || le == nil || !strings.Contains(labels, match) {
 			continue
 		}
-		bound, err := strconv.ParseFloat(le, 64) // "+Inf" too
-		if err == nil {
+		if bound, err := strconv.ParseFloat(le[1], 64); err == nil { // "+Inf" too
 			buckets = append(buckets, bucket{bound, v - before[k]})
 		}
 	}
@@ -262,15 +263,18 @@ func histogramQuantile(before, after map[string]float64, prefix, suffix string, 
 	return 0
 }
 
+// bucketBound is a histogram bucket's bound among its labels.
+var bucketBound = regexp.MustCompile(`(?:^|,)le="([^"]+)"`)
+
 // The bench's quantile of a histogram between two scrapes reads as
 // PromQL's histogram_quantile: interpolated within its bucket, from the
 // observations between the scrapes only.
 func TestHistogramQuantile(t *testing.T) {
 	t.Parallel()
 	series := func(counts ...float64) map[string]float64 {
-		m := map[string]float64{`other_bucket{le="0.001"}`: 99}
+		m := map[string]float64{`other_bucket{le="0.001"}`: 99, `h_bucket{outcome="forbidden",le="0.001"}`: 99}
 		for i, le := range []string{"0.001", "0.002", "0.005", "+Inf"} {
-			m[`h_bucket{le="`+le+`",outcome="accepted"}`] = counts[i]
+			m[`h_bucket{outcome="accepted",le="`+le+`"}`] = counts[i] // as client_golang writes them: le last
 		}
 		return m
 	}
@@ -286,7 +290,7 @@ func TestHistogramQuantile(t *testing.T) {
 		{[]float64{10, 10, 110, 110}, 0.99, 2*time.Millisecond + 2970*time.Microsecond},
 		{[]float64{10, 10, 10, 110}, 0.99, 5 * time.Millisecond}, // past the last bound: the bound
 	} {
-		got := histogramQuantile(before, series(c.after...), `h_bucket{le="`, `",outcome="accepted"}`, c.q)
+		got := histogramQuantile(before, series(c.after...), "h", `outcome="accepted"`, c.q)
 		if got.Round(time.Microsecond) != c.want.Round(time.Microsecond) {
 			t.Errorf("q %.2f of %v: %v, want %v", c.q, c.after, got, c.want)
 		}
