@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/url"
 	"os"
@@ -856,4 +857,66 @@ func TestBurstAnsweredInFull(t *testing.T) {
 	}
 	t.Logf("%d webhooks, %d of them published directly", len(answers), published)
 	stopProcess(t, cmd, out, 30*time.Second)
+}
+
+// The outbox's writer gathers its group once its commit has the writer's
+// turn: a webhook handed to it while the commit waited for the turn (a
+// consumer's batch under way) is in that commit, not in the next, which
+// would wait behind the writes queued meanwhile. Here a consumer's write
+// queued behind the outbox's finds the second webhook committed already.
+func TestOutboxGroupGatheredInItsTurn(t *testing.T) {
+	t.Parallel()
+	store, _ := benchStore(t)
+	defer store.Close()
+	turns := &store.engine.(*sqliteEngine).turns
+	waiting := func(first, rest int) func() bool {
+		return func() bool {
+			turns.mu.Lock()
+			defer turns.mu.Unlock()
+			return len(turns.first) == first && len(turns.rest) == rest
+		}
+	}
+	o := &Outbox{store: store, node: "n", commitTimeout: 10 * time.Second, log: slog.New(slog.DiscardHandler),
+		writes: make(chan *outboxWrite, outboxGroupRows), stopped: make(chan struct{}), kick: make(chan struct{}, 1),
+		logStoreRefused: func(err error) { t.Log(err) }}
+	ctx, stop := context.WithCancel(context.Background())
+	wrote := make(chan error, 1)
+	go func() { wrote <- o.Write(ctx) }()
+	defer func() { stop(); <-wrote }()
+
+	hold, release := make(chan struct{}), make(chan struct{})
+	held := make(chan error, 1)
+	go func() { held <- store.WriteTx(ctx, func(*Tx) error { close(hold); <-release; return nil }) }()
+	<-hold
+	hand := func(guid string) chan error {
+		done := make(chan error, 1)
+		row := OutboxRow{Node: "n", GUID: guid, Hook: -1, Event: "issues", ReceivedAt: time.Now(), QueuedAt: time.Now(),
+			Exchange: exchangeName, Headers: `{}`, Body: []byte(`{}`)}
+		go func() { done <- o.write(ctx, row) }()
+		return done
+	}
+	first := hand("gathered-1")
+	eventually(t, 10*time.Second, "the writer's commit of the first webhook waiting for its turn", waiting(1, 0))
+	second := hand("gathered-2")
+	eventually(t, 10*time.Second, "the second webhook handed to the writer", func() bool { return len(o.writes) == 1 })
+	seen := make(chan int, 1)
+	consumer := make(chan error, 1)
+	go func() {
+		consumer <- store.WriteTx(ctx, func(tx *Tx) error {
+			var n int
+			err := tx.row(ctx, "SELECT count(*) FROM outbox WHERE delivery_id = 'gathered-2'").Scan(&n)
+			seen <- n
+			return err
+		})
+	}()
+	eventually(t, 10*time.Second, "a consumer's write queued behind the outbox's", waiting(1, 1))
+	close(release)
+	for _, c := range []chan error{held, first, second, consumer} {
+		if err := <-c; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := <-seen; n != 1 {
+		t.Fatal("the webhook handed while the outbox's commit waited for its turn was not in that commit: it waited behind the consumer's write")
+	}
 }

@@ -26,22 +26,15 @@ func (o *Outbox) Write(ctx context.Context) error {
 		case w := <-o.writes:
 			group = append(group[:0], w)
 		}
-		bytes := group[0].row.Size()
-	more:
-		for len(group) < outboxGroupRows && bytes < outboxGroupBytes {
-			select {
-			case w := <-o.writes:
-				group = append(group, w)
-				bytes += w.row.Size()
-			default:
-				break more
-			}
-		}
-		rows = rows[:0]
+		// The group is gathered once the writer's turn is taken, not
+		// before: the rows that came while the commit waited for it (a
+		// consumer's batch under way) are in this commit, not the next.
+		var err error
+		group, err = o.commit(group, rows)
+		var bytes int64
 		for _, w := range group {
-			rows = append(rows, w.row)
+			bytes += w.row.Size()
 		}
-		err := o.commit(rows)
 		if err == nil {
 			o.waiting.Add(bytes)
 			select {
@@ -58,30 +51,56 @@ func (o *Outbox) Write(ctx context.Context) error {
 			o.failWaiting(err)
 		}
 		clear(group)
-		clear(rows)
 	}
 }
 
-// commit writes rows to the outbox in one transaction, within the
-// writer's time: not the request's, since the group is many requests'.
-func (o *Outbox) commit(rows []OutboxRow) error {
+// commit writes group, and the rows handed to the writer by the time
+// its transaction began, to the outbox in one transaction, within the
+// writer's time: not the request's, since the group is many requests'. It
+// returns the group it wrote, or did not; rows is room for their rows,
+// cleared after.
+func (o *Outbox) commit(group []*outboxWrite, rows []OutboxRow) ([]*outboxWrite, error) {
 	if down, _, cause := o.store.Down(); down {
 		// Lost (until it answers again), or past its floor for this
 		// binary (for good): the broker's path at once, not after a wait.
-		o.logStoreRefused(fmt.Errorf("%d webhooks: the database is lost: %w", len(rows), cause))
-		return fmt.Errorf("the database is lost: %w", cause)
+		o.logStoreRefused(fmt.Errorf("%d webhooks: the database is lost: %w", len(group), cause))
+		return group, fmt.Errorf("the database is lost: %w", cause)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), o.commitTimeout)
 	defer cancel()
 	start := time.Now()
 	err := o.store.WriteTxFirst(ctx, func(tx *Tx) error {
+		group, rows = o.gather(group), rows[:0]
+		for _, w := range group {
+			rows = append(rows, w.row)
+		}
 		tx.Pipeline()
 		return tx.Outbox(ctx, rows)
 	})
+	clear(rows)
 	if err != nil {
-		o.logStoreRefused(fmt.Errorf("%d webhooks, after %s: %w", len(rows), time.Since(start).Round(time.Millisecond), err))
+		o.logStoreRefused(fmt.Errorf("%d webhooks, after %s: %w", len(group), time.Since(start).Round(time.Millisecond), err))
 	}
-	return err
+	return group, err
+}
+
+// gather adds to group the rows handed to the writer now, up to a
+// group's bounds.
+func (o *Outbox) gather(group []*outboxWrite) []*outboxWrite {
+	var bytes int64
+	for _, w := range group {
+		bytes += w.row.Size()
+	}
+	for len(group) < outboxGroupRows && bytes < outboxGroupBytes {
+		select {
+		case w := <-o.writes:
+			group = append(group, w)
+			bytes += w.row.Size()
+		default:
+			return group
+		}
+	}
+	return group
 }
 
 // failWaiting answers err to every row handed to the writer now.
