@@ -8,8 +8,9 @@ import (
 
 // The outbox's writer: one goroutine per node, which the daemon owns,
 // takes the rows the requests hand it and commits them in groups, one
-// commit (one fsync) for as many as came while the last one was written.
-// A request waits for its own row's answer and never writes for another.
+// commit (one fsync) for as many as came while the last one was written
+// and this one waited for the store's writer. A request waits for its own
+// row's answer and never writes for another.
 
 // Write commits the rows handed to the outbox until ctx ends. Call it
 // once; it returns when ctx ends, after the group in hand is answered:
