@@ -868,14 +868,7 @@ func TestOutboxGroupGatheredInItsTurn(t *testing.T) {
 	t.Parallel()
 	store, _ := benchStore(t)
 	defer store.Close()
-	turns := &store.engine.(*sqliteEngine).turns
-	waiting := func(first, rest int) func() bool {
-		return func() bool {
-			turns.mu.Lock()
-			defer turns.mu.Unlock()
-			return len(turns.first) == first && len(turns.rest) == rest
-		}
-	}
+	_, waiting := writesWaiting(store)
 	o := &Outbox{store: store, node: "n", commitTimeout: 10 * time.Second, log: slog.New(slog.DiscardHandler),
 		writes: make(chan *outboxWrite, outboxGroupRows), stopped: make(chan struct{}), kick: make(chan struct{}, 1),
 		logStoreRefused: func(err error) { t.Log(err) }}

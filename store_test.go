@@ -1060,6 +1060,20 @@ func TestCompressionResumesAfterKill(t *testing.T) {
 	t.Logf("killed with %d of %d compressed", midway, n)
 }
 
+// writesWaiting is store's (SQLite's) writer turns, and a condition that
+// holds once first writes a client waits on and rest others wait for a
+// turn.
+func writesWaiting(store *Store) (*writerTurns, func(first, rest int) func() bool) {
+	turns := &store.engine.(*sqliteEngine).turns
+	return turns, func(first, rest int) func() bool {
+		return func() bool {
+			turns.mu.Lock()
+			defer turns.mu.Unlock()
+			return len(turns.first) == first && len(turns.rest) == rest
+		}
+	}
+}
+
 // On SQLite the outbox's commit, which a 202 waits on, takes the one
 // writer connection before the writes that were waiting for it first
 // (WriteTxFirst): while one transaction is under way, a consumer's write
@@ -1069,14 +1083,7 @@ func TestOutboxWriteGoesFirst(t *testing.T) {
 	t.Parallel()
 	store, _ := benchStore(t)
 	defer store.Close()
-	turns := &store.engine.(*sqliteEngine).turns
-	waiting := func(first, rest int) func() bool {
-		return func() bool {
-			turns.mu.Lock()
-			defer turns.mu.Unlock()
-			return len(turns.first) == first && len(turns.rest) == rest
-		}
-	}
+	turns, waiting := writesWaiting(store)
 	ctx := context.Background()
 	var order []string
 	var mu sync.Mutex
