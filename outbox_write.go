@@ -30,12 +30,9 @@ func (o *Outbox) Write(ctx context.Context) error {
 		// The group is gathered once the writer's turn is taken, not
 		// before: the rows that came while the commit waited for it (a
 		// consumer's batch under way) are in this commit, not the next.
-		var err error
-		group, err = o.commit(group, rows)
 		var bytes int64
-		for _, w := range group {
-			bytes += w.row.Size()
-		}
+		var err error
+		group, bytes, err = o.commit(group, rows)
 		if err == nil {
 			o.waiting.Add(bytes)
 			select {
@@ -58,20 +55,22 @@ func (o *Outbox) Write(ctx context.Context) error {
 // commit writes group, and the rows handed to the writer by the time
 // its transaction began, to the outbox in one transaction, within the
 // writer's time: not the request's, since the group is many requests'. It
-// returns the group it wrote, or did not; rows is room for their rows,
-// cleared after.
-func (o *Outbox) commit(group []*outboxWrite, rows []OutboxRow) ([]*outboxWrite, error) {
+// returns the group it wrote, or did not, and its rows' bytes; rows is
+// room for their rows, cleared after.
+func (o *Outbox) commit(group []*outboxWrite, rows []OutboxRow) ([]*outboxWrite, int64, error) {
 	if down, _, cause := o.store.Down(); down {
 		// Lost (until it answers again), or past its floor for this
 		// binary (for good): the broker's path at once, not after a wait.
 		o.logStoreRefused(fmt.Errorf("%d webhooks: the database is lost: %w", len(group), cause))
-		return group, fmt.Errorf("the database is lost: %w", cause)
+		return group, 0, fmt.Errorf("the database is lost: %w", cause)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), o.commitTimeout)
 	defer cancel()
 	start := time.Now()
+	var bytes int64
 	err := o.store.WriteTxFirst(ctx, func(tx *Tx) error {
-		group, rows = o.gather(group), rows[:0]
+		group, bytes = o.gather(group)
+		rows = rows[:0]
 		for _, w := range group {
 			rows = append(rows, w.row)
 		}
@@ -82,26 +81,23 @@ func (o *Outbox) commit(group []*outboxWrite, rows []OutboxRow) ([]*outboxWrite,
 	if err != nil {
 		o.logStoreRefused(fmt.Errorf("%d webhooks, after %s: %w", len(group), time.Since(start).Round(time.Millisecond), err))
 	}
-	return group, err
+	return group, bytes, err
 }
 
-// gather adds to group the rows handed to the writer now, up to a
-// group's bounds.
-func (o *Outbox) gather(group []*outboxWrite) []*outboxWrite {
-	var bytes int64
-	for _, w := range group {
-		bytes += w.row.Size()
-	}
+// gather adds to group (one row) the rows handed to the writer now, up
+// to a group's bounds, and returns it with its rows' bytes.
+func (o *Outbox) gather(group []*outboxWrite) ([]*outboxWrite, int64) {
+	bytes := group[0].row.Size()
 	for len(group) < outboxGroupRows && bytes < outboxGroupBytes {
 		select {
 		case w := <-o.writes:
 			group = append(group, w)
 			bytes += w.row.Size()
 		default:
-			return group
+			return group, bytes
 		}
 	}
-	return group
+	return group, bytes
 }
 
 // failWaiting answers err to every row handed to the writer now.
