@@ -75,6 +75,18 @@ func startPebble(t *testing.T, tlsPort, httpPort string, validity time.Duration)
 	dns := freeAddr(t)
 	started(t, exec.Command(pebbleTool(t, "pebble-challtestsrv"), "-defaultIPv4", "127.0.0.1", "-defaultIPv6", "",
 		"-dnsserver", dns, "-http01", "", "-https01", "", "-tlsalpn01", "", "-doh", "", "-management", freeAddr(t)))
+	// Pebble resolves the name at this server (over TCP) when it validates;
+	// a challenge it validates before the server is up fails as malformed,
+	// which certmagic tries again only a minute later.
+	resolver := &net.Resolver{PreferGo: true, Dial: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "tcp", dns)
+	}}
+	eventually(t, 20*time.Second, "the challenge server's DNS", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_, err := resolver.LookupHost(ctx, testDomain)
+		return err == nil
+	})
 	api, mgmt := freeAddr(t), freeAddr(t)
 	config, _ := json.Marshal(map[string]any{"pebble": map[string]any{
 		"listenAddress": api, "managementListenAddress": mgmt, "certificate": certFile, "privateKey": keyFile,
