@@ -84,6 +84,9 @@ type Outbox struct {
 	// forwarder takes away; the forwarder reads it from the store when it
 	// starts.
 	waiting atomic.Int64
+	// committed counts the rows the writer committed: the forwarder reads
+	// no rows to go behind a batch in flight until a batch's worth came.
+	committed atomic.Int64
 	// logStoreRefused and logPublished log, at most once a 10 s, a group
 	// the store did not take and a webhook published directly.
 	logStoreRefused, logPublished func(error)

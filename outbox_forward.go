@@ -9,20 +9,57 @@ import (
 
 // The outbox's forwarder: this node publishes its own rows, in commit
 // (id) order, to where the endpoint would publish (a Pending Switch's
-// target, else the active broker), a batch at a time on one channel with
-// every message of it in flight before the first confirm is awaited; it
-// marks those confirmed published. It runs under this node's outbox lease
-// (outboxJob), so that a node whose lease is gone (dead, or paused past
-// it) publishes nothing, and its rows are adopted by a node that forwards.
+// target, else the active broker), on one channel, keeping a window of
+// publishes in flight: a batch is sent behind the one whose confirms it
+// waits for, so that the link carries the next rows while a batch's
+// confirms come back and its rows are marked published. It runs under
+// this node's outbox lease (outboxJob), so that a node whose lease is gone
+// (dead, or paused past it) publishes nothing, and its rows are adopted by
+// a node that forwards.
 
-// forwardBatch is how many rows one publish of the forwarder sends before
-// it waits for their confirms, and one transaction marks.
-const forwardBatch = 128
+// forwardBatch is how many rows one batch of the forwarder sends, and one
+// transaction marks; forwardDepth how many batches are in flight at once.
+// Their product is the window, below a broker's maxInFlight so that the
+// endpoint's own publishes (while the store refuses) find room.
+const (
+	forwardBatch = 60
+	forwardDepth = 4
+)
 
 // forwardRetry is how long the forwarder waits before it tries a broker
 // that did not take its rows again (sooner when the broker's connection
-// comes back), and how often it looks for rows to adopt while idle.
+// comes back), how often it looks for rows to adopt while idle, and how
+// often, while batches follow one another, it looks for waiting rows
+// older than those in flight (adopted, moved from a spool, sent again by
+// `switchyard outbox retry`): it lets the window empty to take them.
 const forwardRetry = time.Second
+
+// flight is a batch of this node's rows sent to a broker, its confirms
+// not yet awaited.
+type flight struct {
+	b    *Broker
+	rows []OutboxRow // read; the first sent of them were sent
+	sent int
+	// tooLarge: rows[sent] is over b's max_message_bytes, refused for good
+	// once those before it are confirmed.
+	tooLarge error
+	s        *Sent // nil when none was sent
+	ctx      context.Context
+	cancel   context.CancelFunc
+}
+
+// last is the id of the last row f sent.
+func (f *flight) last() int64 { return f.rows[f.sent-1].ID }
+
+// settle waits for f's confirms: how many of its first rows were
+// confirmed, and why the next was not.
+func (f *flight) settle() (int, error) {
+	defer f.cancel()
+	if f.s == nil {
+		return 0, nil
+	}
+	return f.s.Settle(f.ctx)
+}
 
 // Forward publishes this node's rows until ctx ends, under the holding h
 // of its outbox lease. A broker that takes nothing (away, blocked,
@@ -34,32 +71,106 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 	if n, err := o.store.OutboxBytes(ctx, o.node); err == nil {
 		o.waiting.Store(n)
 	}
-	var failing string
-	lastAdopt, lastPrune := time.Time{}, time.Time{}
-	for ctx.Err() == nil {
-		limit := forwardBatch
-		if failing != "" {
-			// One row a try while the broker fails: a broker that nacks
-			// (a queue over its length, a quota) costs a message, not a
-			// batch.
-			limit = 1
+	var (
+		flights                       []*flight // oldest first
+		failing                       string
+		last                          *Broker
+		draining                      bool
+		lastAdopt, lastPrune, lastOld time.Time
+	)
+	// marking is a batch confirmed whose marking is to come: its rows are
+	// not read again. readAll is o.committed when a read last took every
+	// row that waited (-1: not known): behind a batch in flight, the next
+	// read waits until a batch's worth was committed since.
+	var marking *flight
+	readAll := int64(-1)
+	// fill sends batches behind those in flight (past marking's rows)
+	// while the window has room; one row alone, with none in flight,
+	// while the broker fails.
+	fill := func() error {
+		for len(flights) < forwardDepth && !draining {
+			ahead, behind, limit := marking, (*flight)(nil), forwardBatch
+			if len(flights) > 0 {
+				ahead = flights[len(flights)-1]
+				behind = ahead
+			}
+			if failing != "" {
+				if ahead != nil {
+					return nil
+				}
+				limit = 1
+			}
+			committed := o.committed.Load()
+			if behind != nil && readAll >= 0 && committed-readAll < int64(limit) {
+				return nil
+			}
+			f, read, err := o.send(ctx, h, ahead, behind, limit)
+			if read < limit {
+				readAll = committed
+			} else {
+				readAll = -1
+			}
+			if err != nil || f == nil {
+				return err
+			}
+			flights, last = append(flights, f), f.b
 		}
-		b, n, err := o.forward(ctx, h, limit)
-		switch {
-		case ctx.Err() != nil:
-			return nil
-		case err != nil:
+		return nil
+	}
+	for ctx.Err() == nil {
+		if len(flights) == 0 {
+			draining = false
+		}
+		if len(flights) > 0 && time.Since(lastOld) >= forwardRetry {
+			lastOld = time.Now()
+			draining = o.olderWaiting(ctx, flights[0].rows[0].ID)
+		}
+		err := fill()
+		if len(flights) > 0 {
+			f := flights[0]
+			o.awaitAnswer(ctx, f, fill)
+			flights = flights[1:]
+			n, perr := f.settle()
+			if perr == nil {
+				// The next batch on the link before this one's marking
+				// waits for the store.
+				marking = f
+				_ = fill()
+				marking = nil
+			}
+			settled, err := o.mark(ctx, h, f, n, perr)
+			if settled > 0 && failing != "" && err == nil {
+				o.log.Info("the broker takes the outbox's webhooks again")
+				failing = ""
+			}
+			if err == nil {
+				continue
+			}
+			// What was sent behind the rows not confirmed is sent again
+			// after them: duplicates, stored once.
+			for _, f := range flights {
+				f.cancel()
+				_, _ = f.settle()
+			}
+			flights = nil
+			if ctx.Err() != nil {
+				return nil
+			}
 			if failing == "" {
 				o.log.Warn("the outbox waits: the broker did not take its oldest webhooks; they are tried again each second",
 					"error", err)
 			}
 			failing = err.Error()
-		case n > 0:
-			if failing != "" {
-				o.log.Info("the broker takes the outbox's webhooks again")
-				failing = ""
+		} else if err != nil && ctx.Err() == nil {
+			if failing == "" {
+				o.log.Warn("the outbox waits: the broker did not take its oldest webhooks; they are tried again each second",
+					"error", err)
 			}
-			continue
+			failing = err.Error()
+		}
+		// Nothing in flight: nothing waits, or the broker takes none.
+		if ctx.Err() != nil {
+			return nil
 		}
 		if time.Since(lastAdopt) >= forwardRetry {
 			lastAdopt = time.Now()
@@ -72,8 +183,8 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 			o.prune(ctx, h)
 		}
 		var back <-chan struct{}
-		if b != nil && failing != "" {
-			back = o.queues.Back(b) // the broker's connection coming back
+		if last != nil && failing != "" {
+			back = o.queues.Back(last) // the broker's connection coming back
 		}
 		wait := time.NewTimer(forwardRetry)
 		select {
@@ -93,74 +204,139 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 		}
 		wait.Stop()
 	}
+	for _, f := range flights {
+		f.cancel()
+		_, _ = f.settle()
+	}
 	return nil
 }
 
-// forward publishes up to limit of this node's oldest rows to the publish
-// target and marks those confirmed. It returns the broker it published to,
-// how many rows it settled (published, or refused for good), and why the
-// broker took no more.
-func (o *Outbox) forward(ctx context.Context, h Holding, limit int) (*Broker, int, error) {
-	rows, err := o.store.OutboxHead(ctx, o.node, limit)
-	if err != nil || len(rows) == 0 || !h.Held() {
-		return nil, 0, err
+// awaitAnswer waits until the broker has answered f's last message (or
+// will not: Sent.Answered), filling the window behind it each time rows
+// are committed meanwhile.
+func (o *Outbox) awaitAnswer(ctx context.Context, f *flight, fill func() error) {
+	if f.s == nil {
+		return
+	}
+	for {
+		select {
+		case <-f.s.Answered():
+			return
+		case <-ctx.Done():
+			return
+		case <-o.kick:
+			_ = fill() // what it could not send is sent after f settles
+		}
+	}
+}
+
+// send reads up to limit of this node's rows that wait, past those of
+// ahead (the last batch sent, in flight or confirmed) when it is set, and
+// sends them to the publish target, behind behind (the last batch in
+// flight) on its channel when it is set. It returns nil when there is
+// none to send, or none may go after ahead: the row after it must be
+// refused first, the target is another broker now, or there are fewer
+// than limit to go behind behind. read is how many rows it read.
+func (o *Outbox) send(ctx context.Context, h Holding, ahead, behind *flight, limit int) (f *flight, read int, err error) {
+	var after int64
+	if ahead != nil {
+		if ahead.tooLarge != nil {
+			return nil, limit, nil
+		}
+		after = ahead.last()
+	}
+	rows, err := o.store.OutboxHead(ctx, o.node, after, limit)
+	if err != nil || len(rows) == 0 || (behind != nil && len(rows) < limit) || !h.Held() {
+		// Behind a batch in flight only a full one goes: fewer rows wait
+		// for its confirms and go together then, so that a steady stream
+		// is a batch (and a marking) a round trip, not one a few rows.
+		return nil, len(rows), err
 	}
 	b, err := o.queues.Target(o.brokers)
 	if err != nil {
-		return nil, 0, err
+		return nil, len(rows), err
 	}
+	if ahead != nil && b != ahead.b {
+		return nil, len(rows), nil
+	}
+	f = &flight{b: b, rows: rows}
 	msgs := make([]Outgoing, 0, len(rows))
-	var tooLarge error
 	for i := range rows {
 		if b.MaxMessageBytes > 0 && int64(len(rows[i].Body)) > b.MaxMessageBytes {
-			tooLarge = &TooLargeError{Size: int64(len(rows[i].Body)), Max: b.MaxMessageBytes}
+			f.tooLarge = &TooLargeError{Size: int64(len(rows[i].Body)), Max: b.MaxMessageBytes}
 			break
 		}
 		m, err := rows[i].publishing()
 		if err != nil {
-			return b, 0, err
+			return nil, len(rows), err
 		}
 		msgs = append(msgs, m)
 	}
-	n, perr := 0, error(nil)
-	if len(msgs) > 0 {
-		pctx, cancel := context.WithTimeout(ctx, o.publishTimeout)
-		n, perr = o.queues.PublishInOrder(pctx, b, msgs)
-		cancel()
+	f.sent = len(msgs)
+	f.ctx, f.cancel = context.WithTimeout(ctx, o.publishTimeout)
+	if len(msgs) == 0 {
+		return f, len(rows), nil
 	}
+	var on *Sent
+	if behind != nil {
+		on = behind.s
+	}
+	if f.s, err = o.queues.Send(f.ctx, b, msgs, on); err != nil {
+		f.cancel()
+		return nil, len(rows), err
+	}
+	return f, len(rows), nil
+}
+
+// mark marks the first n rows of f published (the broker confirmed them)
+// and, when the broker refuses the one after them for good (its size),
+// that one refused. It returns how many rows it settled, and why the rest
+// were not: perr, the publish's, or the marking's.
+func (o *Outbox) mark(ctx context.Context, h Holding, f *flight, n int, perr error) (int, error) {
+	var refusal error
 	var tl *TooLargeError
-	if errors.As(perr, &tl) {
-		tooLarge = perr
+	switch {
+	case errors.As(perr, &tl):
+		refusal = perr // the broker closed the channel on rows[n]
+	case f.tooLarge != nil && n == f.sent:
+		refusal = f.tooLarge
 	}
-	refuse := tooLarge != nil && n < len(rows)
-	if n == 0 && !refuse {
-		return b, 0, perr
+	if n == 0 && refusal == nil {
+		return 0, perr
 	}
 	ids := make([]int64, n)
 	var bytes int64
 	for i := range ids {
-		ids[i] = rows[i].ID
-		bytes += rows[i].Size()
+		ids[i] = f.rows[i].ID
+		bytes += f.rows[i].Size()
 	}
 	now := time.Now()
-	err = h.WriteTx(ctx, o.store, func(tx *Tx) error {
-		if err := tx.OutboxPublished(ctx, o.node, ids, b.Index, now); err != nil || !refuse {
+	err := h.WriteTx(ctx, o.store, func(tx *Tx) error {
+		if err := tx.OutboxPublished(ctx, o.node, ids, f.b.Index, now); err != nil || refusal == nil {
 			return err
 		}
-		return tx.OutboxRefused(ctx, o.node, rows[n].ID, tooLarge.Error(), now)
+		return tx.OutboxRefused(ctx, o.node, f.rows[n].ID, refusal.Error(), now)
 	})
 	if err != nil {
 		// Published, not marked: they are published again, duplicates
 		// that are stored once.
-		return b, 0, fmt.Errorf("outbox rows published to %s, not marked so: %w", b, err)
+		return 0, fmt.Errorf("outbox rows published to %s, not marked so: %w", f.b, err)
 	}
 	o.waiting.Add(-bytes)
-	if refuse {
+	if refusal != nil {
 		o.log.Error("the broker refuses a webhook for its size: kept in the outbox as refused; raise the broker's limit (and max_message_bytes), then switchyard outbox retry",
-			"delivery_id", rows[n].GUID, "broker", b.String(), "error", tooLarge)
-		return b, n + 1, nil
+			"delivery_id", f.rows[n].GUID, "broker", f.b.String(), "error", refusal)
+		return n + 1, nil
 	}
-	return b, n, perr
+	return n, perr
+}
+
+// olderWaiting reports whether a row waits that is older than first, the
+// first row in flight: adopted, moved or sent again since the window
+// began, it would wait behind every batch that follows.
+func (o *Outbox) olderWaiting(ctx context.Context, first int64) bool {
+	head, err := o.store.OutboxHead(ctx, o.node, 0, 1)
+	return err == nil && len(head) == 1 && head[0].ID < first
 }
 
 // adopt gives this node, under h, the rows of nodes whose outbox lease is

@@ -667,7 +667,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) error { tx.Pipeline(); return tx.Outbox(ctx, rows) }); err != nil {
 			t.Fatal(err)
 		}
-		head, err := store.OutboxHead(ctx, "n", 10)
+		head, err := store.OutboxHead(ctx, "n", 0, 10)
 		if err != nil || len(head) != 3 || head[0].GUID != "g-1" || head[0].Hook != 7 || head[1].Hook != -1 || string(head[1].Body) != `{"b":2}` {
 			t.Fatalf("the outbox's head: %v %+v", err, head)
 		}
@@ -695,7 +695,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) error { return tx.OutboxRefused(ctx, "n", head[1].ID, "too large", time.Now()) }); err != nil {
 			t.Fatal(err)
 		}
-		if head, _ := store.OutboxHead(ctx, "n", 10); len(head) != 1 || head[0].GUID != "g-3" {
+		if head, _ := store.OutboxHead(ctx, "n", 0, 10); len(head) != 1 || head[0].GUID != "g-3" {
 			t.Errorf("the head after one published and one refused: %+v, want g-3 alone", head)
 		}
 		if st, _ := store.OutboxState(ctx); st.RefusedCount != 1 || st.Refused[0].GUID != "g-2" || st.Refused[0].Reason != "too large" {
@@ -705,7 +705,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) (err error) { retried, err = tx.RetryRefused(ctx); return err }); err != nil || retried != 1 {
 			t.Errorf("retried %d (%v), want the refused row", retried, err)
 		}
-		if head, _ := store.OutboxHead(ctx, "n", 10); len(head) != 2 || head[0].GUID != "g-2" {
+		if head, _ := store.OutboxHead(ctx, "n", 0, 10); len(head) != 2 || head[0].GUID != "g-2" {
 			t.Errorf("the head after the retry: %+v, want g-2 first again", head)
 		}
 		conn := openStoreDB(t, db)
@@ -748,7 +748,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) (err error) { moved, _, err = tx.MoveSpool(ctx, "n", time.Now()); return err }); err != nil || moved != 1 {
 			t.Fatalf("moved %d (%v), want the spool's row", moved, err)
 		}
-		head, _ = store.OutboxHead(ctx, "n", 10)
+		head, _ = store.OutboxHead(ctx, "n", 0, 10)
 		if len(head) != 4 || head[3].GUID != "g-5" {
 			t.Fatalf("the head with the spool's row moved in: %+v", head)
 		}
@@ -912,4 +912,47 @@ func TestOutboxGroupGatheredInItsTurn(t *testing.T) {
 	if n := <-seen; n != 1 {
 		t.Fatal("the webhook handed while the outbox's commit waited for its turn was not in that commit: it waited behind the consumer's write")
 	}
+}
+
+// The forwarder keeps a window of publishes in flight across its batches:
+// with the broker's confirms held back, more rows than one batch holds are
+// sent before any is confirmed (and none is marked published), so that
+// over a WAN link the link carries the next batches while a batch's
+// confirms come back. Once the confirms flow, every webhook is stored
+// once, in the order sent.
+func TestOutboxWindowAcrossBatches(t *testing.T) {
+	t.Parallel()
+	vhost := newVhost(t)
+	proxy := newTCPProxy(t, testBrokerAddr())
+	frames := proxy.countFrames()
+	cfg := testConfig(t, proxy.URL(vhost))
+	cfg.Queue.PublishTimeout = time.Minute // no batch given up while the confirms are held
+	d := startDaemon(t, cfg)
+	body := loadFixture(t, "issues", "opened")
+	first := newGUID()
+	if code := postWebhook(t, d.URL, "issues", first, body); code != http.StatusAccepted {
+		t.Fatalf("before the confirms are held: %d", code)
+	}
+	storedAll(t, cfg.Database, []string{first}, 30*time.Second)
+
+	proxy.StallReplies(true)
+	published := frames.publish.Load()
+	var answers []sent
+	for i := range 3 * forwardBatch {
+		guid := newGUID()
+		code, answer, err := doQuiet(http.DefaultClient, webhookRequest(t, d.URL, "issues", guid, body))
+		answers = append(answers, sent{seq: i, guid: guid, code: code, body: answer, err: err})
+	}
+	// Past what one batch holds: a batch behind the first went out while
+	// its confirms were held.
+	eventually(t, 30*time.Second, "a batch behind the first sent before any confirm", func() bool {
+		return frames.publish.Load()-published > forwardBatch
+	})
+	db := openStoreDB(t, cfg.Database)
+	if n := queryInt(t, db, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND delivery_id <> $1", first); n != 0 {
+		t.Errorf("%d rows marked published while every confirm was held", n)
+	}
+	proxy.StallReplies(false)
+	allAnswered202(t, answers)
+	storedInOrder(t, cfg.Database, answers)
 }

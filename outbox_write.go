@@ -35,6 +35,7 @@ func (o *Outbox) Write(ctx context.Context) error {
 		group, bytes, err = o.commit(group, rows)
 		if err == nil {
 			o.waiting.Add(bytes)
+			o.committed.Add(int64(len(group)))
 			select {
 			case o.kick <- struct{}{}:
 			default:

@@ -213,13 +213,71 @@ func (q *Queues) PublishConfirmed(ctx context.Context, b *Broker, exchange, key 
 	return q.pubs[b.Index].PublishConfirmed(ctx, exchange, key, msg)
 }
 
-// PublishInOrder publishes msgs to broker b on one channel, in their
-// order, and waits for their confirms until ctx ends: it returns how many
-// of the first were confirmed, and why the next one was not.
-func (q *Queues) PublishInOrder(ctx context.Context, b *Broker, msgs []Outgoing) (int, error) {
-	p := q.pubs[b.Index]
+// Sent is a batch of messages sent to one broker, in their order on one
+// channel, whose confirms are still to be awaited (Settle).
+type Sent struct {
+	q     *Queues
+	b     *Broker
+	s     *sentBatch
+	start time.Time
+	ctx   context.Context // the batch's: its traces, and its end
+	// answered is made by the first call of Answered.
+	answered chan struct{}
+}
+
+// Send publishes msgs to broker b on one channel, in their order, and
+// returns without waiting for their confirms: Settle waits. With behind, a
+// batch sent to b before and not yet settled, they follow it on its
+// channel, so that the broker takes them in order after it (none is sent
+// when that channel has closed): a window of publishes stays in flight
+// across batches. An error: none was sent.
+func (q *Queues) Send(ctx context.Context, b *Broker, msgs []Outgoing, behind *Sent) (*Sent, error) {
+	var after *sentBatch
+	if behind != nil {
+		after = behind.s
+	}
 	start := time.Now()
-	n, err := p.publishAll(ctx, msgs)
+	s, err := q.pubs[b.Index].send(ctx, msgs, after)
+	if err != nil {
+		q.observePublishes(ctx, b, msgs, 0, err, start)
+		return nil, err
+	}
+	return &Sent{q: q, b: b, s: s, start: start, ctx: ctx}, nil
+}
+
+// Answered is closed once the broker has answered the last message Send
+// sent (confirmed or not, or its channel closed), blocked the connection,
+// or the batch's context (Send's) ended: Settle does not wait then. Call
+// it from the goroutine that settles.
+func (s *Sent) Answered() <-chan struct{} {
+	if s.answered == nil {
+		s.answered = make(chan struct{})
+		last := s.s.dcs[len(s.s.dcs)-1].Done()
+		go func() {
+			defer close(s.answered)
+			select {
+			case <-last:
+			case <-s.s.blockedSig:
+			case <-s.ctx.Done():
+			}
+		}()
+	}
+	return s.answered
+}
+
+// Settle waits for the confirms of what Send sent until ctx ends: it
+// returns how many of the first were confirmed, and why the next one was
+// not. Call it once.
+func (s *Sent) Settle(ctx context.Context) (int, error) {
+	n, err := s.s.settle(ctx)
+	s.q.observePublishes(s.ctx, s.b, s.s.msgs, n, err, s.start)
+	return n, err
+}
+
+// observePublishes counts the publishes of msgs to b begun at start: the
+// first n confirmed, the rest failed with err.
+func (q *Queues) observePublishes(ctx context.Context, b *Broker, msgs []Outgoing, n int, err error, start time.Time) {
+	p := q.pubs[b.Index]
 	for i := range msgs {
 		var e error
 		if i >= n {
@@ -227,7 +285,6 @@ func (q *Queues) PublishInOrder(ctx context.Context, b *Broker, msgs []Outgoing)
 		}
 		p.metrics.publish(b.Index, traceID(q.tracer.traceOf(ctx, msgs[i].Msg.Headers)), e, time.Since(start))
 	}
-	return n, err
 }
 
 // Consume reads the queue o names on broker b until the window ends, stop

@@ -284,58 +284,122 @@ type Outgoing struct {
 // how many of the first were confirmed before the first that was not, and
 // why that one was not.
 func (p *publisher) publishAll(ctx context.Context, msgs []Outgoing) (confirmed int, err error) {
-	bc, b := p.bc, p.bc.broker
-	blockedSig := *bc.blockedSig.Load()
-	if bc.blocked.Load() != nil {
-		// A refusal (bc.refused) does not stop a publish: only a confirmed
-		// one can tell that the broker takes them again.
-		return 0, bc.blockedError()
-	}
-	conn, err := bc.connection(ctx)
+	s, err := p.send(ctx, msgs, nil)
 	if err != nil {
 		return 0, err
 	}
-	p.onConn(conn)
-	for taken := 0; taken < len(msgs); taken++ {
+	return s.settle(ctx)
+}
+
+// sentBatch is a batch of messages sent in their order on one lane's channel,
+// holding an in-flight place each and the lane until settle has awaited
+// their confirms.
+type sentBatch struct {
+	p          *publisher
+	l          *lane
+	idle       bool // l goes back to the idle lanes once settled
+	ch         *amqp.Channel
+	returns    chan amqp.Return
+	blockedSig chan struct{}
+	msgs       []Outgoing
+	dcs        []*amqp.DeferredConfirmation
+	spans      []trace.Span
+	taken      int   // the places in flight held (p.sem)
+	short      error // why fewer than msgs were sent
+}
+
+// send sends msgs in their order on one channel and returns without
+// waiting for their confirms: settle waits for them. With behind (a batch
+// sent before and not yet settled) they go on its channel, after it, so
+// that the broker takes them in order behind it; when that channel has
+// closed, nothing is sent. An error: none was sent.
+func (p *publisher) send(ctx context.Context, msgs []Outgoing, behind *sentBatch) (*sentBatch, error) {
+	bc, b := p.bc, p.bc.broker
+	s := &sentBatch{p: p, msgs: msgs, blockedSig: *bc.blockedSig.Load()}
+	if bc.blocked.Load() != nil {
+		// A refusal (bc.refused) does not stop a publish: only a confirmed
+		// one can tell that the broker takes them again.
+		return nil, bc.blockedError()
+	}
+	if behind == nil {
+		conn, err := bc.connection(ctx)
+		if err != nil {
+			return nil, err
+		}
+		p.onConn(conn)
+	}
+	for s.taken < len(msgs) {
 		select {
 		case p.sem <- struct{}{}:
-			defer func() { <-p.sem }()
+			s.taken++
 		case <-ctx.Done():
-			return 0, fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
-		case <-blockedSig:
-			return 0, bc.blockedError()
+			s.release()
+			return nil, fmt.Errorf("publish to %s: %w", b, ErrPublishTimeout)
+		case <-s.blockedSig:
+			s.release()
+			return nil, bc.blockedError()
 		}
 	}
-
-	l, idle := p.pickLane()
-	defer p.put(l, idle)
-	ch, returns, err := l.channel(bc)
-	if err != nil {
-		return 0, fmt.Errorf("publish to %s: %w: %w", b, errConfirmLost, err)
-	}
-	dcs := make([]*amqp.DeferredConfirmation, 0, len(msgs))
-	spans := p.startPublishes(ctx, msgs)
-	defer func() { endPublishes(spans, confirmed, err) }()
-	for _, m := range msgs {
-		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, m.Exchange, m.Key, true, false, m.Msg)
+	if behind != nil {
+		if behind.ch.IsClosed() {
+			s.release()
+			return nil, fmt.Errorf("publish to %s: %w", b, errConfirmLost)
+		}
+		// The lane goes back when the last batch on it is settled.
+		s.l, s.ch, s.returns = behind.l, behind.ch, behind.returns
+		s.idle, behind.idle = behind.idle, false
+	} else {
+		s.l, s.idle = p.pickLane()
+		ch, returns, err := s.l.channel(bc)
 		if err != nil {
-			if len(dcs) == 0 {
-				return 0, fmt.Errorf("publish to %s: %w: %w", b, errConfirmLost, err)
+			s.release()
+			return nil, fmt.Errorf("publish to %s: %w: %w", b, errConfirmLost, err)
+		}
+		s.ch, s.returns = ch, returns
+	}
+	s.dcs = make([]*amqp.DeferredConfirmation, 0, len(msgs))
+	s.spans = p.startPublishes(ctx, msgs)
+	for _, m := range msgs {
+		dc, err := s.ch.PublishWithDeferredConfirmWithContext(ctx, m.Exchange, m.Key, true, false, m.Msg)
+		if err != nil {
+			if len(s.dcs) == 0 {
+				err = fmt.Errorf("publish to %s: %w: %w", b, errConfirmLost, err)
+				endPublishes(s.spans, 0, err)
+				s.release()
+				return nil, err
 			}
+			s.short = fmt.Errorf("publish to %s: %w: the channel closed while sending", b, errConfirmLost)
 			break // wait for those sent
 		}
 		bc.published.Add(1) // sent: the broker counts it, confirmed or not
-		dcs = append(dcs, dc)
+		s.dcs = append(s.dcs, dc)
 	}
-	for i, dc := range dcs {
-		if err := p.await(ctx, l, ch, returns, dc, msgs[i], blockedSig); err != nil {
+	return s, nil
+}
+
+// settle waits for the confirms of what s sent, in their order, until ctx
+// ends: it returns how many of the first were confirmed before the first
+// that was not, and why that one was not. Call it once.
+func (s *sentBatch) settle(ctx context.Context) (confirmed int, err error) {
+	defer s.release()
+	defer func() { endPublishes(s.spans, confirmed, err) }()
+	for i, dc := range s.dcs {
+		if err := s.p.await(ctx, s.l, s.ch, s.returns, dc, s.msgs[i], s.blockedSig); err != nil {
 			return i, err
 		}
 	}
-	if len(dcs) < len(msgs) {
-		return len(dcs), fmt.Errorf("publish to %s: %w: the channel closed while sending", b, errConfirmLost)
+	return len(s.dcs), s.short
+}
+
+// release gives back the places in flight s holds, and its lane.
+func (s *sentBatch) release() {
+	for ; s.taken > 0; s.taken-- {
+		<-s.p.sem
 	}
-	return len(dcs), nil
+	if s.l != nil {
+		s.p.put(s.l, s.idle)
+		s.l = nil
+	}
 }
 
 // errConfirmLost is a publish whose channel or connection closed before

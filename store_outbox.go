@@ -58,11 +58,12 @@ func (tx *Tx) Outbox(ctx context.Context, rows []OutboxRow) error {
 }
 
 // OutboxHead reads the first limit rows node forwards that wait, in id
-// (commit) order: not published, not refused.
-func (s *Store) OutboxHead(ctx context.Context, node string, limit int) ([]OutboxRow, error) {
+// (commit) order, past id after (0: from the first): not published, not
+// refused.
+func (s *Store) OutboxHead(ctx context.Context, node string, after int64, limit int) ([]OutboxRow, error) {
 	rows, err := s.pool().rows(ctx, `SELECT id, node, delivery_id, hook_id, event, received_at, queued_at, exchange, routing_key,
 			headers, content_encoding, body
-		FROM outbox WHERE node = $1 AND published_at IS NULL AND refused_at IS NULL ORDER BY id LIMIT $2`, node, limit)
+		FROM outbox WHERE node = $1 AND published_at IS NULL AND refused_at IS NULL AND id > $2 ORDER BY id LIMIT $3`, node, after, limit)
 	if err != nil {
 		return nil, fmt.Errorf("read the outbox: %w", s.health.observe(err))
 	}
