@@ -600,10 +600,7 @@ func TestOutboxOfDeadNodeForwarded(t *testing.T) {
 // and the copy that had landed is a duplicate, stored once.
 func TestPublishSentAgainWhenConfirmLost(t *testing.T) {
 	t.Parallel()
-	vhost := newVhost(t)
-	proxy := newTCPProxy(t, testBrokerAddr())
-	frames := proxy.countFrames()
-	cfg := testConfig(t, proxy.URL(vhost))
+	_, proxy, frames, cfg := wireConfig(t)
 	cfg.Queue.OutboxMaxBytes = 1 // the broker's path: the outbox full, each webhook published at the door
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")
@@ -922,10 +919,7 @@ func TestOutboxGroupGatheredInItsTurn(t *testing.T) {
 // once, in the order sent.
 func TestOutboxWindowAcrossBatches(t *testing.T) {
 	t.Parallel()
-	vhost := newVhost(t)
-	proxy := newTCPProxy(t, testBrokerAddr())
-	frames := proxy.countFrames()
-	cfg := testConfig(t, proxy.URL(vhost))
+	_, proxy, frames, cfg := wireConfig(t)
 	cfg.Queue.PublishTimeout = time.Minute // no batch given up while the confirms are held
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")

@@ -204,7 +204,7 @@ func TestRotateOnBudget(t *testing.T) {
 // it and the broker counts them, on the webhook, consume and replay paths.
 func TestUsageMatchesTheWire(t *testing.T) {
 	t.Parallel()
-	vhost, wire, cfg := wireConfig(t)
+	vhost, _, wire, cfg := wireConfig(t)
 	d := startDaemon(t, cfg)
 	db := openStoreDB(t, cfg.Database)
 	body := loadFixture(t, "issues", "opened")
@@ -270,7 +270,7 @@ func testUsageInBatchTransactions(t *testing.T) {
 func countUsageInBatches(t *testing.T, queue string, h func(p *parts) Handler, before func(p *parts, guid string, i int),
 	what, finished string) {
 	t.Helper()
-	vhost, wire, cfg := wireConfig(t)
+	vhost, _, wire, cfg := wireConfig(t)
 	p := newParts(t, cfg)
 	if err := p.queues.Reachable(context.Background(), p.brokers.List()[0]); err != nil { // declares the topology
 		t.Fatal(err)
@@ -328,13 +328,13 @@ func testUsageCountedOnceWhenABatchRunsAgain(t *testing.T) {
 		"every delivery finished", "SELECT count(*) FROM worker_deliveries WHERE worker = 'database-service'")
 }
 
-// wireConfig is a test config whose broker is a new vhost behind a proxy
-// that counts the billable frames it carries.
-func wireConfig(t *testing.T) (vhost string, wire *frameCounts, cfg *Config) {
+// wireConfig is a test config whose broker is a new vhost behind proxy,
+// which counts the billable frames it carries.
+func wireConfig(t *testing.T) (vhost string, proxy *tcpProxy, wire *frameCounts, cfg *Config) {
 	t.Helper()
 	vhost = newVhost(t)
-	proxy := newTCPProxy(t, testBrokerAddr())
-	return vhost, proxy.countFrames(), testConfig(t, proxy.URL(vhost))
+	proxy = newTCPProxy(t, testBrokerAddr())
+	return vhost, proxy, proxy.countFrames(), testConfig(t, proxy.URL(vhost))
 }
 
 // flushAndCheck writes what the brokers cost, then checks the budgets as
