@@ -78,16 +78,14 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 		draining                      bool
 		lastAdopt, lastPrune, lastOld time.Time
 	)
-	// marking is a batch confirmed whose marking is to come: its rows are
-	// not read again. readAll is o.committed when a read last took every
-	// row that waited (-1: not known): behind a batch in flight, the next
-	// read waits until a batch's worth was committed since.
-	var marking *flight
+	// readAll is o.committed when a read last took every row that waited
+	// (-1: not known): behind a batch in flight, the next read waits until
+	// a batch's worth was committed since.
 	readAll := int64(-1)
-	// fill sends batches behind those in flight (past marking's rows)
-	// while the window has room; one row alone, with none in flight,
-	// while the broker fails.
-	fill := func() error {
+	// fill sends batches behind those in flight, or past marking's rows (a
+	// batch confirmed, its marking to come), while the window has room;
+	// one row alone, with none in flight, while the broker fails.
+	fill := func(marking *flight) error {
 		for len(flights) < forwardDepth && !draining {
 			ahead, behind, limit := marking, (*flight)(nil), forwardBatch
 			if len(flights) > 0 {
@@ -117,6 +115,16 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 		}
 		return nil
 	}
+	// drop gives up the batches in flight: what was sent behind rows not
+	// confirmed is sent again after them, duplicates stored once.
+	drop := func() {
+		for _, f := range flights {
+			f.cancel()
+			_, _ = f.settle()
+		}
+		flights = nil
+	}
+	defer drop()
 	for ctx.Err() == nil {
 		if len(flights) == 0 {
 			draining = false
@@ -125,43 +133,29 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 			lastOld = time.Now()
 			draining = o.olderWaiting(ctx, flights[0].rows[0].ID)
 		}
-		err := fill()
+		err := fill(nil)
 		if len(flights) > 0 {
 			f := flights[0]
-			o.awaitAnswer(ctx, f, fill)
+			o.awaitAnswer(ctx, f, func() { _ = fill(nil) })
 			flights = flights[1:]
 			n, perr := f.settle()
 			if perr == nil {
-				// The next batch on the link before this one's marking
-				// waits for the store.
-				marking = f
-				_ = fill()
-				marking = nil
+				_ = fill(f) // the next batch on the link before f's marking waits for the store
 			}
-			settled, err := o.mark(ctx, h, f, n, perr)
-			if settled > 0 && failing != "" && err == nil {
-				o.log.Info("the broker takes the outbox's webhooks again")
-				failing = ""
-			}
-			if err == nil {
+			var settled int
+			if settled, err = o.mark(ctx, h, f, n, perr); err == nil {
+				if settled > 0 && failing != "" {
+					o.log.Info("the broker takes the outbox's webhooks again")
+					failing = ""
+				}
 				continue
 			}
-			// What was sent behind the rows not confirmed is sent again
-			// after them: duplicates, stored once.
-			for _, f := range flights {
-				f.cancel()
-				_, _ = f.settle()
-			}
-			flights = nil
-			if ctx.Err() != nil {
-				return nil
-			}
-			if failing == "" {
-				o.log.Warn("the outbox waits: the broker did not take its oldest webhooks; they are tried again each second",
-					"error", err)
-			}
-			failing = err.Error()
-		} else if err != nil && ctx.Err() == nil {
+			drop()
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		if err != nil {
 			if failing == "" {
 				o.log.Warn("the outbox waits: the broker did not take its oldest webhooks; they are tried again each second",
 					"error", err)
@@ -169,9 +163,6 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 			failing = err.Error()
 		}
 		// Nothing in flight: nothing waits, or the broker takes none.
-		if ctx.Err() != nil {
-			return nil
-		}
 		if time.Since(lastAdopt) >= forwardRetry {
 			lastAdopt = time.Now()
 			if o.adopt(ctx, h) > 0 {
@@ -204,17 +195,13 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 		}
 		wait.Stop()
 	}
-	for _, f := range flights {
-		f.cancel()
-		_, _ = f.settle()
-	}
 	return nil
 }
 
 // awaitAnswer waits until the broker has answered f's last message (or
-// will not: Sent.Answered), filling the window behind it each time rows
-// are committed meanwhile.
-func (o *Outbox) awaitAnswer(ctx context.Context, f *flight, fill func() error) {
+// will not: Sent.Answered), calling fill (the window filled behind it)
+// each time rows are committed meanwhile.
+func (o *Outbox) awaitAnswer(ctx context.Context, f *flight, fill func()) {
 	if f.s == nil {
 		return
 	}
@@ -225,7 +212,7 @@ func (o *Outbox) awaitAnswer(ctx context.Context, f *flight, fill func() error) 
 		case <-ctx.Done():
 			return
 		case <-o.kick:
-			_ = fill() // what it could not send is sent after f settles
+			fill() // what it could not send is sent after f settles
 		}
 	}
 }
