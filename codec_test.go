@@ -207,6 +207,65 @@ func TestInflateBody(t *testing.T) {
 	}
 }
 
+// A batch's bodies inflate into one room, each intact however many came
+// after it and whether or not it fitted; the room emptied for the next
+// batch inflates a batch as large without allocating; a bomb or
+// a broken body is refused as by inflateBody, and spoils nothing.
+func TestInflateRoom(t *testing.T) {
+	body := loadFixture(t, "issues", "opened")
+	var want, packed [][]byte
+	for i := range 120 {
+		b := append(bytes.Clone(body), fmt.Sprintf(" %d", i)...) // each its own
+		want, packed = append(want, b), append(packed, compressZstd(b))
+	}
+	batch := func(room *inflateRoom) [][]byte {
+		var got [][]byte
+		for i, p := range packed {
+			b, err := room.body(encodingZstd, p)
+			if err != nil {
+				t.Fatalf("body %d: %v", i, err)
+			}
+			got = append(got, b)
+			if i == 60 {
+				if _, err := room.body(encodingZstd, compressZstd(make([]byte, maxInflated+1))); err == nil {
+					t.Fatal("a zstd bomb inflated")
+				}
+				if _, err := room.body(encodingZstd, packed[i][:20]); err == nil {
+					t.Fatal("a cut body inflated")
+				}
+				if b, err := room.body("", []byte("{}")); err != nil || string(b) != "{}" {
+					t.Fatalf("a plain body: %q, %v", b, err)
+				}
+			}
+		}
+		return got
+	}
+	room := &inflateRoom{}
+	for round := range 2 {
+		got := batch(room)
+		for i := range want {
+			if !bytes.Equal(got[i], want[i]) {
+				t.Fatalf("round %d: body %d is %d bytes that are not its own, after the bodies behind it", round, i, len(got[i]))
+			}
+		}
+		room.empty()
+	}
+	if cap(room.buf) > keptRoom {
+		t.Fatalf("the room grew to %d bytes, past what is kept (%d)", cap(room.buf), keptRoom)
+	}
+	allocs := testing.AllocsPerRun(5, func() {
+		room.empty()
+		for _, p := range packed {
+			if _, err := room.body(encodingZstd, p); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+	if allocs >= float64(len(packed)/2) { // a slice each before the room; none now (margin for the tests beside it)
+		t.Errorf("a batch of %d bodies in a room that held as many allocates %.0f times, want no slice of their own", len(packed), allocs)
+	}
+}
+
 // Mixed versions: while a live node of an older version reads the queues
 // (its row in nodes says nothing of zstd, or names another process's
 // start, as when it took the name of a newer node), the endpoint publishes

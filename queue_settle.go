@@ -34,7 +34,9 @@ type Message struct {
 	ID      string // message_id
 	Type    string // type
 	Headers amqp.Table
-	Body    []byte
+	// Body is the body inflated: valid until the handler of its batch
+	// returns (ConsumeOptions.Handle), as its room is reused after.
+	Body []byte
 	// Zstd is Body as the message came, when it came zstd-compressed
 	// (content_encoding zstd): a reader that keeps the body compressed
 	// keeps these bytes rather than compress it again.
@@ -60,6 +62,7 @@ func (m *Message) Header(k string) string { return tableString(m.Headers, k) }
 // that failed): then no done or duplicate verdict stands, and those
 // messages retry. The handler does not touch the broker: what the broker
 // hears of the verdicts is the queue's job, after the handler returned.
+// The messages' bodies are valid until it returns (Message.Body).
 type BatchHandler func(ctx context.Context, msgs []Message) (verdicts []error, err error)
 
 // permanentError marks a message that no retry can fix: it goes to -error.
@@ -287,9 +290,10 @@ func (s *settler) retry(ctx context.Context, queue string, d *amqp.Delivery, cau
 // which covers exactly these (every other delivery up to the last of them
 // was settled before). A message whose x-death is broken never reaches the
 // handler: a count of -1,000,000 would otherwise buy a million retries.
-// held is the size of the bodies handed over, inflated: what the batch
-// held in memory, which the window is sized by.
-func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) (held int64, err error) {
+// held is the size of the bodies handed over, inflated (into room, the
+// consumer's): what the batch held in memory, which the window is sized
+// by.
+func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions, room *inflateRoom) (held int64, err error) {
 	queue, log := o.Queue, o.Log
 	inHand := &s.bc.inHand
 	defer inHand.Add(-int64(len(ds)))
@@ -301,6 +305,10 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) (held int64,
 	verdicts := make([]error, len(ds))
 	var msgs []Message
 	var at []int // msgs[j] is ds[at[j]]
+	// The bodies inflate into the consumer's room, emptied for its next
+	// batch: no handler keeps a body past its batch (BatchHandler), and
+	// the verdicts settle the deliveries as they came.
+	defer room.empty()
 	for i := range ds {
 		d := &ds[i]
 		attempts, ok := deathCount(d.Headers, queue)
@@ -308,7 +316,7 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) (held int64,
 			verdicts[i] = permanent("%s", reasonBadDeath)
 			continue
 		}
-		body, err := inflateBody(d.ContentEncoding, d.Body)
+		body, err := room.body(d.ContentEncoding, d.Body)
 		if err != nil {
 			verdicts[i] = permanent("%v", err)
 			continue

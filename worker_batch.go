@@ -22,7 +22,7 @@ import (
 // after; a RerunBatch may run a handler again, in a second transaction, when
 // another part failed (RerunBatch). It is nil only for a worker with no
 // Batcher, whose handler writes nothing. A handler must not touch the
-// network.
+// network, nor keep the Event's Payload past its return (Message.Body).
 type Handler func(ctx context.Context, tx *Tx, d Decoded) (Found, error)
 
 // Found is what a handler found of a message besides its verdict, which
