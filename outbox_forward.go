@@ -20,10 +20,15 @@ import (
 // forwardBatch is how many rows one batch of the forwarder sends, and one
 // transaction marks; forwardDepth how many batches are in flight at once.
 // Their product is the window, below a broker's maxInFlight so that the
-// endpoint's own publishes (while the store refuses) find room.
+// endpoint's own publishes (while the store refuses) find room. A batch
+// also ends with the row that brings its messages to forwardBatchBytes:
+// 60 typical webhooks are a few hundred KB compressed, but 60 of 1 MB
+// were 10 MB a batch, 40 MB held in flight, which the daemon's memory
+// limit cannot hold.
 const (
-	forwardBatch = 60
-	forwardDepth = 4
+	forwardBatch      = 60
+	forwardDepth      = 4
+	forwardBatchBytes = 1 << 20
 )
 
 // forwardRetry is how long the forwarder waits before it tries a broker
@@ -102,11 +107,11 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 			if behind != nil && readAll >= 0 && committed-readAll < int64(limit) {
 				return nil
 			}
-			f, read, err := o.send(ctx, h, ahead, behind, limit)
-			if read < limit {
-				readAll = committed
-			} else {
+			f, full, err := o.send(ctx, h, ahead, behind, limit)
+			if full {
 				readAll = -1
+			} else {
+				readAll = committed
 			}
 			if err != nil || f == nil {
 				return err
@@ -217,34 +222,41 @@ func (o *Outbox) awaitAnswer(ctx context.Context, f *flight, fill func()) {
 	}
 }
 
-// send reads up to limit of this node's rows that wait, past those of
-// ahead (the last batch sent, in flight or confirmed) when it is set, and
-// sends them to the publish target, behind behind (the last batch in
-// flight) on its channel when it is set. It returns nil when there is
-// none to send, or none may go after ahead: the row after it must be
-// refused first, the target is another broker now, or there are fewer
-// than limit to go behind behind. read is how many rows it read.
-func (o *Outbox) send(ctx context.Context, h Holding, ahead, behind *flight, limit int) (f *flight, read int, err error) {
+// send reads up to limit of this node's rows that wait (forwardBatchBytes
+// of them at most), past those of ahead (the last batch sent, in flight
+// or confirmed) when it is set, and sends them to the publish target,
+// behind behind (the last batch in flight) on its channel when it is set.
+// It returns nil when there is none to send, or none may go after ahead:
+// the row after it must be refused first, the target is another broker
+// now, or the rows read are not a full batch to go behind behind. full
+// says the rows read were a full batch, by count or bytes (others may
+// wait behind them).
+func (o *Outbox) send(ctx context.Context, h Holding, ahead, behind *flight, limit int) (f *flight, full bool, err error) {
 	var after int64
 	if ahead != nil {
 		if ahead.tooLarge != nil {
-			return nil, limit, nil
+			return nil, true, nil
 		}
 		after = ahead.last()
 	}
-	rows, err := o.store.OutboxHead(ctx, o.node, after, limit)
-	if err != nil || len(rows) == 0 || (behind != nil && len(rows) < limit) || !h.Held() {
+	rows, err := o.store.OutboxHead(ctx, o.node, after, limit, forwardBatchBytes)
+	var bytes int64
+	for i := range rows {
+		bytes += rows[i].Size()
+	}
+	full = len(rows) == limit || bytes >= forwardBatchBytes
+	if err != nil || len(rows) == 0 || (behind != nil && !full) || !h.Held() {
 		// Behind a batch in flight only a full one goes: fewer rows wait
 		// for its confirms and go together then, so that a steady stream
 		// is a batch (and a marking) a round trip, not one a few rows.
-		return nil, len(rows), err
+		return nil, full, err
 	}
 	b, err := o.queues.Target(o.brokers)
 	if err != nil {
-		return nil, len(rows), err
+		return nil, full, err
 	}
 	if ahead != nil && b != ahead.b {
-		return nil, len(rows), nil
+		return nil, full, nil
 	}
 	f = &flight{b: b, rows: rows}
 	msgs := make([]Outgoing, 0, len(rows))
@@ -255,14 +267,14 @@ func (o *Outbox) send(ctx context.Context, h Holding, ahead, behind *flight, lim
 		}
 		m, err := rows[i].publishing()
 		if err != nil {
-			return nil, len(rows), err
+			return nil, full, err
 		}
 		msgs = append(msgs, m)
 	}
 	f.sent = len(msgs)
 	f.ctx, f.cancel = context.WithTimeout(ctx, o.publishTimeout)
 	if len(msgs) == 0 {
-		return f, len(rows), nil
+		return f, full, nil
 	}
 	var on *Sent
 	if behind != nil {
@@ -270,9 +282,9 @@ func (o *Outbox) send(ctx context.Context, h Holding, ahead, behind *flight, lim
 	}
 	if f.s, err = o.queues.Send(f.ctx, b, msgs, on); err != nil {
 		f.cancel()
-		return nil, len(rows), err
+		return nil, full, err
 	}
-	return f, len(rows), nil
+	return f, full, nil
 }
 
 // mark marks the first n rows of f published (the broker confirmed them)
@@ -322,7 +334,7 @@ func (o *Outbox) mark(ctx context.Context, h Holding, f *flight, n int, perr err
 // first row in flight: adopted, moved or sent again since the window
 // began, it would wait behind every batch that follows.
 func (o *Outbox) olderWaiting(ctx context.Context, first int64) bool {
-	head, err := o.store.OutboxHead(ctx, o.node, 0, 1)
+	head, err := o.store.OutboxHead(ctx, o.node, 0, 1, 0)
 	return err == nil && len(head) == 1 && head[0].ID < first
 }
 

@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
 	"database/sql"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -664,7 +666,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) error { tx.Pipeline(); return tx.Outbox(ctx, rows) }); err != nil {
 			t.Fatal(err)
 		}
-		head, err := store.OutboxHead(ctx, "n", 0, 10)
+		head, err := store.OutboxHead(ctx, "n", 0, 10, 0)
 		if err != nil || len(head) != 3 || head[0].GUID != "g-1" || head[0].Hook != 7 || head[1].Hook != -1 || string(head[1].Body) != `{"b":2}` {
 			t.Fatalf("the outbox's head: %v %+v", err, head)
 		}
@@ -692,7 +694,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) error { return tx.OutboxRefused(ctx, "n", head[1].ID, "too large", time.Now()) }); err != nil {
 			t.Fatal(err)
 		}
-		if head, _ := store.OutboxHead(ctx, "n", 0, 10); len(head) != 1 || head[0].GUID != "g-3" {
+		if head, _ := store.OutboxHead(ctx, "n", 0, 10, 0); len(head) != 1 || head[0].GUID != "g-3" {
 			t.Errorf("the head after one published and one refused: %+v, want g-3 alone", head)
 		}
 		if st, _ := store.OutboxState(ctx); st.RefusedCount != 1 || st.Refused[0].GUID != "g-2" || st.Refused[0].Reason != "too large" {
@@ -702,7 +704,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) (err error) { retried, err = tx.RetryRefused(ctx); return err }); err != nil || retried != 1 {
 			t.Errorf("retried %d (%v), want the refused row", retried, err)
 		}
-		if head, _ := store.OutboxHead(ctx, "n", 0, 10); len(head) != 2 || head[0].GUID != "g-2" {
+		if head, _ := store.OutboxHead(ctx, "n", 0, 10, 0); len(head) != 2 || head[0].GUID != "g-2" {
 			t.Errorf("the head after the retry: %+v, want g-2 first again", head)
 		}
 		conn := openStoreDB(t, db)
@@ -745,7 +747,7 @@ func TestOutboxRows(t *testing.T) {
 		if err := store.WriteTx(ctx, func(tx *Tx) (err error) { moved, _, err = tx.MoveSpool(ctx, "n", time.Now()); return err }); err != nil || moved != 1 {
 			t.Fatalf("moved %d (%v), want the spool's row", moved, err)
 		}
-		head, _ = store.OutboxHead(ctx, "n", 0, 10)
+		head, _ = store.OutboxHead(ctx, "n", 0, 10, 0)
 		if len(head) != 4 || head[3].GUID != "g-5" {
 			t.Fatalf("the head with the spool's row moved in: %+v", head)
 		}
@@ -949,4 +951,62 @@ func TestOutboxWindowAcrossBatches(t *testing.T) {
 	proxy.StallReplies(false)
 	allAnswered202(t, answers)
 	storedInOrder(t, cfg.Database, answers)
+}
+
+// A batch of the forwarder ends with the row that brings it to
+// forwardBatchBytes: webhooks of a few hundred KB compressed go a few to a
+// batch (each batch one marking, its rows one published_at), not 60, which
+// held in flight four times over would be tens of MB. Every one is stored
+// once, in order.
+func TestOutboxBatchBoundedByBytes(t *testing.T) {
+	t.Parallel()
+	_, proxy, _, cfg := wireConfig(t)
+	cfg.Queue.PublishTimeout = time.Minute // no batch given up while the confirms are held
+	d := startDaemon(t, cfg)
+	var event map[string]any
+	if err := json.Unmarshal(loadFixture(t, "issues", "opened"), &event); err != nil {
+		t.Fatal(err)
+	}
+	pad := make([]byte, 300<<10)
+	_, _ = rand.Read(pad)
+	event["padding"] = hex.EncodeToString(pad) // 600 KB of hex, some 300 KB compressed
+	body, _ := json.Marshal(event)
+
+	// The rows wait while the confirms are held, so that the batches
+	// after the first are full ones.
+	proxy.StallReplies(true)
+	var answers []sent
+	for i := range 24 {
+		guid := newGUID()
+		code, answer, err := doQuiet(http.DefaultClient, webhookRequest(t, d.URL, "issues", guid, body))
+		answers = append(answers, sent{seq: i, guid: guid, code: code, body: answer, err: err})
+	}
+	proxy.StallReplies(false)
+	allAnswered202(t, answers)
+	storedInOrder(t, cfg.Database, answers)
+
+	db := openStoreDB(t, cfg.Database)
+	rows, err := db.Query("SELECT published_at, count(*), sum(bytes), max(bytes) FROM outbox GROUP BY published_at ORDER BY published_at")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	batches := 0
+	for rows.Next() {
+		var at string
+		var n, sum, last int64
+		if err := rows.Scan(&at, &n, &sum, &last); err != nil {
+			t.Fatal(err)
+		}
+		batches++
+		if sum-last >= forwardBatchBytes {
+			t.Errorf("a batch marked at %s: %d rows, %d bytes, past %d before its last row", at, n, sum, forwardBatchBytes)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if batches < 24*300<<10/forwardBatchBytes {
+		t.Errorf("24 webhooks of some 300 KB marked in %d batches", batches)
+	}
 }

@@ -59,8 +59,9 @@ func (tx *Tx) Outbox(ctx context.Context, rows []OutboxRow) error {
 
 // OutboxHead reads the first limit rows node forwards that wait, in id
 // (commit) order, past id after (0: from the first): not published, not
-// refused.
-func (s *Store) OutboxHead(ctx context.Context, node string, after int64, limit int) ([]OutboxRow, error) {
+// refused. It stops early once the rows read hold maxBytes (0: no bound),
+// the row that reached it read too.
+func (s *Store) OutboxHead(ctx context.Context, node string, after int64, limit int, maxBytes int64) ([]OutboxRow, error) {
 	rows, err := s.pool().rows(ctx, `SELECT id, node, delivery_id, hook_id, event, received_at, queued_at, exchange, routing_key,
 			headers, content_encoding, body
 		FROM outbox WHERE node = $1 AND published_at IS NULL AND refused_at IS NULL AND id > $2 ORDER BY id LIMIT $3`, node, after, limit)
@@ -69,7 +70,8 @@ func (s *Store) OutboxHead(ctx context.Context, node string, after int64, limit 
 	}
 	defer rows.Close()
 	var out []OutboxRow
-	for rows.Next() {
+	var bytes int64
+	for (maxBytes <= 0 || bytes < maxBytes) && rows.Next() {
 		var r OutboxRow
 		var hook sql.NullInt64
 		var received, queued string
@@ -84,6 +86,7 @@ func (s *Store) OutboxHead(ctx context.Context, node string, after int64, limit 
 		r.ReceivedAt, _ = time.Parse(time.RFC3339Nano, received)
 		r.QueuedAt, _ = time.Parse(time.RFC3339Nano, queued)
 		out = append(out, r)
+		bytes += r.Size()
 	}
 	return out, rows.Err()
 }
