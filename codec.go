@@ -82,24 +82,51 @@ func inflateZstdTo(dst, b []byte) ([]byte, error) {
 	return out, nil
 }
 
-// inflateRoom is where a consumer's zstd bodies inflate, one after the
-// other, emptied for its next batch once a batch is handled: the
-// consumers inflate every message they take, and a slice of its own for
-// each (25 KB for a typical pull_request) was two fifths of the daemon's
-// allocations, and so of its collector's work.
+// inflateRoom is where a batch's zstd bodies inflate, one after the
+// other: the consumers inflate every message they take, and a slice of
+// its own for each (25 KB for a typical pull_request) was two fifths of
+// the daemon's allocations, and so of its collector's work. A room is
+// sized for its batch when taken and kept for the next batch only until
+// the collector takes it (a sync.Pool): under memory pressure, when the
+// collector runs often, no room is held between batches.
 type inflateRoom struct{ buf []byte }
 
-// keptRoom bounds the room a consumer keeps: a batch of typical webhooks
-// (a hundred of 25 KB) fits; larger ones inflate into slices of their
-// own, as before.
+// keptRoom bounds a room: a batch of typical webhooks (a hundred of 25
+// KB) fits; past it, bodies inflate into slices of their own.
 const keptRoom = 4 << 20
 
-// empty readies r for the next batch: what was inflated into it must no
+var inflateRooms = sync.Pool{New: func() any { return new(inflateRoom) }}
+
+// takeInflateRoom is a room with space for need bytes (at most keptRoom).
+func takeInflateRoom(need int) *inflateRoom {
+	r := inflateRooms.Get().(*inflateRoom)
+	if need = min(need, keptRoom); cap(r.buf) < need {
+		r.buf = make([]byte, 0, need)
+	}
+	return r
+}
+
+// giveBack returns r for another batch: what was inflated into it must no
 // longer be used.
-func (r *inflateRoom) empty() { r.buf = r.buf[:0] }
+func (r *inflateRoom) giveBack() {
+	r.buf = r.buf[:0]
+	inflateRooms.Put(r)
+}
+
+// inflatedSize is what a body inflates to as its zstd frame's header
+// says, 0 when it does not say or says more than maxInflated: what a room
+// is sized by.
+func inflatedSize(encoding string, body []byte) int {
+	var h zstd.Header
+	if encoding != encodingZstd || h.Decode(body) != nil || !h.HasFCS || h.FrameContentSize > maxInflated {
+		return 0
+	}
+	return int(h.FrameContentSize)
+}
 
 // body is inflateBody with a zstd body inflated into r, after the bodies
-// inflated into it before.
+// inflated into it before, when it fits there; else into a slice of its
+// own.
 func (r *inflateRoom) body(encoding string, body []byte) ([]byte, error) {
 	if encoding != encodingZstd {
 		return inflateBody(encoding, body)
@@ -112,12 +139,6 @@ func (r *inflateRoom) body(encoding string, body []byte) ([]byte, error) {
 	if len(out) <= len(spare) && &out[0] == &spare[0] {
 		r.buf = r.buf[:len(r.buf)+len(out)]
 		return out[:len(out):len(out)], nil
-	}
-	// It did not fit, and has a slice of its own: the bodies after it
-	// inflate into a larger room, while the one before stays with the
-	// bodies in it (no copy).
-	if grow := max(2*cap(r.buf), 2*len(out), 256<<10); grow <= keptRoom {
-		r.buf = make([]byte, 0, grow)
 	}
 	return out, nil
 }

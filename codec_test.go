@@ -207,30 +207,46 @@ func TestInflateBody(t *testing.T) {
 	}
 }
 
-// A batch's bodies inflate into one room, each intact however many came
-// after it and whether or not it fitted; the room emptied for the next
-// batch inflates a batch as large without allocating; a bomb or
-// a broken body is refused as by inflateBody, and spoils nothing.
+// A batch's bodies inflate into one room sized by their frames' headers,
+// each intact however many came after it, whether it fitted or not; a
+// room given back and taken for the next batch inflates it without
+// allocating; a bomb or a broken body is refused as by inflateBody, and
+// spoils nothing.
 func TestInflateRoom(t *testing.T) {
 	body := loadFixture(t, "issues", "opened")
 	var want, packed [][]byte
+	need, size := 0, 0
 	for i := range 120 {
 		b := append(bytes.Clone(body), fmt.Sprintf(" %d", i)...) // each its own
 		want, packed = append(want, b), append(packed, compressZstd(b))
+		need, size = need+inflatedSize(encodingZstd, packed[i]), size+len(b)
 	}
-	batch := func(room *inflateRoom) [][]byte {
-		var got [][]byte
+	if need != size {
+		t.Fatalf("the frames say %d bytes inflated, want %d", need, size)
+	}
+	for name, n := range map[string]int{
+		"gzip":     inflatedSize(encodingGzip, compressGzip(body)),
+		"plain":    inflatedSize("", body),
+		"a bomb":   inflatedSize(encodingZstd, compressZstd(make([]byte, maxInflated+1))),
+		"a broken": inflatedSize(encodingZstd, []byte("not zstd")),
+	} {
+		if n != 0 {
+			t.Errorf("%s body is sized %d", name, n)
+		}
+	}
+	for _, room := range []*inflateRoom{takeInflateRoom(need / 2), takeInflateRoom(need)} { // half fits, then all
+		got := make([][]byte, len(packed))
 		for i, p := range packed {
 			b, err := room.body(encodingZstd, p)
 			if err != nil {
 				t.Fatalf("body %d: %v", i, err)
 			}
-			got = append(got, b)
+			got[i] = b // checked once all are in
 			if i == 60 {
 				if _, err := room.body(encodingZstd, compressZstd(make([]byte, maxInflated+1))); err == nil {
 					t.Fatal("a zstd bomb inflated")
 				}
-				if _, err := room.body(encodingZstd, packed[i][:20]); err == nil {
+				if _, err := room.body(encodingZstd, p[:20]); err == nil {
 					t.Fatal("a cut body inflated")
 				}
 				if b, err := room.body("", []byte("{}")); err != nil || string(b) != "{}" {
@@ -238,31 +254,24 @@ func TestInflateRoom(t *testing.T) {
 				}
 			}
 		}
-		return got
-	}
-	room := &inflateRoom{}
-	for round := range 2 {
-		got := batch(room)
 		for i := range want {
 			if !bytes.Equal(got[i], want[i]) {
-				t.Fatalf("round %d: body %d is %d bytes that are not its own, after the bodies behind it", round, i, len(got[i]))
+				t.Fatalf("body %d is %d bytes that are not its own, after the bodies behind it", i, len(got[i]))
 			}
 		}
-		room.empty()
-	}
-	if cap(room.buf) > keptRoom {
-		t.Fatalf("the room grew to %d bytes, past what is kept (%d)", cap(room.buf), keptRoom)
+		room.giveBack()
 	}
 	allocs := testing.AllocsPerRun(5, func() {
-		room.empty()
+		room := takeInflateRoom(need)
 		for _, p := range packed {
 			if _, err := room.body(encodingZstd, p); err != nil {
 				t.Fatal(err)
 			}
 		}
+		room.giveBack()
 	})
-	if allocs >= float64(len(packed)/2) { // a slice each before the room; none now (margin for the tests beside it)
-		t.Errorf("a batch of %d bodies in a room that held as many allocates %.0f times, want no slice of their own", len(packed), allocs)
+	if allocs >= float64(len(packed)/2) { // a slice each before rooms; a room now and then (when the collector took it)
+		t.Errorf("a batch of %d bodies allocates %.0f times, want no slice of their own", len(packed), allocs)
 	}
 }
 

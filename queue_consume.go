@@ -120,7 +120,6 @@ type consumer struct {
 	queue, tag string
 	win        int
 	deliveries <-chan amqp.Delivery
-	room       inflateRoom // its batches' bodies, inflated
 }
 
 // consumerSeq numbers the consumers' tags, which close cancels by.
@@ -281,7 +280,7 @@ func (r *reader) handleBatch(ctx context.Context, c *consumer, first amqp.Delive
 		ds = append(ds, d)
 		size += int64(len(d.Body))
 	}
-	held, err := r.settleBatch(ds, o, &c.room)
+	held, err := r.settleBatch(ds, o)
 	if err != nil {
 		return ds, refused, fmt.Errorf("settle on %s: %w", bc.broker, err)
 	}

@@ -290,10 +290,9 @@ func (s *settler) retry(ctx context.Context, queue string, d *amqp.Delivery, cau
 // which covers exactly these (every other delivery up to the last of them
 // was settled before). A message whose x-death is broken never reaches the
 // handler: a count of -1,000,000 would otherwise buy a million retries.
-// held is the size of the bodies handed over, inflated (into room, the
-// consumer's): what the batch held in memory, which the window is sized
-// by.
-func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions, room *inflateRoom) (held int64, err error) {
+// held is the size of the bodies handed over, inflated: what the batch
+// held in memory, which the window is sized by.
+func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions) (held int64, err error) {
 	queue, log := o.Queue, o.Log
 	inHand := &s.bc.inHand
 	defer inHand.Add(-int64(len(ds)))
@@ -305,10 +304,15 @@ func (s *settler) settleBatch(ds []amqp.Delivery, o ConsumeOptions, room *inflat
 	verdicts := make([]error, len(ds))
 	var msgs []Message
 	var at []int // msgs[j] is ds[at[j]]
-	// The bodies inflate into the consumer's room, emptied for its next
-	// batch: no handler keeps a body past its batch (BatchHandler), and
-	// the verdicts settle the deliveries as they came.
-	defer room.empty()
+	// The bodies inflate into one room, given back for another batch: no
+	// handler keeps a body past its batch (BatchHandler), and the
+	// verdicts settle the deliveries as they came.
+	need := 0
+	for i := range ds {
+		need += inflatedSize(ds[i].ContentEncoding, ds[i].Body)
+	}
+	room := takeInflateRoom(need)
+	defer room.giveBack()
 	for i := range ds {
 		d := &ds[i]
 		attempts, ok := deathCount(d.Headers, queue)
