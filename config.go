@@ -252,7 +252,7 @@ type LogConfig struct {
 func DefaultConfig() *Config {
 	return &Config{
 		Server: ServerConfig{Listen: "127.0.0.1:8080", MetricsListen: "127.0.0.1:9185", ShutdownTimeout: 25 * time.Second, MaxInflightBytes: 64 << 20,
-			MemoryLimit: 48 << 20, NodeName: hostName(), LeaseTTL: 30 * time.Second, TLS: TLSConfig{ACMECA: letsEncrypt}},
+			MemoryLimit: 64 << 20, NodeName: hostName(), LeaseTTL: 30 * time.Second, TLS: TLSConfig{ACMECA: letsEncrypt}},
 		Database: DatabaseConfig{Driver: "sqlite", MaxConns: 10, Path: "switchyard.db", Synchronous: "FULL", BusyTimeout: 5 * time.Second,
 			RawRetention: Duration(90 * 24 * time.Hour), DeliveryRetention: Duration(30 * 24 * time.Hour)},
 		API: APIConfig{MaxClockSkew: 5 * time.Minute}, Tracing: TracingConfig{SampleRatio: 1},
@@ -269,7 +269,7 @@ func DefaultConfig() *Config {
 			PublishTimeout:     5 * time.Second,
 			OutboxMaxBytes:     1 << 30,
 			CallTimeout:        10 * time.Second,
-			MaxBatchBytes:      8 << 20,
+			MaxBatchBytes:      4 << 20,
 			KeepaliveEvery:     24 * time.Hour,
 			BudgetWarnAt:       0.8,
 			RotateAt:           0.9,

@@ -905,7 +905,7 @@ func TestGCLimits(t *testing.T) {
 		wantPercent     int
 		wantMemoryLimit int64
 	}{
-		{"default config", "", "", 48 << 20, gcPercentUnderLimit, 48 << 20},
+		{"default config", "", "", 64 << 20, gcPercentUnderLimit, 64 << 20},
 		{"GOGC wins", "", "50", 48 << 20, 100, 48 << 20},
 		{"no limit", "", "", 0, 100, noLimit},
 		{"GOMEMLIMIT wins", "64MiB", "", 48 << 20, gcPercentUnderLimit, noLimit},
