@@ -261,6 +261,9 @@ func TestInflateRoom(t *testing.T) {
 		}
 		room.giveBack()
 	}
+	if raceEnabled {
+		return // the pool drops rooms at random under the race detector
+	}
 	allocs := testing.AllocsPerRun(5, func() {
 		room := takeInflateRoom(need)
 		for _, p := range packed {

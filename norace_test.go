@@ -1,0 +1,6 @@
+//go:build !race
+
+package main
+
+// raceEnabled says the tests run with the race detector (race_test.go).
+const raceEnabled = false
