@@ -520,10 +520,11 @@ func benchConsume(b *testing.B, payload []byte) consumeResult {
 		}
 		return time.Since(start), selfCPU() - cpu
 	}
+	window := switchyardWindow(cfg, payload)
 	raw := func() (time.Duration, time.Duration) {
 		fillQueue(b, vhost, queueDatabase, payload, n)
 		cpu := selfCPU()
-		rate := rawBatchedConsume(b, amqpURL(vhost), queueDatabase, n, cfg.Queue.Prefetch, store.w, func(d *amqp.Delivery) []byte { return d.Body[:64] })
+		rate := rawBatchedConsume(b, amqpURL(vhost), queueDatabase, n, window, store.w, func(d *amqp.Delivery) []byte { return d.Body[:64] })
 		return time.Duration(float64(n) / rate * float64(time.Second)), selfCPU() - cpu
 	}
 	// The CPU per message is printed too: on two cores that the broker
@@ -574,8 +575,15 @@ func benchDrain(b *testing.B, payload []byte) (ours, base float64) {
 	defer store.Close()
 	ours = drainRate(b, store, cfg, amqpURL(vhost), n)
 	fillQueue(b, vhost, queueGitHub, payload, n)
-	base = rawBatchedConsume(b, amqpURL(vhost), queueGitHub, n, cfg.Queue.Prefetch, store.w, func(d *amqp.Delivery) []byte { return d.Body })
+	base = rawBatchedConsume(b, amqpURL(vhost), queueGitHub, n, switchyardWindow(cfg, payload), store.w, func(d *amqp.Delivery) []byte { return d.Body })
 	return ours, base
+}
+
+// switchyardWindow is the consumer window switchyard takes for messages
+// of payload's size: the prefetch, cut to max_batch_bytes
+// (reader.window). The raw consumers it is set beside take the same.
+func switchyardWindow(cfg *Config, payload []byte) int {
+	return max(1, min(cfg.Queue.Prefetch, int(cfg.Queue.MaxBatchBytes/int64(len(payload)))))
 }
 
 // drainRate is the Leftover Drain of the n messages in github on the
