@@ -153,6 +153,13 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 					o.log.Info("the broker takes the outbox's webhooks again")
 					failing = ""
 				}
+				if perr != nil {
+					// The broker refused a row of f for its size and
+					// closed the channel on it: what went behind f on
+					// that channel failed with it, not for its own size,
+					// and is sent again.
+					drop()
+				}
 				continue
 			}
 			drop()
