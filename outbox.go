@@ -87,6 +87,9 @@ type Outbox struct {
 	// committed counts the rows the writer committed: the forwarder reads
 	// no rows to go behind a batch in flight until a batch's worth came.
 	committed atomic.Int64
+	// rowBytes is the mean size of the rows the forwarder read last,
+	// which its next read is sized by (batchRows); the forwarder's own.
+	rowBytes int64
 	// logStoreRefused and logPublished log, at most once a 10 s, a group
 	// the store did not take and a webhook published directly.
 	logStoreRefused, logPublished func(error)

@@ -1010,3 +1010,28 @@ func TestOutboxBatchBoundedByBytes(t *testing.T) {
 		t.Errorf("24 webhooks of some 300 KB marked in %d batches", batches)
 	}
 }
+
+// A forwarder's read is sized by the rows it read last: as many as a
+// batch takes (forwardBatchBytes, the row that reaches it too), not 60 of
+// which all but a few would be thrown away, on PostgreSQL after crossing
+// the connection.
+func TestOutboxBatchRows(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		rowBytes int64
+		want     int
+	}{
+		{0, forwardBatch},       // nothing read yet
+		{4 << 10, forwardBatch}, // typical webhooks, compressed
+		{300 << 10, 4},          // 3 rows are 900 KB, the fourth reaches 1 MiB
+		{170 << 10, 7},          // 1 MB webhooks
+		{forwardBatchBytes, 1},  // the first reaches it
+		{32 << 20, 1},           // larger than a batch
+		{forwardBatchBytes / forwardBatch, forwardBatch},
+	} {
+		o := &Outbox{rowBytes: c.rowBytes}
+		if got := o.batchRows(); got != c.want {
+			t.Errorf("rows of %d bytes: a read of %d, want %d", c.rowBytes, got, c.want)
+		}
+	}
+}
