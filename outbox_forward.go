@@ -148,21 +148,21 @@ func (o *Outbox) Forward(ctx context.Context, h Holding) error {
 				_ = fill(f) // the next batch on the link before f's marking waits for the store
 			}
 			var settled int
-			if settled, err = o.mark(ctx, h, f, n, perr); err == nil {
+			settled, err = o.mark(ctx, h, f, n, perr)
+			if perr != nil || err != nil {
+				// What went behind f on its channel failed with it (a
+				// refusal of f's row for its size closed the channel, and
+				// is no refusal of theirs), or waits on a marking that
+				// failed: it is sent again, duplicates stored once.
+				drop()
+			}
+			if err == nil {
 				if settled > 0 && failing != "" {
 					o.log.Info("the broker takes the outbox's webhooks again")
 					failing = ""
 				}
-				if perr != nil {
-					// The broker refused a row of f for its size and
-					// closed the channel on it: what went behind f on
-					// that channel failed with it, not for its own size,
-					// and is sent again.
-					drop()
-				}
 				continue
 			}
-			drop()
 		}
 		if ctx.Err() != nil {
 			return nil
