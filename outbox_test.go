@@ -670,6 +670,12 @@ func TestOutboxRows(t *testing.T) {
 		if err != nil || len(head) != 3 || head[0].GUID != "g-1" || head[0].Hook != 7 || head[1].Hook != -1 || string(head[1].Body) != `{"b":2}` {
 			t.Fatalf("the outbox's head: %v %+v", err, head)
 		}
+		// A byte bound ends the read with the row that reaches it.
+		for bound, want := range map[int64]int{rows[0].Size(): 1, rows[0].Size() + 1: 2, rows[0].Size() + rows[1].Size(): 2} {
+			if got, err := store.OutboxHead(ctx, "n", 0, 10, bound); err != nil || len(got) != want {
+				t.Errorf("the head within %d bytes: %d rows (%v), want %d", bound, len(got), err, want)
+			}
+		}
 		if m, err := head[0].publishing(); err != nil || !reflect.DeepEqual(m.Msg.Headers, headers) || m.Exchange != exchangeName {
 			t.Errorf("the message of the first row: %v %+v", err, m)
 		}
