@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -276,8 +278,85 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 		!strings.Contains(retried.String(), "1 webhook the broker refused") {
 		t.Fatalf("switchyard outbox retry: %v\n%s", err, retried.String())
 	}
-	startDaemon(t, cfg)
+	d = startDaemon(t, cfg)
 	storedAll(t, cfg.Database, []string{refused}, time.Minute)
+	d.stop(t)
+
+	// The door's own publishes (the outbox full: the broker's path) share
+	// the confirm channels. Those sent behind a message the broker closes
+	// a channel on go with it, unconfirmed: they are sent again and
+	// answered 202, not 413 for a size they do not have.
+	rabbitmqctl(t, "eval", "application:set_env(rabbit, max_message_size, 16777216).")
+	proxy := newTCPProxy(t, testBrokerAddr())
+	wire := proxy.countFrames()
+	door := testConfig(t, proxy.URL(vhost))
+	door.Brokers[0].MaxMessageBytes = 64 << 20
+	door.Queue.OutboxMaxBytes = 1
+	door.Queue.Compress, door.Queue.CompressOver = "none", 0
+	door.Queue.PublishTimeout = 30 * time.Second
+	d = startDaemon(t, door)
+	small := loadFixture(t, "issues", "opened")
+	type answer struct {
+		guid string
+		code int
+		body string
+	}
+	post := func(bodies ...[]byte) <-chan answer {
+		answers := make(chan answer, len(bodies))
+		for _, body := range bodies {
+			guid := newGUID()
+			req := webhookRequest(t, d.URL, "issues", guid, body)
+			go func() {
+				code, text, err := doQuiet(http.DefaultClient, req)
+				if err != nil {
+					text = err.Error()
+				}
+				answers <- answer{guid, code, text}
+			}()
+		}
+		return answers
+	}
+	smalls := func(n int) [][]byte { return slices.Repeat([][]byte{small}, n) }
+	for range 64 { // every confirm channel open
+		if a := <-post(smalls(1)...); a.code != http.StatusAccepted {
+			t.Fatalf("before the stall: %d %s", a.code, a.body)
+		}
+	}
+	warm := post(smalls(64)...)
+	for range 64 {
+		if a := <-warm; a.code != http.StatusAccepted {
+			t.Fatalf("before the stall: %d %s", a.code, a.body)
+		}
+	}
+	proxy.StallReplies(true)
+	sentBy := func(n int64) {
+		eventually(t, 30*time.Second, fmt.Sprintf("%d publishes on the wire", n), func() bool { return wire.publish.Load() >= n })
+	}
+	start := wire.publish.Load()
+	ahead := post(smalls(16)...)
+	sentBy(start + 16)
+	large := post(body)
+	sentBy(start + 17)
+	behindIt := post(smalls(32)...)
+	sentBy(start + 17 + 32)
+	proxy.StallReplies(false)
+	if a := <-large; a.code != http.StatusRequestEntityTooLarge || !strings.Contains(a.body, "max_message_size") {
+		t.Errorf("the webhook over the broker's own limit, at the door: %d %s, want 413 naming max_message_size", a.code, a.body)
+	}
+	var took []string
+	for range 48 {
+		var a answer
+		select {
+		case a = <-ahead:
+		case a = <-behindIt:
+		}
+		if a.code != http.StatusAccepted {
+			t.Errorf("a small webhook on the confirm channels with it: %d %s, want 202", a.code, a.body)
+			continue
+		}
+		took = append(took, a.guid)
+	}
+	storedAll(t, door.Database, took, time.Minute)
 }
 
 // With rotate_on_budget, a refusal of the publish target that lasts

@@ -45,8 +45,8 @@ type flight struct {
 	b    *Broker
 	rows []OutboxRow // read; the first sent of them were sent
 	sent int
-	// tooLarge: rows[sent] is over b's max_message_bytes, refused for good
-	// once those before it are confirmed.
+	// tooLarge: rows[sent] is over what b takes (Queues.TooLarge), refused
+	// for good once those before it are confirmed.
 	tooLarge error
 	s        *Sent // nil when none was sent
 	ctx      context.Context
@@ -283,8 +283,7 @@ func (o *Outbox) send(ctx context.Context, h Holding, ahead, behind *flight, lim
 	f = &flight{b: b, rows: rows}
 	msgs := make([]Outgoing, 0, len(rows))
 	for i := range rows {
-		if b.MaxMessageBytes > 0 && int64(len(rows[i].Body)) > b.MaxMessageBytes {
-			f.tooLarge = &TooLargeError{Size: int64(len(rows[i].Body)), Max: b.MaxMessageBytes}
+		if f.tooLarge = o.queues.TooLarge(b, int64(len(rows[i].Body))); f.tooLarge != nil {
 			break
 		}
 		m, err := rows[i].publishing()

@@ -171,10 +171,28 @@ func (q *Queues) fit(b *Broker, msg amqp.Publishing) (amqp.Publishing, error) {
 			msg.Body, msg.ContentEncoding = compressGzip(msg.Body), encodingGzip
 		}
 	}
-	if b.MaxMessageBytes > 0 && int64(len(msg.Body)) > b.MaxMessageBytes {
-		return msg, &TooLargeError{Size: int64(len(msg.Body)), Max: b.MaxMessageBytes}
+	return msg, overMaxBytes(b, int64(len(msg.Body)))
+}
+
+// TooLarge is overMaxBytes, or a *TooLargeError (Own) when a message of size
+// bytes is over the broker's own max_message_size as it named it on its
+// connection (closing a channel on a message over it): the forwarder
+// refuses such a row before it is sent, rather than have the broker close
+// another channel on it and on the rows sent with it.
+func (q *Queues) TooLarge(b *Broker, size int64) error {
+	if own := q.conns[b.Index].sizeLimit.Load(); own > 0 && size > own {
+		return &TooLargeError{Size: size, Max: own, Own: true}
 	}
-	return msg, nil
+	return overMaxBytes(b, size)
+}
+
+// overMaxBytes is a *TooLargeError when a message of size bytes is over
+// b's max_message_bytes; nil when it fits or the limit is not known.
+func overMaxBytes(b *Broker, size int64) error {
+	if b.MaxMessageBytes > 0 && size > b.MaxMessageBytes {
+		return &TooLargeError{Size: size, Max: b.MaxMessageBytes}
+	}
+	return nil
 }
 
 // SetZstdReaders says whether every node that reads the queues reads

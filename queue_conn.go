@@ -106,6 +106,11 @@ type brokerConn struct {
 	// broker is blocked too (Queues.Blocked), but publishes still go to
 	// it, as no notification says when it takes them again.
 	refused atomic.Pointer[blockedState]
+	// sizeLimit is the broker's own max_message_size as it said when it
+	// closed a channel on a message over it (0: not heard on this
+	// connection). A broker reads its limit when it starts (RabbitMQ, for
+	// each channel when it opens), so it is forgotten with the connection.
+	sizeLimit atomic.Int64
 	// published and delivered count the messages switchyard sent to this
 	// broker and took from it (basic.deliver and basic.get-ok, redeliveries
 	// included) since they were last taken: what a plan's quota counts.
@@ -171,6 +176,7 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 		bc.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
 	}
 	bc.conn, bc.failures = conn, 0
+	bc.sizeLimit.Store(0)
 	bc.lastErr.Store(nil)
 	now := time.Now()
 	bc.upSince.Store(&now)

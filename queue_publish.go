@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -24,16 +25,62 @@ var (
 )
 
 // TooLargeError is a message still over the broker's max_message_bytes,
-// compressed where compression was on. Its text names no broker.
+// compressed where compression was on, or (Own) over the broker's own
+// max_message_size, which it closed the channel for (Max 0 when it did
+// not say). Its text names no broker.
 type TooLargeError struct {
 	Size, Max int64
+	Own       bool
 }
 
 func (e *TooLargeError) Error() string {
-	if e.Max <= 0 {
+	switch {
+	case e.Own && e.Max > 0:
+		return fmt.Sprintf("message of %d bytes is over the broker's own max_message_size (%d; the broker closed the channel on it): lower max_message_bytes to it", e.Size, e.Max)
+	case e.Own:
 		return fmt.Sprintf("message of %d bytes is over the broker's own max_message_size (the broker closed the channel on it): lower max_message_bytes to it", e.Size)
 	}
 	return fmt.Sprintf("message of %d bytes is over the broker's max_message_bytes (%d)", e.Size, e.Max)
+}
+
+// ClosedForSizeError is a publish within the broker's own
+// max_message_size (Limit) whose channel the broker closed on another
+// message, over it: not confirmed, not refused, and sent again
+// (resendable).
+type ClosedForSizeError struct{ Limit int64 }
+
+func (e *ClosedForSizeError) Error() string {
+	return fmt.Sprintf("the broker closed the channel on another message, over its own max_message_size (%d)", e.Limit)
+}
+
+func (e *ClosedForSizeError) Unwrap() error { return errConfirmLost }
+
+// sizeRefusal reports whether the broker closed a channel for a message
+// over its own max_message_size, and the size it named (0 when its words
+// did not): RabbitMQ's 406 "message size 20971520 is larger than
+// configured max size 16777216" (or "than max size", at its own ceiling).
+func sizeRefusal(e *amqp.Error) (limit int64, ok bool) {
+	if e.Code != amqp.PreconditionFailed {
+		return 0, false
+	}
+	_, tail, ok := strings.Cut(e.Reason, "is larger than ")
+	if !ok {
+		return 0, false
+	}
+	tail = strings.TrimPrefix(tail, "configured ")
+	tail, found := strings.CutPrefix(tail, "max size ")
+	if !found {
+		return 0, true
+	}
+	end := strings.IndexFunc(tail, func(r rune) bool { return r < '0' || r > '9' })
+	if end < 0 {
+		end = len(tail)
+	}
+	limit, err := strconv.ParseInt(tail[:end], 10, 64)
+	if err != nil || limit <= 0 {
+		return 0, true
+	}
+	return limit, true
 }
 
 // maxInFlight bounds the publishes awaiting a confirm on one broker. It also
@@ -435,13 +482,22 @@ func (p *publisher) await(ctx context.Context, l *lane, ch *amqp.Channel, return
 				// declared): the broker takes publishes, none routed.
 				return fmt.Errorf("publish to %s %q: %w: %s", b, m.Exchange, ErrUnroutable, e.Reason)
 			}
-			if e.Code == amqp.PreconditionFailed && strings.Contains(e.Reason, "larger than configured max size") {
+			if limit, ok := sizeRefusal(e); ok {
 				// RabbitMQ's max_message_size, below this broker's
-				// max_message_bytes: sent again, or spooled, it would be
-				// refused again.
+				// max_message_bytes. The channel closed on one message
+				// over it, and every publish on it not yet confirmed went
+				// with it: only one over the limit is refused (sent again,
+				// it would be refused again); the others are sent again.
+				size := int64(len(m.Msg.Body))
+				if limit > 0 {
+					bc.sizeLimit.Store(limit)
+					if size <= limit {
+						return fmt.Errorf("publish to %s: %w", b, &ClosedForSizeError{Limit: limit})
+					}
+				}
 				bc.log.Warn("the broker refused a message over its own max_message_size: set the broker's max_message_bytes to it",
 					"broker", b.String(), "delivery_id", m.Msg.MessageId, "reason", fmt.Sprintf("%d %s", e.Code, e.Reason))
-				return fmt.Errorf("publish to %s: %w", b, &TooLargeError{Size: int64(len(m.Msg.Body))})
+				return fmt.Errorf("publish to %s: %w", b, &TooLargeError{Size: size, Max: limit, Own: true})
 			}
 			refusal.Reason = fmt.Sprintf("channel closed: %d %s", e.Code, e.Reason)
 			// A user without the write permission: 403 on the channel.

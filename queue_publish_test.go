@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
 	"go.opentelemetry.io/otel/trace/noop"
 )
 
@@ -149,5 +151,59 @@ func TestInflateBombToError(t *testing.T) {
 	if m := getOne(t, vhost, errorQueue(queueGitHub)); !strings.Contains(tableString(m.Headers, hdrErrorReason), "inflates past") ||
 		m.ContentEncoding != encodingGzip {
 		t.Errorf("x-error-reason %q, encoding %q; want the bound named, the body kept compressed", tableString(m.Headers, hdrErrorReason), m.ContentEncoding)
+	}
+}
+
+// A broker that closes a channel for a message over its own
+// max_message_size names the limit: the message over it is refused, the
+// others on the channel are sent again (resendable), and the forwarder
+// refuses the next row over it before sending it, until the connection
+// is dialed again.
+func TestSizeRefusal(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		code   int
+		reason string
+		limit  int64
+		ok     bool
+	}{
+		{amqp.PreconditionFailed, "PRECONDITION_FAILED - message size 20971520 is larger than configured max size 16777216", 16777216, true},
+		{amqp.PreconditionFailed, "PRECONDITION_FAILED - message size 600000000 is larger than max size 536870912", 536870912, true},
+		{amqp.PreconditionFailed, "PRECONDITION_FAILED - message size 20971520 is larger than configured max size", 0, true},
+		{amqp.PreconditionFailed, "PRECONDITION_FAILED - inequivalent arg 'x-queue-type'", 0, false},
+		{amqp.NotFound, "NOT_FOUND - message size 1 is larger than configured max size 2", 0, false},
+	} {
+		limit, ok := sizeRefusal(&amqp.Error{Code: c.code, Reason: c.reason})
+		if limit != c.limit || ok != c.ok {
+			t.Errorf("%d %q: %d, %v; want %d, %v", c.code, c.reason, limit, ok, c.limit, c.ok)
+		}
+	}
+	if err := fmt.Errorf("publish: %w", &ClosedForSizeError{Limit: 16}); !resendable(err) {
+		t.Errorf("a publish lost with a channel closed on another message is not sent again: %v", err)
+	}
+
+	b := mustBrokers(t, amqpURL(newVhost(t)))[0]
+	b.MaxMessageBytes = 64 << 20
+	q := NewQueues(QueueConfig{CallTimeout: time.Second, PublishTimeout: time.Second}, []*Broker{b}, nil, noop.NewTracerProvider(), slog.New(slog.DiscardHandler))
+	defer q.Close()
+	if err := q.TooLarge(b, 20<<20); err != nil {
+		t.Errorf("20 MiB under max_message_bytes, no limit named: %v", err)
+	}
+	q.conns[0].sizeLimit.Store(16 << 20)
+	var tl *TooLargeError
+	if err := q.TooLarge(b, 20<<20); !errors.As(err, &tl) || !tl.Own || tl.Max != 16<<20 {
+		t.Errorf("20 MiB over the limit the broker named: %v", err)
+	}
+	if err := q.TooLarge(b, 65<<20); !errors.As(err, &tl) || tl.Max != 16<<20 {
+		t.Errorf("65 MiB: %v, want refused by the broker's own limit", err)
+	}
+	if err := q.TooLarge(b, 1<<20); err != nil {
+		t.Errorf("1 MiB: %v", err)
+	}
+	if err := q.Reachable(context.Background(), b); err != nil {
+		t.Fatal(err)
+	}
+	if err := q.TooLarge(b, 20<<20); err != nil {
+		t.Errorf("20 MiB once the connection was dialed again: %v, want the limit forgotten", err)
 	}
 }
