@@ -36,7 +36,7 @@ type TooLargeError struct {
 func (e *TooLargeError) Error() string {
 	switch {
 	case e.Own && e.Max > 0:
-		return fmt.Sprintf("message of %d bytes is over the broker's own max_message_size (%d; the broker closed the channel on it): lower max_message_bytes to it", e.Size, e.Max)
+		return fmt.Sprintf("message of %d bytes is over the broker's own max_message_size of %d bytes (it named it closing a channel on a message over it): lower max_message_bytes to it", e.Size, e.Max)
 	case e.Own:
 		return fmt.Sprintf("message of %d bytes is over the broker's own max_message_size (the broker closed the channel on it): lower max_message_bytes to it", e.Size)
 	}
