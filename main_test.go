@@ -176,7 +176,14 @@ func startProcess(t *testing.T, config, addr string) (*exec.Cmd, *syncBuffer) {
 	t.Helper()
 	cmd := exec.Command(builtBinary(t), "serve", "-config", config)
 	out := started(t, cmd)
-	eventually(t, 20*time.Second, "serve answering /healthz", func() bool { return answersOK("http://" + addr + "/healthz") })
+	t.Cleanup(func() {
+		if t.Failed() && !answersOK("http://"+addr+"/healthz") {
+			t.Logf("serve on %s, not answering /healthz:\n%s", addr, out)
+		}
+	})
+	// Within a minute: on a loaded machine the dial of the broker alone may
+	// take its call_timeout (10 s) before the listener serves.
+	eventually(t, time.Minute, "serve answering /healthz", func() bool { return answersOK("http://" + addr + "/healthz") })
 	return cmd, out
 }
 
