@@ -446,15 +446,19 @@ func (bc *brokerConn) watchBlocked(notes <-chan amqp.Blocking) {
 	for n := range notes {
 		if n.Active {
 			reason := cmp.Or(n.Reason, "no reason given")
-			if bc.blocked.Swap(&blockedState{Kind: ErrBrokerBlocked, Reason: reason, Since: time.Now().UTC()}) == nil {
+			began := bc.blocked.Swap(&blockedState{Kind: ErrBrokerBlocked, Reason: reason, Since: time.Now().UTC()}) == nil
+			// The gauge before the signal: a webhook answered 503 for the
+			// block finds it counted.
+			bc.metrics.brokerBlocked(bc.broker.Index, true)
+			if began {
 				close(*bc.blockedSig.Load()) // publishes in flight give up now
 			}
 			bc.log.Warn("broker blocks publishing: webhooks answer 503 until it unblocks", "broker", bc.broker.String(), "reason", reason)
 		} else {
 			bc.unblock()
+			bc.metrics.brokerBlocked(bc.broker.Index, bc.refused.Load() != nil)
 			bc.log.Info("broker unblocked publishing", "broker", bc.broker.String())
 		}
-		bc.metrics.brokerBlocked(bc.broker.Index, n.Active || bc.refused.Load() != nil)
 	}
 	if bc.unblock() {
 		bc.metrics.brokerBlocked(bc.broker.Index, bc.refused.Load() != nil)
