@@ -1177,8 +1177,11 @@ func TestShutdownTimeoutAbandonsLockedWork(t *testing.T) {
 		if code := postWebhook(t, "http://"+addr, "issues", locked, body); code != http.StatusAccepted {
 			t.Fatalf("webhook under the lock: %d", code)
 		}
+		// In a worker's hand: delivered and not acknowledged. None ready
+		// alone is not enough: the webhook is committed to the outbox first,
+		// and may not have been published yet.
 		eventually(t, 20*time.Second, "the message in a worker's hand", func() bool {
-			return ready(t, vhost, queueGitHub) == 0
+			return unacked(t, vhost, queueGitHub) >= 1
 		})
 
 		// Within shutdown_timeout (and the second a process takes to
