@@ -45,7 +45,7 @@ func (hs *HealthChecks) For(url, worker string) *HealthCheck {
 
 // Run sends the pings, in the order they were made, under held: until ctx
 // ends, each made since held was taken, while held still holds, right
-// before it is sent.
+// before it is sent, and given up once it no longer does (Within).
 func (hs *HealthChecks) Run(ctx context.Context, held Holding) error {
 	since := held.Since()
 	for {
@@ -56,7 +56,9 @@ func (hs *HealthChecks) Run(ctx context.Context, held Holding) error {
 			if p.at.Before(since) || !held.Held() {
 				continue
 			}
-			hs.send(ctx, p)
+			sendCtx, cancel := held.Within(ctx)
+			hs.send(sendCtx, p)
+			cancel()
 		}
 	}
 }

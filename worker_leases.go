@@ -390,6 +390,21 @@ func (h Holding) Held() bool {
 // (Holding.Check): it was not taken.
 var ErrNotHeld = errors.New("this node no longer holds the job's lease")
 
+// Within is ctx, ended once the holding stops holding on this node's
+// clock as it stands now (a renewal after does not extend it): a step that
+// acts outside the process under it, a ping, is given up rather than done
+// when a pause of the process outlasts the lease between the step's check
+// (Held) and its act. The zero Holding's is ctx's.
+func (h Holding) Within(ctx context.Context) (context.Context, context.CancelFunc) {
+	if h.lease == nil {
+		return context.WithCancel(ctx)
+	}
+	h.lease.mu.Lock()
+	until := h.lease.until
+	h.lease.mu.Unlock()
+	return context.WithDeadline(ctx, until)
+}
+
 // Check is nil while the holding holds (Held), else ErrNotHeld: a job's
 // step that acts outside the process asks it right before it acts.
 func (h Holding) Check() error {
