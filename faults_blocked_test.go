@@ -296,36 +296,23 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	door.Queue.PublishTimeout = 30 * time.Second
 	d = startDaemon(t, door)
 	small := loadFixture(t, "issues", "opened")
-	type answer struct {
-		guid string
-		code int
-		body string
-	}
-	post := func(bodies ...[]byte) <-chan answer {
-		answers := make(chan answer, len(bodies))
-		for _, body := range bodies {
+	post := func(bodies ...[]byte) <-chan sent {
+		answers := make(chan sent, len(bodies))
+		for i, body := range bodies {
 			guid := newGUID()
 			req := webhookRequest(t, d.URL, "issues", guid, body)
 			go func() {
 				code, text, err := doQuiet(http.DefaultClient, req)
-				if err != nil {
-					text = err.Error()
-				}
-				answers <- answer{guid, code, text}
+				answers <- sent{seq: i, guid: guid, code: code, body: text, err: err}
 			}()
 		}
 		return answers
 	}
 	smalls := func(n int) [][]byte { return slices.Repeat([][]byte{small}, n) }
-	for range 64 { // every confirm channel open
-		if a := <-post(smalls(1)...); a.code != http.StatusAccepted {
-			t.Fatalf("before the stall: %d %s", a.code, a.body)
-		}
-	}
-	warm := post(smalls(64)...)
+	warm := post(smalls(64)...) // every confirm channel open
 	for range 64 {
 		if a := <-warm; a.code != http.StatusAccepted {
-			t.Fatalf("before the stall: %d %s", a.code, a.body)
+			t.Fatalf("before the stall: %d %s %v", a.code, a.body, a.err)
 		}
 	}
 	proxy.StallReplies(true)
@@ -341,17 +328,17 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	sentBy(start + 17 + 32)
 	proxy.StallReplies(false)
 	if a := <-large; a.code != http.StatusRequestEntityTooLarge || !strings.Contains(a.body, "max_message_size") {
-		t.Errorf("the webhook over the broker's own limit, at the door: %d %s, want 413 naming max_message_size", a.code, a.body)
+		t.Errorf("the webhook over the broker's own limit, at the door: %d %s %v, want 413 naming max_message_size", a.code, a.body, a.err)
 	}
 	var took []string
 	for range 48 {
-		var a answer
+		var a sent
 		select {
 		case a = <-ahead:
 		case a = <-behindIt:
 		}
 		if a.code != http.StatusAccepted {
-			t.Errorf("a small webhook on the confirm channels with it: %d %s, want 202", a.code, a.body)
+			t.Errorf("a small webhook on the confirm channels with it: %d %s %v, want 202", a.code, a.body, a.err)
 			continue
 		}
 		took = append(took, a.guid)
