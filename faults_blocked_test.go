@@ -8,7 +8,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -19,12 +18,12 @@ import (
 // free plan's quota would): a webhook is answered 503 with Retry-After and
 // the reason while the block still holds, instead of waiting out
 // publish_timeout; the gauge and the status say so; once the alarm clears,
-// webhooks are 202 again and nothing accepted is lost. Not parallel: the
-// alarm blocks every test's publishers, so it runs in the sequential phase.
+// webhooks are 202 again and nothing accepted is lost. The alarm is a
+// node's, so the node is the test's own.
 func TestFaultBrokerBlocked(t *testing.T) {
-	needRabbitmqctl(t)
-	vhost := newVhost(t)
-	cfg := testConfig(t, amqpURL(vhost))
+	t.Parallel()
+	node := ownRabbit(t)
+	cfg := testConfig(t, node.url())
 	cfg.Queue.OutboxMaxBytes = 1           // the broker's path: the outbox full, each webhook published at the door (outbox_test.go has the outbox)
 	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the block's, not the timeout's
 	cfg.Log.Level = "info"
@@ -36,9 +35,7 @@ func TestFaultBrokerBlocked(t *testing.T) {
 		t.Fatalf("before the alarm: %d", code)
 	}
 
-	restore := func() { _ = exec.Command("rabbitmqctl", "-q", "set_vm_memory_high_watermark", "0.4").Run() }
-	t.Cleanup(restore)
-	rabbitmqctl(t, "set_vm_memory_high_watermark", "0.0000001")
+	node.ctl(t, "set_vm_memory_high_watermark", "0.0000001")
 	// RabbitMQ blocks a connection, and says so, when it next publishes:
 	// this webhook's publish is what the block stops.
 	code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))
@@ -80,7 +77,7 @@ func TestFaultBrokerBlocked(t *testing.T) {
 		t.Error("the block's alert was not sent")
 	}
 
-	restore()
+	node.ctl(t, "set_vm_memory_high_watermark", "0.4")
 	eventually(t, 60*time.Second, "webhooks accepted again", func() bool {
 		return postWebhook(t, d.URL, "issues", newGUID(), body) == http.StatusAccepted
 	})
@@ -189,24 +186,15 @@ func largeIssue(t testing.TB, size int) []byte {
 // broker whose max_message_size is 16 MiB; with compression off it is
 // answered 413 before anything is published; and a broker whose limit is
 // below max_message_bytes closes the channel (406), which is a refusal,
-// not an unreachable broker. max_message_size is the node's, so this runs
-// in the sequential phase, and the old value is always put back.
+// not an unreachable broker. max_message_size is the node's, so the node
+// is the test's own.
 func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
-	needRabbitmqctl(t)
-	out, err := exec.Command("rabbitmqctl", "-q", "eval", "application:get_env(rabbit, max_message_size).").CombinedOutput()
-	old := strings.TrimSpace(string(out))
-	if err != nil || !strings.HasPrefix(old, "{ok,") {
-		t.Skipf("rabbitmqctl cannot read max_message_size here (%v: %s)", err, out)
-	}
-	old = strings.TrimSuffix(strings.TrimPrefix(old, "{ok,"), "}")
-	t.Cleanup(func() {
-		_ = exec.Command("rabbitmqctl", "-q", "eval", "application:set_env(rabbit, max_message_size, "+old+").").Run()
-	})
-	rabbitmqctl(t, "eval", "application:set_env(rabbit, max_message_size, 16777216).")
+	t.Parallel()
+	node := ownRabbit(t)
+	node.ctl(t, "eval", "application:set_env(rabbit, max_message_size, 16777216).")
 
 	body := largeIssue(t, 20<<20)
-	vhost := newVhost(t)
-	cfg := testConfig(t, amqpURL(vhost))
+	cfg := testConfig(t, node.url())
 	// 20 MiB takes its time to compress and cross.
 	cfg.Queue.PublishTimeout = 30 * time.Second
 	d := startDaemon(t, cfg)
@@ -270,10 +258,10 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	}
 	// The broker's limit raised (channels opened before keep the old
 	// one: the daemon restarts, as after a broker's restart), then retry.
-	rabbitmqctl(t, "eval", "application:set_env(rabbit, max_message_size, 67108864).")
+	node.ctl(t, "eval", "application:set_env(rabbit, max_message_size, 67108864).")
 	d.stop(t)
 	var retried bytes.Buffer
-	config := writeConfig(t, t.TempDir(), "127.0.0.1:0", cfg.Database.Path, amqpURL(vhost))
+	config := writeConfig(t, t.TempDir(), "127.0.0.1:0", cfg.Database.Path, node.url())
 	if err := run(context.Background(), []string{"outbox", "-config", config, "retry"}, &retried, &retried); err != nil ||
 		!strings.Contains(retried.String(), "1 webhook the broker refused") {
 		t.Fatalf("switchyard outbox retry: %v\n%s", err, retried.String())
@@ -286,10 +274,10 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	// the confirm channels. Those sent behind a message the broker closes
 	// a channel on go with it, unconfirmed: they are sent again and
 	// answered 202, not 413 for a size they do not have.
-	rabbitmqctl(t, "eval", "application:set_env(rabbit, max_message_size, 16777216).")
-	proxy := newTCPProxy(t, testBrokerAddr())
+	node.ctl(t, "eval", "application:set_env(rabbit, max_message_size, 16777216).")
+	proxy := newTCPProxy(t, node.addr())
 	wire := proxy.countFrames()
-	door := testConfig(t, proxy.URL(vhost))
+	door := testConfig(t, guestURL(proxy.addr))
 	door.Brokers[0].MaxMessageBytes = 64 << 20
 	door.Queue.OutboxMaxBytes = 1
 	door.Queue.Compress, door.Queue.CompressOver = "none", 0

@@ -15,12 +15,14 @@ import (
 	"time"
 )
 
-// A RabbitMQ cluster of the test's own: three nodes of the installed
-// rabbitmq-server, each with its node name, ports, data directories and
-// an Erlang cookie of the test's own, the machine's config files never
-// read, joined into one cluster; behind Debian's haproxy in TCP mode, as a
-// user runs one when one broker is not enough. The machine's own node is
-// never touched.
+// RabbitMQ nodes of the test's own: the installed rabbitmq-server, each
+// node with its node name, ports, data directories and an Erlang cookie
+// of the test's own, the machine's config files never read. One alone
+// (ownRabbit) for a test that does to a broker what only a node of its
+// own may suffer (its memory alarm, its max_message_size, its stop_app);
+// three joined into one cluster (rabbitCluster), behind Debian's haproxy
+// in TCP mode, as a user runs one when one broker is not enough. The
+// machine's own node is touched by vhost only.
 
 const rabbitmqServer = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 
@@ -153,43 +155,79 @@ func freePort(t testing.TB) int {
 	return 0
 }
 
+// newRabbitNode starts a node named name (node@localhost) whose Erlang
+// cookie is cookie, on ports and in directories of its own, and kills it
+// at the test's end. It skips the test where rabbitmq-server is not
+// installed.
+func newRabbitNode(t testing.TB, name, cookie string) *rabbitNode {
+	t.Helper()
+	if _, err := os.Stat(rabbitmqServer); err != nil {
+		t.Skipf("no %s: the test needs Debian's rabbitmq-server installed for a node of its own", rabbitmqServer)
+	}
+	n := &rabbitNode{name: name, port: freePort(t), dist: freePort(t), dir: t.TempDir()}
+	for _, d := range []string{"home", "mnesia", "log"} {
+		if err := os.MkdirAll(filepath.Join(n.dir, d), 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, f := range []string{"plugins", "env.conf", "empty.conf"} {
+		if err := os.WriteFile(filepath.Join(n.dir, f), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(n.dir, "home", ".erlang.cookie"), []byte(cookie), 0o400); err != nil {
+		t.Fatal(err)
+	}
+	n.start(t)
+	t.Cleanup(n.kill)
+	return n
+}
+
+// newCookie is an Erlang cookie of the test's own.
+func newCookie() string { return "SWITCHYARDTEST" + strings.ToUpper(randHex(8)) }
+
+// booted waits until n takes AMQP connections, and fails the test should
+// it exit first.
+func (n *rabbitNode) booted(t testing.TB) {
+	t.Helper()
+	eventually(t, 2*time.Minute, "RabbitMQ node "+n.name+" booted", func() bool {
+		if n.exited() {
+			out, _ := os.ReadFile(filepath.Join(n.dir, "out.log"))
+			t.Fatalf("RabbitMQ node %s exited while booting:\n%s", n.name, out)
+		}
+		return n.answers()
+	})
+}
+
+// addr is where n takes AMQP connections; url is its default vhost's.
+func (n *rabbitNode) addr() string { return fmt.Sprintf("127.0.0.1:%d", n.port) }
+func (n *rabbitNode) url() string  { return guestURL(n.addr()) }
+
+// guestURL is the default vhost of a node of the test's own at addr (or
+// of a proxy or balancer in front of it), as guest, whom a node lets in
+// from loopback.
+func guestURL(addr string) string { return "amqp://guest:guest@" + addr + "/" }
+
+// ownRabbit is a booted node of the test's own, alone, killed at the
+// test's end.
+func ownRabbit(t testing.TB) *rabbitNode {
+	t.Helper()
+	n := newRabbitNode(t, "sy"+randHex(4)+"@localhost", newCookie())
+	n.booted(t)
+	return n
+}
+
 // rabbitCluster starts three nodes, joins the second and third to the
 // first, and stops them all at the test's end.
 func rabbitCluster(t *testing.T) []*rabbitNode {
 	t.Helper()
-	if _, err := os.Stat(rabbitmqServer); err != nil {
-		t.Skipf("no %s: the cluster test needs Debian's rabbitmq-server installed", rabbitmqServer)
-	}
-	cookie := "SWITCHYARDTEST" + strings.ToUpper(randHex(8))
-	prefix := "sy" + randHex(3)
+	cookie, prefix := newCookie(), "sy"+randHex(3)
 	nodes := make([]*rabbitNode, 3)
 	for i := range nodes {
-		n := &rabbitNode{name: fmt.Sprintf("%s-%d@localhost", prefix, i+1), port: freePort(t), dist: freePort(t), dir: t.TempDir()}
-		for _, d := range []string{"home", "mnesia", "log"} {
-			if err := os.MkdirAll(filepath.Join(n.dir, d), 0o700); err != nil {
-				t.Fatal(err)
-			}
-		}
-		for _, f := range []string{"plugins", "env.conf", "empty.conf"} {
-			if err := os.WriteFile(filepath.Join(n.dir, f), nil, 0o600); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if err := os.WriteFile(filepath.Join(n.dir, "home", ".erlang.cookie"), []byte(cookie), 0o400); err != nil {
-			t.Fatal(err)
-		}
-		nodes[i] = n
-		n.start(t)
-		t.Cleanup(n.kill)
+		nodes[i] = newRabbitNode(t, fmt.Sprintf("%s-%d@localhost", prefix, i+1), cookie)
 	}
 	for _, n := range nodes {
-		eventually(t, 2*time.Minute, "RabbitMQ node "+n.name+" booted", func() bool {
-			if n.exited() {
-				out, _ := os.ReadFile(filepath.Join(n.dir, "out.log"))
-				t.Fatalf("RabbitMQ node %s exited while booting:\n%s", n.name, out)
-			}
-			return n.answers()
-		})
+		n.booted(t)
 	}
 	for _, n := range nodes[1:] {
 		n.ctl(t, "stop_app")
@@ -277,7 +315,7 @@ func TestOutboxClusterNodesLost(t *testing.T) {
 func testOutboxClusterNodesLost(t *testing.T) {
 	nodes := rabbitCluster(t)
 	front := tcpBalancer(t, nodes)
-	cfg := testConfig(t, "amqp://guest:guest@"+front+"/")
+	cfg := testConfig(t, guestURL(front))
 	cfg.Queue.Type = "quorum"
 	cfg.Log.Level = "info"
 	d := startDaemon(t, cfg)

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"net/http"
-	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -127,29 +126,28 @@ func TestFaultConnectionCuts(t *testing.T) {
 	storedExactlyOnce(t, cfg.Database.Path, append(accepted, guid), 3*time.Minute)
 }
 
-// RabbitMQ itself stopped and started during a stream: 503 while it is down,
-// 202 after, and nothing accepted is lost. Not parallel: it stops the broker
-// every test uses, so it runs in the sequential phase, before the others.
+// RabbitMQ itself stopped and started during a stream: 202 queued while it
+// is down, and nothing accepted is lost. The node is the test's own: the
+// machine's is never stopped.
 func TestFaultRabbitMQRestart(t *testing.T) {
-	needRabbitmqctl(t)
-	vhost := newVhost(t)
-	cfg := testConfig(t, amqpURL(vhost))
+	t.Parallel()
+	node := ownRabbit(t)
+	cfg := testConfig(t, node.url())
 	cfg.Log.Level = "info"
 	d := startDaemon(t, cfg)
-	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "-q", "start_app").Run() })
 
 	body := loadFixture(t, "issues", "opened")
 	done := make(chan []string)
 	go func() { done <- stream(t, func() string { return d.URL }, 600, 4, 3*time.Minute) }()
 	db := openStoreDB(t, cfg.Database)
 	eventually(t, 30*time.Second, "the stream flowing", func() bool { return queryInt(t, db, "SELECT count(*) FROM github") > 0 })
-	rabbitmqctl(t, "stop_app")
+	node.ctl(t, "stop_app")
 	// While it is down: 202 queued in the outbox, and the workers find
 	// the broker gone.
 	downGUID := newGUID()
 	down, downAnswer := do(t, webhookRequest(t, d.URL, "issues", downGUID, body))
 	logged(t, d.logs, "cycle failed", 1)
-	rabbitmqctl(t, "start_app")
+	node.ctl(t, "start_app")
 	accepted := <-done
 	eventually(t, 60*time.Second, "202 queued once RabbitMQ is back", func() bool {
 		_, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body))

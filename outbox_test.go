@@ -771,12 +771,12 @@ func TestOutboxRows(t *testing.T) {
 
 // A broker that blocks the connection (RabbitMQ's memory alarm): a
 // webhook is answered 202 queued at once, while the block still holds,
-// and stored once the alarm clears. Not parallel: the alarm blocks every
-// test's publishers, so it runs in the sequential phase.
+// and stored once the alarm clears. The alarm is a node's, so the node is
+// the test's own.
 func TestOutboxWhileBlocked(t *testing.T) {
-	needRabbitmqctl(t)
-	vhost := newVhost(t)
-	cfg := testConfig(t, amqpURL(vhost))
+	t.Parallel()
+	node := ownRabbit(t)
+	cfg := testConfig(t, node.url())
 	cfg.Queue.PublishTimeout = time.Minute // a 202 before it is the outbox's doing
 	cfg.Log.Level = "info"
 	d := startDaemon(t, cfg)
@@ -784,9 +784,7 @@ func TestOutboxWhileBlocked(t *testing.T) {
 	if code := postWebhook(t, d.URL, "issues", newGUID(), body); code != http.StatusAccepted {
 		t.Fatalf("before the alarm: %d", code)
 	}
-	restore := func() { _ = exec.Command("rabbitmqctl", "-q", "set_vm_memory_high_watermark", "0.4").Run() }
-	t.Cleanup(restore)
-	rabbitmqctl(t, "set_vm_memory_high_watermark", "0.0000001")
+	node.ctl(t, "set_vm_memory_high_watermark", "0.0000001")
 	var queued []string
 	eventually(t, 30*time.Second, "the broker blocking", func() bool {
 		return scrape(t, d.URL+"/metrics")[`switchyard_broker_blocked{broker="0"}`] == 1 || postAndQueue(t, d, body, &queued)
@@ -800,7 +798,7 @@ func TestOutboxWhileBlocked(t *testing.T) {
 		}
 		queued = append(queued, guid)
 	}
-	restore()
+	node.ctl(t, "set_vm_memory_high_watermark", "0.4")
 	storedAll(t, cfg.Database, queued, time.Minute)
 }
 
