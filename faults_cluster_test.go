@@ -103,7 +103,7 @@ func (n *rabbitNode) answers() bool {
 		return false
 	default:
 	}
-	c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", n.port), time.Second)
+	c, err := net.DialTimeout("tcp", n.addr(), time.Second)
 	if err == nil {
 		c.Close()
 	}
@@ -260,7 +260,7 @@ backend rabbits
     balance roundrobin
 `, front)
 	for i, n := range nodes {
-		fmt.Fprintf(&b, "    server rabbit-%d 127.0.0.1:%d check inter 500ms fall 2 rise 2\n", i+1, n.port)
+		fmt.Fprintf(&b, "    server rabbit-%d %s check inter 500ms fall 2 rise 2\n", i+1, n.addr())
 	}
 	cfg := filepath.Join(t.TempDir(), "haproxy.cfg")
 	if err := os.WriteFile(cfg, []byte(b.String()), 0o600); err != nil {
