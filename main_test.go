@@ -317,7 +317,17 @@ func stopProcess(t testing.TB, cmd *exec.Cmd, out *syncBuffer, within time.Durat
 			t.Errorf("exit after SIGTERM: %v, want status 0\n%s", err, out)
 		}
 	case <-time.After(within):
-		t.Fatalf("still running %s after SIGTERM\n%s", within, out)
+		// SIGQUIT makes the Go runtime print every goroutine's stack and
+		// exit: where the shutdown waits. The process is waited for here,
+		// not by started's cleanup, which would wait on it a second time.
+		_ = cmd.Process.Signal(syscall.SIGQUIT)
+		select {
+		case <-waited:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-waited
+		}
+		t.Fatalf("still running %s after SIGTERM; its goroutines at SIGQUIT:\n%s", within, out)
 	}
 	t.Logf("stopped %s after SIGTERM", time.Since(start).Round(time.Millisecond))
 }
