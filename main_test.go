@@ -1222,6 +1222,72 @@ func TestShutdownTimeoutAbandonsLockedWork(t *testing.T) {
 	})
 }
 
+// A broker that stops answering just before SIGTERM holds the shutdown
+// no longer than shutdown_timeout, its calls and dials (call_timeout,
+// longer) given up: with the connections up (a consumer attached, a
+// webhook's publish waiting for its confirm), or with them cut and dialed
+// again, the handshake unanswered. The webhook taken meanwhile, still in
+// the outbox, is stored once after a restart on a broker that answers.
+func TestShutdownWithinTimeoutOnStalledBroker(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		cut  bool
+	}{{"calls under way", false}, {"dials under way", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			const shutdownTimeout = 3 * time.Second
+			vhost := newVhost(t)
+			proxy := newTCPProxy(t, testBrokerAddr())
+			dir := t.TempDir()
+			addr := freeAddr(t)
+			dbPath := filepath.Join(dir, "switchyard.db")
+			database := fmt.Sprintf("path = %q", dbPath)
+			server := fmt.Sprintf("shutdown_timeout = %q", shutdownTimeout.String())
+			config := writeConfigWith(t, dir, addr, database, server, proxy.URL(vhost))
+			cmd, out := startProcess(t, config, addr)
+			body := loadFixture(t, "issues", "opened")
+			before := newGUID()
+			if code := postWebhook(t, "http://"+addr, "issues", before, body); code != http.StatusAccepted {
+				t.Fatalf("webhook: %d", code)
+			}
+			db := openDB(t, dbPath)
+			eventually(t, 20*time.Second, "the first webhook stored", func() bool {
+				return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", before) == 1
+			})
+
+			proxy.Stall(true)
+			if tc.cut {
+				proxy.Cut()
+				eventually(t, 20*time.Second, "a connection dialed again", func() bool {
+					proxy.mu.Lock()
+					defer proxy.mu.Unlock()
+					return len(proxy.conns) > 0
+				})
+			}
+			stalled := newGUID()
+			if code := postWebhook(t, "http://"+addr, "issues", stalled, body); code != http.StatusAccepted {
+				t.Fatalf("webhook with the broker stalled: %d", code)
+			}
+			stopProcess(t, cmd, out, shutdownTimeout+time.Second)
+			if !proxy.isStalled() {
+				t.Fatal("the stall ended before the shutdown did")
+			}
+			proxy.Stall(false)
+			proxy.Cut()
+
+			config = writeConfigWith(t, dir, addr, database, server, amqpURL(vhost))
+			startProcess(t, config, addr)
+			eventually(t, 30*time.Second, "the webhook taken during the stall stored after the restart", func() bool {
+				return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", stalled) == 1
+			})
+			if n := queryInt(t, db, "SELECT count(*) FROM github"); n != 2 {
+				t.Errorf("github rows: %d, want each webhook once", n)
+			}
+		})
+	}
+}
+
 // database.driver = "postgres" takes a URL, whose password check-config
 // never prints; SQLite's keys set beside it are a warning that they do
 // not apply; backup points at pg_dump.

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -64,22 +65,33 @@ func NewQueues(cfg QueueConfig, brokers []*Broker, metrics *Metrics, tp trace.Tr
 
 // Abandon ends the handling of every message in hand, at once: a
 // transaction waiting on the database gives up and rolls back, and the
-// messages are left unacknowledged (ErrAbandoned), so the broker gives
-// them back once the connection closes. A shutdown that outlasts
-// shutdown_timeout calls it; nothing is handled after it.
-func (q *Queues) Abandon() { q.abandon() }
+// messages are left unacknowledged (ErrAbandoned). Every connection is
+// severed (closed without waiting for the broker), so that the broker
+// gives them back now and a call waiting on a broker that does not answer
+// fails now, not after call_timeout. A shutdown that outlasts
+// shutdown_timeout calls it; nothing is handled or dialed after it.
+func (q *Queues) Abandon() {
+	q.abandon()
+	for _, bc := range q.conns {
+		bc.sever()
+	}
+}
+
+// closeWithin is how long Close waits for each broker's close-ok, all
+// brokers at once: a second, the margin serve has past shutdown_timeout.
+const closeWithin = time.Second
 
 // Close closes every connection, whatever is in flight failing, and
 // waits for the goroutines they own: the block watchers and the lanes
 // opening in the background.
 func (q *Queues) Close() error {
 	q.abandon()
-	var errs []error
-	for _, bc := range q.conns {
-		if err := bc.close(); err != nil {
-			errs = append(errs, err)
-		}
+	errs := make([]error, len(q.conns))
+	var closing sync.WaitGroup
+	for i, bc := range q.conns {
+		closing.Go(func() { errs[i] = bc.close(min(bc.callTimeout, closeWithin)) })
 	}
+	closing.Wait()
 	for _, p := range q.pubs {
 		p.opening.Wait()
 	}

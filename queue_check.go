@@ -62,7 +62,7 @@ type brokerCheck struct {
 // error only when the broker cannot be reached at all.
 func CheckBroker(ctx context.Context, b *Broker, cfg QueueConfig, log *slog.Logger) ([]BrokerCheck, int64, error) {
 	bc := newBrokerConn(b, cfg.CallTimeout, nil, nil, log)
-	defer bc.close()
+	defer bc.close(bc.callTimeout)
 	conn, err := bc.connection(ctx)
 	if err != nil {
 		return nil, 0, err

@@ -75,6 +75,10 @@ type brokerConn struct {
 
 	lock chan struct{} // a mutex that a context can give up on
 	conn *amqp.Connection
+	// live is conn, for sever, which cannot wait for lock (a dial under
+	// way holds it); severed, once sever was called: no dial after it.
+	live    atomic.Pointer[amqp.Connection]
+	severed atomic.Bool
 	// watchers are the watchBlocked goroutines, one per connection dialed,
 	// each ending when its connection closes; close waits for them.
 	watchers sync.WaitGroup
@@ -140,7 +144,9 @@ func (bc *brokerConn) Back() <-chan struct{} { return *bc.back.Load() }
 // a login after seconds (RabbitMQ refuses a wrong password after 3 s) is
 // told as refusing access to a caller with a shorter deadline (/readyz),
 // not as a timeout; and such a dial, cut short by its caller, is not the
-// broker's failure and changes nothing of what the last one said.
+// broker's failure and changes nothing of what the last one said. Nor is
+// a dial whose caller gave up (ctx cancelled: a shutdown), whatever the
+// last dial said.
 func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) {
 	select {
 	case bc.lock <- struct{}{}:
@@ -153,11 +159,14 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 		return bc.conn, nil
 	}
 	b := bc.broker
+	if bc.severed.Load() {
+		return nil, fmt.Errorf("%w: %s: %w", ErrBrokerUnreachable, b, errSevered)
+	}
 	if now := time.Now(); now.Before(bc.retryAt) {
 		return nil, fmt.Errorf("%w (next try in %s)", dialFailure(b, bc.lastFailure()), bc.retryAt.Sub(now).Round(time.Millisecond))
 	}
 	conn, err := bc.dial(ctx)
-	if err != nil && ctx.Err() != nil && bc.lastFailure() != nil {
+	if err != nil && (errors.Is(ctx.Err(), context.Canceled) || ctx.Err() != nil && bc.lastFailure() != nil) {
 		return nil, bc.cutShort(err)
 	}
 	if err != nil {
@@ -176,6 +185,11 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 		bc.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
 	}
 	bc.conn, bc.failures = conn, 0
+	bc.live.Store(conn)
+	if bc.severed.Load() { // sever came while the dial was under way
+		_ = conn.CloseDeadline(time.Now())
+		return nil, fmt.Errorf("%w: %s: %w", ErrBrokerUnreachable, b, errSevered)
+	}
 	bc.sizeLimit.Store(0)
 	bc.lastErr.Store(nil)
 	now := time.Now()
@@ -226,7 +240,9 @@ func dialFailure(b *Broker, err error) error {
 }
 
 // dial opens one connection, bounded by call_timeout and ctx, and prepares
-// it with onDial.
+// it with onDial. ctx's end closes the socket of a handshake under way: a
+// broker that takes the TCP connection and never answers (stalled) holds
+// a shutdown no longer than its deadline.
 func (bc *brokerConn) dial(ctx context.Context) (*amqp.Connection, error) {
 	timeout := bc.callTimeout
 	if dl, ok := ctx.Deadline(); ok {
@@ -235,11 +251,23 @@ func (bc *brokerConn) dial(ctx context.Context) (*amqp.Connection, error) {
 	if timeout <= 0 {
 		return nil, context.DeadlineExceeded
 	}
+	dial := amqp.DefaultDial(timeout)
+	stop := func() bool { return true }
 	conn, err := amqp.DialConfig(bc.broker.URL, amqp.Config{
-		Heartbeat:  10 * time.Second,
-		Dial:       amqp.DefaultDial(timeout),
+		Heartbeat: 10 * time.Second,
+		Dial: func(network, addr string) (net.Conn, error) {
+			raw, err := dial(network, addr)
+			if err == nil {
+				stop = context.AfterFunc(ctx, func() { raw.Close() })
+			}
+			return raw, err
+		},
 		Properties: amqp.Table{"connection_name": "switchyard"},
 	})
+	if !stop() && err == nil { // ctx ended as the handshake did: the socket is closed
+		_ = conn.CloseDeadline(time.Now())
+		err = ctx.Err()
+	}
 	if err != nil {
 		return nil, bc.refusal("login", redactDialError(err))
 	}
@@ -252,9 +280,9 @@ func (bc *brokerConn) dial(ctx context.Context) (*amqp.Connection, error) {
 	return conn, nil
 }
 
-// close closes the connection, if one is open; whatever is in flight fails.
-// The next use dials anew.
-func (bc *brokerConn) close() error {
+// close closes the connection, if one is open, waiting within for the
+// broker's close-ok; whatever is in flight fails. The next use dials anew.
+func (bc *brokerConn) close(within time.Duration) error {
 	bc.lock <- struct{}{}
 	defer func() { <-bc.lock }()
 	conn := bc.conn
@@ -263,12 +291,26 @@ func (bc *brokerConn) close() error {
 		bc.watchers.Wait()
 		return nil
 	}
-	err := conn.CloseDeadline(time.Now().Add(bc.callTimeout))
+	err := conn.CloseDeadline(time.Now().Add(within))
 	bc.watchers.Wait() // amqp091-go closes their notifications with the connection
 	if err != nil && !errors.Is(err, amqp.ErrClosed) {
 		return fmt.Errorf("close %s: %w", bc.broker, err)
 	}
 	return nil
+}
+
+// errSevered is the answer to a use of a broker after sever.
+var errSevered = errors.New("connection closed at shutdown")
+
+// sever closes the connection at once, without waiting for the broker's
+// close-ok, nor for lock: every call waiting on the broker fails now, the
+// messages a consumer holds unacknowledged go back to their queue, and no
+// connection is dialed after it. A shutdown out of time calls it.
+func (bc *brokerConn) sever() {
+	bc.severed.Store(true)
+	if conn := bc.live.Load(); conn != nil {
+		_ = conn.CloseDeadline(time.Now())
+	}
 }
 
 // refusal is err, the broker's answer to op, as ErrBrokerAccessRefused
