@@ -23,9 +23,14 @@ import (
 func TestFaultBrokerBlocked(t *testing.T) {
 	t.Parallel()
 	node := ownRabbit(t)
-	cfg := testConfig(t, node.url())
+	proxy := newTCPProxy(t, node.addr())
+	cfg := testConfig(t, guestURL(proxy.addr))
 	cfg.Queue.OutboxMaxBytes = 1           // the broker's path: the outbox full, each webhook published at the door (outbox_test.go has the outbox)
 	cfg.Queue.PublishTimeout = time.Minute // a 503 before this is the block's, not the timeout's
+	// A blocked connection reads nothing: the workers' calls on it wait
+	// until call_timeout, which then closes it. Longer than the checks
+	// below take on a loaded machine; the close is the proxy's Cut.
+	cfg.Queue.CallTimeout = time.Minute
 	cfg.Log.Level = "info"
 	pushed := alertOnBlock(t, cfg)
 	d := startDaemon(t, cfg)
@@ -75,6 +80,30 @@ func TestFaultBrokerBlocked(t *testing.T) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Error("the block's alert was not sent")
+	}
+
+	// The connection closed under the block (as call_timeout closes it):
+	// the next connection, blocked at its first publish, goes on with the
+	// same block, alerted once.
+	proxy.Cut()
+	eventually(t, 30*time.Second, "the next connection blocked", func() bool {
+		if code, answer := do(t, webhookRequest(t, d.URL, "issues", newGUID(), body)); code != http.StatusServiceUnavailable ||
+			!strings.Contains(answer, "blocked") {
+			t.Errorf("a webhook, the broker still blocking: %d %s, want 503 naming the block", code, answer)
+		}
+		logs := d.logs.String()
+		return strings.Contains(logs, "still blocks publishing") || strings.Count(logs, "broker blocks publishing") > 1
+	})
+	for range 3 {
+		if err := d.usage.flushAndCheck(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM alert_outbox WHERE delivery_id LIKE 'blocked:%' AND channel = 'push'"); n != 1 {
+		t.Errorf("alerts of the block, after its connection closed: %d, want 1", n)
+	}
+	if !strings.Contains(d.logs.String(), "still blocks publishing") {
+		t.Error("the log does not say the block goes on on the new connection")
 	}
 
 	node.ctl(t, "set_vm_memory_high_watermark", "0.4")

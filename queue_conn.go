@@ -105,6 +105,12 @@ type brokerConn struct {
 	// it when the block ends.
 	blocked    atomic.Pointer[blockedState]
 	blockedSig atomic.Pointer[chan struct{}]
+	// cut is a block whose connection closed before the broker lifted it
+	// (a blocked connection reads nothing, and the calls on it time out):
+	// the next connection's block, within blockGap, is the same one, with
+	// its Since, so that it is alerted once and its length counts whole.
+	// An unblock or a confirmed publish ends it.
+	cut atomic.Pointer[cutBlock]
 	// refused is the broker's last refusal of a publish while it holds:
 	// from a refused publish until one is confirmed again. A refusing
 	// broker is blocked too (Queues.Blocked), but publishes still go to
@@ -439,6 +445,17 @@ type blockedState struct {
 	Since  time.Time
 }
 
+// cutBlock is a block that held when its connection closed, and when.
+type cutBlock struct {
+	blockedState
+	at time.Time
+}
+
+// blockGap is how long after its connection closed a block is taken up by
+// the next connection's: a dial (backoff at most a second) and the next
+// publish (the outbox tries each second) fit in it many times over.
+const blockGap = time.Minute
+
 // isBlocked reports whether the broker blocks the connection now, or
 // refuses publishes, and why.
 func (bc *brokerConn) isBlocked() (blockedState, bool) {
@@ -474,6 +491,9 @@ func (bc *brokerConn) refuse(r *BrokerRefusal) {
 // confirmed records that the broker confirmed a publish: a refusal, if one
 // held, is over.
 func (bc *brokerConn) confirmed() {
+	if bc.cut.Load() != nil {
+		bc.cut.Store(nil)
+	}
 	if bc.refused.Load() == nil || bc.refused.Swap(nil) == nil {
 		return
 	}
@@ -483,24 +503,40 @@ func (bc *brokerConn) confirmed() {
 
 // watchBlocked follows the broker's connection.blocked and unblocked
 // notifications for one connection until it closes (amqp091-go closes the
-// channel then); a new connection starts unblocked.
+// channel then); a new connection starts unblocked, and a block it is
+// told of within blockGap of a block cut by the last one's close goes on
+// from that block's Since.
 func (bc *brokerConn) watchBlocked(notes <-chan amqp.Blocking) {
 	for n := range notes {
 		if n.Active {
-			reason := cmp.Or(n.Reason, "no reason given")
-			began := bc.blocked.Swap(&blockedState{Kind: ErrBrokerBlocked, Reason: reason, Since: time.Now().UTC()}) == nil
+			st := &blockedState{Kind: ErrBrokerBlocked, Reason: cmp.Or(n.Reason, "no reason given"), Since: time.Now().UTC()}
+			cut := bc.cut.Swap(nil)
+			goesOn := cut != nil && cut.Reason == st.Reason && time.Since(cut.at) < blockGap
+			if goesOn {
+				st.Since = cut.Since
+			}
+			began := bc.blocked.Swap(st) == nil
 			// The gauge before the signal: a webhook answered 503 for the
 			// block finds it counted.
 			bc.metrics.brokerBlocked(bc.broker.Index, true)
 			if began {
 				close(*bc.blockedSig.Load()) // publishes in flight give up now
 			}
-			bc.log.Warn("broker blocks publishing: webhooks answer 503 until it unblocks", "broker", bc.broker.String(), "reason", reason)
+			if goesOn {
+				bc.log.Info("broker still blocks publishing, on the new connection", "broker", bc.broker.String(), "reason", st.Reason,
+					"since", st.Since.Format(time.RFC3339))
+			} else {
+				bc.log.Warn("broker blocks publishing: webhooks answer 503 until it unblocks", "broker", bc.broker.String(), "reason", st.Reason)
+			}
 		} else {
+			bc.cut.Store(nil)
 			bc.unblock()
 			bc.metrics.brokerBlocked(bc.broker.Index, bc.refused.Load() != nil)
 			bc.log.Info("broker unblocked publishing", "broker", bc.broker.String())
 		}
+	}
+	if st := bc.blocked.Load(); st != nil {
+		bc.cut.Store(&cutBlock{blockedState: *st, at: time.Now()})
 	}
 	if bc.unblock() {
 		bc.metrics.brokerBlocked(bc.broker.Index, bc.refused.Load() != nil)
