@@ -224,8 +224,12 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 
 	body := largeIssue(t, 20<<20)
 	cfg := testConfig(t, node.url())
-	// 20 MiB takes its time to compress and cross.
+	// 20 MiB takes its time to compress and cross, and the workers' calls
+	// on the one connection wait behind its frames: on a loaded machine,
+	// longer than the 3 s of testConfig, whose timeout would close the
+	// connection under the publish, again and again.
 	cfg.Queue.PublishTimeout = 30 * time.Second
+	cfg.Queue.CallTimeout = 30 * time.Second
 	d := startDaemon(t, cfg)
 	guid := newGUID()
 	if code, answer := do(t, webhookRequest(t, d.URL, "issues", guid, body)); code != http.StatusAccepted {
@@ -311,6 +315,7 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	door.Queue.OutboxMaxBytes = 1
 	door.Queue.Compress, door.Queue.CompressOver = "none", 0
 	door.Queue.PublishTimeout = 30 * time.Second
+	door.Queue.CallTimeout = 30 * time.Second
 	d = startDaemon(t, door)
 	small := loadFixture(t, "issues", "opened")
 	post := func(bodies ...[]byte) <-chan sent {
