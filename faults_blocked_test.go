@@ -230,13 +230,17 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	// connection under the publish, again and again.
 	cfg.Queue.PublishTimeout = 30 * time.Second
 	cfg.Queue.CallTimeout = 30 * time.Second
+	// A race-built daemon on a loaded machine takes a minute or more over
+	// 20 MiB of JSON (alone, seconds): each wait for it to be stored is
+	// three.
+	const stored = 3 * time.Minute
 	d := startDaemon(t, cfg)
 	guid := newGUID()
 	if code, answer := do(t, webhookRequest(t, d.URL, "issues", guid, body)); code != http.StatusAccepted {
 		t.Fatalf("a 20 MiB webhook, compressed: %d %s, want 202", code, answer)
 	}
 	db := openStoreDB(t, cfg.Database)
-	eventually(t, 60*time.Second, "the 20 MiB webhook stored", func() bool {
+	eventually(t, stored, "the 20 MiB webhook stored", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1
 	})
 	if got := storedPayload(t, d.store, guid); got != string(body) {
@@ -272,7 +276,7 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 	if code := postWebhook(t, d.URL, "issues", behind, loadFixture(t, "issues", "opened")); code != http.StatusAccepted {
 		t.Errorf("a small webhook behind it: %d, want 202", code)
 	}
-	storedAll(t, cfg.Database, []string{behind}, time.Minute)
+	storedAll(t, cfg.Database, []string{behind}, stored)
 	var st Status
 	eventually(t, 30*time.Second, "the refused row in the status", func() bool {
 		_, raw := do(t, mustRequestAuth(t, d.URL+"/api/v1/status"))
@@ -300,7 +304,7 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 		t.Fatalf("switchyard outbox retry: %v\n%s", err, retried.String())
 	}
 	d = startDaemon(t, cfg)
-	storedAll(t, cfg.Database, []string{refused}, time.Minute)
+	storedAll(t, cfg.Database, []string{refused}, stored)
 	d.stop(t)
 
 	// The door's own publishes (the outbox full: the broker's path) share
@@ -365,7 +369,7 @@ func TestLargeWebhookUnderBrokerLimit(t *testing.T) {
 		}
 		took = append(took, a.guid)
 	}
-	storedAll(t, door.Database, took, time.Minute)
+	storedAll(t, door.Database, took, stored)
 }
 
 // With rotate_on_budget, a refusal of the publish target that lasts
