@@ -930,6 +930,7 @@ func TestOutboxWindowAcrossBatches(t *testing.T) {
 	t.Parallel()
 	_, proxy, frames, cfg := wireConfig(t)
 	cfg.Queue.PublishTimeout = time.Minute // no batch given up while the confirms are held
+	cfg.Queue.CallTimeout = time.Minute    // nor the connection closed under them by a worker's call, its reply held too
 	d := startDaemon(t, cfg)
 	body := loadFixture(t, "issues", "opened")
 	first := newGUID()
@@ -969,6 +970,7 @@ func TestOutboxBatchBoundedByBytes(t *testing.T) {
 	t.Parallel()
 	_, proxy, _, cfg := wireConfig(t)
 	cfg.Queue.PublishTimeout = time.Minute // no batch given up while the confirms are held
+	cfg.Queue.CallTimeout = time.Minute    // nor the connection closed under them by a worker's call, its reply held too
 	d := startDaemon(t, cfg)
 	var event map[string]any
 	if err := json.Unmarshal(loadFixture(t, "issues", "opened"), &event); err != nil {
