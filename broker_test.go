@@ -334,6 +334,18 @@ func storedAll(t testing.TB, store DatabaseConfig, guids []string, timeout time.
 		}
 		return n
 	}
+	// Where they stopped, should they not all arrive: which step of the
+	// data path a failed run's log names.
+	defer func() {
+		if t.Failed() {
+			t.Logf("at the end of the wait: %d of %d in the outbox, %d of them published, %d refused; %d in github; %d in database-service's ledger",
+				count("SELECT count(DISTINCT delivery_id) FROM outbox WHERE delivery_id"), len(want),
+				count("SELECT count(DISTINCT delivery_id) FROM outbox WHERE published_at IS NOT NULL AND delivery_id"),
+				count("SELECT count(DISTINCT delivery_id) FROM outbox WHERE refused_at IS NOT NULL AND delivery_id"),
+				count("SELECT count(DISTINCT delivery_id) FROM github WHERE delivery_id"),
+				count("SELECT count(DISTINCT delivery_id) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id"))
+		}
+	}()
 	eventually(t, timeout, fmt.Sprintf("%d deliveries stored", len(want)), func() bool {
 		return count("SELECT count(DISTINCT delivery_id) FROM github WHERE delivery_id") == len(want) &&
 			count("SELECT count(DISTINCT delivery_id) FROM worker_deliveries WHERE worker = 'database-service' AND delivery_id") == len(want)
