@@ -372,8 +372,9 @@ func testProducerRotation(t *testing.T) {
 	a, b := newVhost(t), newVhost(t)
 	// Long enough that A's retry queues still hold their messages through
 	// four drain checks after the notification, however slow the machine
-	// is to start the daemon and publish to B (3 s lost that race once).
-	retryTTL := 10 * time.Second
+	// is to start the daemon and publish to B (3 s lost that race once,
+	// 10 s in a full run on a loaded 2-core machine).
+	retryTTL := 20 * time.Second
 	declareTestTopology(t, a, retryTTL)
 	declareTestTopology(t, b, retryTTL)
 	cfg := testConfig(t, amqpURL(a), amqpURL(b))
