@@ -209,13 +209,20 @@ func (n *rabbitNode) url() string  { return guestURL(n.addr()) }
 func guestURL(addr string) string { return "amqp://guest:guest@" + addr + "/" }
 
 // ownRabbit is a booted node of the test's own, alone, killed at the
-// test's end.
+// test's end. The nodes boot one at a time (rabbitBoots): a boot takes
+// both cores for seconds, and four at once, as the tests that need one
+// start together, slowed every test beside them past its waits.
 func ownRabbit(t testing.TB) *rabbitNode {
 	t.Helper()
+	rabbitBoots <- struct{}{}
+	defer func() { <-rabbitBoots }()
 	n := newRabbitNode(t, "sy"+randHex(4)+"@localhost", newCookie())
 	n.booted(t)
 	return n
 }
+
+// rabbitBoots holds one node's boot at a time (ownRabbit).
+var rabbitBoots = make(chan struct{}, 1)
 
 // rabbitCluster starts three nodes, joins the second and third to the
 // first, and stops them all at the test's end.
