@@ -293,8 +293,17 @@ func (postgresEngine) clock(ms string) string {
 	return `to_char((clock_timestamp() + CAST(` + ms + ` AS BIGINT) * interval '1 millisecond') AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`
 }
 
-func (postgresEngine) schema() string  { return schemaPostgresSQL }
-func (postgresEngine) tracked() string { return "SELECT to_regclass('schema_migrations') IS NOT NULL" }
+func (postgresEngine) schema() string { return schemaPostgresSQL }
+
+// tracked reads pg_tables, not to_regclass: to_regclass looks in the
+// backend's catalog cache, which, just after the migration lock was
+// granted, may not have taken in the node's commit that released it
+// (seen: a second node found no schema_migrations there and ran the
+// first migration again). A query on pg_tables reads the catalog as its
+// snapshot does.
+func (postgresEngine) tracked() string {
+	return "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = current_schema() AND tablename = 'schema_migrations')"
+}
 
 // legacyVersion: a PostgreSQL database kept schema_migrations from its
 // first migration; without it, it has none.
