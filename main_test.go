@@ -1168,14 +1168,8 @@ func TestShutdownTimeoutAbandonsLockedWork(t *testing.T) {
 		config := writeConfigWith(t, dir, addr, database, fmt.Sprintf("shutdown_timeout = %q", shutdownTimeout.String()), amqpURL(vhost))
 		cmd, out := startProcess(t, config, addr)
 		body := loadFixture(t, "issues", "opened")
-		before := newGUID()
-		if code := postWebhook(t, "http://"+addr, "issues", before, body); code != http.StatusAccepted {
-			t.Fatalf("webhook: %d", code)
-		}
 		db := openStoreDB(t, store)
-		eventually(t, 20*time.Second, "the first webhook stored", func() bool {
-			return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", before) == 1
-		})
+		firstStored(t, addr, db, body)
 		// The leases held, so that the shutdown has them to give up.
 		eventually(t, 20*time.Second, "the leases held", func() bool {
 			return scrapeWith(http.DefaultClient, "http://"+addr+"/metrics", "switchyard_lease_held")[jobAlerts] == 1
@@ -1247,14 +1241,8 @@ func TestShutdownWithinTimeoutOnStalledBroker(t *testing.T) {
 			config := writeConfigWith(t, dir, addr, database, server, proxy.URL(vhost))
 			cmd, out := startProcess(t, config, addr)
 			body := loadFixture(t, "issues", "opened")
-			before := newGUID()
-			if code := postWebhook(t, "http://"+addr, "issues", before, body); code != http.StatusAccepted {
-				t.Fatalf("webhook: %d", code)
-			}
 			db := openDB(t, dbPath)
-			eventually(t, 20*time.Second, "the first webhook stored", func() bool {
-				return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", before) == 1
-			})
+			firstStored(t, addr, db, body)
 
 			proxy.Stall(true)
 			if tc.cut {
@@ -1286,6 +1274,19 @@ func TestShutdownWithinTimeoutOnStalledBroker(t *testing.T) {
 			}
 		})
 	}
+}
+
+// firstStored posts an issues webhook of body to the process at addr and
+// waits until db holds it.
+func firstStored(t *testing.T, addr string, db *sql.DB, body []byte) {
+	t.Helper()
+	guid := newGUID()
+	if code := postWebhook(t, "http://"+addr, "issues", guid, body); code != http.StatusAccepted {
+		t.Fatalf("webhook: %d", code)
+	}
+	eventually(t, 20*time.Second, "the first webhook stored", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM github WHERE delivery_id = $1", guid) == 1
+	})
 }
 
 // database.driver = "postgres" takes a URL, whose password check-config
