@@ -166,7 +166,7 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 	}
 	b := bc.broker
 	if bc.severed.Load() {
-		return nil, fmt.Errorf("%w: %s: %w", ErrBrokerUnreachable, b, errSevered)
+		return nil, dialFailure(b, errSevered)
 	}
 	if now := time.Now(); now.Before(bc.retryAt) {
 		return nil, fmt.Errorf("%w (next try in %s)", dialFailure(b, bc.lastFailure()), bc.retryAt.Sub(now).Round(time.Millisecond))
@@ -187,15 +187,15 @@ func (bc *brokerConn) connection(ctx context.Context) (*amqp.Connection, error) 
 		}
 		return nil, dialFailure(b, err)
 	}
+	bc.live.Store(conn)
+	if bc.severed.Load() { // sever came while the dial was under way
+		_ = conn.CloseDeadline(time.Now())
+		return nil, dialFailure(b, errSevered)
+	}
 	if bc.failures > 0 {
 		bc.log.Info("broker reachable again", "broker", b.String(), "after_failures", bc.failures)
 	}
 	bc.conn, bc.failures = conn, 0
-	bc.live.Store(conn)
-	if bc.severed.Load() { // sever came while the dial was under way
-		_ = conn.CloseDeadline(time.Now())
-		return nil, fmt.Errorf("%w: %s: %w", ErrBrokerUnreachable, b, errSevered)
-	}
 	bc.sizeLimit.Store(0)
 	bc.lastErr.Store(nil)
 	now := time.Now()
