@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"database/sql"
 	"fmt"
 	"net/http"
@@ -58,14 +59,38 @@ func newPGPair(t *testing.T) *pgPair {
 		os.RemoveAll(dir)
 	})
 	asPostgres(t, "initdb", "-D", p.primary, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C")
-	conf := fmt.Sprintf("\nport = %s\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\nwal_level = replica\n"+
-		"max_wal_senders = 4\nhot_standby = on\nfsync = off\nshared_buffers = 16MB\n", p.primaryPort, dir)
+	conf := fmt.Sprintf("\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\nwal_level = replica\n"+
+		"max_wal_senders = 4\nhot_standby = on\nfsync = off\nshared_buffers = 16MB\n", dir)
 	appendFile(t, filepath.Join(p.primary, "postgresql.conf"), conf)
-	asPostgres(t, "pg_ctl", "-D", p.primary, "-l", filepath.Join(dir, "primary.log"), "-w", "start")
+	startPG(t, p.primary, &p.primaryPort, filepath.Join(dir, "primary.log"))
 	asPostgres(t, "pg_basebackup", "-h", "127.0.0.1", "-p", p.primaryPort, "-U", "postgres", "-D", p.standby, "-R", "-X", "stream")
-	appendFile(t, filepath.Join(p.standby, "postgresql.conf"), fmt.Sprintf("\nport = %s\n", p.standbyPort))
-	asPostgres(t, "pg_ctl", "-D", p.standby, "-l", filepath.Join(dir, "standby.log"), "-w", "start")
+	startPG(t, p.standby, &p.standbyPort, filepath.Join(dir, "standby.log"))
 	return p
+}
+
+// startPG starts the server of data directory data on *port, logging to
+// log. The port was free when freeAddr chose it, but the tests beside
+// this one open ports all the time: one taken since is chosen anew. Any
+// other failure prints the server's log.
+func startPG(t *testing.T, data string, port *string, log string) {
+	t.Helper()
+	for try := 1; ; try++ {
+		appendFile(t, filepath.Join(data, "postgresql.conf"), fmt.Sprintf("\nport = %s\n", *port)) // the last one counts
+		os.Remove(log)
+		start := exec.Command("runuser", "-u", "postgres", "--", filepath.Join(pgBin, "pg_ctl"), "-D", data, "-l", log, "-w", "start")
+		start.Dir = os.TempDir() // the postgres user may not enter the test's directory
+		out, err := start.CombinedOutput()
+		if err == nil {
+			return
+		}
+		logged, _ := os.ReadFile(log)
+		if try < 3 && strings.Contains(string(logged), "Address already in use") {
+			t.Logf("port %s taken since it was chosen: %s", *port, bytes.TrimSpace(logged))
+			*port = portOf(freeAddr(t))
+			continue
+		}
+		t.Fatalf("pg_ctl -D %s start: %v\n%s\nthe server's log:\n%s", data, err, out, logged)
+	}
 }
 
 // portOf is the port of a host:port.
