@@ -24,12 +24,17 @@ type pgPair struct {
 	primaryPort, standbyPort string
 }
 
+// postgresCmd is a PostgreSQL program run as the postgres user.
+func postgresCmd(prog string, args ...string) *exec.Cmd {
+	cmd := exec.Command("runuser", append([]string{"-u", "postgres", "--", filepath.Join(pgBin, prog)}, args...)...)
+	cmd.Dir = os.TempDir() // the postgres user may not enter the test's directory
+	return cmd
+}
+
 // asPostgres runs a PostgreSQL program as the postgres user.
 func asPostgres(t testing.TB, prog string, args ...string) {
 	t.Helper()
-	cmd := exec.Command("runuser", append([]string{"-u", "postgres", "--", filepath.Join(pgBin, prog)}, args...)...)
-	cmd.Dir = os.TempDir() // the postgres user may not enter the test's directory
-	if out, err := cmd.CombinedOutput(); err != nil {
+	if out, err := postgresCmd(prog, args...).CombinedOutput(); err != nil {
 		t.Fatalf("%s %s: %v\n%s", prog, strings.Join(args, " "), err, out)
 	}
 }
@@ -52,9 +57,7 @@ func newPGPair(t *testing.T) *pgPair {
 	}
 	t.Cleanup(func() {
 		for _, d := range []string{p.standby, p.primary} {
-			stop := exec.Command("runuser", "-u", "postgres", "--", filepath.Join(pgBin, "pg_ctl"), "-D", d, "-m", "immediate", "stop")
-			stop.Dir = os.TempDir()
-			_ = stop.Run()
+			_ = postgresCmd("pg_ctl", "-D", d, "-m", "immediate", "stop").Run()
 		}
 		os.RemoveAll(dir)
 	})
@@ -77,9 +80,7 @@ func startPG(t *testing.T, data string, port *string, log string) {
 	for try := 1; ; try++ {
 		appendFile(t, filepath.Join(data, "postgresql.conf"), fmt.Sprintf("\nport = %s\n", *port)) // the last one counts
 		os.Remove(log)
-		start := exec.Command("runuser", "-u", "postgres", "--", filepath.Join(pgBin, "pg_ctl"), "-D", data, "-l", log, "-w", "start")
-		start.Dir = os.TempDir() // the postgres user may not enter the test's directory
-		out, err := start.CombinedOutput()
+		out, err := postgresCmd("pg_ctl", "-D", data, "-l", log, "-w", "start").CombinedOutput()
 		if err == nil {
 			return
 		}
