@@ -203,6 +203,8 @@ func openLoopOf(b *testing.B, p *benchProcess, prof *benchProfile, payload []byt
 	}
 	answered := func() map[string]float64 { return scrape(b, prof.metrics(p)) }
 	before := answered()
+	// The binary before the outbox is gauged too, though only ours is
+	// printed: both half steps share the disk with the same extra flushes.
 	flushed := flushGauge(b, filepath.Dir(p.dbPath))
 	half := openLoopAt(r.held.rate/2, 8*time.Second, func(i int) error { return post(1_000_000 + i) })
 	r.flush = flushed()
