@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"log/slog"
+	"net"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -16,7 +17,6 @@ import (
 // before it took its holding, and any while it no longer holds it.
 type HealthChecks struct {
 	pings   chan ping
-	http    *http.Client
 	log     *slog.Logger
 	metrics *Metrics
 }
@@ -33,7 +33,7 @@ const pingBacklog = 64
 
 // NewHealthChecks makes the pings' sender.
 func NewHealthChecks(metrics *Metrics, log *slog.Logger) *HealthChecks {
-	return &HealthChecks{pings: make(chan ping, pingBacklog), http: &http.Client{Timeout: 10 * time.Second}, log: log, metrics: metrics}
+	return &HealthChecks{pings: make(chan ping, pingBacklog), log: log, metrics: metrics}
 }
 
 // For is worker's HealthCheck, pinging url ("" pings nothing).
@@ -45,9 +45,12 @@ func (hs *HealthChecks) For(url, worker string) *HealthCheck {
 
 // Run sends the pings, in the order they were made, under held: until ctx
 // ends, each made since held was taken, while held still holds, right
-// before it is sent, and given up once it no longer does (Within).
+// before it is sent, given up once it no longer does (Within), and
+// through connections that write nothing once it no longer does (Guard).
 func (hs *HealthChecks) Run(ctx context.Context, held Holding) error {
 	since := held.Since()
+	client := pingClient(held)
+	defer client.CloseIdleConnections()
 	for {
 		select {
 		case <-ctx.Done():
@@ -57,14 +60,29 @@ func (hs *HealthChecks) Run(ctx context.Context, held Holding) error {
 				continue
 			}
 			sendCtx, cancel := held.Within(ctx)
-			hs.send(sendCtx, p)
+			hs.send(sendCtx, client, p)
 			cancel()
 		}
 	}
 }
 
-// send sends p; a ping that fails is logged and counted.
-func (hs *HealthChecks) send(ctx context.Context, p ping) {
+// pingClient is the pings' client under held: its connections, the
+// holding's own, write only while it holds.
+func pingClient(held Holding) *http.Client {
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	dial := t.DialContext
+	t.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return held.Guard(c), nil
+	}
+	return &http.Client{Transport: t, Timeout: 10 * time.Second}
+}
+
+// send sends p through client; a ping that fails is logged and counted.
+func (hs *HealthChecks) send(ctx context.Context, client *http.Client, p ping) {
 	log := hs.log.With("worker", p.worker)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.url+p.suffix, strings.NewReader(p.body))
 	if err != nil {
@@ -72,7 +90,7 @@ func (hs *HealthChecks) send(ctx context.Context, p ping) {
 		return
 	}
 	req.Header.Set("Content-Type", "text/plain; charset=utf-8")
-	resp, err := hs.http.Do(req)
+	resp, err := client.Do(req)
 	if err != nil {
 		// The URL is a secret of sorts: log the host only.
 		hs.metrics.healthCheckFailed(p.worker)

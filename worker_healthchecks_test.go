@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -127,5 +129,65 @@ func TestHealthChecksPingOnlyUnderTheirHolding(t *testing.T) {
 	eventually(t, 10*time.Second, "the pings made under the holding", func() bool { return len(hc.seen()) >= 2 })
 	if got := hc.seen(); got[0] != "/start " || got[1] != " " {
 		t.Errorf("pings %q, want /start then the URL, the earlier /fail dropped", got)
+	}
+}
+
+// A ping already past its checks when the process resumes past its lease
+// (Held asked, Within's timer not yet fired: send under a context that has
+// not ended) writes nothing: the holding's connections ask Held right
+// before each write, a connection kept alive from an earlier ping as a new
+// one. The ping is logged as not held.
+func TestHealthChecksPingStopsAtTheWrite(t *testing.T) {
+	t.Parallel()
+	hc := newHCServer(t)
+	sink := &logSink{t: t}
+	ls := &Leases{ttl: time.Minute, node: "n"}
+	l := &Lease{Job: jobHealthChecks, ls: ls, held: true, term: 1, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
+	held := Holding{lease: l, term: 1, since: time.Now()}
+	pings := NewHealthChecks(nil, slog.New(slog.NewTextHandler(sink, nil)))
+	client := pingClient(held)
+	defer client.CloseIdleConnections()
+	ping := func(suffix string) {
+		pings.send(context.Background(), client, ping{worker: "service", url: hc.srv.URL + "/ping/uuid", suffix: suffix})
+	}
+	ping("/start")
+	if got := hc.seen(); len(got) != 1 {
+		t.Fatalf("pings %q while held, want /start", got)
+	}
+	l.mu.Lock()
+	l.until = time.Now().Add(-time.Millisecond) // paused past it; the loop has not run
+	l.mu.Unlock()
+	ping("") // on the connection /start left open
+	ping("/fail")
+	if got := hc.seen(); len(got) != 1 {
+		t.Errorf("pings %q, want none after the holding lapsed", got)
+	}
+	if n := strings.Count(sink.String(), ErrNotHeld.Error()); n != 2 {
+		t.Errorf("log:\n%s\nwant both pings failed as not held", sink.String())
+	}
+}
+
+// A holding's guarded connection writes while it holds and not after; the
+// zero Holding's is the connection itself.
+func TestHoldingGuardWritesOnlyWhileHeld(t *testing.T) {
+	t.Parallel()
+	ls := &Leases{ttl: time.Minute, node: "n"}
+	l := &Lease{Job: jobAlerts, ls: ls, held: true, term: 1, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	if (Holding{}).Guard(a) != a {
+		t.Error("the zero Holding guards its connection")
+	}
+	c := Holding{lease: l, term: 1}.Guard(a)
+	go func() { _, _ = io.Copy(io.Discard, b) }()
+	if _, err := c.Write([]byte("held")); err != nil {
+		t.Fatalf("write while held: %v", err)
+	}
+	l.mu.Lock()
+	l.until = time.Now().Add(-time.Millisecond)
+	l.mu.Unlock()
+	if n, err := c.Write([]byte("lapsed")); n != 0 || !errors.Is(err, ErrNotHeld) {
+		t.Errorf("write after the holding lapsed: %d, %v; want 0, ErrNotHeld", n, err)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"net"
 	"sync"
 	"time"
 )
@@ -403,6 +404,31 @@ func (h Holding) Within(ctx context.Context) (context.Context, context.CancelFun
 	until := h.lease.until
 	h.lease.mu.Unlock()
 	return context.WithDeadline(ctx, until)
+}
+
+// Guard is c writing only while the holding holds, asked (Held) right
+// before each write: a step outside the process that a pause overtook
+// after its check, a request already being written when the process
+// resumes past its lease, sends nothing more, rather than waiting on a
+// timer (Within) that may fire after the write. The zero Holding's is c.
+func (h Holding) Guard(c net.Conn) net.Conn {
+	if h.lease == nil {
+		return c
+	}
+	return heldConn{Conn: c, held: h}
+}
+
+// heldConn is a connection that writes only while held holds (Guard).
+type heldConn struct {
+	net.Conn
+	held Holding
+}
+
+func (c heldConn) Write(b []byte) (int, error) {
+	if err := c.held.Check(); err != nil {
+		return 0, err
+	}
+	return c.Conn.Write(b)
 }
 
 // Check is nil while the holding holds (Held), else ErrNotHeld: a job's
