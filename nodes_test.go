@@ -544,8 +544,8 @@ func TestPausedHolderTakesNoStep(t *testing.T) {
 // that checks it is not taken; a holding of an earlier term is not held.
 func TestLeaseHeldOnlyWhileValid(t *testing.T) {
 	t.Parallel()
-	ls := &Leases{ttl: time.Minute, node: "n"}
-	l := &Lease{Job: jobAlerts, ls: ls, held: true, term: 3, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
+	l := heldLease(jobAlerts, 3)
+	ls := l.ls
 	ls.leases = []*Lease{l}
 	h := Holding{lease: l, term: 3}
 	if !h.Held() || h.Check() != nil || !ls.Holds(jobAlerts) {
@@ -554,9 +554,7 @@ func TestLeaseHeldOnlyWhileValid(t *testing.T) {
 	if (Holding{lease: l, term: 2}).Held() {
 		t.Error("a holding of an earlier term is held")
 	}
-	l.mu.Lock()
-	l.until = time.Now().Add(-time.Millisecond) // paused past it; the loop has not run
-	l.mu.Unlock()
+	lapse(l)
 	if h.Held() || ls.Holds(jobAlerts) {
 		t.Error("a lease past its validity is held")
 	}
@@ -566,6 +564,21 @@ func TestLeaseHeldOnlyWhileValid(t *testing.T) {
 	if !(Holding{}).Held() {
 		t.Error("the zero Holding, a job of every node, is not held")
 	}
+}
+
+// heldLease is node n's lease of job in term, taken and valid for an
+// hour, its renewal loop not running.
+func heldLease(job string, term int64) *Lease {
+	ls := &Leases{ttl: time.Minute, node: "n"}
+	return &Lease{Job: job, ls: ls, held: true, term: term, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
+}
+
+// lapse ends l's validity as a pause past it does: its holder has not
+// been told, its loop has not run.
+func lapse(l *Lease) {
+	l.mu.Lock()
+	l.until = time.Now().Add(-time.Millisecond)
+	l.mu.Unlock()
 }
 
 // waitTaken waits, on the leases' own signal (the channel a lease closes

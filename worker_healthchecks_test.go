@@ -114,8 +114,7 @@ func TestHealthChecksDown(t *testing.T) {
 func TestHealthChecksPingOnlyUnderTheirHolding(t *testing.T) {
 	t.Parallel()
 	hc := newHCServer(t)
-	ls := &Leases{ttl: time.Minute, node: "n"}
-	l := &Lease{Job: jobHealthChecks, ls: ls, held: true, term: 1, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
+	l := heldLease(jobHealthChecks, 1)
 	pings := NewHealthChecks(nil, slog.New(slog.DiscardHandler))
 	w := pings.For(hc.srv.URL+"/ping/uuid", "service")
 	w.Fail("made before the holding")
@@ -141,8 +140,7 @@ func TestHealthChecksPingStopsAtTheWrite(t *testing.T) {
 	t.Parallel()
 	hc := newHCServer(t)
 	sink := &logSink{t: t}
-	ls := &Leases{ttl: time.Minute, node: "n"}
-	l := &Lease{Job: jobHealthChecks, ls: ls, held: true, term: 1, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
+	l := heldLease(jobHealthChecks, 1)
 	held := Holding{lease: l, term: 1, since: time.Now()}
 	pings := NewHealthChecks(nil, slog.New(slog.NewTextHandler(sink, nil)))
 	client := pingClient(held)
@@ -154,15 +152,13 @@ func TestHealthChecksPingStopsAtTheWrite(t *testing.T) {
 	if got := hc.seen(); len(got) != 1 {
 		t.Fatalf("pings %q while held, want /start", got)
 	}
-	l.mu.Lock()
-	l.until = time.Now().Add(-time.Millisecond) // paused past it; the loop has not run
-	l.mu.Unlock()
+	lapse(l) // paused past it; the loop has not run
 	ping("") // on the connection /start left open
 	ping("/fail")
 	if got := hc.seen(); len(got) != 1 {
 		t.Errorf("pings %q, want none after the holding lapsed", got)
 	}
-	if n := strings.Count(sink.String(), ErrNotHeld.Error()); n != 2 {
+	if strings.Count(sink.String(), ErrNotHeld.Error()) != 2 {
 		t.Errorf("log:\n%s\nwant both pings failed as not held", sink.String())
 	}
 }
@@ -171,8 +167,7 @@ func TestHealthChecksPingStopsAtTheWrite(t *testing.T) {
 // zero Holding's is the connection itself.
 func TestHoldingGuardWritesOnlyWhileHeld(t *testing.T) {
 	t.Parallel()
-	ls := &Leases{ttl: time.Minute, node: "n"}
-	l := &Lease{Job: jobAlerts, ls: ls, held: true, term: 1, until: time.Now().Add(time.Hour), taken: make(chan struct{}), lost: make(chan struct{})}
+	l := heldLease(jobAlerts, 1)
 	a, b := net.Pipe()
 	defer a.Close()
 	defer b.Close()
@@ -184,9 +179,7 @@ func TestHoldingGuardWritesOnlyWhileHeld(t *testing.T) {
 	if _, err := c.Write([]byte("held")); err != nil {
 		t.Fatalf("write while held: %v", err)
 	}
-	l.mu.Lock()
-	l.until = time.Now().Add(-time.Millisecond)
-	l.mu.Unlock()
+	lapse(l)
 	if n, err := c.Write([]byte("lapsed")); n != 0 || !errors.Is(err, ErrNotHeld) {
 		t.Errorf("write after the holding lapsed: %d, %v; want 0, ErrNotHeld", n, err)
 	}
