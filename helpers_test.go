@@ -826,6 +826,42 @@ func declareTestTopology(t testing.TB, vhost string, retryTTL time.Duration) {
 	}
 }
 
+// declareRouteAtOnce declares the topology on vhost while a daemon
+// publishes to it, the way no publish can see half of it: the two queues
+// are bound to an exchange of their own first, and github-exchange reaches
+// them by one exchange binding, made last. Bound one at a time, a publish
+// between the two bindings is routed to github alone, and the broker's
+// return says nothing of the queue it missed.
+func declareRouteAtOnce(t testing.TB, vhost string, retryTTL time.Duration) {
+	t.Helper()
+	ch := amqpChannel(t, vhost)
+	defer ch.Close()
+	const staging = "sy-test-route"
+	cfg := QueueConfig{RetryTTL: retryTTL}
+	steps := []func() error{
+		func() error { return ch.ExchangeDeclare(staging, amqp.ExchangeFanout, true, false, false, false, nil) },
+		func() error {
+			for _, name := range allQueues() {
+				if _, err := ch.QueueDeclare(name, true, false, false, false, queueArgs(cfg, name)); err != nil {
+					return err
+				}
+			}
+			return nil
+		},
+		func() error { return ch.QueueBind(queueGitHub, "", staging, false, nil) },
+		func() error { return ch.QueueBind(queueDatabase, "", staging, false, nil) },
+		func() error {
+			return ch.ExchangeDeclare(exchangeName, amqp.ExchangeFanout, true, false, false, false, nil)
+		},
+		func() error { return ch.ExchangeBind(staging, "", exchangeName, false, nil) },
+	}
+	for _, step := range steps {
+		if err := step(); err != nil {
+			t.Fatalf("declare the route on %s: %v", vhost, err)
+		}
+	}
+}
+
 func mustBrokers(t testing.TB, urls ...string) []*Broker {
 	t.Helper()
 	var bs []*Broker
