@@ -837,29 +837,20 @@ func declareRouteAtOnce(t testing.TB, vhost string, retryTTL time.Duration) {
 	ch := amqpChannel(t, vhost)
 	defer ch.Close()
 	const staging = "sy-test-route"
-	cfg := QueueConfig{RetryTTL: retryTTL}
-	steps := []func() error{
-		func() error { return ch.ExchangeDeclare(staging, amqp.ExchangeFanout, true, false, false, false, nil) },
-		func() error {
-			for _, name := range allQueues() {
-				if _, err := ch.QueueDeclare(name, true, false, false, false, queueArgs(cfg, name)); err != nil {
-					return err
-				}
-			}
-			return nil
-		},
-		func() error { return ch.QueueBind(queueGitHub, "", staging, false, nil) },
-		func() error { return ch.QueueBind(queueDatabase, "", staging, false, nil) },
-		func() error {
-			return ch.ExchangeDeclare(exchangeName, amqp.ExchangeFanout, true, false, false, false, nil)
-		},
-		func() error { return ch.ExchangeBind(staging, "", exchangeName, false, nil) },
-	}
-	for _, step := range steps {
-		if err := step(); err != nil {
+	must := func(err error) {
+		if err != nil {
 			t.Fatalf("declare the route on %s: %v", vhost, err)
 		}
 	}
+	must(ch.ExchangeDeclare(staging, amqp.ExchangeFanout, true, false, false, false, nil))
+	for _, name := range allQueues() {
+		_, err := ch.QueueDeclare(name, true, false, false, false, queueArgs(QueueConfig{RetryTTL: retryTTL}, name))
+		must(err)
+	}
+	must(ch.QueueBind(queueGitHub, "", staging, false, nil))
+	must(ch.QueueBind(queueDatabase, "", staging, false, nil))
+	must(ch.ExchangeDeclare(exchangeName, amqp.ExchangeFanout, true, false, false, false, nil))
+	must(ch.ExchangeBind(staging, "", exchangeName, false, nil)) // the route, whole, in one step
 }
 
 func mustBrokers(t testing.TB, urls ...string) []*Broker {
